@@ -1,0 +1,66 @@
+"""Per-image (segment) operations on the packed layout ``[T, ...]`` + ``cu_seqlens``.
+
+Everything here is vectorised over the whole batch (no Python loop over images), so the pruners can score
+packed buffers at any stage without a detour through padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def cu_seqlens_from_counts(counts: torch.Tensor) -> torch.Tensor:
+    """Per-image token counts ``[B]`` -> int32 offsets ``[B+1]`` with a leading zero."""
+    cu = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)
+    cu[1:] = torch.cumsum(counts, 0)
+    return cu
+
+
+def uniform_cu_seqlens(batch: int, length: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Offsets of ``batch`` images of ``length`` tokens each (a dense ``[B, N, C]`` batch viewed as packed)."""
+    return (torch.arange(batch + 1, device=device) * length).to(torch.int32)
+
+
+def seqlens(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Offsets ``[B+1]`` -> per-image lengths ``[B]`` (int64)."""
+    return (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+
+
+def segment_ids(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Offsets ``[B+1]`` -> the image index of every packed row ``[T]`` (int64)."""
+    return torch.repeat_interleave(
+        torch.arange(cu_seqlens.numel() - 1, device=cu_seqlens.device), seqlens(cu_seqlens), output_size=total
+    )
+
+
+def positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
+    """Offsets ``[B+1]`` -> the position of every packed row inside its own image ``[T]`` (int64)."""
+    seg = segment_ids(cu_seqlens, total)
+    return torch.arange(total, device=cu_seqlens.device) - cu_seqlens.long()[seg]
+
+
+def segment_sum(values: torch.Tensor, seg: torch.Tensor, batch: int) -> torch.Tensor:
+    """Sums rows ``[T, ...]`` per image -> ``[B, ...]``."""
+    out = values.new_zeros((batch, *values.shape[1:]))
+    return out.index_add_(0, seg, values)
+
+
+def segment_softmax(logits: torch.Tensor, seg: torch.Tensor, batch: int) -> torch.Tensor:
+    """Softmax over the rows of each image, independently per trailing column: ``[T, ...]`` -> ``[T, ...]``."""
+    index = seg.view(-1, *([1] * (logits.dim() - 1))).expand_as(logits)
+    peak = logits.new_full((batch, *logits.shape[1:]), float("-inf"))
+    peak = peak.scatter_reduce(0, index, logits, reduce="amax", include_self=True)
+    e = torch.exp(logits - peak[seg])
+    return e / segment_sum(e, seg, batch)[seg]
+
+
+def to_padded(values: torch.Tensor, cu_seqlens: torch.Tensor, length: int, fill: float) -> torch.Tensor:
+    """Scatters per-row scalars ``[T]`` into ``[B, length]`` (``fill`` elsewhere), e.g. to run a per-image top-k.
+
+    Only scores travel through this padded view; token features never do.
+    """
+    total = values.shape[0]
+    seg = segment_ids(cu_seqlens, total)
+    out = values.new_full((cu_seqlens.numel() - 1, length), fill)
+    out[seg, positions(cu_seqlens, total)] = values
+    return out

@@ -1,0 +1,43 @@
+"""Shared test setup.
+
+Without a CUDA GPU the Triton kernels run under Triton's interpreter: ``TRITON_INTERPRET`` must be set before
+any module that defines kernels is imported, so it is set here, first. GPU-only tests carry ``@pytest.mark.gpu``
+and are skipped with a reason on CPU machines; their CPU twins run the same kernels under the interpreter.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU; its CPU twin runs under TRITON_INTERPRET=1")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def device() -> str:
+    """The device kernel tests run on: cuda when present, else cpu (Triton interpreter)."""
+    return DEVICE
+
+
+@pytest.fixture
+def gen(request: pytest.FixtureRequest) -> torch.Generator:
+    """A CPU generator seeded from the test's node id: fresh inputs per case, reproducible per case."""
+    g = torch.Generator()
+    g.manual_seed(hash(request.node.nodeid) % (2**31))
+    return g
