@@ -1,0 +1,246 @@
+"""Bidirectional ragged (varlen) attention for packed ViT tokens, in Triton.
+
+Supported:
+    * Packed layout ``[T, ...]`` + int32 ``cu_seqlens [B+1]`` (FlashAttention's varlen contract); each image
+      attends to its own tokens only. No causal mask, no dropout, no KV cache: ViT inference attention.
+    * Input straight from the qkv projection, ``qkv [T, 3*H*D]`` in timm's layout (q heads, k heads, v heads),
+      read through strides: no ``.contiguous()`` copy, no permute. Output ``[T, H*D]``, ready for ``proj``.
+    * Separate ``q, k, v [T, H, D]`` with arbitrary strides.
+    * fp16, bf16, fp32 inputs; output in the input dtype (bf16 is never routed through fp16). fp32 dot products
+      run in IEEE fp32 (not TF32) so fp32 results are fp32-accurate.
+    * head_dim 16, 32, 64 (DeiT), 128. Other head dims raise ``ValueError``.
+    * softmax scale ``head_dim ** -0.5`` unless given; ``log2(e)`` is folded into it and ``exp2`` is used.
+
+Dispatch: no host synchronisation and no allocation besides the output (none with ``out=``). ``max_seqlen``
+is only an upper bound that sizes the grid; ``cu_seqlens`` is read on the GPU. Every program walks its query
+tiles with a grid-stride loop, so an underestimated bound is slower, never wrong, and offsets are clamped to
+``[0, T]`` inside the kernel so malformed ``cu_seqlens`` cannot read or write out of bounds (validate them
+with ``check_values=True`` when they come from untrusted code; that check does read the device).
+
+Two entry points per layout: the direct call (lowest dispatch cost; capturable in CUDA graphs) and a
+``torch.library`` custom op ``torch.ops.ragged_vit.ragged_attention_qkv`` with a fake implementation, for
+``torch.compile``.
+
+Not supported: attention bias or ToMe's proportional attention (the kernel keeps a slot for a per-key bias
+in its design but does not implement it), backward pass, head_dim outside the list above.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from reference.attention import split_qkv
+from reference.validation import FLOAT_DTYPES, check_cu_seqlens, check_max_seqlen, check_tensor
+from triton_impl.configs import AttentionConfig, attention_config
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _ragged_attention_kernel(
+    Q, K, V, O, CU_SEQLENS,
+    total_rows,
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // NUM_HEADS
+    h = pid_bh % NUM_HEADS
+    # Clamp the offsets into [0, T] so malformed cu_seqlens can never address memory outside the buffers.
+    start = tl.minimum(tl.maximum(tl.load(CU_SEQLENS + b), 0), total_rows)
+    end = tl.minimum(tl.maximum(tl.load(CU_SEQLENS + b + 1), start), total_rows)
+    seqlen = end - start
+
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    q_base = Q + start.to(tl.int64) * stride_qt + h * stride_qh
+    k_base = K + start.to(tl.int64) * stride_kt + h * stride_kh
+    v_base = V + start.to(tl.int64) * stride_vt + h * stride_vh
+    o_base = O + start.to(tl.int64) * stride_ot + h * stride_oh
+
+    # Grid-stride loop over query tiles: correct for any grid size along axis 0.
+    for tile in range(pid_m, tl.cdiv(seqlen, BLOCK_M), tl.num_programs(0)):
+        offs_m = tile * BLOCK_M + offs_m0
+        mask_m = offs_m < seqlen
+        q = tl.load(
+            q_base + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd, mask=mask_m[:, None], other=0.0
+        )
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        for n0 in range(0, seqlen, BLOCK_N):
+            offs_n = n0 + offs_n0
+            mask_n = offs_n < seqlen
+            kt = tl.load(
+                k_base + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd, mask=mask_n[None, :], other=0.0
+            )  # [HEAD_DIM, BLOCK_N]
+            s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
+            s = tl.where(mask_n[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=mask_n[:, None], other=0.0
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        acc = acc / l_i[:, None]
+        tl.store(
+            o_base + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od,
+            acc.to(O.dtype.element_ty),
+            mask=mask_m[:, None],
+        )
+
+
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float,
+    config: AttentionConfig,
+) -> None:
+    """Launches the kernel on validated ``[T, H, D]`` views; writes ``o`` in place."""
+    total, heads, head_dim = q.shape
+    batch = cu_seqlens.shape[0] - 1
+    grid_m = triton.cdiv(max_seqlen, config.block_m) if config.grid_per_tile else 1
+    _ragged_attention_kernel[(grid_m, batch * heads)](
+        q, k, v, o, cu_seqlens,
+        total,
+        scale * _LOG2E,
+        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        NUM_HEADS=heads,
+        HEAD_DIM=head_dim,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )  # fmt: skip
+
+
+def _check_qkv_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    check_tensor(q, "q", ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor(k, "k", ndim=3, dtypes=(q.dtype,), device=q.device)
+    check_tensor(v, "v", ndim=3, dtypes=(q.dtype,), device=q.device)
+    if q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"q, k, v must share one shape [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[2] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {q.shape[2]}")
+    if q.shape[0] == 0:
+        raise ValueError("q must hold at least one token (T >= 1)")
+
+
+def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return like.new_empty(shape)
+    check_tensor(out, "out", ndim=len(shape), dtypes=(like.dtype,), device=like.device)
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
+    return out
+
+
+def _resolve(
+    cu_seqlens: torch.Tensor, max_seqlen: int, scale: float | None, head_dim: int, total: int, device, check_values
+) -> float:
+    check_cu_seqlens(cu_seqlens, total=total, device=device, check_values=check_values)
+    check_max_seqlen(max_seqlen)
+    if scale is None:
+        return head_dim**-0.5
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
+    return float(scale)
+
+
+def ragged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    check_values: bool | None = None,
+) -> torch.Tensor:
+    """Ragged attention on separate ``q, k, v [T, H, D]`` (any strides). Returns ``[T, H, D]``.
+
+    Args:
+        q, k, v: packed queries, keys and values, one dtype, one device.
+        cu_seqlens: int32 ``[B+1]`` offsets on the same device.
+        max_seqlen: an upper bound on every image's length (the unpruned N is fine); sizes the grid only.
+        scale: softmax scale; ``None`` means ``D ** -0.5``.
+        out: optional ``[T, H, D]`` output (any strides) to write into.
+        check_values: read ``cu_seqlens`` to validate its values; default only on CPU (no GPU sync).
+    """
+    _check_qkv_views(q, k, v)
+    total, heads, head_dim = q.shape
+    scale = _resolve(cu_seqlens, max_seqlen, scale, head_dim, total, q.device, check_values)
+    o = _check_out(out, (total, heads, head_dim), q)
+    _launch(q, k, v, o, cu_seqlens, max_seqlen, scale, attention_config(q.device, head_dim))
+    return o
+
+
+def ragged_attention_qkv(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    num_heads: int,
+    scale: float | None = None,
+    out: torch.Tensor | None = None,
+    check_values: bool | None = None,
+) -> torch.Tensor:
+    """Ragged attention read straight from timm's packed qkv projection output.
+
+    Args:
+        qkv: ``[T, 3*H*D]`` output of ``Attention.qkv`` on the packed tokens (last dim contiguous or strided).
+        cu_seqlens: int32 ``[B+1]`` offsets.
+        max_seqlen: an upper bound on every image's length; sizes the grid only.
+        num_heads: ``H``.
+        scale: softmax scale; ``None`` means ``D ** -0.5``.
+        out: optional ``[T, H*D]`` output to write into.
+        check_values: read ``cu_seqlens`` to validate its values; default only on CPU (no GPU sync).
+
+    Returns:
+        ``[T, H*D]`` in the dtype of ``qkv``, ready for ``Attention.proj``.
+    """
+    check_tensor(qkv, "qkv", ndim=2, dtypes=FLOAT_DTYPES)
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    q, k, v = split_qkv(qkv, num_heads)
+    _check_qkv_views(q, k, v)
+    total, heads, head_dim = q.shape
+    scale = _resolve(cu_seqlens, max_seqlen, scale, head_dim, total, qkv.device, check_values)
+    o = _check_out(out, (total, heads * head_dim), qkv)
+    _launch(q, k, v, o.view(total, heads, head_dim), cu_seqlens, max_seqlen, scale, attention_config(qkv.device, head_dim))
+    return o
+
+
+@torch.library.custom_op("ragged_vit::ragged_attention_qkv", mutates_args=())
+def ragged_attention_qkv_op(
+    qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float
+) -> torch.Tensor:
+    """``torch.ops.ragged_vit.ragged_attention_qkv``: :func:`ragged_attention_qkv` as a custom op."""
+    return ragged_attention_qkv(qkv, cu_seqlens, max_seqlen, num_heads, scale)
+
+
+@ragged_attention_qkv_op.register_fake
+def _(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float) -> torch.Tensor:
+    return qkv.new_empty((qkv.shape[0], qkv.shape[1] // 3))

@@ -1,0 +1,303 @@
+"""Token packing on the GPU without host synchronisation: pack, repack, unpack, CLS rows.
+
+Mirrors ``reference.packing`` (same layout, same results) with two Triton kernels per (re)pack:
+
+1. ``_count_kernel`` (one program per image) counts kept rows.
+2. ``_pack_kernel`` (one program per (image, row block)) derives its image's output offset from the counts,
+   ranks its kept rows with a cumulative sum, writes ``cu_seqlens`` and copies rows with wide coalesced loads
+   over channel blocks that divide ``C`` exactly (768 -> 3 x 256: no masked lanes).
+
+How many rows the output has decides whether the host must wait:
+
+* ``count=k`` (fixed-count pruners: DynamicViT, EViT, Threshold-L2 ratio): ``T = B * k`` is known on the host;
+  no synchronisation at all. The counts are not read back: a wrong ``count`` is caught only with
+  ``check_values=True``.
+* ``capacity=R`` (CUDA graphs, variable-count pruners): the buffer has ``R`` rows whatever the real total; rows
+  beyond the total are left unwritten and ``cu_seqlens`` stays valid (offsets clamped to ``R``). No
+  synchronisation; read ``cu_seqlens[-1]`` yourself when you need the total (e.g. to pick a bucket) and compare it
+  with ``R`` to detect overflow.
+* neither: exactly one device-to-host read (the total), documented and unavoidable for an exact-size buffer.
+
+``max_seqlen`` returned is an upper bound (the input bound, or ``count``), never read from the device.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from reference.validation import FLOAT_DTYPES, check_cu_seqlens, check_max_seqlen, check_tensor
+
+_BLOCK_R = 32
+
+
+@triton.jit
+def _count_kernel(KEEP, SRC_CU, COUNTS, dense_len, LEN_PAD: tl.constexpr, DENSE: tl.constexpr):
+    b = tl.program_id(0)
+    if DENSE:
+        src_start = b * dense_len
+        length = dense_len
+    else:
+        src_start = tl.load(SRC_CU + b)
+        length = tl.load(SRC_CU + b + 1) - src_start
+    offs = tl.arange(0, LEN_PAD)
+    k = tl.load(KEEP + src_start + offs, mask=offs < length, other=0).to(tl.int32)
+    tl.store(COUNTS + b, tl.sum(k, 0))
+
+
+@triton.jit
+def _pack_kernel(
+    X, KEEP, SRC_CU, COUNTS, EXTRA, OUT, CU_OUT,
+    dense_len, batch, capacity, stride_xt, stride_et,
+    CHANNELS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    LEN_PAD: tl.constexpr,
+    B_PAD: tl.constexpr,
+    DENSE: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    r = tl.program_id(1)
+    if DENSE:
+        src_start = b * dense_len
+        length = dense_len
+    else:
+        src_start = tl.load(SRC_CU + b)
+        length = tl.load(SRC_CU + b + 1) - src_start
+
+    # Output offset of image b: kept rows of the images before it (+1 each for an extra token).
+    offs_b = tl.arange(0, B_PAD)
+    counts = tl.load(COUNTS + offs_b, mask=offs_b < batch, other=0)
+    count_b = tl.sum(tl.where(offs_b == b, counts, 0), 0)
+    offset = tl.sum(tl.where(offs_b < b, counts, 0), 0) + b * HAS_EXTRA
+    if r == 0:
+        tl.store(CU_OUT + b + 1, tl.minimum(offset + count_b + HAS_EXTRA, capacity))
+        if b == 0:
+            tl.store(CU_OUT, 0)
+
+    # Rank of each kept row inside its image: kept rows before this block + running count inside it.
+    row0 = r * BLOCK_R
+    offs = tl.arange(0, LEN_PAD)
+    k_all = tl.load(KEEP + src_start + offs, mask=offs < length, other=0).to(tl.int32)
+    before = tl.sum(tl.where(offs < row0, k_all, 0), 0)
+    rows = row0 + tl.arange(0, BLOCK_R)
+    k = tl.load(KEEP + src_start + rows, mask=rows < length, other=0).to(tl.int32)
+    dest = offset + before + tl.cumsum(k, 0) - 1
+    write = (k != 0) & (dest < capacity)
+
+    offs_c = tl.arange(0, BLOCK_C)
+    src = X + (src_start + rows).to(tl.int64)[:, None] * stride_xt
+    dst = OUT + dest.to(tl.int64)[:, None] * CHANNELS
+    for c0 in tl.static_range(0, CHANNELS, BLOCK_C):
+        vals = tl.load(src + c0 + offs_c[None, :], mask=write[:, None])
+        tl.store(dst + c0 + offs_c[None, :], vals, mask=write[:, None])
+
+    if HAS_EXTRA:
+        extra_row = offset + count_b
+        if (r == 0) & (extra_row < capacity):
+            for c0 in tl.static_range(0, CHANNELS, BLOCK_C):
+                vals = tl.load(EXTRA + b.to(tl.int64) * stride_et + c0 + offs_c)
+                tl.store(OUT + extra_row.to(tl.int64) * CHANNELS + c0 + offs_c, vals)
+
+
+@triton.jit
+def _unpack_kernel(
+    TOKENS, CU, OUT, fill, total_rows, stride_tt, padded_len,
+    CHANNELS: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    r = tl.program_id(1)
+    start = tl.minimum(tl.maximum(tl.load(CU + b), 0), total_rows)
+    length = tl.minimum(tl.maximum(tl.load(CU + b + 1), start), total_rows) - start
+    rows = r * BLOCK_R + tl.arange(0, BLOCK_R)
+    inside = rows < padded_len
+    valid = rows < length
+    offs_c = tl.arange(0, BLOCK_C)
+    src = TOKENS + (start + rows).to(tl.int64)[:, None] * stride_tt
+    dst = OUT + (b.to(tl.int64) * padded_len + rows)[:, None] * CHANNELS
+    for c0 in tl.static_range(0, CHANNELS, BLOCK_C):
+        vals = tl.load(src + c0 + offs_c[None, :], mask=valid[:, None], other=fill)
+        tl.store(dst + c0 + offs_c[None, :], vals, mask=inside[:, None])
+
+
+def _channel_block(channels: int) -> int:
+    """Largest power of two <= 256 dividing ``channels``: full-width loads with no masked lanes."""
+    block = 256
+    while channels % block:
+        block //= 2
+    return block
+
+
+def _check_rows(x: torch.Tensor, name: str) -> None:
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {x.stride()}")
+
+
+def _check_mode(count: int | None, capacity: int | None) -> None:
+    if count is not None and capacity is not None:
+        raise ValueError("give count or capacity, not both")
+    for name, val in (("count", count), ("capacity", capacity)):
+        if val is not None and (isinstance(val, bool) or not isinstance(val, int) or val < 1):
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+
+
+def _repack(
+    x: torch.Tensor,
+    keep: torch.Tensor,
+    src_cu: torch.Tensor | None,
+    batch: int,
+    max_len: int,
+    extra_token: torch.Tensor | None,
+    count: int | None,
+    capacity: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    channels = x.shape[-1]
+    dense = src_cu is None
+    has_extra = extra_token is not None
+    len_pad = triton.next_power_of_2(max_len)
+    counts = torch.empty(batch, dtype=torch.int32, device=x.device)
+    _count_kernel[(batch,)](keep, src_cu, counts, max_len, LEN_PAD=len_pad, DENSE=dense)
+    if count is not None:
+        rows, bound = batch * count, count
+    elif capacity is not None:
+        rows, bound = capacity, max_len + has_extra
+    else:
+        rows, bound = int(counts.sum()) + batch * has_extra, max_len + has_extra  # the one documented sync
+    out = x.new_empty((rows, channels))
+    cu_out = torch.empty(batch + 1, dtype=torch.int32, device=x.device)
+    _pack_kernel[(batch, triton.cdiv(max_len, _BLOCK_R))](
+        x, keep, src_cu, counts, extra_token, out, cu_out,
+        max_len, batch, rows, x.stride(-2), extra_token.stride(0) if has_extra else 0,
+        CHANNELS=channels,
+        BLOCK_C=_channel_block(channels),
+        BLOCK_R=_BLOCK_R,
+        LEN_PAD=len_pad,
+        B_PAD=triton.next_power_of_2(batch),
+        DENSE=dense,
+        HAS_EXTRA=has_extra,
+    )  # fmt: skip
+    return out, cu_out, bound
+
+
+def _check_extra(extra_token: torch.Tensor | None, batch: int, like: torch.Tensor) -> None:
+    if extra_token is None:
+        return
+    check_tensor(extra_token, "extra_token", ndim=2, dtypes=(like.dtype,), device=like.device)
+    if tuple(extra_token.shape) != (batch, like.shape[-1]):
+        raise ValueError(f"extra_token must have shape ({batch}, {like.shape[-1]}), got {tuple(extra_token.shape)}")
+    _check_rows(extra_token, "extra_token")
+
+
+def _check_cls_kept(keep_at_cls: torch.Tensor, name: str) -> None:
+    if not bool(keep_at_cls.all()):
+        raise ValueError(f"{name} must be True at every image's CLS row")
+
+
+def pack(
+    x: torch.Tensor,
+    keep: torch.Tensor,
+    *,
+    count: int | None = None,
+    capacity: int | None = None,
+    extra_token: torch.Tensor | None = None,
+    check_values: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Packs the kept tokens of a dense batch: ``x [B, N, C]``, ``keep`` bool ``[B, N]``.
+
+    Args:
+        count: rows kept per image, known on the host (fixed-count pruners): no sync.
+        capacity: output rows to allocate (CUDA graphs): no sync, see the module docstring.
+        extra_token: optional ``[B, C]`` appended after each image's kept rows.
+        check_values: read ``keep`` to check CLS is kept (and ``count``); default only on CPU.
+
+    Returns:
+        ``tokens [T, C]``, ``cu_seqlens`` int32 ``[B+1]``, ``max_seqlen`` (an upper bound, host int).
+    """
+    check_tensor(x, "x", ndim=3, dtypes=FLOAT_DTYPES)
+    batch, n, _ = x.shape
+    if batch == 0:
+        raise ValueError("x must hold at least one image, got batch size 0")
+    check_tensor(keep, "keep", ndim=2, dtypes=(torch.bool,), device=x.device)
+    if tuple(keep.shape) != (batch, n):
+        raise ValueError(f"keep must have shape ({batch}, {n}) to match x, got {tuple(keep.shape)}")
+    if not keep.is_contiguous():
+        raise ValueError("keep must be contiguous")
+    _check_rows(x, "x")
+    if x.stride(0) != n * x.stride(1):
+        raise ValueError(f"x must have rows laid out image after image (stride(0) == N * stride(1)), got {x.stride()}")
+    _check_mode(count, capacity)
+    _check_extra(extra_token, batch, x)
+    if check_values if check_values is not None else x.device.type == "cpu":
+        _check_cls_kept(keep[:, 0], "keep[:, 0]")
+        if count is not None and not bool((keep.sum(1) + (extra_token is not None) == count).all()):
+            raise ValueError(f"count={count} does not match the kept rows per image {keep.sum(1).tolist()}")
+    return _repack(x, keep, None, batch, n, extra_token, count, capacity)
+
+
+def repack(
+    tokens: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    keep: torch.Tensor,
+    max_seqlen: int,
+    *,
+    count: int | None = None,
+    capacity: int | None = None,
+    extra_token: torch.Tensor | None = None,
+    check_values: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Prunes an already packed buffer, ragged to ragged (no detour through padding).
+
+    Args:
+        tokens: ``[T, C]`` packed rows; ``cu_seqlens`` int32 ``[B+1]``; ``keep`` bool ``[T]``.
+        max_seqlen: upper bound on the input lengths (e.g. the ``max_seqlen`` returned by :func:`pack`).
+        count, capacity, extra_token, check_values: as in :func:`pack`.
+    """
+    check_tensor(tokens, "tokens", ndim=2, dtypes=FLOAT_DTYPES)
+    total = tokens.shape[0]
+    check_cu_seqlens(cu_seqlens, total=total, device=tokens.device, check_values=check_values)
+    check_max_seqlen(max_seqlen)
+    check_tensor(keep, "keep", ndim=1, dtypes=(torch.bool,), device=tokens.device)
+    if keep.shape[0] != total:
+        raise ValueError(f"keep must have shape ({total},) to match tokens, got {tuple(keep.shape)}")
+    _check_rows(tokens, "tokens")
+    _check_mode(count, capacity)
+    batch = cu_seqlens.shape[0] - 1
+    _check_extra(extra_token, batch, tokens)
+    if check_values if check_values is not None else tokens.device.type == "cpu":
+        lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+        if int(lens.max()) > max_seqlen:
+            raise ValueError(f"max_seqlen={max_seqlen} is below the longest sequence {int(lens.max())}")
+        _check_cls_kept(keep[cu_seqlens[:-1].long()[lens > 0]], "keep")
+    return _repack(tokens, keep, cu_seqlens, batch, max_seqlen, extra_token, count, capacity)
+
+
+def unpack(
+    tokens: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, fill: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scatters packed rows back to ``[B, max_seqlen, C]`` (``fill`` at padding) and returns the validity mask.
+
+    ``max_seqlen`` is the padded length; rows of images longer than it are dropped (give an upper bound).
+    """
+    check_tensor(tokens, "tokens", ndim=2, dtypes=FLOAT_DTYPES)
+    total, channels = tokens.shape
+    check_cu_seqlens(cu_seqlens, total=total, device=tokens.device)
+    check_max_seqlen(max_seqlen)
+    _check_rows(tokens, "tokens")
+    batch = cu_seqlens.shape[0] - 1
+    out = tokens.new_empty((batch, max_seqlen, channels))
+    _unpack_kernel[(batch, triton.cdiv(max_seqlen, _BLOCK_R))](
+        tokens, cu_seqlens, out, fill, total, tokens.stride(0), max_seqlen,
+        CHANNELS=channels, BLOCK_C=_channel_block(channels), BLOCK_R=_BLOCK_R,
+    )  # fmt: skip
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1])[:, None]
+    mask = torch.arange(max_seqlen, device=tokens.device, dtype=torch.int32)[None, :] < lens
+    return out, mask
+
+
+def cls_rows(tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Each image's first (CLS) row: ``[T, C]`` -> ``[B, C]``; one gather, no sync."""
+    check_tensor(tokens, "tokens", ndim=2, dtypes=FLOAT_DTYPES)
+    check_cu_seqlens(cu_seqlens, total=tokens.shape[0], device=tokens.device)
+    return tokens.index_select(0, cu_seqlens[:-1])
