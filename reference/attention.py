@@ -91,13 +91,14 @@ def ragged_attention(
         check_tensor(t, name, ndim=3, dtypes=_REF_DTYPES)
     check_same_device({"q": q, "k": k, "v": v})
     if q.shape != k.shape or k.shape != v.shape:
-        raise ValueError(f"q, k, v must share one shape [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        shapes = ", ".join(str(tuple(t.shape)) for t in (q, k, v))
+        raise ValueError(f"q, k, v must share one shape [T, H, D], got {shapes}")
     check_cu_seqlens(cu_seqlens, total=q.shape[0], device=q.device)
     dt = _math_dtype(q.dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = torch.empty(q.shape, dtype=dt, device=q.device)
     bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         if end == start:
             continue
         qs, ks, vs = (t[start:end].to(dt).transpose(0, 1) for t in (q, k, v))  # [H, L, D]

@@ -142,7 +142,8 @@ def _check_qkv_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     check_tensor(k, "k", ndim=3, dtypes=(q.dtype,), device=q.device)
     check_tensor(v, "v", ndim=3, dtypes=(q.dtype,), device=q.device)
     if q.shape != k.shape or q.shape != v.shape:
-        raise ValueError(f"q, k, v must share one shape [T, H, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        shapes = ", ".join(str(tuple(t.shape)) for t in (q, k, v))
+        raise ValueError(f"q, k, v must share one shape [T, H, D], got {shapes}")
     if q.shape[2] not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {q.shape[2]}")
     if q.shape[0] == 0:
@@ -229,7 +230,8 @@ def ragged_attention_qkv(
     total, heads, head_dim = q.shape
     scale = _resolve(cu_seqlens, max_seqlen, scale, head_dim, total, qkv.device, check_values)
     o = _check_out(out, (total, heads * head_dim), qkv)
-    _launch(q, k, v, o.view(total, heads, head_dim), cu_seqlens, max_seqlen, scale, attention_config(qkv.device, head_dim))
+    config = attention_config(qkv.device, head_dim)
+    _launch(q, k, v, o.view(total, heads, head_dim), cu_seqlens, max_seqlen, scale, config)
     return o
 
 
