@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The GPU suite, in one call on the device machine (no nox there): card facts, GPU tests, compute-sanitizer
+# memcheck on a representative case, then whatever extra steps are named (tune, bench-quick, bench).
+# Usage: bash ci/gpu_suite.sh [tests] [sanitize] [tune|tune-quick] [bench|bench-quick] [pipelines]
+# Results go under $OUT (default /tmp/ragged-vit-out).
+set -uo pipefail
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT="${OUT:-/tmp/ragged-vit-out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+status=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/card.txt"
+"$PY" -c "import torch, triton, timm; print('torch', torch.__version__, 'triton', triton.__version__, 'timm', timm.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/card.txt"
+steps=("$@")
+[ ${#steps[@]} -eq 0 ] && steps=(tests sanitize)
+for step in "${steps[@]}"; do
+  case "$step" in
+    tests) "$PY" -m pytest ${TEST_PATHS:-tests} -q -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25 || status=1 ;;
+    sanitize) compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" -m ci.sanitize_case > "$OUT/sanitize.log" 2>&1 \
+                && echo "memcheck: clean" || { echo "memcheck: FAILED"; tail -30 "$OUT/sanitize.log"; status=1; } ;;
+    tune) "$PY" -m ci.tune_attention --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | tail -40 ;;
+    tune-quick) "$PY" -m ci.tune_attention --quick --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | tail -30 ;;
+    bench) "$PY" -m benchmarks.report_attention --out "$OUT/attention.json" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
+    bench-quick) "$PY" -m benchmarks.report_attention --quick --out "$OUT/attention.json" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+    *) echo "unknown step: $step"; status=2 ;;
+  esac
+done
+exit $status

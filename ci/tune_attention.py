@@ -1,0 +1,124 @@
+"""Sweeps launch configurations of the ragged attention kernel on the current GPU (device time, graph replay).
+
+Usage (GPU machine, repo root): ``python -m ci.tune_attention [--quick] [--out results.json]``.
+Prints, per workload cell (DeiT-B geometry, H=12, D=64, fp16, per-image counts varying around the pruning
+ratio), the device time of every configuration and of FA2 (``aten._flash_attention_forward``), then the
+configuration with the best geometric-mean ratio to FA2 over all cells. The chosen entry goes into
+``triton_impl/configs.py`` by hand, with the run's card named in ``docs/kernel_tuning.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+
+import torch
+
+from reference.attention import split_qkv
+from reference.segments import cu_seqlens_from_counts
+from triton_impl import attention as ta
+from triton_impl.configs import AttentionConfig
+
+CELLS = [(b, p) for b in (1, 4, 32, 64, 128) for p in (0, 50, 80)]
+QUICK_CELLS = [(1, 80), (32, 50), (64, 0), (128, 0)]
+
+
+def _configs(quick: bool) -> list[AttentionConfig]:
+    space = itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2, 3), (True, False))
+    configs = [AttentionConfig(m, n, w, s, g) for m, n, w, s, g in space if not (m == 128 and w == 4 and n == 128)]
+    if quick:
+        configs = [c for c in configs if c.num_stages == 2]
+    return configs
+
+
+class _Workload:
+    """DeiT-B geometry, per-image kept patch counts drawn uniformly within +-15% of the pruning target."""
+
+    def __init__(self, batch: int, pruned: int, seed: int, heads: int = 12, head_dim: int = 64) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        target = 196 * (100 - pruned) / 100
+        lo, hi = max(1, round(target * 0.85)), min(196, round(target * 1.15))
+        counts = torch.randint(lo, hi + 1, (batch,), generator=gen) + 1
+        self.num_heads, self.head_dim, self.bound = heads, head_dim, 197
+        self.max_seqlen = int(counts.max())
+        self.cu_seqlens = cu_seqlens_from_counts(counts).cuda()
+        total = int(counts.sum())
+        self.qkv = torch.randn(total, 3 * heads * head_dim, generator=gen).half().cuda()
+
+
+def graph_time_us(fn, calls: int = 20, replays: int = 20) -> float:
+    """Median device time of one call under CUDA-graph replay (``calls`` captured back to back)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def _fa2(q, k, v, cu, max_len):
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, False, False)[0]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    cells = QUICK_CELLS if args.quick else CELLS
+    configs = _configs(args.quick)
+    results: dict[str, dict[str, float]] = {}
+    card = torch.cuda.get_device_name()
+    print(f"card: {card}  torch {torch.__version__}  configs: {len(configs)}  cells: {len(cells)}", flush=True)
+    for batch, pruned in cells:
+        wl = _Workload(batch, pruned, seed=batch * 100 + pruned)
+        q, k, v = split_qkv(wl.qkv, wl.num_heads)
+        out = torch.empty(wl.qkv.shape[0], wl.num_heads, wl.head_dim, dtype=wl.qkv.dtype, device="cuda")
+        cell = f"B{batch}_p{pruned}"
+        results[cell] = {"fa2": graph_time_us(lambda: _fa2(q, k, v, wl.cu_seqlens, wl.max_seqlen))}
+        scale = wl.head_dim**-0.5
+        for cfg in configs:
+            def call(cfg=cfg):
+                ta._launch(q, k, v, out, wl.cu_seqlens, wl.bound, scale, cfg)
+
+            try:
+                results[cell][repr(cfg)] = graph_time_us(call)
+            except Exception as exc:  # a config the compiler rejects (e.g. out of shared memory)
+                results[cell][repr(cfg)] = float("nan")
+                print(f"  {cfg}: failed: {type(exc).__name__}: {str(exc)[:120]}")
+        best = min((t, c) for c, t in results[cell].items() if c != "fa2" and not math.isnan(t))
+        print(f"{cell:>9} tokens={wl.qkv.shape[0]:6d} fa2={results[cell]['fa2']:7.2f}us best={best[0]:7.2f}us {best[1]}")
+    scores = {}
+    for cfg in configs:
+        ratios = [results[c][repr(cfg)] / results[c]["fa2"] for c in results]
+        if not any(math.isnan(r) for r in ratios):
+            scores[repr(cfg)] = math.exp(sum(math.log(r) for r in ratios) / len(ratios))
+    ranked = sorted(scores.items(), key=lambda kv: kv[1])
+    print("\nbest configurations by geometric-mean (ours / FA2) device time:")
+    for cfg, score in ranked[:8]:
+        worst = max(results[c][cfg] / results[c]["fa2"] for c in results)
+        print(f"  {score:.3f} (worst cell {worst:.3f})  {cfg}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"card": card, "torch": torch.__version__, "results": results, "scores": scores}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
