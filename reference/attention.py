@@ -28,6 +28,8 @@ def split_qkv(qkv: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Te
     timm's ``Attention`` reshapes ``qkv(x)`` to ``(..., 3, H, D)``: all q heads first, then k, then v.
     """
     check_tensor(qkv, "qkv", ndim=2)
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int):
+        raise TypeError(f"num_heads must be a Python int, got {type(num_heads).__name__}")
     if num_heads < 1 or qkv.shape[1] % (3 * num_heads):
         raise ValueError(f"qkv.shape[1] ({qkv.shape[1]}) must be divisible by 3 * num_heads ({3 * num_heads})")
     q, k, v = qkv.unflatten(1, (3, num_heads, -1)).unbind(1)

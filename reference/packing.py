@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from reference.segments import cu_seqlens_from_counts, segment_ids, seqlens
-from reference.validation import FLOAT_DTYPES, check_cu_seqlens, check_keep_mask, check_tensor
+from reference.validation import FLOAT_DTYPES, check_cu_seqlens, check_keep_mask, check_max_seqlen, check_tensor
 
 
 def pack(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -56,7 +56,7 @@ def unpack(
     longest = int(lens.max())
     if max_seqlen is None:
         max_seqlen = longest
-    elif max_seqlen < longest:
+    elif check_max_seqlen(max_seqlen) < longest:
         raise ValueError(f"max_seqlen must be >= the longest sequence ({longest}), got {max_seqlen}")
     batch = lens.numel()
     mask = torch.arange(max_seqlen, device=tokens.device)[None, :] < lens[:, None]

@@ -42,6 +42,37 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _attend_key_tile(
+    q, acc, m_i, l_i, k_base, v_base, n0, seqlen, qk_scale,
+    stride_kt, stride_kd, stride_vt, stride_vd,
+    offs_n0, offs_d,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One online-softmax step over keys ``n0 : n0 + BLOCK_N``; only the ragged last tile is masked."""
+    offs_n = n0 + offs_n0
+    k_ptrs = k_base + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd  # [HEAD_DIM, BLOCK_N]
+    v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd  # [BLOCK_N, HEAD_DIM]
+    if MASKED:
+        mask_n = offs_n < seqlen
+        kt = tl.load(k_ptrs, mask=mask_n[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
+    else:
+        kt = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    s = tl.dot(q, kt, input_precision=DOT_PRECISION)
+    if MASKED:
+        s = tl.where(mask_n[None, :], s, float("-inf"))
+    # The scale (with log2(e)) is applied inside the exp2 argument: one fused multiply-add per score.
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    alpha = tl.math.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _ragged_attention_kernel(
     Q, K, V, O, CU_SEQLENS,
     total_rows,
@@ -64,6 +95,7 @@ def _ragged_attention_kernel(
     start = tl.minimum(tl.maximum(tl.load(CU_SEQLENS + b), 0), total_rows)
     end = tl.minimum(tl.maximum(tl.load(CU_SEQLENS + b + 1), start), total_rows)
     seqlen = end - start
+    full_end = (seqlen // BLOCK_N) * BLOCK_N
 
     offs_d = tl.arange(0, HEAD_DIM)
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -83,23 +115,18 @@ def _ragged_attention_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        for n0 in range(0, seqlen, BLOCK_N):
-            offs_n = n0 + offs_n0
-            mask_n = offs_n < seqlen
-            kt = tl.load(
-                k_base + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd, mask=mask_n[None, :], other=0.0
-            )  # [HEAD_DIM, BLOCK_N]
-            s = tl.dot(q, kt, input_precision=DOT_PRECISION) * qk_scale
-            s = tl.where(mask_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.math.exp2(s - m_new[:, None])
-            alpha = tl.math.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(
-                v_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd, mask=mask_n[:, None], other=0.0
-            )
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        for n0 in range(0, full_end, BLOCK_N):
+            acc, m_i, l_i = _attend_key_tile(
+                q, acc, m_i, l_i, k_base, v_base, n0, seqlen, qk_scale,
+                stride_kt, stride_kd, stride_vt, stride_vd, offs_n0, offs_d,
+                MASKED=False, DOT_PRECISION=DOT_PRECISION,
+            )  # fmt: skip
+        if full_end < seqlen:
+            acc, m_i, l_i = _attend_key_tile(
+                q, acc, m_i, l_i, k_base, v_base, full_end, seqlen, qk_scale,
+                stride_kt, stride_kd, stride_vt, stride_vd, offs_n0, offs_d,
+                MASKED=True, DOT_PRECISION=DOT_PRECISION,
+            )  # fmt: skip
         acc = acc / l_i[:, None]
         tl.store(
             o_base + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od,

@@ -98,8 +98,8 @@ def _pack_kernel(
         extra_row = offset + count_b
         if (r == 0) & (extra_row < capacity):
             for c0 in tl.static_range(0, CHANNELS, BLOCK_C):
-                vals = tl.load(EXTRA + b.to(tl.int64) * stride_et + c0 + offs_c)
-                tl.store(OUT + extra_row.to(tl.int64) * CHANNELS + c0 + offs_c, vals)
+                extra_vals = tl.load(EXTRA + b.to(tl.int64) * stride_et + c0 + offs_c)
+                tl.store(OUT + extra_row.to(tl.int64) * CHANNELS + c0 + offs_c, extra_vals)
 
 
 @triton.jit
