@@ -1,0 +1,37 @@
+"""The four reference pruners on the packed layout, and a registry to build them by name.
+
+Adding a pruner is one new file here plus one line in :data:`PRUNERS`; tests and pipelines pick it up from there.
+"""
+
+from __future__ import annotations
+
+from reference.pruners.ats import ATSPruner
+from reference.pruners.dynamicvit import DynamicViTPruner, PredictorLG
+from reference.pruners.evit import EViTPruner
+from reference.pruners.threshold_l2 import ThresholdL2Pruner
+from reference.selection import Pruner
+
+PRUNERS: dict[str, type[Pruner]] = {
+    "threshold_l2": ThresholdL2Pruner,
+    "dynamicvit": DynamicViTPruner,
+    "evit": EViTPruner,
+    "ats": ATSPruner,
+}
+
+
+def make_pruner(name: str, **kwargs: object) -> Pruner:
+    """Builds the pruner registered under ``name`` with ``kwargs`` (see each class for its arguments)."""
+    if name not in PRUNERS:
+        raise ValueError(f"name must be a registered pruner, got {name!r}; known: {', '.join(PRUNERS)}")
+    return PRUNERS[name](**kwargs)
+
+
+__all__ = [
+    "PRUNERS",
+    "ATSPruner",
+    "DynamicViTPruner",
+    "EViTPruner",
+    "PredictorLG",
+    "ThresholdL2Pruner",
+    "make_pruner",
+]

@@ -1,0 +1,117 @@
+"""ATS: adaptive token sampling, a different number of patches per image, in every block from 3 to 11.
+
+Fayyaz et al., "Adaptive Token Sampling For Efficient Vision Transformers", ECCV 2022. The significance of patch
+``j`` is ``S_j = sum_h A_h[0, j] * ||V_j||_2`` (CLS attention of the same block times the value norm over all
+heads), normalised to sum 1 per image. Deterministic inverse-transform sampling then picks the patches: sort ``S``
+ascending, take the cumulative sum, min-max normalise it; ``num_samples`` evenly spaced targets from its smallest
+non-zero value to 1 each pick the patch whose CDF value is nearest (ties, on the fp32 distances: the first);
+duplicates collapse, so flat scores keep many patches and peaked scores few. Every image keeps at least
+``min(min_keep, patches)`` patches (the best-scoring ones are added) and its CLS token. No parameters:
+plug-and-play on vanilla DeiT weights.
+
+Each image is sampled from its own scores only, in a padded ``[B, num_patches + 1]`` view of the SCORES (the
+features stay packed); the width is a host bound, so nothing is read back from the device.
+Not supported: the official code's padding-and-masking of the pruned batch (packing replaces it), training.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reference.pruners.threshold_l2 import check_blocks, check_int, check_prune_input, patch_counts, patch_rank
+from reference.segments import positions, segment_ids, segment_sum, seqlens, to_padded
+from reference.selection import Placement, PruneInput, Pruner, TokenSelection
+
+
+def inverse_transform_sample(
+    scores: torch.Tensor, cu_seqlens: torch.Tensor, width: int, num_samples: int
+) -> torch.Tensor:
+    """ATS's deterministic inverse-transform sampling of every image's patches: ``[T]`` scores -> bool ``[T]``.
+
+    Args:
+        scores: ``[T]`` non-negative patch scores (CLS rows are ignored).
+        cu_seqlens: int32 ``[B+1]`` offsets.
+        width: an upper bound on the rows of every image (the padded view's width).
+        num_samples: number of evenly spaced CDF targets.
+
+    Returns:
+        bool ``[T]``: the patches some target picked (never a CLS row).
+    """
+    total = scores.shape[0]
+    patches = patch_counts(cu_seqlens)[:, None]  # [B, 1]
+    is_cls = positions(cu_seqlens, total) == 0
+    inf = float("inf")
+    # CLS and padding (+inf) sort after the patches: each sorted row starts with its own image's patches.
+    padded = to_padded(scores.masked_fill(is_cls, inf), cu_seqlens, width, inf)  # [B, W]
+    ascending, order = padded.sort(dim=1, stable=True)
+    valid = torch.arange(width, device=scores.device) < patches  # [B, W]
+    cdf = ascending.masked_fill(~valid, 0.0).cumsum(dim=1)
+    low = cdf[:, :1]
+    span = cdf.gather(1, (patches - 1).clamp_min(0)) - low
+    # One patch, or all scores zero: the CDF is a single point; put it at 1 so that every target picks it.
+    cdf = torch.where(span > 0, (cdf - low) / span, torch.ones_like(cdf)).masked_fill(~valid, inf)
+    start = cdf.masked_fill(cdf <= 0, inf).amin(dim=1, keepdim=True).clamp(max=1.0)  # smallest non-zero value
+    # The targets and distances are computed as the official code does: with CDF steps of ~1e-9 (peaked scores)
+    # the fp32 distances round to ties, and which target picks which patch depends on that rounding.
+    ramp = torch.linspace(0.0, 1.0, num_samples, device=scores.device, dtype=cdf.dtype)
+    last = max(num_samples - 1, 1)
+    steps = torch.arange(num_samples, device=scores.device, dtype=cdf.dtype)
+    targets = start + (ramp * last - start * steps) / last  # [B, S]: start, ..., 1
+    # [B, S, W] distances (~10 MB at B=64, 224x224); argmin takes the first of equal minima.
+    picked = (targets[:, :, None] - cdf[:, None, :]).abs().argmin(dim=2)
+    cols = order.gather(1, picked)  # positions inside each image
+    chosen = torch.zeros_like(valid).scatter_(1, cols, (patches > 0).expand_as(cols))
+    return chosen[segment_ids(cu_seqlens, total), positions(cu_seqlens, total)] & ~is_cls
+
+
+class ATSPruner(Pruner):
+    """Adaptive token sampling: a variable number of patches per image, chosen from CLS attention and value norms.
+
+    Args:
+        blocks: the timm blocks inside which a stage acts (after the attention residual, before the MLP).
+        num_samples: CDF targets per image; None means the original patch count (``inp.num_patches``).
+        min_keep: patches every image keeps at least (or all it has, if fewer).
+    """
+
+    name = "ats"
+    placement = Placement.MID_BLOCK
+    blocks = tuple(range(3, 12))
+    fixed_count = False
+    needs_attention = True
+
+    def __init__(
+        self, blocks: tuple[int, ...] = tuple(range(3, 12)), num_samples: int | None = None, min_keep: int = 8
+    ) -> None:
+        super().__init__()
+        self.blocks = check_blocks(blocks)
+        self.num_samples = None if num_samples is None else check_int(num_samples, "num_samples", 1)
+        self.min_keep = check_int(min_keep, "min_keep", 0)
+
+    def extra_repr(self) -> str:
+        return f"blocks={self.blocks}, num_samples={self.num_samples}, min_keep={self.min_keep}"
+
+    def forward(self, inp: PruneInput) -> TokenSelection:
+        check_prune_input(inp, attention=True, values=True)
+        x, cu = inp.x, inp.cu_seqlens
+        width = inp.num_patches + 1
+        if cu.device.type == "cpu" and bool((seqlens(cu) > width).any()):
+            raise ValueError(
+                f"inp.num_patches ({inp.num_patches}) must count the patches of the unpruned image: "
+                f"an image has more than {width} rows"
+            )
+        total = x.shape[0]
+        batch = cu.numel() - 1
+        seg = segment_ids(cu, total)
+        is_cls = positions(cu, total) == 0
+        acc = torch.promote_types(x.dtype, torch.float32)
+        raw = inp.cls_attn.to(acc).sum(dim=-1) * inp.v.to(acc).norm(dim=-1)  # [T]
+        raw = raw.masked_fill(is_cls, 0.0)
+        mass = segment_sum(raw, seg, batch)[seg]
+        score = torch.where(mass > 0, raw / mass, torch.zeros_like(raw))
+        samples = inp.num_patches if self.num_samples is None else self.num_samples
+        chosen = inverse_transform_sample(score, cu, width, samples)
+        # The floor adds the best-scoring patches not sampled yet: sampled ones rank first.
+        target = torch.maximum(segment_sum(chosen.long(), seg, batch), patch_counts(cu).clamp(max=self.min_keep))
+        rank = patch_rank(score.masked_fill(chosen, float("inf")), cu)
+        keep = is_cls | (rank < target[seg])
+        return TokenSelection(keep, fixed_count=False)

@@ -1,0 +1,105 @@
+"""DynamicViT's inference-time pruning: a small learned predictor scores the patches before blocks 3, 6, 9.
+
+Rao et al., "DynamicViT: Efficient Vision Transformers with Dynamic Token Sparsification", NeurIPS 2021. Each stage
+``s`` keeps the top ``int(num_patches * rate ** (s + 1))`` patches (counted from the ORIGINAL patch count: 196 ->
+137, 96, 67 at rate 0.7) by the predictor's keep log-probability, a fixed count per image; the others are
+discarded. The predictor's state-dict keys match the official checkpoints (``score_predictor.{p}.in_conv.*`` /
+``.out_conv.*``), so trained weights load. With its random initial weights it is random pruning: fine for speed
+measurements, meaningless for accuracy.
+
+Not supported: training (Gumbel-softmax decisions, attention masking, distillation losses); kept tokens stay in
+their original order instead of the official score order (blocks are permutation-equivariant).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from reference.pruners.threshold_l2 import check_blocks, check_int, check_prune_input, patch_rank, uniform_length
+from reference.segments import positions, segment_ids, segment_sum
+from reference.selection import Placement, PruneInput, Pruner, TokenSelection
+from reference.validation import check_rate
+
+
+class PredictorLG(nn.Module):
+    """DynamicViT's local-global score predictor (module names as in the official code, for checkpoints).
+
+    Args:
+        embed_dim: channels ``C`` of the residual stream.
+    """
+
+    def __init__(self, embed_dim: int) -> None:
+        super().__init__()
+        self.in_conv = nn.Sequential(nn.LayerNorm(embed_dim, eps=1e-5), nn.Linear(embed_dim, embed_dim), nn.GELU())
+        self.out_conv = nn.Sequential(
+            nn.Linear(embed_dim, embed_dim // 2),
+            nn.GELU(),
+            nn.Linear(embed_dim // 2, embed_dim // 4),
+            nn.GELU(),
+            nn.Linear(embed_dim // 4, 2),
+            nn.LogSoftmax(dim=-1),
+        )
+
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Log-probabilities ``[T, 2]`` (channel 0 = keep) of packed rows ``x [T, C]``; CLS rows are not meaningful.
+
+        The global half of the features is the mean over each image's own patch rows (not CLS), as the official
+        policy-weighted mean is at inference, where every current token has policy 1.
+        """
+        total = x.shape[0]
+        batch = cu_seqlens.numel() - 1
+        seg = segment_ids(cu_seqlens, total)
+        is_patch = (positions(cu_seqlens, total) > 0)[:, None]
+        z = self.in_conv(x)  # [T, C]
+        half = z.shape[-1] // 2
+        glob = segment_sum(z[:, half:].masked_fill(~is_patch, 0.0), seg, batch)  # [B, C - C//2]
+        glob = glob / segment_sum(is_patch.to(z.dtype), seg, batch).clamp_min(1.0)
+        return self.out_conv(torch.cat([z[:, :half], glob[seg]], dim=-1))
+
+
+class DynamicViTPruner(Pruner):
+    """Keeps the patches DynamicViT's predictor scores highest, a fixed count per stage.
+
+    Args:
+        embed_dim: channels ``C`` of the model (384 for DeiT-S).
+        rate: base keep rate ``rho``; stage ``s`` keeps ``int(num_patches * rho ** (s + 1))`` patches.
+        blocks: the timm blocks whose input each stage prunes; one predictor per stage.
+    """
+
+    name = "dynamicvit"
+    placement = Placement.BEFORE_BLOCK
+    blocks = (3, 6, 9)
+    fixed_count = True
+
+    def __init__(self, embed_dim: int, rate: float = 0.7, blocks: tuple[int, ...] = (3, 6, 9)) -> None:
+        super().__init__()
+        check_int(embed_dim, "embed_dim", 4)  # out_conv narrows to C // 4 channels
+        self.rate = check_rate(rate, "rate")
+        self.blocks = check_blocks(blocks)
+        self.score_predictor = nn.ModuleList(PredictorLG(embed_dim) for _ in self.blocks)
+
+    def extra_repr(self) -> str:
+        return f"rate={self.rate}, blocks={self.blocks}"
+
+    def keep_patches(self, stage: int, num_patches: int) -> int:
+        """Patches kept by ``stage``, counted from the original ``num_patches`` (before capping at those left)."""
+        return int(num_patches * self.rate ** (stage + 1))
+
+    def count_after(self, stage: int, current: int, num_patches: int) -> int | None:
+        return 1 + min(self.keep_patches(stage, num_patches), current - 1)
+
+    def forward(self, inp: PruneInput) -> TokenSelection:
+        check_prune_input(inp)
+        if inp.stage >= len(self.blocks):
+            raise ValueError(
+                f"inp.stage must be < {len(self.blocks)} (one predictor per block in {self.blocks}), got {inp.stage}"
+            )
+        x, cu = inp.x, inp.cu_seqlens
+        total = x.shape[0]
+        is_cls = positions(cu, total) == 0
+        score = self.score_predictor[inp.stage](x, cu)[:, 0].float()
+        keep = is_cls | (patch_rank(score, cu) < self.keep_patches(inp.stage, inp.num_patches))
+        current = uniform_length(cu, total)
+        count = None if current is None else self.count_after(inp.stage, current, inp.num_patches)
+        return TokenSelection(keep, fixed_count=count is not None, count=count)

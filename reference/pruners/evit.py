@@ -1,0 +1,90 @@
+"""EViT: keep the patches the CLS token attends to most, inside blocks 3, 6, 9 (between attention and MLP).
+
+Liang et al., "Not All Patches are What You Need: Expediting Vision Transformers via Token Reorganizations",
+ICLR 2022. The score of patch ``j`` is the head-mean CLS attention ``mean_h A_h[0, j]`` of the same block; each
+stage keeps the top ``ceil(rate * patches)`` of the CURRENT patches (138, 97, 68 from 196 at rate 0.7), a fixed
+count. With ``fuse_token`` the dropped patches are folded into one extra token per image, ``sum_j a_j x_j`` with
+the raw (not renormalised) attention weights, appended after the kept rows (139, 99, 71 counting it); at later
+stages it is a candidate like any other patch. No parameters: runs on vanilla DeiT weights.
+
+Not supported: training-time keep-rate warm-up schedules; kept tokens stay in their original order instead of the
+official score order (the MLP and later blocks are permutation-equivariant).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from reference.pruners.threshold_l2 import (
+    ceil_rate,
+    check_blocks,
+    check_prune_input,
+    patch_counts,
+    patch_rank,
+    uniform_length,
+)
+from reference.segments import positions, segment_ids, segment_sum
+from reference.selection import Placement, PruneInput, Pruner, TokenSelection
+from reference.validation import check_rate
+
+
+class EViTPruner(Pruner):
+    """Keeps the patches with the highest head-mean CLS attention, optionally fusing the rest into one token.
+
+    Args:
+        rate: keep rate of the current patches at every stage, in ``(0, 1]``.
+        blocks: the timm blocks inside which each stage acts (after the attention residual, before the MLP).
+        fuse_token: append one token per image, the attention-weighted sum of the dropped patches.
+    """
+
+    name = "evit"
+    placement = Placement.MID_BLOCK
+    blocks = (3, 6, 9)
+    fixed_count = True
+    needs_attention = True
+
+    def __init__(self, rate: float = 0.7, blocks: tuple[int, ...] = (3, 6, 9), fuse_token: bool = False) -> None:
+        super().__init__()
+        self.rate = check_rate(rate, "rate")
+        self.blocks = check_blocks(blocks)
+        if not isinstance(fuse_token, bool):
+            raise TypeError(f"fuse_token must be a bool, got {type(fuse_token).__name__}")
+        self.fuse_token = fuse_token
+
+    def extra_repr(self) -> str:
+        return f"rate={self.rate}, blocks={self.blocks}, fuse_token={self.fuse_token}"
+
+    def fuses(self, current: int | None) -> bool:
+        """Whether a stage on images of ``current`` rows (None: a ragged batch) appends the fused token.
+
+        As in the official code, no token is fused when the stage drops nothing. A ragged batch fuses whenever
+        ``rate < 1``, so that one image's length never decides another image's layout.
+        """
+        if not self.fuse_token:
+            return False
+        if current is None:
+            return self.rate < 1.0
+        return math.ceil(self.rate * (current - 1)) < current - 1
+
+    def count_after(self, stage: int, current: int, num_patches: int) -> int | None:
+        return 1 + math.ceil(self.rate * (current - 1)) + int(self.fuses(current))
+
+    def forward(self, inp: PruneInput) -> TokenSelection:
+        check_prune_input(inp, attention=True)
+        x, cu = inp.x, inp.cu_seqlens
+        total = x.shape[0]
+        batch = cu.numel() - 1
+        seg = segment_ids(cu, total)
+        is_cls = positions(cu, total) == 0
+        acc = torch.promote_types(x.dtype, torch.float32)  # fp32 math, fp64 stays fp64
+        score = inp.cls_attn.to(acc).mean(dim=-1)  # [T]
+        keep = is_cls | (patch_rank(score, cu) < ceil_rate(self.rate, patch_counts(cu))[seg])
+        current = uniform_length(cu, total)
+        extra = None
+        if self.fuses(current):
+            weight = score.masked_fill(keep, 0.0)[:, None]  # raw weights of the dropped patches only
+            extra = segment_sum(weight * x.to(acc), seg, batch).to(x.dtype)  # [B, C]
+        count = None if current is None else self.count_after(inp.stage, current, inp.num_patches)
+        return TokenSelection(keep, fixed_count=count is not None, count=count, extra_token=extra)
