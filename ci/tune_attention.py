@@ -26,8 +26,12 @@ QUICK_CELLS = [(1, 80), (32, 50), (64, 0), (128, 0)]
 
 
 def _configs(quick: bool) -> list[AttentionConfig]:
-    space = itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2, 3), (True, False))
-    configs = [AttentionConfig(m, n, w, s, g) for m, n, w, s, g in space if not (m == 128 and w == 4 and n == 128)]
+    space = itertools.product((32, 64, 128), (32, 64, 128), (2, 4, 8), (1, 2, 3), (True, False))
+    configs = [
+        AttentionConfig(m, n, w, s, g)
+        for m, n, w, s, g in space
+        if not (m == 128 and w == 4 and n == 128) and (w == 2) == (m == 32) and not (m == 32 and n == 128)
+    ]
     if quick:
         configs = [c for c in configs if c.num_stages == 2]
     return configs

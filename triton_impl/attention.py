@@ -222,7 +222,8 @@ def ragged_attention(
     total, heads, head_dim = q.shape
     scale = _resolve(cu_seqlens, max_seqlen, scale, head_dim, total, q.device, check_values)
     o = _check_out(out, (total, heads, head_dim), q)
-    _launch(q, k, v, o, cu_seqlens, max_seqlen, scale, attention_config(q.device, head_dim))
+    config = attention_config(q.device, head_dim, total / (cu_seqlens.shape[0] - 1))
+    _launch(q, k, v, o, cu_seqlens, max_seqlen, scale, config)
     return o
 
 
@@ -257,7 +258,7 @@ def ragged_attention_qkv(
     total, heads, head_dim = q.shape
     scale = _resolve(cu_seqlens, max_seqlen, scale, head_dim, total, qkv.device, check_values)
     o = _check_out(out, (total, heads * head_dim), qkv)
-    config = attention_config(qkv.device, head_dim)
+    config = attention_config(qkv.device, head_dim, total / (cu_seqlens.shape[0] - 1))
     _launch(q, k, v, o.view(total, heads, head_dim), cu_seqlens, max_seqlen, scale, config)
     return o
 

@@ -8,9 +8,10 @@ How the entries were chosen:
 
 * SM89 (Ada, RTX 4000 Ada): the paper's values, BLOCK_M = BLOCK_N = 64, one program per (image, head). We have
   no SM89 card, so these are kept as published and are not re-tuned.
-* SM90 (H100/H200): measured with ``ci/gpu_suite.py --tune`` on our cards; see ``docs/kernel_tuning.md``
-  for the sweep (tile sizes, warps, stages, grid shape) and the chosen winners.
-* Anything else (and the CPU interpreter): the SM90 choice for fp16/bf16, a safe 64x64 default.
+* SM90 (H100/H200): measured with ``python -m ci.tune_attention`` (``bash ci/gpu_suite.sh tune``) on our cards;
+  see ``docs/kernel_tuning.md`` for the sweep (tile sizes, warps, stages, grid shape) and the winners. The best
+  configuration depends on the sequence length, so the table holds bands keyed by the mean length ``T / B``.
+* Anything else (and the CPU interpreter): a safe 64x64 default.
 
 ``grid_per_tile`` picks the grid: True launches ``(ceil(max_seqlen / BLOCK_M), B * H)`` programs (one per
 query tile); False launches ``(1, B * H)`` and each program loops over its image's query tiles. The kernel is
@@ -37,33 +38,38 @@ class AttentionConfig:
     grid_per_tile: bool
 
 
-# (major, minor) -> head_dim -> config. head_dim is the padded power of two the kernel runs with.
-_TABLE: dict[tuple[int, int], dict[int, AttentionConfig]] = {
-    (8, 9): {
-        32: AttentionConfig(64, 64, 4, 2, False),
-        64: AttentionConfig(64, 64, 4, 2, False),
-        128: AttentionConfig(64, 64, 4, 2, False),
-    },
-    (9, 0): {
-        32: AttentionConfig(64, 64, 4, 2, True),
-        64: AttentionConfig(64, 64, 4, 2, True),
-        128: AttentionConfig(64, 64, 4, 2, True),
-    },
+# (major, minor) -> head_dim -> bands of (largest mean sequence length, config), the last band open-ended.
+# The mean length T / B is known on the host from the tensor shapes, so choosing a band never syncs.
+_Bands = tuple[tuple[float, AttentionConfig], ...]
+_OPEN = float("inf")
+
+_SM89 = AttentionConfig(64, 64, 4, 2, False)  # the paper's values, kept as published (no SM89 card here)
+# SM90, measured on an H200 (torch 2.11, triton 3.6; docs/kernel_tuning.md): short sequences (80% pruned,
+# ~40 tokens) are latency-bound and want one program per (image, head) walking 64x64 tiles without software
+# pipelining; longer ones want a program per query tile and 64x32 key tiles, three stages deep.
+_SM90_SHORT = AttentionConfig(64, 64, 4, 1, False)
+_SM90_LONG = AttentionConfig(64, 32, 4, 3, True)
+
+_TABLE: dict[tuple[int, int], dict[int, _Bands]] = {
+    (8, 9): {d: ((_OPEN, _SM89),) for d in (16, 32, 64, 128)},
+    (9, 0): {d: ((64.0, _SM90_SHORT), (_OPEN, _SM90_LONG)) for d in (16, 32, 64, 128)},
 }
 
-_DEFAULT = AttentionConfig(64, 64, 4, 2, True)
+_DEFAULT: _Bands = ((_OPEN, AttentionConfig(64, 64, 4, 2, True)),)
 
 
 @functools.lru_cache(maxsize=64)
-def _lookup(capability: tuple[int, int] | None, head_dim: int) -> AttentionConfig:
+def _bands(capability: tuple[int, int] | None, head_dim: int) -> _Bands:
     return _TABLE.get(capability, {}).get(head_dim, _DEFAULT) if capability else _DEFAULT
 
 
-def attention_config(device: torch.device, head_dim: int) -> AttentionConfig:
-    """The tuned configuration for ``device`` (CPU = interpreter) and ``head_dim``."""
-    if device.type != "cuda":
-        return _lookup(None, head_dim)
-    return _lookup(_capability(device.index), head_dim)
+def attention_config(device: torch.device, head_dim: int, mean_seqlen: float = _OPEN) -> AttentionConfig:
+    """The tuned configuration for ``device`` (CPU = interpreter), ``head_dim`` and the mean sequence length."""
+    bands = _bands(_capability(device.index) if device.type == "cuda" else None, head_dim)
+    for limit, config in bands:
+        if mean_seqlen <= limit:
+            return config
+    return bands[-1][1]
 
 
 @functools.lru_cache(maxsize=16)
@@ -72,6 +78,6 @@ def _capability(index: int | None) -> tuple[int, int]:
 
 
 def override(capability: tuple[int, int], head_dim: int, config: AttentionConfig) -> None:
-    """Replaces one table entry (used by the tuning sweep; not needed in normal use)."""
-    _TABLE.setdefault(capability, {})[head_dim] = config
-    _lookup.cache_clear()
+    """Replaces one table entry by a single config for every length (for experiments; not needed normally)."""
+    _TABLE.setdefault(capability, {})[head_dim] = ((_OPEN, config),)
+    _bands.cache_clear()
