@@ -64,3 +64,47 @@ def to_padded(values: torch.Tensor, cu_seqlens: torch.Tensor, length: int, fill:
     out = values.new_full((cu_seqlens.numel() - 1, length), fill)
     out[seg, positions(cu_seqlens, total)] = values
     return out
+
+
+def segment_rank(scores: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Rank of every patch row by descending score inside its own image (0 = best): ``[T]`` -> int64 ``[T]``.
+
+    Ties go to the earlier row, so a rank depends on the image's own scores only. Each image's CLS row ranks after
+    all its patches, hence ``rank < k`` marks exactly ``min(k, patches)`` patches (plus CLS when ``k > patches``).
+    Sorting the packed rows by (image, CLS last, score) needs no padding and no device-to-host read.
+    """
+    total = scores.shape[0]
+    seg = segment_ids(cu_seqlens, total)
+    is_cls = positions(cu_seqlens, total) == 0
+    by_score = torch.argsort(scores, descending=True, stable=True)
+    group = 2 * seg + is_cls.long()
+    order = by_score[torch.argsort(group[by_score], stable=True)]
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(total, device=scores.device) - cu_seqlens.long()[seg[order]]
+    return rank
+
+
+def patch_counts(cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Patches (rows after CLS) per image ``[B]`` (int64); an empty image has none."""
+    return (seqlens(cu_seqlens) - 1).clamp_min(0)
+
+
+def ceil_rate(rate: float, patches: torch.Tensor) -> torch.Tensor:
+    """``ceil(rate * patches)`` per image, in float64 so that it equals Python's ``math.ceil`` on the host."""
+    return torch.ceil(patches.double() * rate).long()
+
+
+def uniform_length(cu_seqlens: torch.Tensor, total: int) -> int | None:
+    """Rows per image of a uniform batch, from host shapes; None when the batch is known to be ragged.
+
+    Fixed-count pipelines only ever produce uniform batches, so ``T // B`` is the length without reading the
+    device. The offsets are read to confirm it only where that is free (CPU), as ``check_cu_seqlens`` does; on a
+    GPU a ragged batch with ``T % B == 0`` goes undetected and only the host ``count`` is wrong, not the mask.
+    """
+    batch = cu_seqlens.numel() - 1
+    if total % batch:
+        return None
+    length = total // batch
+    if cu_seqlens.device.type == "cpu" and not bool((seqlens(cu_seqlens) == length).all()):
+        return None
+    return length

@@ -14,6 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from reference.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_tensor
+
+_SCORE_DTYPES = (*FLOAT_DTYPES, torch.float64)
+
 
 class Placement(str, enum.Enum):
     """Where in a transformer block a pruning stage acts (timm block ``k``, 0-indexed)."""
@@ -63,6 +67,27 @@ class TokenSelection:
     fixed_count: bool
     count: int | None = None
     extra_token: torch.Tensor | None = None
+
+
+def check_prune_input(inp: object, *, attention: bool = False, values: bool = False) -> PruneInput:
+    """Checks a :class:`PruneInput` at a pruner's entry; ``attention`` / ``values`` require ``cls_attn`` / ``v``."""
+    if not isinstance(inp, PruneInput):
+        raise TypeError(f"inp must be a PruneInput, got {type(inp).__name__}")
+    x = check_tensor(inp.x, "inp.x", ndim=2, dtypes=_SCORE_DTYPES)
+    check_cu_seqlens(inp.cu_seqlens, total=x.shape[0], device=x.device, name="inp.cu_seqlens")
+    check_int(inp.stage, "inp.stage", 0)
+    check_int(inp.num_patches, "inp.num_patches", 1)
+    required = {"cls_attn": attention, "v": values}
+    for name, needed in required.items():
+        if not needed:
+            continue
+        value = getattr(inp, name)
+        if value is None:
+            raise ValueError(f"inp.{name} is required by this pruner (it scores tokens by attention), got None")
+        check_tensor(value, f"inp.{name}", ndim=2, dtypes=_SCORE_DTYPES, device=x.device)
+        if value.shape[0] != x.shape[0]:
+            raise ValueError(f"inp.{name} must have {x.shape[0]} rows like inp.x, got shape {tuple(value.shape)}")
+    return inp
 
 
 class Pruner(nn.Module):

@@ -108,3 +108,26 @@ def check_rate(rate: object, name: str) -> float:
     if not 0.0 < float(rate) <= 1.0:
         raise ValueError(f"{name} must be in (0, 1], got {rate}")
     return float(rate)
+
+
+def check_int(value: object, name: str, minimum: int) -> int:
+    """Checks that ``value`` is a Python int (not a bool) ``>= minimum``; returns it."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_blocks(blocks: object, name: str = "blocks") -> tuple[int, ...]:
+    """Checks a stage schedule: a non-empty, strictly increasing sequence of timm block indices; returns a tuple."""
+    if isinstance(blocks, (str, bytes)) or not hasattr(blocks, "__iter__"):
+        raise TypeError(f"{name} must be a tuple of block indices, got {type(blocks).__name__}")
+    blocks = tuple(blocks)
+    if not blocks:
+        raise ValueError(f"{name} must name at least one block, got ()")
+    for i, b in enumerate(blocks):
+        check_int(b, f"{name}[{i}]", 0)
+    if any(b >= c for b, c in zip(blocks[:-1], blocks[1:], strict=True)):
+        raise ValueError(f"{name} must be strictly increasing, got {blocks}")
+    return blocks

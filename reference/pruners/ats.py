@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from reference.pruners.threshold_l2 import check_blocks, check_int, check_prune_input, patch_counts, patch_rank
-from reference.segments import positions, segment_ids, segment_sum, seqlens, to_padded
-from reference.selection import Placement, PruneInput, Pruner, TokenSelection
+from reference.segments import patch_counts, positions, segment_ids, segment_rank, segment_sum, seqlens, to_padded
+from reference.selection import Placement, PruneInput, Pruner, TokenSelection, check_prune_input
+from reference.validation import check_blocks, check_int
 
 
 def inverse_transform_sample(
@@ -112,6 +112,6 @@ class ATSPruner(Pruner):
         chosen = inverse_transform_sample(score, cu, width, samples)
         # The floor adds the best-scoring patches not sampled yet: sampled ones rank first.
         target = torch.maximum(segment_sum(chosen.long(), seg, batch), patch_counts(cu).clamp(max=self.min_keep))
-        rank = patch_rank(score.masked_fill(chosen, float("inf")), cu)
+        rank = segment_rank(score.masked_fill(chosen, float("inf")), cu)
         keep = is_cls | (rank < target[seg])
         return TokenSelection(keep, fixed_count=False)

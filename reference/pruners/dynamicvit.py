@@ -16,10 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from reference.pruners.threshold_l2 import check_blocks, check_int, check_prune_input, patch_rank, uniform_length
-from reference.segments import positions, segment_ids, segment_sum
-from reference.selection import Placement, PruneInput, Pruner, TokenSelection
-from reference.validation import check_rate
+from reference.segments import positions, segment_ids, segment_rank, segment_sum, uniform_length
+from reference.selection import Placement, PruneInput, Pruner, TokenSelection, check_prune_input
+from reference.validation import check_blocks, check_int, check_rate
 
 
 class PredictorLG(nn.Module):
@@ -99,7 +98,7 @@ class DynamicViTPruner(Pruner):
         total = x.shape[0]
         is_cls = positions(cu, total) == 0
         score = self.score_predictor[inp.stage](x, cu)[:, 0].float()
-        keep = is_cls | (patch_rank(score, cu) < self.keep_patches(inp.stage, inp.num_patches))
+        keep = is_cls | (segment_rank(score, cu) < self.keep_patches(inp.stage, inp.num_patches))
         current = uniform_length(cu, total)
         count = None if current is None else self.count_after(inp.stage, current, inp.num_patches)
         return TokenSelection(keep, fixed_count=count is not None, count=count)

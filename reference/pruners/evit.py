@@ -17,17 +17,17 @@ import math
 
 import torch
 
-from reference.pruners.threshold_l2 import (
+from reference.segments import (
     ceil_rate,
-    check_blocks,
-    check_prune_input,
     patch_counts,
-    patch_rank,
+    positions,
+    segment_ids,
+    segment_rank,
+    segment_sum,
     uniform_length,
 )
-from reference.segments import positions, segment_ids, segment_sum
-from reference.selection import Placement, PruneInput, Pruner, TokenSelection
-from reference.validation import check_rate
+from reference.selection import Placement, PruneInput, Pruner, TokenSelection, check_prune_input
+from reference.validation import check_blocks, check_rate
 
 
 class EViTPruner(Pruner):
@@ -80,7 +80,7 @@ class EViTPruner(Pruner):
         is_cls = positions(cu, total) == 0
         acc = torch.promote_types(x.dtype, torch.float32)  # fp32 math, fp64 stays fp64
         score = inp.cls_attn.to(acc).mean(dim=-1)  # [T]
-        keep = is_cls | (patch_rank(score, cu) < ceil_rate(self.rate, patch_counts(cu))[seg])
+        keep = is_cls | (segment_rank(score, cu) < ceil_rate(self.rate, patch_counts(cu))[seg])
         current = uniform_length(cu, total)
         extra = None
         if self.fuses(current):

@@ -6,8 +6,7 @@ modes: ``threshold`` (keep ``s >= tau``: a variable count per image), ``ratio`` 
 of a calibration batch, then as ``threshold``: variable count, mean keep ~ ``rate``). CLS is always kept and never
 scored; every image keeps at least ``min_keep`` patches. Dropped tokens are discarded (no fusion), no weights.
 
-This module also holds the per-image helpers every pruner of this package shares (ranking on the packed layout,
-the host-side length of a uniform batch, argument checks). Not supported: several stages, learned thresholds.
+Not supported: several stages, learned thresholds.
 """
 
 from __future__ import annotations
@@ -16,100 +15,12 @@ import math
 
 import torch
 
-from reference.segments import positions, segment_ids, seqlens
-from reference.selection import Placement, PruneInput, Pruner, TokenSelection
-from reference.validation import FLOAT_DTYPES, check_cu_seqlens, check_rate, check_tensor
+from reference.segments import ceil_rate, patch_counts, positions, segment_ids, segment_rank, uniform_length
+from reference.selection import Placement, PruneInput, Pruner, TokenSelection, check_prune_input
+from reference.validation import FLOAT_DTYPES, check_int, check_rate, check_tensor
 
 _SCORE_DTYPES = (*FLOAT_DTYPES, torch.float64)
 MODES = ("threshold", "ratio", "calibrated")
-
-
-def check_int(value: object, name: str, minimum: int) -> int:
-    """Checks that ``value`` is a Python int (not a bool) ``>= minimum``; returns it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def check_blocks(blocks: object, name: str = "blocks") -> tuple[int, ...]:
-    """Checks a stage schedule: a non-empty, strictly increasing sequence of timm block indices; returns a tuple."""
-    if isinstance(blocks, (str, bytes)) or not hasattr(blocks, "__iter__"):
-        raise TypeError(f"{name} must be a tuple of block indices, got {type(blocks).__name__}")
-    blocks = tuple(blocks)
-    if not blocks:
-        raise ValueError(f"{name} must name at least one block, got ()")
-    for i, b in enumerate(blocks):
-        check_int(b, f"{name}[{i}]", 0)
-    if any(b >= c for b, c in zip(blocks[:-1], blocks[1:], strict=True)):
-        raise ValueError(f"{name} must be strictly increasing, got {blocks}")
-    return blocks
-
-
-def check_prune_input(inp: object, *, attention: bool = False, values: bool = False) -> PruneInput:
-    """Checks a :class:`PruneInput` at a pruner's entry; ``attention`` / ``values`` require ``cls_attn`` / ``v``."""
-    if not isinstance(inp, PruneInput):
-        raise TypeError(f"inp must be a PruneInput, got {type(inp).__name__}")
-    x = check_tensor(inp.x, "inp.x", ndim=2, dtypes=_SCORE_DTYPES)
-    check_cu_seqlens(inp.cu_seqlens, total=x.shape[0], device=x.device, name="inp.cu_seqlens")
-    check_int(inp.stage, "inp.stage", 0)
-    check_int(inp.num_patches, "inp.num_patches", 1)
-    required = {"cls_attn": attention, "v": values}
-    for name, needed in required.items():
-        if not needed:
-            continue
-        value = getattr(inp, name)
-        if value is None:
-            raise ValueError(f"inp.{name} is required by this pruner (it scores tokens by attention), got None")
-        check_tensor(value, f"inp.{name}", ndim=2, dtypes=_SCORE_DTYPES, device=x.device)
-        if value.shape[0] != x.shape[0]:
-            raise ValueError(f"inp.{name} must have {x.shape[0]} rows like inp.x, got shape {tuple(value.shape)}")
-    return inp
-
-
-def patch_rank(scores: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Rank of every patch row by descending score inside its own image (0 = best): ``[T]`` -> int64 ``[T]``.
-
-    Ties go to the earlier row, so a rank depends on the image's own scores only. Each image's CLS row ranks after
-    all its patches, hence ``rank < k`` marks exactly ``min(k, patches)`` patches (plus CLS when ``k > patches``).
-    Sorting the packed rows by (image, CLS last, score) needs no padding and no device-to-host read.
-    """
-    total = scores.shape[0]
-    seg = segment_ids(cu_seqlens, total)
-    is_cls = positions(cu_seqlens, total) == 0
-    by_score = torch.argsort(scores, descending=True, stable=True)
-    group = 2 * seg + is_cls.long()
-    order = by_score[torch.argsort(group[by_score], stable=True)]
-    rank = torch.empty_like(order)
-    rank[order] = torch.arange(total, device=scores.device) - cu_seqlens.long()[seg[order]]
-    return rank
-
-
-def patch_counts(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Patches (rows after CLS) per image ``[B]`` (int64); an empty image has none."""
-    return (seqlens(cu_seqlens) - 1).clamp_min(0)
-
-
-def ceil_rate(rate: float, patches: torch.Tensor) -> torch.Tensor:
-    """``ceil(rate * patches)`` per image, in float64 so that it equals Python's ``math.ceil`` on the host."""
-    return torch.ceil(patches.double() * rate).long()
-
-
-def uniform_length(cu_seqlens: torch.Tensor, total: int) -> int | None:
-    """Rows per image of a uniform batch, from host shapes; None when the batch is known to be ragged.
-
-    Fixed-count pipelines only ever produce uniform batches, so ``T // B`` is the length without reading the
-    device. The offsets are read to confirm it only where that is free (CPU), as ``check_cu_seqlens`` does; on a
-    GPU a ragged batch with ``T % B == 0`` goes undetected and only the host ``count`` is wrong, not the mask.
-    """
-    batch = cu_seqlens.numel() - 1
-    if total % batch:
-        return None
-    length = total // batch
-    if cu_seqlens.device.type == "cpu" and not bool((seqlens(cu_seqlens) == length).all()):
-        return None
-    return length
 
 
 class ThresholdL2Pruner(Pruner):
@@ -207,7 +118,7 @@ class ThresholdL2Pruner(Pruner):
         seg = segment_ids(cu, total)
         is_cls = positions(cu, total) == 0
         score = x.float().norm(dim=-1)  # fp32 whatever the stream dtype: decisions on fp32 scores
-        rank = patch_rank(score, cu)
+        rank = segment_rank(score, cu)
         if self.mode == "ratio":
             keep = is_cls | (rank < ceil_rate(self.rate, patch_counts(cu))[seg])
             current = uniform_length(cu, total)
