@@ -45,3 +45,17 @@ def gen(request: pytest.FixtureRequest) -> torch.Generator:
     g = torch.Generator()
     g.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     return g
+
+
+@pytest.fixture
+def forbid_launch(monkeypatch: pytest.MonkeyPatch):
+    """Replaces named module attributes (kernel launchers) by a function that fails the test if called."""
+
+    def forbid(module: object, *names: str) -> None:
+        def launched(*args: object, **kwargs: object) -> None:
+            raise AssertionError("kernel launched on invalid input")
+
+        for name in names:
+            monkeypatch.setattr(module, name, launched)
+
+    return forbid

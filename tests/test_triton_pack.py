@@ -124,14 +124,9 @@ def _bad_pack_calls():
 
 
 @pytest.mark.parametrize("index", range(len(_bad_pack_calls())))
-def test_bad_input_raises_before_launch(index, monkeypatch):
+def test_bad_input_raises_before_launch(index, forbid_launch):
     name, call = _bad_pack_calls()[index]
-
-    def no_launch(*args, **kwargs):
-        raise AssertionError("kernel launched on invalid input")
-
-    monkeypatch.setattr(tp, "_repack", no_launch)
-    monkeypatch.setattr(tp, "_unpack_kernel", None)
+    forbid_launch(tp, "_repack", "_unpack_kernel")
     with pytest.raises((ValueError, TypeError), match=name):
         call()
 

@@ -33,14 +33,18 @@ _BLOCK_R = 32
 
 
 @triton.jit
+def _source_rows(b, SRC_CU, dense_len, DENSE: tl.constexpr):
+    """First row and length of image ``b`` in the input: ``b * N`` and ``N`` for a dense batch."""
+    if DENSE:
+        return b * dense_len, dense_len
+    start = tl.load(SRC_CU + b)
+    return start, tl.load(SRC_CU + b + 1) - start
+
+
+@triton.jit
 def _count_kernel(KEEP, SRC_CU, COUNTS, dense_len, LEN_PAD: tl.constexpr, DENSE: tl.constexpr):
     b = tl.program_id(0)
-    if DENSE:
-        src_start = b * dense_len
-        length = dense_len
-    else:
-        src_start = tl.load(SRC_CU + b)
-        length = tl.load(SRC_CU + b + 1) - src_start
+    src_start, length = _source_rows(b, SRC_CU, dense_len, DENSE)
     offs = tl.arange(0, LEN_PAD)
     k = tl.load(KEEP + src_start + offs, mask=offs < length, other=0).to(tl.int32)
     tl.store(COUNTS + b, tl.sum(k, 0))
@@ -60,12 +64,7 @@ def _pack_kernel(
 ):  # fmt: skip
     b = tl.program_id(0)
     r = tl.program_id(1)
-    if DENSE:
-        src_start = b * dense_len
-        length = dense_len
-    else:
-        src_start = tl.load(SRC_CU + b)
-        length = tl.load(SRC_CU + b + 1) - src_start
+    src_start, length = _source_rows(b, SRC_CU, dense_len, DENSE)
 
     # Output offset of image b: kept rows of the images before it (+1 each for an extra token).
     offs_b = tl.arange(0, B_PAD)
