@@ -26,14 +26,13 @@ QUICK_CELLS = [(1, 80), (32, 50), (64, 0), (128, 0)]
 
 
 def _configs(quick: bool) -> list[AttentionConfig]:
-    space = itertools.product((32, 64, 128), (32, 64, 128), (2, 4, 8), (1, 2, 3), (True, False))
-    configs = [
-        AttentionConfig(m, n, w, s, g)
-        for m, n, w, s, g in space
-        if not (m == 128 and w == 4 and n == 128) and (w == 2) == (m == 32) and not (m == 32 and n == 128)
-    ]
+    """The sweep: 32-row tiles on 2 warps (mma.sync) and 64/128-row tiles on 4/8 warps (wgmma)."""
+    configs = [AttentionConfig(32, n, 2, s, g) for n in (32, 64) for s in (1, 3) for g in (True, False)]
+    for m, n, w, s, g in itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2, 3), (True, False)):
+        if not (m == 128 and n == 128):
+            configs.append(AttentionConfig(m, n, w, s, g))
     if quick:
-        configs = [c for c in configs if c.num_stages == 2]
+        configs = [c for c in configs if c.num_stages in (1, 3) and c.num_warps == max(2, 4 * c.block_m // 64)]
     return configs
 
 

@@ -86,19 +86,34 @@ def test_strided_separate_qkv_interpreter(gen):
     torch.testing.assert_close(got, contiguous, rtol=0, atol=0)
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("per_tile,bound", [(True, 197), (False, 197), (True, 40), (True, 1000)])
-def test_grid_shape_and_bound_do_not_change_results_interpreter(per_tile, bound, gen):
-    """The grid-stride loop makes results independent of the grid shape and of the max_seqlen bound."""
-    heads, head_dim = 1, 32
-    cu = _cu((130, 5, 197), "cpu")
-    qkv = _qkv(int(cu[-1]), heads, head_dim, torch.float32, "cpu", gen)
+# Lengths with full tiles and last query/key tiles of every size class (1-16, 17-32, 33-48, 49-63 rows).
+TILE_LENGTHS = (130, 5, 197, 40, 100, 20, 64, 113)
+_CONFIGS = [
+    AttentionConfig(64, 64, 4, 1, True),
+    AttentionConfig(64, 64, 4, 1, False),
+    AttentionConfig(64, 32, 4, 3, True),
+    AttentionConfig(128, 64, 8, 1, False),
+    AttentionConfig(32, 32, 2, 2, True),
+]
+
+
+def _launch_config(config, lengths, bound, dtype, device, gen, heads=1, head_dim=32):
+    cu = _cu(lengths, device)
+    qkv = _qkv(int(cu[-1]), heads, head_dim, dtype, device, gen)
     q, k, v = reference.split_qkv(qkv, heads)
-    base = torch.full((qkv.shape[0], heads, head_dim), float("nan"))
-    ta._launch(q, k, v, base, cu, 197, head_dim**-0.5, AttentionConfig(64, 64, 4, 1, True))
-    out = torch.full_like(base, float("nan"))
-    ta._launch(q, k, v, out, cu, bound, head_dim**-0.5, AttentionConfig(64, 64, 4, 1, per_tile))
-    torch.testing.assert_close(out, base, rtol=0, atol=0)
+    out = torch.full((qkv.shape[0], heads, head_dim), float("nan"), dtype=dtype, device=device)
+    ta._launch(q, k, v, out, cu, bound, head_dim**-0.5, config)
+    return out, (q, k, v, cu)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("config", _CONFIGS, ids=repr)
+@pytest.mark.parametrize("bound", [197, 40, 1000])
+def test_configs_and_bound_give_reference_results_interpreter(config, bound, gen):
+    """Every tile shape and grid shape computes the reference result, for any max_seqlen bound
+    (the grid-stride loop covers query tiles beyond an underestimated bound); fp32 IEEE dots: 2e-6."""
+    out, (q, k, v, cu) = _launch_config(config, TILE_LENGTHS, bound, torch.float32, "cpu", gen)
+    torch.testing.assert_close(out, reference.ragged_attention(q, k, v, cu), rtol=0, atol=2e-6)
 
 
 @pytest.mark.interpreter
@@ -201,6 +216,15 @@ def test_other_head_dims_gpu(head_dim, dtype, gen):
     qkv, cu, got = _run_qkv(GPU_LENGTHS, heads, head_dim, dtype, "cuda", gen)
     q, k, v = reference.split_qkv(qkv, heads)
     _check_close(got.view(-1, heads, head_dim), q, k, v, cu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", _CONFIGS, ids=repr)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_every_config_gpu(config, dtype, gen):
+    out, (q, k, v, cu) = _launch_config(config, TILE_LENGTHS * 4, 197, dtype, "cuda", gen, heads=12, head_dim=64)
+    assert not out.isnan().any()
+    _check_close(out, q, k, v, cu)
 
 
 @pytest.mark.gpu

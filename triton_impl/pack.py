@@ -36,9 +36,12 @@ _BLOCK_R = 32
 def _source_rows(b, SRC_CU, dense_len, DENSE: tl.constexpr):
     """First row and length of image ``b`` in the input: ``b * N`` and ``N`` for a dense batch."""
     if DENSE:
-        return b * dense_len, dense_len
-    start = tl.load(SRC_CU + b)
-    return start, tl.load(SRC_CU + b + 1) - start
+        start = b * dense_len
+        length = dense_len
+    else:
+        start = tl.load(SRC_CU + b)
+        length = tl.load(SRC_CU + b + 1) - start
+    return start, length
 
 
 @triton.jit
