@@ -22,6 +22,11 @@ for step in "${steps[@]}"; do
     tune-quick) "$PY" -m ci.tune_attention --quick --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | tail -30 ;;
     bench) "$PY" -m benchmarks.report_attention --out "$OUT/attention.json" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
     bench-quick) "$PY" -m benchmarks.report_attention --quick --out "$OUT/attention.json" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+    profile) for cell in "64 0" "64 50"; do set -- $cell
+               ncu --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis --section Occupancy \
+                   --section LaunchStats -k regex:_ragged -s 2 -c 1 "$PY" -m ci.profile_attention --batch $1 --pruned $2 \
+                   > "$OUT/ncu_B$1_p$2.txt" 2>&1; grep -E "Duration|Throughput|Pipe|Issue|Stall|Occupancy|Registers|Shared" "$OUT/ncu_B$1_p$2.txt" | head -40
+             done ;;
     *) echo "unknown step: $step"; status=2 ;;
   esac
 done
