@@ -25,13 +25,13 @@ CELLS = [(b, p) for b in (1, 4, 32, 64, 128) for p in (0, 50, 80)]
 QUICK_CELLS = [(1, 80), (32, 50), (64, 0), (128, 0)]
 
 
-def _configs(quick: bool) -> list[AttentionConfig]:
-    """The sweep: 32-row tiles on 2 warps (mma.sync) and 64/128-row tiles on 4/8 warps (wgmma)."""
+def _configs(space: str) -> list[AttentionConfig]:
+    """``full``: tiles x warps x stages x grid; ``quick``: a subset."""
     configs = [AttentionConfig(32, n, 2, s, g) for n in (32, 64) for s in (1, 3) for g in (True, False)]
     for m, n, w, s, g in itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2, 3), (True, False)):
         if not (m == 128 and n == 128):
             configs.append(AttentionConfig(m, n, w, s, g))
-    if quick:
+    if space == "quick":
         configs = [c for c in configs if c.num_stages in (1, 3) and c.num_warps == max(2, 4 * c.block_m // 64)]
     return configs
 
@@ -82,11 +82,12 @@ def _fa2(q, k, v, cu, max_len):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="fewer cells and configurations")
+    parser.add_argument("--space", choices=("full", "quick"), default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     cells = QUICK_CELLS if args.quick else CELLS
-    configs = _configs(args.quick)
+    configs = _configs(args.space or ("quick" if args.quick else "full"))
     results: dict[str, dict[str, float]] = {}
     card = torch.cuda.get_device_name()
     print(f"card: {card}  torch {torch.__version__}  configs: {len(configs)}  cells: {len(cells)}", flush=True)
