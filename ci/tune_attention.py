@@ -10,14 +10,17 @@ configuration with the best geometric-mean ratio to FA2 over all cells. The chos
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import itertools
 import json
 import math
 
 import torch
 
+from benchmarks.timing import graph_time
+from benchmarks.workloads import HEAD_DIM, MAX_SEQLEN, NUM_HEADS, make_qkv_sets, make_workload
 from reference.attention import split_qkv
-from reference.segments import cu_seqlens_from_counts
 from triton_impl import attention as ta
 from triton_impl.configs import AttentionConfig
 
@@ -36,44 +39,12 @@ def _configs(space: str) -> list[AttentionConfig]:
     return configs
 
 
-class _Workload:
-    """DeiT-B geometry, per-image kept patch counts drawn uniformly within +-15% of the pruning target."""
-
-    def __init__(self, batch: int, pruned: int, seed: int, heads: int = 12, head_dim: int = 64) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        target = 196 * (100 - pruned) / 100
-        lo, hi = max(1, round(target * 0.85)), min(196, round(target * 1.15))
-        counts = torch.randint(lo, hi + 1, (batch,), generator=gen) + 1
-        self.num_heads, self.head_dim, self.bound = heads, head_dim, 197
-        self.max_seqlen = int(counts.max())
-        self.cu_seqlens = cu_seqlens_from_counts(counts).cuda()
-        total = int(counts.sum())
-        self.qkv = torch.randn(total, 3 * heads * head_dim, generator=gen).half().cuda()
-
-
-def graph_time_us(fn, calls: int = 20, replays: int = 20) -> float:
-    """Median device time of one call under CUDA-graph replay (``calls`` captured back to back)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / calls)
-    return sorted(times)[len(times) // 2]
+def _device_us(call) -> float:
+    """Median per-call device time under CUDA-graph replay (the benchmarks' clock)."""
+    result = graph_time([call], contextlib.nullcontext, calls_per_graph=20, replays=20)
+    if result.spread is None:
+        raise RuntimeError(result.reason)
+    return result.spread.median
 
 
 def _fa2(q, k, v, cu, max_len):
@@ -92,23 +63,21 @@ def main() -> None:
     card = torch.cuda.get_device_name()
     print(f"card: {card}  torch {torch.__version__}  configs: {len(configs)}  cells: {len(cells)}", flush=True)
     for batch, pruned in cells:
-        wl = _Workload(batch, pruned, seed=batch * 100 + pruned)
-        q, k, v = split_qkv(wl.qkv, wl.num_heads)
-        out = torch.empty(wl.qkv.shape[0], wl.num_heads, wl.head_dim, dtype=wl.qkv.dtype, device="cuda")
+        wl = make_workload(batch, pruned)
+        cu = wl.cu_seqlens("cuda")
+        q, k, v = split_qkv(make_qkv_sets(wl, 1, "cuda")[0], NUM_HEADS)
+        out = torch.empty_like(q)
         cell = f"B{batch}_p{pruned}"
-        results[cell] = {"fa2": graph_time_us(lambda: _fa2(q, k, v, wl.cu_seqlens, wl.max_seqlen))}
-        scale = wl.head_dim**-0.5
+        results[cell] = {"fa2": _device_us(functools.partial(_fa2, q, k, v, cu, wl.max_len))}
         for cfg in configs:
-            def call(cfg=cfg):
-                ta._launch(q, k, v, out, wl.cu_seqlens, wl.bound, scale, cfg)
-
+            call = functools.partial(ta._launch, q, k, v, out, cu, MAX_SEQLEN, HEAD_DIM**-0.5, cfg)
             try:
-                results[cell][repr(cfg)] = graph_time_us(call)
+                results[cell][repr(cfg)] = _device_us(call)
             except Exception as exc:  # a config the compiler rejects (e.g. out of shared memory)
                 results[cell][repr(cfg)] = float("nan")
                 print(f"  {cfg}: failed: {type(exc).__name__}: {str(exc)[:120]}")
-        best = min((t, c) for c, t in results[cell].items() if c != "fa2" and not math.isnan(t))
-        print(f"{cell:>9} tokens={wl.qkv.shape[0]:6d} fa2={results[cell]['fa2']:7.2f}us best={best[0]:7.2f}us {best[1]}")
+        best_us, best_cfg = min((t, c) for c, t in results[cell].items() if c != "fa2" and not math.isnan(t))
+        print(f"{cell:>9} tokens={wl.total:6d} fa2={results[cell]['fa2']:7.2f}us best={best_us:7.2f}us {best_cfg}")
     scores = {}
     for cfg in configs:
         ratios = [results[c][repr(cfg)] / results[c]["fa2"] for c in results]

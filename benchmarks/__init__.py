@@ -1,0 +1,4 @@
+"""Benchmarks (not tests): kernel and pipeline timings against PyTorch peers, run on a CUDA GPU.
+
+Nothing here asserts a time. Every result carries the card, torch, triton and git commit it was measured on.
+"""
