@@ -19,6 +19,7 @@ for step in "${steps[@]}"; do
     sanitize) compute-sanitizer --tool memcheck --error-exitcode 9 "$PY" -m ci.sanitize_case > "$OUT/sanitize.log" 2>&1 \
                 && echo "memcheck: clean" || { echo "memcheck: FAILED"; tail -30 "$OUT/sanitize.log"; status=1; } ;;
     tune) "$PY" -m ci.tune_attention --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | tail -40 ;;
+    dispatch) "$PY" -m ci.dispatch_profile 2>&1 | tee "$OUT/dispatch.log" ;;
     tune-quick) "$PY" -m ci.tune_attention --quick --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | tail -30 ;;
     bench) "$PY" -m benchmarks.report_attention --out "$OUT/attention.json" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
     bench-quick) "$PY" -m benchmarks.report_attention --quick --out "$OUT/attention.json" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;

@@ -1,0 +1,79 @@
+"""Where the host time of one attention call goes (GPU machine): ``python -m ci.dispatch_profile``.
+
+Times back-to-back calls (host clock, synchronize once per 200 calls) of: the public entry, the launcher on
+prepared views, Triton's ``kernel[grid]`` on prepared arguments, the compiled kernel's own ``run``, an empty
+Triton kernel, and FA2 through ``aten._flash_attention_forward``. Small B=1 workload: device time is ~4 us.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import triton
+
+from reference.attention import split_qkv
+from reference.segments import cu_seqlens_from_counts
+from triton_impl import attention as ta
+from triton_impl.configs import attention_config
+
+
+@triton.jit
+def _empty(X):
+    pass
+
+
+def _per_call_us(fn, n: int = 200, rounds: int = 15) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) * 1e6 / n)
+    return sorted(samples)[len(samples) // 2]
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    cu = cu_seqlens_from_counts(torch.tensor([90])).cuda()
+    qkv = torch.randn(90, 3 * 768, device="cuda", dtype=torch.float16)
+    out = torch.empty(90, 768, device="cuda", dtype=torch.float16)
+    q, k, v = split_qkv(qkv, 12)
+    o = out.view(90, 12, 64)
+    cfg = attention_config(qkv.device, 64, 90.0)
+    args = (q, k, v, o, cu, 90, 0.125 * 1.4426950408889634, *q.stride(), *k.stride(), *v.stride(), *o.stride())
+    consts = dict(NUM_HEADS=12, HEAD_DIM=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION="tf32")
+    grid = (triton.cdiv(197, cfg.block_m) if cfg.grid_per_tile else 1, 12)
+    launch = ta._ragged_attention_kernel[grid]
+    compiled = launch(*args, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    stream = torch.cuda.current_stream().cuda_stream
+    all_args = (*args, *consts.values())
+
+    def compiled_run():
+        compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                     *all_args)  # fmt: skip
+
+    rows = {
+        "public ragged_attention_qkv(out=)": lambda: ta.ragged_attention_qkv(qkv, cu, 197, 12, out=out),
+        "public ragged_attention_qkv": lambda: ta.ragged_attention_qkv(qkv, cu, 197, 12),
+        "custom op": lambda: torch.ops.ragged_vit.ragged_attention_qkv(qkv, cu, 197, 12, 0.125),
+        "_launch on prepared views": lambda: ta._launch(q, k, v, o, cu, 197, 0.125, cfg),
+        "kernel[grid](...) prepared args": lambda: launch(*args, **consts, num_warps=cfg.num_warps,
+                                                          num_stages=cfg.num_stages),
+        "compiled.run(...) direct": compiled_run,
+        "empty triton kernel[grid]": lambda: _empty[(1,)](qkv),
+        "split_qkv only": lambda: split_qkv(qkv, 12),
+        "fa2 aten": lambda: torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, 90, 90, 0.0, False, False),
+        "torch add (one elementwise op)": lambda: torch.add(out, out, out=out),
+    }  # fmt: skip
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
+    for name, fn in rows.items():
+        print(f"{name:40s} {_per_call_us(fn):7.2f} us/call")
+
+
+if __name__ == "__main__":
+    main()
