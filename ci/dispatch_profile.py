@@ -43,27 +43,24 @@ def main() -> None:
     qkv = torch.randn(90, 3 * 768, device="cuda", dtype=torch.float16)
     out = torch.empty(90, 768, device="cuda", dtype=torch.float16)
     q, k, v = split_qkv(qkv, 12)
-    o = out.view(90, 12, 64)
     cfg = attention_config(qkv.device, 64, 90.0)
-    args = (q, k, v, o, cu, 90, 0.125 * 1.4426950408889634, *q.stride(), *k.stride(), *v.stride(), *o.stride())
-    consts = dict(NUM_HEADS=12, HEAD_DIM=64, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION="tf32")
+    args = (qkv, qkv, qkv, out, cu, 90, 0.125 * 1.4426950408889634, 2304, 64, 1, 2304, 64, 1, 2304, 64, 1,
+            768, 64, 1, 768, 1536, 12, 64, cfg.block_m, cfg.block_n, "tf32")  # fmt: skip
     grid = (triton.cdiv(197, cfg.block_m) if cfg.grid_per_tile else 1, 12)
     launch = ta._ragged_attention_kernel[grid]
-    compiled = launch(*args, **consts, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    compiled = launch(*args, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     stream = torch.cuda.current_stream().cuda_stream
-    all_args = (*args, *consts.values())
 
     def compiled_run():
         compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
-                     *all_args)  # fmt: skip
+                     *args)  # fmt: skip
 
     rows = {
         "public ragged_attention_qkv(out=)": lambda: ta.ragged_attention_qkv(qkv, cu, 197, 12, out=out),
         "public ragged_attention_qkv": lambda: ta.ragged_attention_qkv(qkv, cu, 197, 12),
         "custom op": lambda: torch.ops.ragged_vit.ragged_attention_qkv(qkv, cu, 197, 12, 0.125),
-        "_launch on prepared views": lambda: ta._launch(q, k, v, o, cu, 197, 0.125, cfg),
-        "kernel[grid](...) prepared args": lambda: launch(*args, **consts, num_warps=cfg.num_warps,
-                                                          num_stages=cfg.num_stages),
+        "separate q, k, v views (binder path)": lambda: ta.ragged_attention(q, k, v, cu, 197),
+        "kernel[grid](...) prepared args": lambda: launch(*args, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         "compiled.run(...) direct": compiled_run,
         "empty triton kernel[grid]": lambda: _empty[(1,)](qkv),
         "split_qkv only": lambda: split_qkv(qkv, 12),

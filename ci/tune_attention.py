@@ -65,12 +65,13 @@ def main() -> None:
     for batch, pruned in cells:
         wl = make_workload(batch, pruned)
         cu = wl.cu_seqlens("cuda")
-        q, k, v = split_qkv(make_qkv_sets(wl, 1, "cuda")[0], NUM_HEADS)
-        out = torch.empty_like(q)
+        qkv = make_qkv_sets(wl, 1, "cuda")[0]
+        q, k, v = split_qkv(qkv, NUM_HEADS)
+        out = torch.empty(wl.total, NUM_HEADS * HEAD_DIM, dtype=qkv.dtype, device="cuda")
         cell = f"B{batch}_p{pruned}"
         results[cell] = {"fa2": _device_us(functools.partial(_fa2, q, k, v, cu, wl.max_len))}
         for cfg in configs:
-            call = functools.partial(ta._launch, q, k, v, out, cu, MAX_SEQLEN, HEAD_DIM**-0.5, cfg)
+            call = functools.partial(ta.ragged_attention_qkv, qkv, cu, MAX_SEQLEN, NUM_HEADS, out=out, config=cfg)
             try:
                 results[cell][repr(cfg)] = _device_us(call)
             except Exception as exc:  # a config the compiler rejects (e.g. out of shared memory)

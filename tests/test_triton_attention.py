@@ -101,9 +101,9 @@ def _launch_config(config, lengths, bound, dtype, device, gen, heads=1, head_dim
     cu = _cu(lengths, device)
     qkv = _qkv(int(cu[-1]), heads, head_dim, dtype, device, gen)
     q, k, v = reference.split_qkv(qkv, heads)
-    out = torch.full((qkv.shape[0], heads, head_dim), float("nan"), dtype=dtype, device=device)
-    ta._launch(q, k, v, out, cu, bound, head_dim**-0.5, config)
-    return out, (q, k, v, cu)
+    out = torch.full((qkv.shape[0], heads * head_dim), float("nan"), dtype=dtype, device=device)
+    ta.ragged_attention_qkv(qkv, cu, bound, heads, out=out, config=config)
+    return out.view(-1, heads, head_dim), (q, k, v, cu)
 
 
 @pytest.mark.interpreter
@@ -225,6 +225,23 @@ def test_every_config_gpu(config, dtype, gen):
     out, (q, k, v, cu) = _launch_config(config, TILE_LENGTHS * 4, 197, dtype, "cuda", gen, heads=12, head_dim=64)
     assert not out.isnan().any()
     _check_close(out, q, k, v, cu)
+
+
+@pytest.mark.gpu
+def test_cached_launch_respects_specialisation_gpu(gen):
+    """Repeated calls reuse the compiled kernel; a misaligned or odd-strided qkv must not reuse the aligned one."""
+    heads, head_dim = 12, 64
+    width = 3 * heads * head_dim
+    for lengths in ((197, 5, 64), (33, 197, 1, 100)):  # a second call with another T takes the cached launch
+        qkv, cu, got = _run_qkv(lengths, heads, head_dim, torch.float16, "cuda", gen, max_seqlen=197)
+        again = ta.ragged_attention_qkv(qkv, cu, 197, heads)
+        assert torch.equal(got, again)
+        _check_close(got.view(-1, heads, head_dim), *reference.split_qkv(qkv, heads), cu)
+    store = torch.randn(qkv.shape[0], width + 1, generator=gen).half().cuda()
+    odd = store[:, 1:]  # 2-byte misaligned base, row stride 2305: a different specialisation
+    out = torch.full((odd.shape[0], heads * head_dim + 1), float("nan"), dtype=torch.float16, device="cuda")[:, 1:]
+    got = ta.ragged_attention_qkv(odd, cu, 197, heads, out=out)
+    _check_close(got.view(-1, heads, head_dim), *reference.split_qkv(odd, heads), cu)
 
 
 @pytest.mark.gpu

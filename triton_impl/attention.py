@@ -33,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from reference.attention import split_qkv
 from reference.validation import FLOAT_DTYPES, check_cu_seqlens, check_max_seqlen, check_tensor
 from triton_impl.configs import AttentionConfig, attention_config
+from triton_impl.launcher import CompiledLauncher
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 _LOG2E = 1.4426950408889634
@@ -72,7 +72,7 @@ def _attend_key_tile(
     return acc, m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["total_rows"])
 def _ragged_attention_kernel(
     Q, K, V, O, CU_SEQLENS,
     total_rows,
@@ -81,6 +81,8 @@ def _ragged_attention_kernel(
     stride_kt, stride_kh, stride_kd,
     stride_vt, stride_vh, stride_vd,
     stride_ot, stride_oh, stride_od,
+    K_OFFSET: tl.constexpr,  # elements from K (V) to the first key (value): H*D (2*H*D) inside a packed qkv row
+    V_OFFSET: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -101,8 +103,8 @@ def _ragged_attention_kernel(
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     q_base = Q + start.to(tl.int64) * stride_qt + h * stride_qh
-    k_base = K + start.to(tl.int64) * stride_kt + h * stride_kh
-    v_base = V + start.to(tl.int64) * stride_vt + h * stride_vh
+    k_base = K + K_OFFSET + start.to(tl.int64) * stride_kt + h * stride_kh
+    v_base = V + V_OFFSET + start.to(tl.int64) * stride_vt + h * stride_vh
     o_base = O + start.to(tl.int64) * stride_ot + h * stride_oh
 
     # Grid-stride loop over query tiles: correct for any grid size along axis 0.
@@ -135,46 +137,35 @@ def _ragged_attention_kernel(
         )
 
 
+_launcher = CompiledLauncher(_ragged_attention_kernel)
+
+
 def _launch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
+    tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    strides: tuple[int, ...],
+    offsets: tuple[int, int],
     cu_seqlens: torch.Tensor,
+    shape: tuple[int, int, int],
     max_seqlen: int,
     scale: float,
     config: AttentionConfig,
+    key: tuple | None = None,
 ) -> None:
-    """Launches the kernel on validated ``[T, H, D]`` views; writes ``o`` in place."""
-    total, heads, head_dim = q.shape
+    """Launches the kernel on validated input; writes the output tensor (``tensors[3]``) in place.
+
+    ``tensors`` are the q, k, v, o base tensors, ``strides`` their (token, head, dim) strides (12 ints),
+    ``offsets`` the element offsets of k and v from their base, ``shape`` is ``(T, H, D)``. ``key`` (see
+    :mod:`triton_impl.launcher`) enables the cached launch; None always goes through Triton's binder.
+    """
+    total, heads, head_dim = shape
     batch = cu_seqlens.shape[0] - 1
-    grid_m = triton.cdiv(max_seqlen, config.block_m) if config.grid_per_tile else 1
-    _ragged_attention_kernel[(grid_m, batch * heads)](
-        q, k, v, o, cu_seqlens,
-        total,
-        scale * _LOG2E,
-        *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        NUM_HEADS=heads,
-        HEAD_DIM=head_dim,
-        BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
+    grid = (triton.cdiv(max_seqlen, config.block_m) if config.grid_per_tile else 1, batch * heads)
+    precision = "ieee" if tensors[0].dtype == torch.float32 else "tf32"
+    args = (
+        *tensors, cu_seqlens, total, scale * _LOG2E, *strides, *offsets,
+        heads, head_dim, config.block_m, config.block_n, precision,
     )  # fmt: skip
-
-
-def _check_qkv_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    check_tensor(q, "q", ndim=3, dtypes=FLOAT_DTYPES)
-    check_tensor(k, "k", ndim=3, dtypes=(q.dtype,), device=q.device)
-    check_tensor(v, "v", ndim=3, dtypes=(q.dtype,), device=q.device)
-    if q.shape != k.shape or q.shape != v.shape:
-        shapes = ", ".join(str(tuple(t.shape)) for t in (q, k, v))
-        raise ValueError(f"q, k, v must share one shape [T, H, D], got {shapes}")
-    if q.shape[2] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {q.shape[2]}")
-    if q.shape[0] == 0:
-        raise ValueError("q must hold at least one token (T >= 1)")
+    _launcher(key, grid, args, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -186,9 +177,20 @@ def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Ten
     return out
 
 
-def _resolve(
-    cu_seqlens: torch.Tensor, max_seqlen: int, scale: float | None, head_dim: int, total: int, device, check_values
+def _check_common(
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None,
+    total: int,
+    head_dim: int,
+    device: torch.device,
+    check_values: bool | None,
 ) -> float:
+    """Checks what both layouts share; returns the softmax scale."""
+    if total == 0:
+        raise ValueError("the packed input must hold at least one token (T >= 1)")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
     check_cu_seqlens(cu_seqlens, total=total, device=device, check_values=check_values)
     check_max_seqlen(max_seqlen)
     if scale is None:
@@ -207,6 +209,7 @@ def ragged_attention(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     check_values: bool | None = None,
+    config: AttentionConfig | None = None,
 ) -> torch.Tensor:
     """Ragged attention on separate ``q, k, v [T, H, D]`` (any strides). Returns ``[T, H, D]``.
 
@@ -217,13 +220,20 @@ def ragged_attention(
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         out: optional ``[T, H, D]`` output (any strides) to write into.
         check_values: read ``cu_seqlens`` to validate its values; default only on CPU (no GPU sync).
+        config: launch configuration; ``None`` takes the tuned table's choice (``triton_impl.configs``).
     """
-    _check_qkv_views(q, k, v)
+    check_tensor(q, "q", ndim=3, dtypes=FLOAT_DTYPES)
+    check_tensor(k, "k", ndim=3, dtypes=(q.dtype,), device=q.device)
+    check_tensor(v, "v", ndim=3, dtypes=(q.dtype,), device=q.device)
+    if q.shape != k.shape or q.shape != v.shape:
+        shapes = ", ".join(str(tuple(t.shape)) for t in (q, k, v))
+        raise ValueError(f"q, k, v must share one shape [T, H, D], got {shapes}")
     total, heads, head_dim = q.shape
-    scale = _resolve(cu_seqlens, max_seqlen, scale, head_dim, total, q.device, check_values)
+    scale = _check_common(cu_seqlens, max_seqlen, scale, total, head_dim, q.device, check_values)
     o = _check_out(out, (total, heads, head_dim), q)
-    config = attention_config(q.device, head_dim, total / (cu_seqlens.shape[0] - 1))
-    _launch(q, k, v, o, cu_seqlens, max_seqlen, scale, config)
+    config = config or attention_config(q.device, head_dim, total / (cu_seqlens.shape[0] - 1))
+    strides = (*q.stride(), *k.stride(), *v.stride(), *o.stride())
+    _launch((q, k, v, o), strides, (0, 0), cu_seqlens, (total, heads, head_dim), max_seqlen, scale, config)
     return o
 
 
@@ -235,17 +245,23 @@ def ragged_attention_qkv(
     scale: float | None = None,
     out: torch.Tensor | None = None,
     check_values: bool | None = None,
+    config: AttentionConfig | None = None,
 ) -> torch.Tensor:
     """Ragged attention read straight from timm's packed qkv projection output.
 
+    This is the hot path of the pipelines: no views are built (q, k and v are addressed as offsets into the qkv
+    row) and repeated calls launch the compiled kernel directly (:mod:`triton_impl.launcher`).
+
     Args:
-        qkv: ``[T, 3*H*D]`` output of ``Attention.qkv`` on the packed tokens (last dim contiguous or strided).
+        qkv: ``[T, 3*H*D]`` output of ``Attention.qkv`` on the packed tokens; rows may be strided, the last
+            dimension must be contiguous.
         cu_seqlens: int32 ``[B+1]`` offsets.
         max_seqlen: an upper bound on every image's length; sizes the grid only.
         num_heads: ``H``.
         scale: softmax scale; ``None`` means ``D ** -0.5``.
-        out: optional ``[T, H*D]`` output to write into.
+        out: optional ``[T, H*D]`` output (contiguous last dimension) to write into.
         check_values: read ``cu_seqlens`` to validate its values; default only on CPU (no GPU sync).
+        config: launch configuration; ``None`` takes the tuned table's choice (``triton_impl.configs``).
 
     Returns:
         ``[T, H*D]`` in the dtype of ``qkv``, ready for ``Attention.proj``.
@@ -253,24 +269,50 @@ def ragged_attention_qkv(
     check_tensor(qkv, "qkv", ndim=2, dtypes=FLOAT_DTYPES)
     if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
-    q, k, v = split_qkv(qkv, num_heads)
-    _check_qkv_views(q, k, v)
-    total, heads, head_dim = q.shape
-    scale = _resolve(cu_seqlens, max_seqlen, scale, head_dim, total, qkv.device, check_values)
-    o = _check_out(out, (total, heads * head_dim), qkv)
-    config = attention_config(qkv.device, head_dim, total / (cu_seqlens.shape[0] - 1))
-    _launch(q, k, v, o.view(total, heads, head_dim), cu_seqlens, max_seqlen, scale, config)
+    total, width = qkv.shape
+    if width % (3 * num_heads):
+        raise ValueError(f"qkv.shape[1] ({width}) must be divisible by 3 * num_heads ({3 * num_heads})")
+    head_dim = width // (3 * num_heads)
+    scale = _check_common(cu_seqlens, max_seqlen, scale, total, head_dim, qkv.device, check_values)
+    inner = num_heads * head_dim
+    o = _check_out(out, (total, inner), qkv)
+    if qkv.stride(1) != 1 or o.stride(1) != 1:
+        name = "qkv" if qkv.stride(1) != 1 else "out"
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1)")
+    config = config or attention_config(qkv.device, head_dim, total / (cu_seqlens.shape[0] - 1))
+    row, out_row = qkv.stride(0), o.stride(0)
+    strides = (row, head_dim, 1, row, head_dim, 1, row, head_dim, 1, out_row, head_dim, 1)
+    key = None
+    if qkv.is_cuda:
+        # Everything Triton specialises on that can vary between calls with this (dtype, H, D, config).
+        aligned = (qkv.data_ptr() | o.data_ptr() | cu_seqlens.data_ptr()) % 16 == 0
+        key = (qkv.get_device(), qkv.dtype, num_heads, head_dim, config, row % 16, out_row % 16, aligned)
+    _launch(
+        (qkv, qkv, qkv, o), strides, (inner, 2 * inner), cu_seqlens, (total, num_heads, head_dim), max_seqlen,
+        scale, config, key,
+    )  # fmt: skip
     return o
 
 
-@torch.library.custom_op("ragged_vit::ragged_attention_qkv", mutates_args=())
-def ragged_attention_qkv_op(
-    qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float
-) -> torch.Tensor:
-    """``torch.ops.ragged_vit.ragged_attention_qkv``: :func:`ragged_attention_qkv` as a custom op."""
+# The custom op for torch.compile. Registered through torch.library.Library rather than the custom_op
+# decorator: the decorator's Python wrapper cost ~30 us per eager call on an H200 (ci/dispatch_profile.py).
+_LIBRARY = torch.library.Library("ragged_vit", "DEF")
+_LIBRARY.define(
+    "ragged_attention_qkv(Tensor qkv, Tensor cu_seqlens, int max_seqlen, int num_heads, float scale) -> Tensor"
+)
+
+
+def _op_impl(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float):
     return ragged_attention_qkv(qkv, cu_seqlens, max_seqlen, num_heads, scale)
 
 
-@ragged_attention_qkv_op.register_fake
+_LIBRARY.impl("ragged_attention_qkv", _op_impl, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ragged_vit::ragged_attention_qkv")
 def _(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float) -> torch.Tensor:
     return qkv.new_empty((qkv.shape[0], qkv.shape[1] // 3))
+
+
+ragged_attention_qkv_op = torch.ops.ragged_vit.ragged_attention_qkv.default
+"""``torch.ops.ragged_vit.ragged_attention_qkv``: :func:`ragged_attention_qkv` as an op (all arguments required)."""

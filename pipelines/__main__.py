@@ -1,0 +1,176 @@
+"""``python -m pipelines`` / ``ragged-vit``: classify real images with a token-pruned DeiT on several backends.
+
+Examples::
+
+    python -m pipelines                                   # CPU: deit_tiny, 4 scikit-image photos, reference+triton
+    python -m pipelines --pruner evit --keep-rate 0.7 --fuse-token
+    python -m pipelines --model deit_base_patch16_224 --checkpoint deit_base.pth --images ~/photos
+    python -m pipelines --device cuda --backends padded_sdpa,fa2_varlen,nested_sdpa,triton --batch-repeats 16
+
+Only argparse, os and torch are imported before the arguments are read: on a CPU the Triton backend runs under
+Triton's interpreter, which must be switched on (``TRITON_INTERPRET=1``) before timm (which imports
+``triton.language``) is imported. Errors in the arguments (unknown names, keep rate outside (0, 1], missing
+files, a backend that cannot run on the device) exit with status 2 and a one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+_BACKEND_NAMES = ("reference", "padded_sdpa", "fa2_varlen", "nested_sdpa", "triton")  # pipelines.backends.BACKENDS
+_PRUNER_NAMES = ("threshold_l2", "dynamicvit", "evit", "ats", "none")  # pipelines.factory.PRUNER_NAMES
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _keep_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ragged-vit",
+        description="Classify images with a token-pruned timm DeiT through ragged (packed) attention backends; "
+        "print top-5 predictions, kept tokens, backend agreement and throughput.",
+    )
+    parser.add_argument(
+        "--model", help="timm model name (default: deit_tiny_patch16_224 on CPU, deit_base_patch16_224 on CUDA)"
+    )
+    parser.add_argument("--pruner", default="threshold_l2", choices=_PRUNER_NAMES, help="pruning method")
+    parser.add_argument("--keep-rate", type=_keep_rate, default=0.5, help="keep rate in (0, 1] (default 0.5)")
+    parser.add_argument(
+        "--threshold-mode",
+        default="ratio",
+        choices=("ratio", "calibrated", "threshold"),
+        help="threshold_l2 mode (calibrated: on the given images)",
+    )
+    parser.add_argument("--threshold", type=float, help="threshold_l2 norm threshold (--threshold-mode threshold)")
+    parser.add_argument("--fuse-token", action="store_true", help="evit: fuse dropped tokens into one")
+    parser.add_argument(
+        "--backends",
+        help="comma-separated list from: "
+        + ", ".join(_BACKEND_NAMES)
+        + " (default: reference,triton on CPU; padded_sdpa,fa2_varlen,triton on CUDA); "
+        "the first one prunes, the others replay its decisions",
+    )
+    parser.add_argument(
+        "--images",
+        nargs="+",
+        help="image files, folders or scikit-image sample names (default: chelsea astronaut coffee rocket)",
+    )
+    parser.add_argument(
+        "--checkpoint", help="local checkpoint file (official DeiT / DynamicViT); random weights without it"
+    )
+    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", *_DTYPES),
+        help="activation dtype (default: float32 on CPU, float16 on CUDA)",
+    )
+    parser.add_argument(
+        "--batch-repeats",
+        type=_positive,
+        help="throughput batch = the images repeated this many times (default 1 on CPU, 16 on CUDA)",
+    )
+    parser.add_argument("--timed-runs", type=_positive, help="timed runs per backend (default 3 on CPU, 20 on CUDA)")
+    parser.add_argument("--warmup", type=_non_negative, help="untimed runs first (default 1 on CPU, 3 on CUDA)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    parser.add_argument(
+        "--threads",
+        type=_positive,
+        help="CPU threads for torch (default: torch's own choice; 1 "
+        "is much faster when another process keeps a core busy)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parses ``argv`` (default ``sys.argv[1:]``), runs the demo; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        device = (
+            torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            if args.device == "auto"
+            else torch.device(args.device)
+        )
+    except RuntimeError as e:
+        parser.error(f"argument --device: {e}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"argument --device: {args.device} requested but CUDA is not available")
+    on_gpu = device.type == "cuda"
+    backends = (args.backends or ("padded_sdpa,fa2_varlen,triton" if on_gpu else "reference,triton")).split(",")
+    backends = [b.strip() for b in backends if b.strip()]
+    unknown = [b for b in backends if b not in _BACKEND_NAMES]
+    if unknown or not backends:
+        parser.error(
+            f"argument --backends: unknown {', '.join(map(repr, unknown)) or 'empty list'}; "
+            f"known: {', '.join(_BACKEND_NAMES)}"
+        )
+    if len(set(backends)) != len(backends):
+        parser.error(f"argument --backends: each backend once, got {','.join(backends)}")
+    if device.type == "cpu" and "triton" in backends:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before timm imports triton.language (see docstring)
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+
+    from pipelines.demo import DemoOptions, run_demo
+
+    options = DemoOptions(
+        model=args.model or ("deit_base_patch16_224" if on_gpu else "deit_tiny_patch16_224"),
+        pruner=args.pruner,
+        keep_rate=args.keep_rate,
+        backends=backends,
+        device=device,
+        dtype=_DTYPES[args.dtype] if args.dtype != "auto" else (torch.float16 if on_gpu else torch.float32),
+        images=args.images,
+        checkpoint=args.checkpoint,
+        threshold_mode=args.threshold_mode,
+        threshold=args.threshold,
+        fuse_token=args.fuse_token,
+        batch_repeats=args.batch_repeats or (16 if on_gpu else 1),
+        timed_runs=args.timed_runs or (20 if on_gpu else 3),
+        warmup=args.warmup if args.warmup is not None else (3 if on_gpu else 1),
+        seed=args.seed,
+    )
+    try:
+        with torch.inference_mode():
+            return run_demo(options)
+    except (ValueError, TypeError, FileNotFoundError, NotImplementedError) as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Padded baseline: gather the packed tokens to ``[B, L, ...]`` (L = the batch's longest survivor), run
+``F.scaled_dot_product_attention`` with a boolean key-padding mask, gather the real rows back.
+
+This is what a user without a varlen kernel would write, done well: the padding goes to the longest image of
+the batch (not back to the unpruned N), and both gathers are index computations on the device (no Python loop
+over images, no host synchronisation). PyTorch picks the SDPA kernel (a mask rules out flash; memory-efficient
+attention or math run).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pipelines.backends.base import AttentionBackend
+from reference.segments import positions, segment_ids, seqlens
+
+
+class PaddedSDPABackend(AttentionBackend):
+    """Padding + key-padding mask + SDPA; any device, any float dtype."""
+
+    name = "padded_sdpa"
+
+    def attend(
+        self, qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float
+    ) -> torch.Tensor:
+        total, width = qkv.shape
+        batch = cu_seqlens.numel() - 1
+        head_dim = width // (3 * num_heads)
+        slot = torch.arange(max_seqlen, device=qkv.device)
+        valid = slot[None, :] < seqlens(cu_seqlens)[:, None]  # [B, L]
+        # Padded slots read row 0 (any real row will do): their queries are discarded and their keys masked.
+        rows = torch.where(valid, cu_seqlens[:-1].long()[:, None] + slot[None, :], 0)
+        padded = qkv[rows.flatten()].view(batch, max_seqlen, 3, num_heads, head_dim)
+        q, k, v = padded.permute(2, 0, 3, 1, 4).unbind(0)  # [B, H, L, D] each
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+        out = out.transpose(1, 2).reshape(batch * max_seqlen, num_heads * head_dim)  # [B*L, H*D]
+        dest = segment_ids(cu_seqlens, total) * max_seqlen + positions(cu_seqlens, total)  # [T]
+        return out[dest]

@@ -1,0 +1,90 @@
+"""From names to a ready pipeline: one keep rate mapped onto each pruner's own parameter, then a PrunedViT.
+
+The CLI and the tests speak of one ``keep_rate`` in ``(0, 1]``; each method defines its schedule differently
+(see ``shared/PRUNERS.md``), so the mapping is made here, once:
+
+* ``threshold_l2``: one stage after block 3 (blocks 0-3 dense). ``ratio`` mode (default) keeps the top
+  ``ceil(keep_rate * 196)`` patches; ``calibrated`` sets the threshold to keep ``keep_rate`` on average (call
+  :meth:`PrunedViT.calibrate`); ``threshold`` keeps ``||x|| >= threshold`` (``keep_rate`` unused).
+* ``dynamicvit``: before blocks 3, 6, 9, ``int(196 * keep_rate ** s)`` patches at stage s (0.7 -> 137/96/67).
+* ``evit``: inside blocks 3, 6, 9, ``ceil(keep_rate * current)`` patches; ``fuse_token`` adds EViT's fused token.
+* ``ats``: inside blocks 3-11; ``keep_rate`` sets the number of CDF samples, ``ceil(keep_rate * 196)``, an upper
+  bound on the patches kept (ATS keeps fewer where its scores are peaked; 1.0 is the method's default, N).
+* ``none``: no pruning (timm's own dense forward).
+
+A keep rate of 1.0 keeps every token with threshold_l2 (ratio), dynamicvit and evit, so their pipelines
+reproduce timm's forward; ATS at 1.0 still samples adaptively.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from torch import nn
+
+from pipelines.backends import AttentionBackend
+from pipelines.model import PrunedViT
+from pipelines.weights import create_model, load_checkpoint
+from reference.pruners import PRUNERS, make_pruner
+from reference.selection import Pruner
+from reference.validation import check_rate
+
+PRUNER_NAMES: tuple[str, ...] = (*PRUNERS, "none")
+
+
+def build_pruner(
+    name: str,
+    model: nn.Module,
+    keep_rate: float = 0.5,
+    *,
+    threshold_mode: str = "ratio",
+    threshold: float | None = None,
+    fuse_token: bool = False,
+) -> Pruner | None:
+    """The pruner ``name`` configured for ``model`` at ``keep_rate`` (None for ``"none"``).
+
+    Args:
+        name: one of :data:`PRUNER_NAMES`.
+        model: the timm model (its embedding width and patch count size the pruner).
+        keep_rate: in ``(0, 1]``, mapped as in the module docstring.
+        threshold_mode: Threshold-L2 mode: ``"ratio"``, ``"calibrated"`` or ``"threshold"``.
+        threshold: Threshold-L2's norm threshold (mode ``"threshold"`` only).
+        fuse_token: EViT's fused token.
+    """
+    if not isinstance(name, str) or name not in PRUNER_NAMES:
+        raise ValueError(f"pruner must be one of {', '.join(PRUNER_NAMES)}, got {name!r}")
+    keep_rate = check_rate(keep_rate, "keep_rate")
+    num_patches = model.patch_embed.num_patches
+    if name == "none":
+        return None
+    if name == "threshold_l2":
+        if threshold_mode == "threshold":
+            return make_pruner(name, mode="threshold", threshold=threshold)
+        return make_pruner(name, mode=threshold_mode, rate=keep_rate)
+    if name == "dynamicvit":
+        return make_pruner(name, embed_dim=model.embed_dim, rate=keep_rate)
+    if name == "evit":
+        return make_pruner(name, rate=keep_rate, fuse_token=fuse_token)
+    samples = None if keep_rate == 1.0 else max(1, math.ceil(keep_rate * num_patches))
+    return make_pruner(name, num_samples=samples)
+
+
+def build_pipeline(
+    model_name: str,
+    pruner: str = "threshold_l2",
+    keep_rate: float = 0.5,
+    backend: str | AttentionBackend = "reference",
+    *,
+    checkpoint: str | os.PathLike | None = None,
+    **pruner_options: object,
+) -> PrunedViT:
+    """``create_model`` + :func:`build_pruner` + optional local checkpoint -> :class:`PrunedViT` (on the CPU).
+
+    Random weights unless ``checkpoint`` is given. ``pruner_options`` go to :func:`build_pruner`.
+    """
+    model = create_model(model_name)
+    pruner_module = build_pruner(pruner, model, keep_rate, **pruner_options)
+    if checkpoint is not None:
+        load_checkpoint(model, pruner_module, checkpoint)
+    return PrunedViT(model, pruner_module, backend)

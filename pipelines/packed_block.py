@@ -1,0 +1,90 @@
+"""One timm transformer block on a packed buffer ``[T, C]``, attention through a backend.
+
+timm's ``Block.forward`` is ``x + ls1(attn(norm1(x)))`` then ``x + ls2(mlp(norm2(x)))``. Every module in it but
+the attention core acts on each token independently (LayerNorm, the Linear layers, LayerScale, GELU, identity
+dropouts), so it runs unchanged on the flat ``[T, C]`` buffer; only ``softmax(q k^T) v`` must respect image
+boundaries, and that is the backend's job. The same modules and parameters are used: no copy, no fork of timm.
+
+Between the attention residual and the MLP an optional ``mid_hook`` may replace the buffer (a MID_BLOCK pruning
+stage: EViT, ATS); it sees the block's qkv projection too, for the CLS-attention scores.
+
+Supported: ``timm.models.vision_transformer.Block`` with ``timm.layers.Attention`` (qk_norm, scale_norm and the
+gated variant of newer timm included), in eval mode. Not supported: other block types (ResPostBlock,
+ParallelScalingBlock, ...), attention masks, rotary embeddings, dropout at training time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from timm.models.vision_transformer import Attention, Block  # Attention lives in timm.layers in newer timm
+from torch import nn
+
+from pipelines.backends.base import AttentionBackend
+from reference.attention import split_qkv
+
+#: ``mid_hook(x [T, C], cu_seqlens, max_seqlen, qkv [T, 3*H*D]) -> (x', cu_seqlens', max_seqlen')``
+MidHook = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor, int]]
+
+
+def check_packable(block: nn.Module, name: str = "block") -> None:
+    """Raises ``NotImplementedError`` unless ``block`` is a timm ``Block`` with a timm ``Attention``."""
+    if not isinstance(block, Block):
+        raise NotImplementedError(
+            f"{name} must be a timm vision_transformer.Block to run packed, got {type(block).__name__}"
+        )
+    if not isinstance(block.attn, Attention):
+        raise NotImplementedError(
+            f"{name}.attn must be a timm Attention to run packed, got {type(block.attn).__name__}"
+        )
+
+
+def block_qkv(attn: Attention, x: torch.Tensor) -> torch.Tensor:
+    """The qkv projection of normalised tokens ``x [T, C]`` -> ``[T, 3*H*D]``, with q_norm / k_norm applied.
+
+    With identity q/k norms (DeiT) this is the Linear layer's output itself, which the backends read through
+    strides. timm normalises q and k per head over ``D``; so does this, on ``[T, H, D]`` views.
+    """
+    qkv = attn.qkv(x)
+    if isinstance(attn.q_norm, nn.Identity) and isinstance(attn.k_norm, nn.Identity):
+        return qkv
+    q, k, v = split_qkv(qkv, attn.num_heads)
+    return torch.cat([attn.q_norm(q).flatten(1), attn.k_norm(k).flatten(1), v.flatten(1)], dim=1)
+
+
+def packed_block(
+    block: Block,
+    x: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    backend: AttentionBackend,
+    mid_hook: MidHook | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Runs ``block`` on packed tokens.
+
+    Args:
+        block: a timm ``Block`` (see :func:`check_packable`).
+        x: ``[T, C]`` packed residual stream.
+        cu_seqlens: int32 ``[B+1]`` offsets of ``x``.
+        max_seqlen: host int bounding every image's length.
+        backend: the attention backend.
+        mid_hook: optional stage between the attention residual and the MLP, which may prune the buffer.
+
+    Returns:
+        The block's output ``[T', C]`` and its ``cu_seqlens`` and ``max_seqlen`` (those of the input unless the
+        hook changed them).
+    """
+    attn = block.attn
+    normed = block.norm1(x)
+    qkv = block_qkv(attn, normed)  # [T, 3*H*D]
+    a = backend.attend(qkv, cu_seqlens, max_seqlen, attn.num_heads, attn.scale)  # [T, H*D]
+    a = attn.norm(a) if hasattr(attn, "norm") else a  # scale_norm (identity unless configured)
+    gate = getattr(attn, "gate", None)  # gated attention of newer timm versions
+    if gate is not None:
+        a = a * gate(normed).sigmoid()
+    x = x + block.drop_path1(block.ls1(attn.proj_drop(attn.proj(a))))
+    if mid_hook is not None:
+        x, cu_seqlens, max_seqlen = mid_hook(x, cu_seqlens, max_seqlen, qkv)
+    x = x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
+    return x, cu_seqlens, max_seqlen

@@ -1,0 +1,193 @@
+"""The CLI (``python -m pipelines`` / ``ragged-vit``) and its image loading, on the CPU with tiny settings.
+
+In-process runs call ``pipelines.__main__.main([...])``; one subprocess run checks the console entry from a fresh
+interpreter, where the CLI itself must switch Triton's interpreter on before timm is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pipelines.__main__ import main
+from pipelines.images import load_images, preprocess
+from pipelines.weights import create_model
+
+REPO = Path(__file__).resolve().parents[1]
+FAST = ["--device", "cpu", "--timed-runs", "1", "--warmup", "0"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _imagenet_names() -> set[str]:
+    from timm.data import ImageNetInfo
+
+    info = ImageNetInfo()
+    return {info.index_to_description(i) for i in range(1000)}
+
+
+def _top5_blocks(text: str) -> list[list[str]]:
+    """The class names printed under each image of the top-5 section."""
+    blocks: list[list[str]] = []
+    section = text.split("Top-5 per image", 1)[1].split("Backend agreement", 1)[0]
+    for line in section.splitlines()[1:]:
+        if line.startswith("  ["):
+            blocks.append([])
+        elif line.strip():
+            blocks[-1].append(line.split("%", 1)[1].strip())
+    return blocks
+
+
+@pytest.mark.interpreter
+def test_cli_runs_reference_and_triton(capsys):
+    pytest.importorskip("skimage")
+    assert main(["--images", "chelsea", "astronaut", "--backends", "reference,triton", *FAST]) == 0
+    out = capsys.readouterr().out
+    assert "RANDOM WEIGHTS" in out
+    assert "images: 2 at 224x224: chelsea, astronaut" in out
+    blocks = _top5_blocks(out)
+    names = _imagenet_names()
+    assert len(blocks) == 2 and all(len(b) == 5 and set(b) <= names for b in blocks)
+    assert out.count("kept 98") == 2  # threshold_l2, keep rate 0.5: ceil(0.5 * 196)
+    agreement = out.split("Backend agreement", 1)[1].split("Throughput", 1)[0]
+    assert "2/2" in agreement.split("triton", 1)[1].splitlines()[0]
+    assert "img/s" in out
+
+
+def test_cli_with_files_folder_and_checkpoint(tmp_path, capsys):
+    image_lib = pytest.importorskip("PIL.Image")
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    image_lib.fromarray(rng.integers(0, 255, (180, 260, 3), dtype=np.uint8)).save(folder / "a.png")
+    image_lib.fromarray(rng.integers(0, 255, (300, 200), dtype=np.uint8)).save(folder / "b.jpg")
+    (folder / "notes.txt").write_text("not an image")
+    ckpt = tmp_path / "deit_tiny.pth"
+    torch.save({"model": create_model("deit_tiny_patch16_224").state_dict()}, ckpt)
+    argv = [
+        "--images",
+        str(folder),
+        "--backends",
+        "reference,padded_sdpa",
+        "--pruner",
+        "evit",
+        "--keep-rate",
+        "0.7",
+        "--fuse-token",
+        "--checkpoint",
+        str(ckpt),
+        *FAST,
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"weights from checkpoint {ckpt}" in out and "RANDOM" not in out
+    assert "images: 2 at 224x224: a.png, b.jpg" in out
+    assert out.count("kept 139/99/71") == 2
+    assert len(_top5_blocks(out)) == 2
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--keep-rate", "0"], r"argument --keep-rate: must be in \(0, 1\]"),
+        (["--keep-rate", "1.01"], r"argument --keep-rate: must be in \(0, 1\]"),
+        (["--backends", "reference,flash"], "argument --backends: unknown 'flash'"),
+        (["--pruner", "tome"], "argument --pruner: invalid choice"),
+        (["--batch-repeats", "0"], "argument --batch-repeats: must be a positive integer"),
+        (["--warmup", "-1"], "argument --warmup: must be a non-negative integer"),
+    ],
+)
+def test_cli_rejects_bad_arguments(argv, match, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert match.replace("\\", "") in capsys.readouterr().err or pytest.fail(match)
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--model", "deit_nano_patch16_224"], "model 'deit_nano_patch16_224' is not a timm model"),
+        (["--images", "/no/such/photo.jpg"], "images: '/no/such/photo.jpg' is neither a file"),
+        (["--checkpoint", "/no/such/deit.pth"], "checkpoint file not found: /no/such/deit.pth"),
+        (["--backends", "fa2_varlen"], "backend 'fa2_varlen' needs a CUDA device"),
+        (["--model", "deit_tiny_distilled_patch16_224"], "exactly one prefix token"),
+    ],
+)
+def test_cli_reports_errors_in_one_line(argv, match, capsys):
+    backends = [] if "--backends" in argv else ["--backends", "reference"]
+    assert main([*argv, *backends, *FAST]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("ragged-vit: error: ") and match in err
+
+
+@pytest.mark.interpreter
+def test_console_entry_in_a_fresh_process():
+    pytest.importorskip("skimage")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipelines",
+            "--images",
+            "coffee",
+            "--pruner",
+            "dynamicvit",
+            "--keep-rate",
+            "0.7",
+            *FAST,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "backends: reference, triton (Triton interpreter)" in result.stdout
+    assert "kept 137/96/67" in result.stdout
+
+
+def test_load_images_sources_and_errors(tmp_path):
+    image_lib = pytest.importorskip("PIL.Image")
+    rgba = np.zeros((40, 50, 4), dtype=np.uint8)
+    rgba[..., 0] = 200
+    image_lib.fromarray(rgba).save(tmp_path / "x.png")
+    (loaded,) = load_images([str(tmp_path / "x.png")])
+    assert loaded.pixels.shape == (40, 50, 3) and loaded.pixels.dtype == np.uint8 and loaded.name == "x.png"
+    with pytest.raises(FileNotFoundError, match="holds no image files"):
+        (tmp_path / "empty").mkdir()
+        load_images([str(tmp_path / "empty")])
+    with pytest.raises(FileNotFoundError, match="is neither a file, a folder nor a scikit-image sample"):
+        load_images(["not_a_sample_name"])
+
+
+def test_preprocess_matches_the_model_config():
+    pytest.importorskip("skimage")
+    model = create_model("deit_tiny_patch16_224")
+    images = load_images(["chelsea", "camera", "horse"])  # RGB, grayscale uint8, boolean
+    assert all(i.pixels.shape[2] == 3 and i.pixels.dtype == np.uint8 for i in images)
+    assert images[2].pixels.max() == 255
+    x = preprocess(images, model)
+    assert x.shape == (3, 3, 224, 224) and x.dtype == torch.float32
+    mean = torch.tensor(model.pretrained_cfg["mean"])[:, None, None]
+    std = torch.tensor(model.pretrained_cfg["std"])[:, None, None]
+    pixels = x * std + mean
+    assert pixels.min() >= -1e-6 and pixels.max() <= 1 + 1e-6
+    torch.testing.assert_close(pixels[1, 0], pixels[1, 1], atol=1e-5, rtol=0)  # gray: equal channels
+    torch.testing.assert_close(pixels[1, 1], pixels[1, 2], atol=1e-5, rtol=0)

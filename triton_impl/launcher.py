@@ -1,0 +1,70 @@
+"""Low-overhead repeated launches of a compiled Triton kernel.
+
+``kernel[grid](...)`` binds and specialises every argument on every call. Measured on an H200 (torch 2.11,
+triton 3.6, ``python -m ci.dispatch_profile``): 18.1 us per call for the 24-argument attention kernel, against
+5.7 us for launching the already compiled kernel through its own ``run``. :class:`CompiledLauncher` keeps the
+compiled kernel per caller-supplied key and launches it directly.
+
+The key must capture everything Triton specialises on for the arguments that vary: dtypes, 16-byte alignment of
+every pointer, and for integers ``== 1`` / ``% 16 == 0`` (pass ``do_not_specialize`` for the integers that the
+key leaves out). The first call with a key, every call with ``key=None``, calls under the interpreter and calls
+while Triton launch hooks (profilers) are installed all go through Triton's normal path.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Hashable, Sequence
+
+import torch
+
+try:
+    from triton import knobs as _knobs
+except ImportError:  # triton < 3.4 has no knobs module: always take Triton's own path
+    _knobs = None
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _hooks_installed() -> bool:
+    if _knobs is None:
+        return True
+    runtime = _knobs.runtime
+    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+
+
+class CompiledLauncher:
+    """Launches one ``@triton.jit`` kernel, reusing its compiled handle per specialisation key.
+
+    Args:
+        kernel: the ``@triton.jit`` function.
+    """
+
+    def __init__(self, kernel) -> None:
+        self._kernel = kernel
+        self._compiled: dict[Hashable, object] = {}
+
+    def __call__(
+        self,
+        key: Hashable | None,
+        grid: tuple[int, int],
+        args: Sequence[object],
+        *,
+        num_warps: int,
+        num_stages: int,
+    ) -> None:
+        """Launches ``kernel[grid](*args)``; ``args`` holds every parameter, constexprs included, in order."""
+        compiled = self._compiled.get(key) if key is not None else None
+        if compiled is not None and not _hooks_installed():
+            stream = torch.cuda.current_stream().cuda_stream
+            compiled.run(
+                grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args
+            )
+            return
+        compiled = self._kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
+        if key is not None and not _INTERPRETED and hasattr(compiled, "packed_metadata"):
+            self._compiled[key] = compiled
+
+    def cache_size(self) -> int:
+        """Number of cached compiled specialisations (for tests)."""
+        return len(self._compiled)
