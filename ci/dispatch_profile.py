@@ -7,6 +7,8 @@ Triton kernel, and FA2 through ``aten._flash_attention_forward``. Small B=1 work
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import time
 
 import torch
@@ -70,6 +72,16 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     for name, fn in rows.items():
         print(f"{name:40s} {_per_call_us(fn):7.2f} us/call")
+    from triton_impl.launcher import _hooks_installed
+
+    print(f"cached specialisations: {ta._launcher.cache_size()}, launch hooks installed: {_hooks_installed()}")
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(2000):
+        ta.ragged_attention_qkv(qkv, cu, 197, 12, out=out)
+    profile.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(12)
 
 
 if __name__ == "__main__":

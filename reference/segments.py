@@ -40,9 +40,16 @@ def positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
 
 
 def segment_sum(values: torch.Tensor, seg: torch.Tensor, batch: int) -> torch.Tensor:
-    """Sums rows ``[T, ...]`` per image -> ``[B, ...]``."""
-    out = values.new_zeros((batch, *values.shape[1:]))
-    return out.index_add_(0, seg, values)
+    """Sums rows ``[T, ...]`` per image -> ``[B, ...]``, deterministically.
+
+    Floating-point sums run over each image's rows in order (``torch.segment_reduce``), never through atomic
+    adds, whose order varies between GPU runs: a pruner's top-k must not flip on a last-bit difference, or
+    image i's decision would depend on the timing of image j's work.
+    """
+    if not values.is_floating_point():
+        return values.new_zeros((batch, *values.shape[1:])).index_add_(0, seg, values)  # integer adds commute
+    lengths = torch.zeros(batch, dtype=torch.long, device=values.device).index_add_(0, seg, torch.ones_like(seg))
+    return torch.segment_reduce(values, "sum", lengths=lengths, axis=0, unsafe=True)
 
 
 def segment_softmax(logits: torch.Tensor, seg: torch.Tensor, batch: int) -> torch.Tensor:
