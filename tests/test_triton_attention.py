@@ -237,6 +237,7 @@ def test_cached_launch_respects_specialisation_gpu(gen):
         again = ta.ragged_attention_qkv(qkv, cu, 197, heads)
         assert torch.equal(got, again)
         _check_close(got.view(-1, heads, head_dim), *reference.split_qkv(qkv, heads), cu)
+    assert ta._launcher.cache_size() >= 1  # the repeated calls went through the cached compiled launch
     store = torch.randn(qkv.shape[0], width + 1, generator=gen).half().cuda()
     odd = store[:, 1:]  # 2-byte misaligned base, row stride 2305: a different specialisation
     out = torch.full((odd.shape[0], heads * head_dim + 1), float("nan"), dtype=torch.float16, device="cuda")[:, 1:]

@@ -26,11 +26,16 @@ except ImportError:  # triton < 3.4 has no knobs module: always take Triton's ow
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def _installed(hook: object) -> bool:
+    # Newer Triton keeps an always-present HookChain whose ``calls`` list is empty when nothing is installed.
+    return bool(hook.calls) if hasattr(hook, "calls") else hook is not None
+
+
 def _hooks_installed() -> bool:
     if _knobs is None:
         return True
     runtime = _knobs.runtime
-    return runtime.launch_enter_hook is not None or runtime.launch_exit_hook is not None
+    return _installed(runtime.launch_enter_hook) or _installed(runtime.launch_exit_hook)
 
 
 class CompiledLauncher:
