@@ -159,13 +159,14 @@ def _launch(
     """
     total, heads, head_dim = shape
     batch = cu_seqlens.shape[0] - 1
-    grid = (triton.cdiv(max_seqlen, config.block_m) if config.grid_per_tile else 1, batch * heads)
+    grid = (-(-max_seqlen // config.block_m) if config.grid_per_tile else 1, batch * heads)  # host ceil-div
     precision = "ieee" if tensors[0].dtype == torch.float32 else "tf32"
     args = (
         *tensors, cu_seqlens, total, scale * _LOG2E, *strides, *offsets,
         heads, head_dim, config.block_m, config.block_n, precision,
     )  # fmt: skip
-    _launcher(key, grid, args, num_warps=config.num_warps, num_stages=config.num_stages)
+    device = tensors[0].get_device()
+    _launcher(key, device, grid, args, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def _check_out(out: torch.Tensor | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
@@ -282,11 +283,10 @@ def ragged_attention_qkv(
     config = config or attention_config(qkv.device, head_dim, total / (cu_seqlens.shape[0] - 1))
     row, out_row = qkv.stride(0), o.stride(0)
     strides = (row, head_dim, 1, row, head_dim, 1, row, head_dim, 1, out_row, head_dim, 1)
-    key = None
-    if qkv.is_cuda:
-        # Everything Triton specialises on that can vary between calls with this (dtype, H, D, config).
-        aligned = (qkv.data_ptr() | o.data_ptr() | cu_seqlens.data_ptr()) % 16 == 0
-        key = (qkv.get_device(), qkv.dtype, num_heads, head_dim, config, row % 16, out_row % 16, aligned)
+    # What Triton specialises on that can vary between calls: dtypes, strides mod 16 and pointer alignment. Only
+    # the all-aligned case is cached (the usual one); any misaligned pointer takes Triton's own path.
+    aligned = qkv.is_cuda and (qkv.data_ptr() | o.data_ptr() | cu_seqlens.data_ptr()) % 16 == 0
+    key = (qkv.dtype, num_heads, head_dim, config, row % 16, out_row % 16) if aligned else None
     _launch(
         (qkv, qkv, qkv, o), strides, (inner, 2 * inner), cu_seqlens, (total, num_heads, head_dim), max_seqlen,
         scale, config, key,

@@ -24,6 +24,9 @@ except ImportError:  # triton < 3.4 has no knobs module: always take Triton's ow
     _knobs = None
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# The raw handle of the current stream without building a torch.cuda.Stream object (what Inductor's generated
+# launchers use); the public API is the fallback.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def _installed(hook: object) -> bool:
@@ -52,23 +55,25 @@ class CompiledLauncher:
     def __call__(
         self,
         key: Hashable | None,
+        device: int,
         grid: tuple[int, int],
         args: Sequence[object],
         *,
         num_warps: int,
         num_stages: int,
     ) -> None:
-        """Launches ``kernel[grid](*args)``; ``args`` holds every parameter, constexprs included, in order."""
-        compiled = self._compiled.get(key) if key is not None else None
+        """Launches ``kernel[grid](*args)`` on CUDA device ``device`` (the current one, as Triton requires);
+        ``args`` holds every parameter, constexprs included, in signature order."""
+        compiled = self._compiled.get((device, key)) if key is not None else None
         if compiled is not None and not _hooks_installed():
-            stream = torch.cuda.current_stream().cuda_stream
+            stream = _raw_stream(device) if _raw_stream else torch.cuda.current_stream(device).cuda_stream
             compiled.run(
                 grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args
             )
             return
         compiled = self._kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
         if key is not None and not _INTERPRETED and hasattr(compiled, "packed_metadata"):
-            self._compiled[key] = compiled
+            self._compiled[(device, key)] = compiled  # a compiled handle belongs to one device
 
     def cache_size(self) -> int:
         """Number of cached compiled specialisations (for tests)."""

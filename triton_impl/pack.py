@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from reference.validation import FLOAT_DTYPES, check_cu_seqlens, check_max_seqlen, check_tensor
+from triton_impl.launcher import CompiledLauncher
 
 _BLOCK_R = 32
 
@@ -44,7 +45,7 @@ def _source_rows(b, SRC_CU, dense_len, DENSE: tl.constexpr):
     return start, length
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["dense_len"])
 def _count_kernel(KEEP, SRC_CU, COUNTS, dense_len, LEN_PAD: tl.constexpr, DENSE: tl.constexpr):
     b = tl.program_id(0)
     src_start, length = _source_rows(b, SRC_CU, dense_len, DENSE)
@@ -53,7 +54,7 @@ def _count_kernel(KEEP, SRC_CU, COUNTS, dense_len, LEN_PAD: tl.constexpr, DENSE:
     tl.store(COUNTS + b, tl.sum(k, 0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["dense_len", "batch", "capacity"])
 def _pack_kernel(
     X, KEEP, SRC_CU, COUNTS, EXTRA, OUT, CU_OUT,
     dense_len, batch, capacity, stride_xt, stride_et,
@@ -124,6 +125,10 @@ def _unpack_kernel(
         tl.store(dst + c0 + offs_c[None, :], vals, mask=inside[:, None])
 
 
+_count_launcher = CompiledLauncher(_count_kernel)
+_pack_launcher = CompiledLauncher(_pack_kernel)
+
+
 def _channel_block(channels: int) -> int:
     """Largest power of two <= 256 dividing ``channels``: full-width loads with no masked lanes."""
     block = 256
@@ -160,7 +165,13 @@ def _repack(
     has_extra = extra_token is not None
     len_pad = triton.next_power_of_2(max_len)
     counts = torch.empty(batch, dtype=torch.int32, device=x.device)
-    _count_kernel[(batch,)](keep, src_cu, counts, max_len, LEN_PAD=len_pad, DENSE=dense)
+    device = x.get_device()
+    pointers = [x, keep, counts] + [t for t in (src_cu, extra_token) if t is not None]
+    aligned = x.is_cuda and all(t.data_ptr() % 16 == 0 for t in pointers)
+    _count_launcher(
+        (dense, len_pad) if aligned else None, device, (batch, 1),
+        (keep, src_cu, counts, max_len, len_pad, dense), num_warps=4, num_stages=1,
+    )  # fmt: skip
     if count is not None:
         rows, bound = batch * count, count
     elif capacity is not None:
@@ -169,16 +180,14 @@ def _repack(
         rows, bound = int(counts.sum()) + batch * has_extra, max_len + has_extra  # the one documented sync
     out = x.new_empty((rows, channels))
     cu_out = torch.empty(batch + 1, dtype=torch.int32, device=x.device)
-    _pack_kernel[(batch, triton.cdiv(max_len, _BLOCK_R))](
-        x, keep, src_cu, counts, extra_token, out, cu_out,
-        max_len, batch, rows, x.stride(-2), extra_token.stride(0) if has_extra else 0,
-        CHANNELS=channels,
-        BLOCK_C=_channel_block(channels),
-        BLOCK_R=_BLOCK_R,
-        LEN_PAD=len_pad,
-        B_PAD=triton.next_power_of_2(batch),
-        DENSE=dense,
-        HAS_EXTRA=has_extra,
+    stride_x, stride_e = x.stride(-2), extra_token.stride(0) if has_extra else 0
+    block_c, b_pad = _channel_block(channels), triton.next_power_of_2(batch)
+    key = (x.dtype, channels, len_pad, b_pad, dense, has_extra, stride_x % 16, stride_e % 16)
+    _pack_launcher(
+        key if aligned else None, device, (batch, -(-max_len // _BLOCK_R)),
+        (x, keep, src_cu, counts, extra_token, out, cu_out, max_len, batch, rows, stride_x, stride_e,
+         channels, block_c, _BLOCK_R, len_pad, b_pad, dense, has_extra),
+        num_warps=4, num_stages=1,
     )  # fmt: skip
     return out, cu_out, bound
 
