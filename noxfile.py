@@ -1,4 +1,4 @@
-"""Sessions: tests (CPU, what CI runs), gpu_tests, bench, demo, lint.
+"""Sessions: tests (CPU, what CI runs), gpu_tests, bench, results, demo, lint.
 
 The GPU machine has no nox and no network: there, run ``bash ci/gpu_suite.sh`` (or plain
 ``python -m pytest tests``) with its preinstalled torch/triton/timm. The GPU sessions below are for a GPU
@@ -39,14 +39,23 @@ def gpu_tests(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """pytest-benchmark suites; `nox -s bench -- quick` runs the quick subset."""
+    """pytest-benchmark suites against the stored baseline of this GPU; `nox -s bench -- quick` for the subset.
+
+    Runs `python -m benchmarks.run_bench`: saves the run under benchmarks/baselines/<gpu>/bench-<quick|full>/ and,
+    when a run is stored there, fails on a median slowdown beyond 25% (`--threshold N` to change it). Other
+    arguments go to pytest.
+    """
     session.install("-e", ".[dev,demo]")
     if not _has_cuda(session):
         session.skip("no CUDA GPU on this machine: benchmarks measure GPU kernels")
-    quick = "quick" in session.posargs
-    args = [a for a in session.posargs if a != "quick"]
-    env = {"RAGGED_BENCH_QUICK": "1"} if quick else {}
-    session.run("python", "-m", "pytest", "benchmarks", "--benchmark-only", *args, env=env)
+    session.run("python", "-m", "benchmarks.run_bench", *session.posargs)
+
+
+@nox.session
+def results(session: nox.Session) -> None:
+    """Regenerates docs/results.md and docs/figures/ from the stored JSON (no GPU needed)."""
+    session.install("-e", ".[dev]")
+    session.run("python", "-m", "benchmarks.make_results", *session.posargs)
 
 
 @nox.session

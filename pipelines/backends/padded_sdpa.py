@@ -5,6 +5,9 @@ This is what a user without a varlen kernel would write, done well: the padding 
 the batch (not back to the unpruned N), and both gathers are index computations on the device (no Python loop
 over images, no host synchronisation). PyTorch picks the SDPA kernel (a mask rules out flash; memory-efficient
 attention or math run).
+
+``PaddedSDPABackend(pad_to=N)`` pads every image to at least ``N`` rows instead: with ``N`` the unpruned length
+(197 at 224x224) it is the paper's padded baseline, which pads back to the full length whatever was pruned.
 """
 
 from __future__ import annotations
@@ -21,12 +24,21 @@ class PaddedSDPABackend(AttentionBackend):
 
     name = "padded_sdpa"
 
+    def __init__(self, pad_to: int | None = None) -> None:
+        if pad_to is not None and (isinstance(pad_to, bool) or not isinstance(pad_to, int) or pad_to < 1):
+            raise ValueError(f"pad_to must be a positive int or None, got {pad_to!r}")
+        self.pad_to = pad_to
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, pad_to={self.pad_to})"
+
     def attend(
         self, qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float
     ) -> torch.Tensor:
         total, width = qkv.shape
         batch = cu_seqlens.numel() - 1
         head_dim = width // (3 * num_heads)
+        max_seqlen = max(max_seqlen, self.pad_to or 0)  # the padded length L
         slot = torch.arange(max_seqlen, device=qkv.device)
         valid = slot[None, :] < seqlens(cu_seqlens)[:, None]  # [B, L]
         # Padded slots read row 0 (any real row will do): their queries are discarded and their keys masked.

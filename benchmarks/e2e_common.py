@@ -1,0 +1,590 @@
+"""The end-to-end benchmark's building blocks: workloads, pipelines, the per-forward clock, checks, files.
+
+Shared by ``report_e2e`` (the paper's Tables III-VI, Figure 1 and Section V-D on this card) and the
+pytest-benchmark suite ``test_bench_e2e``. Everything device-specific goes through ``device``, so the same code
+runs (slowly, fp32, reference backend only) on a CPU, which is how the CPU tests exercise it.
+
+Workloads (the pruning that produces the per-image token counts; "kind" is said in every table):
+
+* ``l2_ratio`` -- Threshold-L2 ratio mode after block 3: the top ``ceil(k * 196)`` patches, the same count for
+  every image (the paper's setting). kind ``fixed``.
+* ``l2_calibrated`` -- Threshold-L2 calibrated: a norm threshold set to keep ``k`` on average over a seeded
+  calibration batch; each image keeps what passes it. kind ``ragged``.
+* ``dynamicvit`` / ``evit`` -- three stages (blocks 3, 6, 9), fixed counts (DynamicViT with random predictor
+  weights: random pruning, same cost). kind ``fixed``.
+* ``ats`` -- ATS in blocks 3-11, ``ceil(k * 196)`` CDF samples (an upper bound: fewer patches survive where the
+  scores are peaked), nine variable-count stages. kind ``ragged``.
+* ``synthetic`` -- one stage after block 3 whose keep masks are drawn, not computed: each image keeps its own
+  rate ``U(k - 0.2, k + 0.2)`` (clipped to [1, 196] patches) of random patches; the masks are replayed with
+  ``PrunedViT.run(images, selections)``, so the timed forward has no scoring cost. kind ``ragged``.
+
+The timed forward of a pruner workload is ``PrunedViT.run(images)``: the pipeline makes its own decisions, as a
+user's forward does. Before timing, every pipeline replays the decisions of one fp32 reference run (reference
+backend, TF32 off) and is checked against its logits: ``max |diff| <= 2 * floor + 16 eps(dtype) max |ref|``,
+where ``floor`` is the error of the reference backend in the benchmark's dtype (a looser form of
+tests/test_pipelines_gpu.py's rule: here it only keeps broken pipelines out of the tables).
+
+Images are seeded smooth blobs plus texture of per-image strength (so ATS and the calibrated threshold keep
+different counts per image); never zeros. Weights are random (seeded) unless ``RAGGED_VIT_DEIT_B_CHECKPOINT``
+names a local DeiT-B-224 checkpoint: speed does not depend on the weights, top-1 agreement does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import importlib
+import inspect
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from benchmarks.timing import REPO_ROOT, Spread, describe, environment, gc_off, schedule, summarize
+from pipelines.backends import AttentionBackend, PaddedSDPABackend, make_backend
+from pipelines.factory import build_pruner
+from pipelines.model import PrunedOutput, PrunedViT
+from pipelines.weights import create_model, load_checkpoint
+from reference.selection import TokenSelection
+
+Call = Callable[[], object]
+
+DEIT_B = "deit_base_patch16_224"
+DEIT_B_384 = "deit_base_patch16_384"
+DEIT_S = "deit_small_patch16_224"
+DEIT_T = "deit_tiny_patch16_224"
+CHECKPOINT_ENV = "RAGGED_VIT_DEIT_B_CHECKPOINT"
+BASELINES = REPO_ROOT / "benchmarks" / "baselines"
+SYNTHETIC_SPREAD = 0.2  # half-width of the per-image keep-rate distribution of the synthetic workload
+INPUT_SETS = 3  # input batches the timed loops rotate through
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """How one workload prunes (see the module docstring)."""
+
+    name: str
+    pruner: str
+    kind: str  # "fixed" | "ragged"
+    options: tuple[tuple[str, object], ...]
+    description: str
+    replayed: bool = False  # the masks are drawn and replayed, not computed by the pruner
+
+
+WORKLOADS: dict[str, WorkloadSpec] = {
+    w.name: w
+    for w in (
+        WorkloadSpec(
+            "l2_ratio",
+            "threshold_l2",
+            "fixed",
+            (("threshold_mode", "ratio"),),
+            "Threshold-L2 ratio, after block 3: top ceil(k*196) patches, equal counts (the paper's setting)",
+        ),
+        WorkloadSpec(
+            "l2_calibrated",
+            "threshold_l2",
+            "ragged",
+            (("threshold_mode", "calibrated"),),
+            "Threshold-L2 calibrated, after block 3: norm threshold keeping k on average; per-image counts vary",
+        ),
+        WorkloadSpec(
+            "dynamicvit",
+            "dynamicvit",
+            "fixed",
+            (),
+            "DynamicViT before blocks 3/6/9: int(196*k^s) patches, equal counts (random predictor weights)",
+        ),
+        WorkloadSpec(
+            "evit", "evit", "fixed", (), "EViT in blocks 3/6/9: ceil(k*current) patches, equal counts, no fused token"
+        ),
+        WorkloadSpec(
+            "ats",
+            "ats",
+            "ragged",
+            (),
+            "ATS in blocks 3-11: ceil(k*196) CDF samples (upper bound), per-image counts vary, 9 stages",
+        ),
+        WorkloadSpec(
+            "synthetic",
+            "threshold_l2",
+            "ragged",
+            (("threshold_mode", "ratio"),),
+            f"drawn masks after block 3: per-image keep rate U(k-{SYNTHETIC_SPREAD}, k+{SYNTHETIC_SPREAD}), replayed",
+            replayed=True,
+        ),
+    )
+}
+
+# Rows: what a user could run. The pruned rows are one pipeline with different attention backends.
+ROW_LABELS: dict[str, str] = {
+    "timm_eager": "unpruned timm, eager",
+    "timm_compiled": 'unpruned timm, torch.compile(mode="reduce-overhead")',
+    "padded": "padded (fair): pad to the batch's longest survivor, SDPA + key mask",
+    "padded_full": "padded-full (the paper's): pad back to all N tokens, SDPA + key mask",
+    "fa2_varlen": "FA2 varlen (aten._flash_attention_forward)",
+    "nested_sdpa": "NestedTensor SDPA (flash forced)",
+    "triton": "ours: Triton ragged",
+    "triton_graphed": "ours: Triton ragged + CUDA graphs (pipelines.graphs)",
+    "fa2_varlen_graphed": "FA2 varlen + CUDA graphs (pipelines.graphs)",
+    "padded_graphed": "padded (fair) + CUDA graphs (pipelines.graphs)",
+}
+UNPRUNED_ROWS = ("timm_eager", "timm_compiled")
+EAGER_ROWS = ("padded", "padded_full", "fa2_varlen", "nested_sdpa", "triton")
+GRAPHED_ROWS = ("triton_graphed", "fa2_varlen_graphed", "padded_graphed")
+ALL_ROWS = (*UNPRUNED_ROWS, *EAGER_ROWS, *GRAPHED_ROWS)
+
+
+def workload_kind(workload: str, keep_rate: float) -> str:
+    """``dense`` for the unpruned rows, ``fixed`` when nothing is pruned (every image keeps all), else the spec's."""
+    if workload == "none":
+        return "dense"
+    return "fixed" if keep_rate >= 1.0 else WORKLOADS[workload].kind
+
+
+def backend_for(row: str, num_tokens: int) -> AttentionBackend:
+    """The attention backend of an eager (or graphed) pruned row; ``num_tokens`` is the unpruned N (CLS included)."""
+    base = row.removesuffix("_graphed")
+    if base == "padded":
+        return PaddedSDPABackend()
+    if base == "padded_full":
+        return PaddedSDPABackend(pad_to=num_tokens)
+    return make_backend(base)
+
+
+# --------------------------------------------------------------------------------------------------- devices
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class no_tf32(contextlib.ContextDecorator):
+    """fp32 on the GPU must mean fp32: cuDNN convolutions (the patch embedding) and matmuls default to TF32."""
+
+    def __enter__(self) -> None:
+        self.saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+
+    def __exit__(self, *_: object) -> None:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = self.saved
+
+
+def gpu_slug(name: str | None = None) -> str:
+    """A directory name for a card (``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"``), ``"cpu"`` without."""
+    if name is None:
+        name = torch.cuda.get_device_name(torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return slug or "unknown"
+
+
+def run_environment() -> dict[str, object]:
+    """:func:`benchmarks.timing.environment` plus timm, Python, the weights in use and the date."""
+    import timm
+
+    info = environment()
+    info.update(
+        timm=timm.__version__,
+        python=sys.version.split()[0],
+        gpu_slug=gpu_slug(info["card"]) if info["card"] else "cpu",
+        weights=f"checkpoint {os.environ[CHECKPOINT_ENV]} (DeiT-B-224 only)"
+        if os.environ.get(CHECKPOINT_ENV)
+        else "random (seeded)",
+        date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    )
+    return info
+
+
+# --------------------------------------------------------------------------------------------------- timing
+
+
+@dataclass(frozen=True)
+class ForwardTimes:
+    """Per-forward clocks of one row: host wall time with a synchronize around every forward, and the CUDA-event
+    time of the same forwards (None on a CPU), in microseconds."""
+
+    wall: Spread
+    events: Spread | None
+    iters: int
+
+
+def forward_times(
+    calls: Sequence[Call],
+    device: torch.device,
+    *,
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    warmup: int = 3,
+    target_s: float = 0.3,
+    min_iters: int = 10,
+    max_iters: int = 60,
+) -> ForwardTimes:
+    """Warms up, then times ``iters`` forwards one at a time, rotating through ``calls`` (one per input batch).
+
+    Each forward: synchronize, host clock, start event, forward, end event, synchronize, host clock. The number of
+    forwards fills about ``target_s`` (clamped to ``[min_iters, max_iters]``), sized from the warm-up.
+    """
+    cuda = device.type == "cuda"
+    with context(), gc_off():
+        warm = schedule(calls, max(warmup, len(calls)))
+        sync(device)
+        t0 = time.perf_counter()
+        for call in warm:
+            call()
+        sync(device)
+        per_call = (time.perf_counter() - t0) / len(warm)
+        iters = max(min_iters, min(max_iters, round(target_s / max(per_call, 1e-6))))
+        walls: list[float] = []
+        pairs = []
+        for call in schedule(calls, iters):
+            start = torch.cuda.Event(enable_timing=True) if cuda else None
+            end = torch.cuda.Event(enable_timing=True) if cuda else None
+            sync(device)
+            t0 = time.perf_counter()
+            if start is not None:
+                start.record()
+            call()
+            if end is not None:
+                end.record()
+            sync(device)
+            walls.append((time.perf_counter() - t0) * 1e6)
+            pairs.append((start, end))
+    events = summarize([s.elapsed_time(e) * 1e3 for s, e in pairs]) if cuda else None
+    return ForwardTimes(summarize(walls), events, iters)
+
+
+# --------------------------------------------------------------------------------------------------- inputs
+
+
+def synthetic_images(count: int, size: int, seed: int) -> torch.Tensor:
+    """``[count, 3, size, size]`` fp32 CPU images: smooth blobs + texture whose strength grows over the batch."""
+    g = torch.Generator().manual_seed(seed)
+    smooth = torch.nn.functional.interpolate(
+        torch.randn(count, 3, 7, 7, generator=g), size=(size, size), mode="bicubic", align_corners=False
+    )
+    strength = torch.linspace(0.0, 1.5, count) if count > 1 else torch.tensor([0.75])
+    return smooth + torch.randn(count, 3, size, size, generator=g) * strength[:, None, None, None]
+
+
+def synthetic_selection(
+    batch: int, num_patches: int, keep_rate: float, device: torch.device, seed: int, spread: float = SYNTHETIC_SPREAD
+) -> TokenSelection:
+    """A one-stage :class:`TokenSelection` over an unpruned packed batch ``[B * (num_patches + 1)]``: image ``b``
+    keeps its CLS row and ``round(num_patches * r_b)`` random patches, ``r_b ~ U(k - spread, k + spread)``
+    (clipped to [1, num_patches] patches; every image keeps all at ``k = 1``)."""
+    g = torch.Generator().manual_seed(seed)
+    n = num_patches + 1
+    if keep_rate >= 1.0:
+        counts = torch.full((batch,), num_patches, dtype=torch.long)
+    else:
+        rates = keep_rate + spread * (2 * torch.rand(batch, generator=g, dtype=torch.float64) - 1)
+        counts = (rates * num_patches).round().long().clamp(1, num_patches)
+    order = torch.rand(batch, num_patches, generator=g).argsort(dim=1)  # a random permutation per image
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(num_patches).expand(batch, -1))
+    keep = torch.ones(batch, n, dtype=torch.bool)
+    keep[:, 1:] = rank < counts[:, None]
+    # Like a variable-count pruner (Threshold-L2 calibrated), the selection says "variable" even where the draws
+    # happen to be equal (B = 1): the pipeline then reads the total back, as it would for such a pruner.
+    fixed = keep_rate >= 1.0
+    return TokenSelection(keep.reshape(-1).to(device), fixed_count=fixed, count=n if fixed else None)
+
+
+# --------------------------------------------------------------------------------------------------- pipelines
+
+
+@dataclass
+class Reference:
+    """The input batches of one (model, workload, keep rate, batch), the fp32 reference run on the first one (its
+    decisions, logits and counts) and the floor."""
+
+    images: list[torch.Tensor]  # INPUT_SETS batches, benchmark dtype, on the device
+    selections: list[list[TokenSelection]]  # one TokenSelection per stage, of images[0] (of each batch if drawn)
+    logits: torch.Tensor  # fp32 [B, classes] of images[0]
+    floor: float  # max |logit diff| of the reference backend in the benchmark dtype against `logits`
+    counts: dict[str, object] = field(default_factory=dict)  # kept patches per stage (images[0])
+
+
+def count_summary(counts: torch.Tensor, num_patches: int) -> dict[str, object]:
+    """Per-stage mean / min / max kept patches (CLS excluded) of ``counts [B, S]`` and the mean keep fraction."""
+    c = counts.detach().float().cpu()
+    if c.numel() == 0:
+        return {"stages": 0, "mean": [], "min": [], "max": [], "keep_fraction_last": 1.0}
+    return {
+        "stages": c.shape[1],
+        "mean": [round(float(x), 2) for x in c.mean(0)],
+        "min": [int(x) for x in c.min(0).values],
+        "max": [int(x) for x in c.max(0).values],
+        "keep_fraction_last": round(float(c[:, -1].mean()) / num_patches, 4),
+    }
+
+
+class Lab:
+    """Builds and caches models (one fp32 master per name, seeded, and its low-precision copy), pruners,
+    pipelines and reference runs on one device."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.seed = seed
+        self._models: dict[tuple[str, torch.dtype], nn.Module] = {}
+        self._pruners: dict[tuple, nn.Module | None] = {}
+        self._refs: dict[tuple, Reference] = {}
+
+    def model(self, name: str, dtype: torch.dtype | None = None) -> nn.Module:
+        dtype = dtype or self.dtype
+        key = (name, dtype)
+        if key not in self._models:
+            if dtype == torch.float32:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(self.seed)
+                    model = create_model(name)
+                if os.environ.get(CHECKPOINT_ENV) and name == DEIT_B:
+                    load_checkpoint(model, None, os.environ[CHECKPOINT_ENV])
+                self._models[key] = model.to(self.device).eval()
+            else:
+                self._models[key] = copy.deepcopy(self.model(name, torch.float32)).to(dtype).eval()
+        return self._models[key]
+
+    def num_patches(self, name: str) -> int:
+        return self.model(name, torch.float32).patch_embed.num_patches
+
+    def image_size(self, name: str) -> int:
+        return int(self.model(name, torch.float32).patch_embed.img_size[0])
+
+    def pruner(self, name: str, workload: str, keep_rate: float, dtype: torch.dtype | None = None) -> nn.Module:
+        dtype = dtype or self.dtype
+        key = (name, workload, keep_rate, dtype)
+        if key not in self._pruners:
+            if dtype == torch.float32:
+                spec = WORKLOADS[workload]
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(self.seed + 1)
+                    pruner = build_pruner(spec.pruner, self.model(name, torch.float32), keep_rate, **dict(spec.options))
+                pruner = pruner.to(self.device)
+                if dict(spec.options).get("threshold_mode") == "calibrated":
+                    calib = synthetic_images(32, self.image_size(name), self.seed + 99).to(self.device)
+                    with no_tf32():
+                        PrunedViT(self.model(name, torch.float32), pruner, "reference").calibrate(calib)
+                self._pruners[key] = pruner
+            else:
+                self._pruners[key] = copy.deepcopy(self.pruner(name, workload, keep_rate, torch.float32)).to(dtype)
+        return self._pruners[key]
+
+    def pipeline(self, name: str, workload: str, keep_rate: float, backend: str | AttentionBackend) -> PrunedViT:
+        """A pruned pipeline in the benchmark dtype (a light wrapper: models and pruners are shared)."""
+        return PrunedViT(self.model(name), self.pruner(name, workload, keep_rate), backend)
+
+    def images(self, name: str, batch: int) -> list[torch.Tensor]:
+        size = self.image_size(name)
+        return [
+            synthetic_images(batch, size, self.seed + 1000 * i + batch).to(self.device, self.dtype)
+            for i in range(INPUT_SETS)
+        ]
+
+    def reference(self, name: str, workload: str, keep_rate: float, batch: int) -> Reference:
+        """The fp32 reference run (cached for the last key only: references of large batches are large)."""
+        key = (name, workload, keep_rate, batch)
+        if key in self._refs:
+            return self._refs[key]
+        self._refs.clear()
+        images = self.images(name, batch)
+        num_patches = self.num_patches(name)
+        if workload == "none":
+            with no_tf32(), torch.no_grad():
+                logits = self.model(name, torch.float32)(images[0].float()).float()
+            ref = Reference(images, [], logits, 0.0, count_summary(torch.zeros(batch, 0), num_patches))
+        else:
+            spec = WORKLOADS[workload]
+            fp32 = PrunedViT(self.model(name, torch.float32), self.pruner(name, workload, keep_rate, torch.float32))
+            if spec.replayed:  # one drawn selection per input batch
+                selections = [
+                    [synthetic_selection(batch, num_patches, keep_rate, self.device, self.seed + 7919 * i + batch)]
+                    for i in range(len(images))
+                ]
+            with no_tf32():
+                out = fp32.run(images[0].float(), selections=selections[0] if spec.replayed else None)
+            logits, counts = out.logits.float(), out.counts
+            if not spec.replayed:  # the pipeline's own decisions on images[0] (the others decide in their forward)
+                selections = [out.selections]
+            low = self.pipeline(name, workload, keep_rate, "reference").run(images[0], selections=selections[0])
+            floor = (low.logits.float() - logits).abs().max().item()
+            ref = Reference(images, selections, logits, floor, count_summary(counts, num_patches))
+        self._refs[key] = ref
+        return ref
+
+    def clear(self) -> None:
+        """Drops references and models (between parts, to free device memory)."""
+        self._refs.clear()
+        self._pruners.clear()
+        self._models.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def forward_calls(pv: PrunedViT, ref: Reference, replayed: bool) -> list[Call]:
+    """One zero-argument forward per input batch: the pipeline's own decisions, or the drawn masks replayed."""
+    if replayed:
+        return [functools.partial(pv.run, img, sels) for img, sels in zip(ref.images, ref.selections, strict=True)]
+    return [functools.partial(pv.run, img) for img in ref.images]
+
+
+# --------------------------------------------------------------------------------------------------- checks
+
+
+@dataclass(frozen=True)
+class Check:
+    """A pipeline's logits against the fp32 reference on the same decisions."""
+
+    ok: bool
+    max_abs_diff: float | None
+    bound: float | None
+    top1_agree: float | None
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "ok": self.ok,
+            "max_abs_diff": self.max_abs_diff,
+            "bound": self.bound,
+            "top1_agree": self.top1_agree,
+            "reason": self.reason,
+        }
+
+
+def error_bound(ref: torch.Tensor, floor: float, dtype: torch.dtype) -> float:
+    """``2 * floor + 16 * eps(dtype) * max |ref|``: about twice the dtype's own rounding error.
+
+    A sanity check that keeps broken pipelines out of the tables (a wrong mask or scale moves logits by O(1));
+    the strict equivalence rules are tests/test_pipelines_gpu.py's. The eps term keeps fp32 (floor ~ 0) usable.
+    """
+    return 2 * floor + 16 * torch.finfo(dtype).eps * ref.abs().max().item()
+
+
+def check_logits(out: torch.Tensor, ref: torch.Tensor, bound: float) -> Check:
+    """Compares logits; NaN or a shape mismatch fails."""
+    if out.shape != ref.shape:
+        return Check(False, None, bound, None, f"logits have shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
+    err = (out.float() - ref.float()).abs().max().item()
+    top1 = (out.float().argmax(-1) == ref.float().argmax(-1)).float().mean().item()
+    if not err <= bound:  # NaN fails too
+        return Check(False, err, bound, top1, f"max |logit diff| {err:.3g} > bound {bound:.3g} vs the fp32 reference")
+    return Check(True, err, bound, top1)
+
+
+def logits_of(out: object) -> torch.Tensor:
+    """Logits of a forward's result (a :class:`PrunedOutput`, anything with ``.logits``, or logits)."""
+    return out.logits if isinstance(out, PrunedOutput) else getattr(out, "logits", out)
+
+
+# --------------------------------------------------------------------------------------------------- graphs
+
+
+class Unavailable(RuntimeError):
+    """A row that cannot run on this checkout or torch (reported with the reason, not timed)."""
+
+
+def make_graphed(pv: PrunedViT, example: torch.Tensor) -> tuple[Callable[[torch.Tensor], object], str]:
+    """The CUDA-graph runner of ``pipelines.graphs`` around ``pv``, imported lazily: ``(forward(images), note)``.
+
+    The one place that knows that runner's API: ``GraphedPrunedViT(pipeline)`` (graphs captured on first use, per
+    batch size), called as ``run(images) -> PrunedOutput``. Tolerant of small changes: options named
+    ``batch_size``/``max_batch``/``batch`` get the batch size and ``example``/``example_images``/``images`` an
+    example batch if the signature has them; ``__call__(images)`` is used if the class has no ``run`` of its own;
+    the result is logits or has ``.logits``. Raises :class:`Unavailable` with the reason.
+    """
+    try:
+        module = importlib.import_module("pipelines.graphs")
+    except ImportError as exc:
+        raise Unavailable(f"pipelines.graphs is not importable here ({describe(exc)})") from exc
+    cls = getattr(module, "GraphedPrunedViT", None)
+    if cls is None:
+        raise Unavailable("pipelines.graphs has no GraphedPrunedViT")
+    params = inspect.signature(cls).parameters
+    kwargs: dict[str, object] = {}
+    for name in ("batch_size", "max_batch", "batch"):
+        if name in params:
+            kwargs[name] = example.shape[0]
+    for name in ("example", "example_images", "images"):
+        if name in params:
+            kwargs[name] = example
+    try:
+        graphed = cls(pv, **kwargs)
+    except Exception as exc:  # an API mismatch is a reason to report, not a crash
+        raise Unavailable(
+            f"GraphedPrunedViT{inspect.signature(cls)} refused {sorted(kwargs)}: {describe(exc)}"
+        ) from exc
+    own_run = any("run" in vars(k) for k in type(graphed).__mro__ if k not in (PrunedViT, nn.Module, object))
+    method = graphed.run if own_run else graphed
+    note = f"GraphedPrunedViT(pipeline, {', '.join(sorted(kwargs))}).{'run' if own_run else '__call__'}(images)"
+    return method, note
+
+
+# --------------------------------------------------------------------------------------------------- files
+
+
+def json_default(obj: object) -> object:
+    if isinstance(obj, Spread):
+        return obj.to_dict()
+    if isinstance(obj, Path):
+        return str(obj)
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return str(obj)
+    raise TypeError(f"not JSON-serialisable: {type(obj).__name__}")
+
+
+def write_json(path: Path, payload: dict) -> None:
+    """Writes ``payload`` atomically (a partial file never replaces a complete one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=json_default) + "\n")
+    tmp.replace(path)
+
+
+class _NoBar:
+    """Stands in for tqdm where it is not installed."""
+
+    def __init__(self, total: int = 0, **_: object) -> None:
+        self.total = total
+        self.n = 0
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        pass
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        print(f"[{self.n}/{self.total}]", file=sys.stderr, end="\r", flush=True)
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+
+def progress(total: int, desc: str):
+    """A tqdm bar on stderr (a plain counter without tqdm)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar(total=total)
+    return tqdm(total=total, desc=desc, unit="row", file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """One CPU thread for torch while timing (the host side must not compete with itself)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)

@@ -1,0 +1,672 @@
+"""End-to-end benchmark report: the paper's Tables III-VI, Figure 1 and Section V-D on this card, every backend.
+
+Usage (on a CUDA machine, from the repository root)::
+
+    python -m benchmarks.report_e2e --quick --out DIR            # < 4 min on an H200: table6, table4, table3, fig1
+    python -m benchmarks.report_e2e --part table3 --batches 1,4,8,16 --tag b1-16 --out DIR
+    python -m benchmarks.report_e2e --part res384 --out DIR      # one part per device call (each < 8 min)
+
+Options: ``--batches``, ``--workloads``, ``--rows`` select subsets; ``--no-compile`` / ``--compile-batches 1,64``
+limit the torch.compile rows (tens of seconds of compilation each); ``--no-graphed`` drops the CUDA-graph rows;
+``--max-minutes M`` skips (and records as skipped) the rows not started after M minutes (default 3.75 with
+``--quick``, 9 without; 0 = no limit). Within a part the torch.compile rows run last, so a run cut short by the
+budget loses those first.
+
+Parts (one JSON each, ``DIR/<part>[-<tag>].json``; DIR defaults to ``benchmarks/baselines/<gpu-slug>/e2e``):
+
+* ``table3`` -- throughput (img/s) vs batch size, DeiT-B 224, 50% pruning, every workload (see
+  ``benchmarks.e2e_common``: fixed and ragged) x every row: unpruned timm eager and under
+  ``torch.compile(mode="reduce-overhead")`` (compiled once per batch size, compile time reported), padded (fair),
+  padded-full (the paper's), FA2 varlen, NestedTensor SDPA (timed at B <= 4 only, otherwise one forward is
+  reported as too slow), Triton, and the CUDA-graph rows of ``pipelines.graphs`` when it exists.
+* ``table4`` -- stage breakdown (front / pack / late blocks / head, CUDA events in one forward), B = 8 (the
+  paper's, by its Table III) and 64.
+* ``table5`` -- DeiT-T/S/B at 224, B = 4 and 64.
+* ``res384`` -- DeiT-B at 224 and 384 side by side (Section V-D), B = 1, 4, 32.
+* ``fig1``   -- throughput vs pruning ratio 0..90%, B = 64 (Figure 1).
+* ``table6`` -- numerics: max / mean |logit diff| of Triton and FA2 against the padded (fair) pipeline, fp16,
+  same decisions, B = 1, 4, 16 (64), and the paper's kernel rows (B = 32, 0/50/80% pruned).
+
+Method (``/work/.library/device/METHOD.md``): fp16, ``torch.no_grad``, images already on the GPU, three input
+batches rotated; per row a warm-up, then forwards timed one at a time (synchronize, host clock and CUDA events
+around each forward); medians with quartiles. Throughput = B / median wall time per forward. Where a pipeline has
+no host synchronisation (fixed counts) its device-only time under CUDA-graph replay is measured too. One torch
+thread. Every pipeline is checked against the fp32 reference run on the same decisions before it is timed; a
+failing one is reported, not timed. Each JSON is rewritten after every row (an interrupted run keeps its rows)
+and holds the card, torch, triton, timm, CUDA, commit and the workload descriptions. Nothing asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from benchmarks import e2e_tables
+from benchmarks.attention_peers import build_peer, make_problem, reference_output
+from benchmarks.e2e_common import (
+    ALL_ROWS,
+    BASELINES,
+    DEIT_B,
+    DEIT_B_384,
+    DEIT_S,
+    DEIT_T,
+    EAGER_ROWS,
+    GRAPHED_ROWS,
+    ROW_LABELS,
+    WORKLOADS,
+    Lab,
+    Reference,
+    Unavailable,
+    backend_for,
+    check_logits,
+    error_bound,
+    forward_calls,
+    forward_times,
+    gpu_slug,
+    logits_of,
+    make_graphed,
+    progress,
+    run_environment,
+    sync,
+    torch_threads,
+    workload_kind,
+    write_json,
+)
+from benchmarks.e2e_stages import stage_breakdown
+from benchmarks.timing import describe, graph_time
+from benchmarks.workloads import make_workload
+from pipelines.model import PrunedViT
+
+# Cheap parts first, compilation last: what a cut-short run loses is the torch.compile rows.
+PARTS = ("table6", "table4", "table3", "fig1", "table5", "res384")
+QUICK_PARTS = ("table6", "table4", "table3", "fig1")
+QUICK_MINUTES, FULL_MINUTES = 3.75, 9.0  # default --max-minutes: rows not started by then are skipped
+NESTED_MAX_BATCH = 4  # NestedTensor SDPA costs milliseconds per call: timed only up to this batch size
+UNPRUNED_FIG1 = ("timm_eager", "timm_compiled")
+
+
+@dataclass(frozen=True)
+class Task:
+    """One row to measure: a pipeline (or the unpruned model) on one workload and batch size."""
+
+    part: str
+    model: str
+    workload: str  # a key of WORKLOADS, or "none" for the unpruned rows
+    keep_rate: float
+    batch: int
+    row: str  # a key of ROW_LABELS
+    kind: str = "throughput"  # "throughput" | "stages" | "numerics"
+
+    @property
+    def key(self) -> str:
+        return f"{self.model}|{self.workload}|k{self.keep_rate:g}|B{self.batch}|{self.row}|{self.kind}"
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Iteration counts and switches of one run."""
+
+    quick: bool
+    compile: bool
+    graphed: bool
+    warmup: int
+    target_s: float
+    min_iters: int
+    max_iters: int
+    stage_iters: int
+    graph_calls: int = 2
+    graph_replays: int = 5
+    compile_batches: tuple[int, ...] | None = None  # None: compile at every batch size of the part
+    deadline: float | None = None  # time.perf_counter() after which no row starts (skipped with the reason)
+
+    @classmethod
+    def make(
+        cls,
+        quick: bool,
+        compile: bool = True,
+        graphed: bool = True,
+        compile_batches: tuple[int, ...] | None = None,
+        deadline: float | None = None,
+    ) -> Settings:
+        common = dict(compile=compile, graphed=graphed, compile_batches=compile_batches, deadline=deadline)
+        if quick:
+            return cls(quick, warmup=3, target_s=0.25, min_iters=10, max_iters=40, stage_iters=10, **common)
+        return cls(quick, warmup=5, target_s=0.6, min_iters=20, max_iters=120, stage_iters=30, **common)
+
+
+# --------------------------------------------------------------------------------------------------- plans
+
+
+def plan_part(part: str, quick: bool, batches: tuple[int, ...] | None, workloads: tuple[str, ...] | None) -> list[Task]:
+    """The rows of one part, grouped so that each (model, workload, keep rate, batch) is contiguous."""
+    tasks: list[Task] = []
+
+    def pick(default: tuple, override: tuple | None) -> tuple:
+        return default if override is None else override
+
+    def add(model: str, workload_list: tuple[str, ...], keep: float, b: int, rows: tuple[str, ...], kind: str) -> None:
+        if kind == "throughput" and any(r in rows for r in ("timm_eager", "timm_compiled")):
+            tasks.extend(Task(part, model, "none", 1.0, b, r, kind) for r in rows if r.startswith("timm_"))
+        for w in workload_list:
+            tasks.extend(Task(part, model, w, keep, b, r, kind) for r in rows if not r.startswith("timm_"))
+
+    if part == "table3":
+        bs = pick((1, 4, 64) if quick else (1, 4, 8, 16, 32, 64, 128), batches)
+        # Quick: the paper's fixed ratio, the calibrated threshold (strongly ragged even with random weights) and
+        # ATS (ragged by design; near-uniform counts with random weights, which give it flat scores).
+        ws = pick(("l2_ratio", "l2_calibrated", "ats") if quick else tuple(WORKLOADS), workloads)
+        for b in bs:
+            add(DEIT_B, ws, 0.5, b, ALL_ROWS, "throughput")
+    elif part == "table4":
+        bs = pick((8,) if quick else (8, 64), batches)
+        ws = pick(("l2_ratio",) if quick else ("l2_ratio", "ats", "synthetic"), workloads)
+        for b in bs:
+            add(DEIT_B, ws, 0.5, b, EAGER_ROWS, "stages")
+    elif part == "fig1":
+        pcts = (0, 50, 90) if quick else tuple(range(0, 100, 10))
+        bs = pick((64,), batches)
+        ws = pick(("l2_ratio",) if quick else ("l2_ratio", "synthetic"), workloads)
+        rows = ("padded", "triton") if quick else ("padded", "padded_full", "fa2_varlen", "triton", "triton_graphed")
+        for b in bs:
+            add(DEIT_B, (), 1.0, b, UNPRUNED_FIG1, "throughput")
+            for p in pcts:
+                add(DEIT_B, ws, round(1 - p / 100, 2), b, rows, "throughput")
+    elif part == "table6":
+        bs = pick((1, 4, 16) if quick else (1, 4, 16, 64), batches)
+        ws = pick(("l2_ratio", "l2_calibrated", "ats", "synthetic") if quick else tuple(WORKLOADS), workloads)
+        for b in bs:
+            add(DEIT_B, ws, 0.5, b, ("padded",), "numerics")
+    elif part == "table5":
+        bs = pick((4, 64), batches)
+        ws = pick(("l2_ratio", "synthetic"), workloads)
+        for model in (DEIT_T, DEIT_S, DEIT_B):
+            for b in bs:
+                add(model, ws, 0.5, b, ALL_ROWS, "throughput")
+    elif part == "res384":
+        bs = pick((1, 4, 32), batches)
+        ws = pick(("l2_ratio", "synthetic"), workloads)
+        for model in (DEIT_B, DEIT_B_384):
+            for b in bs:
+                add(model, ws, 0.5, b, ALL_ROWS, "throughput")
+    else:
+        raise ValueError(f"unknown part {part!r}; choose from {PARTS}")
+    # torch.compile rows (tens of seconds each) last within the part; grouping by batch is kept for the rest.
+    return [t for t in tasks if t.row != "timm_compiled"] + [t for t in tasks if t.row == "timm_compiled"]
+
+
+# --------------------------------------------------------------------------------------------------- rows
+
+
+@dataclass
+class Prepared:
+    """A checked row ready to time: one forward per input batch, or the reason it is not timed (in ``entry``)."""
+
+    entry: dict
+    calls: list | None = None  # None: not timed (failed check); see entry["status"] / entry["reason"]
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    capturable: bool = False  # no host synchronisation inside: the graph-replay clock applies
+    pipeline: PrunedViT | None = None  # the eager pruned pipeline (stage breakdown)
+    cleanup: Callable[[], None] = lambda: None
+
+
+class Runner:
+    """Checks and measures tasks; caches the unpruned rows per (model, batch) so that parts run together share them.
+
+    :meth:`prepare` builds and checks a row (raising :class:`Unavailable` when it cannot exist here);
+    :meth:`run` prepares and times it and never raises: a row that breaks is reported as failed.
+    """
+
+    def __init__(self, lab: Lab, settings: Settings) -> None:
+        self.lab = lab
+        self.s = settings
+        self._unpruned: dict[tuple[str, int, str], dict] = {}
+
+    def describe_task(self, task: Task) -> dict:
+        return {
+            "key": task.key,
+            "model": task.model,
+            "resolution": self.lab.image_size(task.model),
+            "batch": task.batch,
+            "workload": task.workload,
+            "workload_kind": workload_kind(task.workload, task.keep_rate),
+            "keep_rate": task.keep_rate,
+            "pruned_pct": round(100 * (1 - task.keep_rate)),
+            "row": task.row,
+            "label": ROW_LABELS[task.row],
+            "kind": task.kind,
+        }
+
+    def run(self, task: Task) -> dict:
+        row = self.describe_task(task)
+        cache_key = (task.model, task.batch, task.row)
+        if self.s.deadline is not None and time.perf_counter() > self.s.deadline and cache_key not in self._unpruned:
+            row.update(status="skipped", reason="time budget (--max-minutes) used up before this row started")
+            return row
+        try:
+            if task.workload == "none" and cache_key in self._unpruned:
+                row.update(self._unpruned[cache_key], shared=True)
+            elif task.kind == "numerics":
+                row.update(self._numerics_row(task))
+            else:
+                row.update(self._measure(task))
+                if task.workload == "none":
+                    self._unpruned[cache_key] = {k: v for k, v in row.items() if k not in self.describe_task(task)}
+        except Unavailable as exc:
+            row.update(status="unavailable", reason=str(exc))
+        except Exception as exc:  # one broken row must not end a run on a lent machine: report it, go on
+            traceback.print_exc(file=sys.stderr)
+            row.update(status="failed", reason=f"raised {describe(exc)}")
+            if self.lab.device.type == "cuda":
+                torch.cuda.synchronize()  # a sticky CUDA error surfaces here and ends the run, as it should
+                torch.cuda.empty_cache()
+        if row.get("status") == "ok" and row.get("wall_us"):
+            row["img_per_s"] = task.batch / (row["wall_us"]["median"] * 1e-6)
+        return row
+
+    def _measure(self, task: Task) -> dict:
+        prep = self.prepare(task)
+        entry = prep.entry
+        try:
+            if prep.calls is None:
+                return entry
+            if task.kind == "stages" and prep.pipeline is not None:
+                stages = stage_breakdown(prep.pipeline, prep.calls, self.lab.device, iters=self.s.stage_iters)
+                entry["stages_us"] = {k: v.to_dict() for k, v in stages.items()}
+            if task.row == "nested_sdpa" and task.batch > NESTED_MAX_BATCH:
+                sync(self.lab.device)
+                t0 = time.perf_counter()
+                prep.calls[0]()
+                sync(self.lab.device)
+                single = time.perf_counter() - t0
+                entry.update(
+                    status="skipped",
+                    single_forward_ms=single * 1e3,
+                    reason=f"too slow: one forward took {single * 1e3:.1f} ms (timed only at B <= {NESTED_MAX_BATCH})",
+                )
+                return entry
+            entry.update(self.time(prep))
+            return entry
+        finally:
+            prep.cleanup()
+
+    def prepare(self, task: Task) -> Prepared:
+        """Builds the row's pipeline and checks it against the fp32 reference (see the module docstring)."""
+        if task.workload == "none":
+            return self._prepare_unpruned(task)
+        if task.row in GRAPHED_ROWS:
+            return self._prepare_graphed(task)
+        return self._prepare_pruned(task)
+
+    # -- unpruned -------------------------------------------------------------------------------------------
+
+    def _prepare_unpruned(self, task: Task) -> Prepared:
+        lab, device = self.lab, self.lab.device
+        ref = lab.reference(task.model, "none", 1.0, task.batch)
+        model = lab.model(task.model)
+        eager = self._forward(model, ref.images[0])
+        bound = error_bound(ref.logits, (eager - ref.logits).abs().max().item(), lab.dtype)
+        entry: dict = {"counts": ref.counts}
+        if task.row == "timm_eager":
+            entry["check"] = check_logits(eager, ref.logits, bound).to_dict()
+            calls = [functools.partial(model, img) for img in ref.images]
+            return Prepared(entry, calls, context=torch.no_grad, capturable=True)
+        if not self.s.compile:
+            raise Unavailable("torch.compile rows switched off (--no-compile)")
+        if device.type != "cuda":
+            raise Unavailable('mode="reduce-overhead" needs CUDA graphs (a CUDA device)')
+        if self.s.compile_batches is not None and task.batch not in self.s.compile_batches:
+            raise Unavailable(f"not compiled at B={task.batch} (--compile-batches)")
+
+        def cleanup() -> None:
+            torch._dynamo.reset()  # frees the compiled graphs and their CUDA-graph pool
+            torch.cuda.empty_cache()
+
+        cleanup()
+        skips_before = _cudagraph_skips()
+        try:
+            compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
+            firsts = []
+            for img in ref.images:  # compile; record the CUDA graph; first replays
+                sync(device)
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    compiled(img)
+                sync(device)
+                firsts.append(round(time.perf_counter() - t0, 3))
+            entry.update(compile_s=firsts[0], first_calls_s=firsts)
+            entry["cudagraph_skips"] = _cudagraph_skips() - skips_before  # > 0: it ran without CUDA graphs
+            print(f"\n  compiled {task.model} B={task.batch}: {firsts[0]:.1f} s", file=sys.stderr, flush=True)
+            check = check_logits(self._forward(compiled, ref.images[0]), ref.logits, bound)
+        except Exception as exc:  # a compile failure is a result
+            cleanup()
+            entry.update(status="failed", reason=f"torch.compile failed: {describe(exc)}")
+            return Prepared(entry)
+        entry["check"] = check.to_dict()
+        if not check.ok:
+            cleanup()
+            entry.update(status="failed", reason=check.reason)
+            return Prepared(entry)
+        entry["graph_reason"] = "reduce-overhead replays CUDA graphs itself"
+        calls = [functools.partial(compiled, img) for img in ref.images]
+        return Prepared(entry, calls, context=torch.no_grad, cleanup=cleanup)
+
+    @staticmethod
+    def _forward(fn: Callable, images: torch.Tensor, *args: object) -> torch.Tensor:
+        with torch.no_grad():
+            return logits_of(fn(images, *args)).float().clone()
+
+    # -- pruned ---------------------------------------------------------------------------------------------
+
+    def _checked_pipeline(self, task: Task) -> tuple[PrunedViT, Reference, dict, float]:
+        """The eager pipeline of the row's backend, checked on the reference's decisions: (pv, ref, entry, bound)."""
+        lab = self.lab
+        spec = WORKLOADS[task.workload]
+        ref = lab.reference(task.model, task.workload, task.keep_rate, task.batch)
+        backend = backend_for(task.row, lab.num_patches(task.model) + 1)
+        entry: dict = {"counts": ref.counts, "workload_desc": spec.description, "backend": repr(backend)}
+        pv = lab.pipeline(task.model, task.workload, task.keep_rate, backend)
+        try:
+            pv.backend.check(lab.device, lab.dtype)
+        except ValueError as exc:
+            raise Unavailable(str(exc)) from exc
+        bound = error_bound(ref.logits, ref.floor, lab.dtype)
+        entry["floor"] = ref.floor
+        try:
+            out = self._forward(pv.run, ref.images[0], ref.selections[0])
+        except Exception as exc:
+            entry.update(status="failed", reason=f"raised {describe(exc)}")
+            return pv, ref, entry, bound
+        check = check_logits(out, ref.logits, bound)
+        entry["check"] = check.to_dict()
+        if not check.ok:
+            entry.update(status="failed", reason=check.reason)
+        return pv, ref, entry, bound
+
+    def _prepare_pruned(self, task: Task) -> Prepared:
+        pv, ref, entry, _ = self._checked_pipeline(task)
+        if entry.get("status") == "failed":
+            return Prepared(entry)
+        capturable = workload_kind(task.workload, task.keep_rate) == "fixed" and task.row != "nested_sdpa"
+        if not capturable:
+            entry["graph_reason"] = (
+                "not captured: NestedTensor construction"
+                if task.row == "nested_sdpa"
+                else "not captured: a variable-count stage reads its total on the host (one sync per stage)"
+            )
+        calls = forward_calls(pv, ref, WORKLOADS[task.workload].replayed)
+        return Prepared(entry, calls, capturable=capturable, pipeline=pv)
+
+    def _prepare_graphed(self, task: Task) -> Prepared:
+        if not self.s.graphed:
+            raise Unavailable("graphed rows switched off (--no-graphed)")
+        if self.lab.device.type != "cuda":
+            raise Unavailable("CUDA graphs need a CUDA device")
+        pv, ref, entry, bound = self._checked_pipeline(task)
+        if entry.get("status") == "failed":
+            return Prepared(entry)
+        # The graphed runner makes its own decisions: compare with the eager pipeline's own decisions.
+        own = self._forward(pv.run, ref.images[0])
+        sync(self.lab.device)
+        t0 = time.perf_counter()
+        forward, note = make_graphed(pv, ref.images[0])
+        try:
+            out = self._forward(forward, ref.images[0])
+        except Exception as exc:
+            raise Unavailable(f"graphed forward raised {describe(exc)} ({note})") from exc
+        sync(self.lab.device)
+        entry.update(capture_s=round(time.perf_counter() - t0, 3), graphed_api=note)
+        check = check_logits(out, own, bound)
+        entry["check"] = {**check.to_dict(), "vs": "eager pipeline, same backend, own decisions"}
+        if not check.ok:
+            entry.update(status="failed", reason=check.reason)
+            return Prepared(entry)
+        entry["graph_reason"] = "the runner replays CUDA graphs itself"
+        calls = [functools.partial(forward, img) for img in ref.images]
+
+        def cleanup() -> None:  # drop the graphs now: their pools would otherwise hold memory until collected
+            reset = getattr(getattr(forward, "__self__", None), "reset", None)
+            if callable(reset):
+                reset()
+            torch.cuda.empty_cache()
+
+        return Prepared(entry, calls, context=torch.no_grad, cleanup=cleanup)
+
+    # -- numerics (Table VI) --------------------------------------------------------------------------------
+
+    def _numerics_row(self, task: Task) -> dict:
+        lab = self.lab
+        ref = lab.reference(task.model, task.workload, task.keep_rate, task.batch)
+        n = lab.num_patches(task.model) + 1
+        outs: dict[str, torch.Tensor | str] = {}
+        for name in ("padded", "padded_full", "fa2_varlen", "triton"):
+            pv = lab.pipeline(task.model, task.workload, task.keep_rate, backend_for(name, n))
+            try:
+                pv.backend.check(lab.device, lab.dtype)
+                outs[name] = self._forward(pv.run, ref.images[0], ref.selections[0])
+            except Exception as exc:
+                outs[name] = f"unavailable: {describe(exc)}"
+        entry: dict = {
+            "counts": ref.counts,
+            "workload_desc": WORKLOADS[task.workload].description,
+            "floor": ref.floor,
+            "status": "ok",
+            "vs_padded": {},
+            "vs_fp32": {},
+        }
+        base = outs["padded"]
+        for name, out in outs.items():
+            if isinstance(out, str):
+                entry["vs_fp32"][name] = {"reason": out}
+                continue
+            entry["vs_fp32"][name] = _diff(out, ref.logits)
+            if name != "padded" and not isinstance(base, str):
+                entry["vs_padded"][name] = _diff(out, base)
+        if isinstance(base, str):
+            entry.update(status="failed", reason=f"padded pipeline {base}")
+        return entry
+
+    # -- clocks ---------------------------------------------------------------------------------------------
+
+    def time(self, prep: Prepared) -> dict:
+        """Per-forward wall and event clocks; graph replay too where the row is capturable."""
+        s, device = self.s, self.lab.device
+        times = forward_times(
+            prep.calls,
+            device,
+            context=prep.context,
+            warmup=s.warmup,
+            target_s=s.target_s,
+            min_iters=s.min_iters,
+            max_iters=s.max_iters,
+        )
+        entry: dict = {
+            "status": "ok",
+            "wall_us": times.wall.to_dict(),
+            "events_us": times.events.to_dict() if times.events else None,
+            "iters": times.iters,
+            "graph_us": None,
+        }
+        if prep.capturable and device.type == "cuda":
+            graph = graph_time(prep.calls, prep.context, calls_per_graph=s.graph_calls, replays=s.graph_replays)
+            entry["graph_us"] = graph.spread.to_dict() if graph.spread else None
+            if graph.reason:
+                entry["graph_reason"] = graph.reason
+        return entry
+
+
+def _cudagraph_skips() -> int:
+    """Inductor's count of graphs that reduce-overhead ran without CUDA graphs (0 where torch does not count)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["inductor"].get("cudagraph_skips", 0))
+
+
+def _diff(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    d = (out.float() - ref.float()).abs()
+    return {
+        "max": d.max().item(),
+        "mean": d.mean().item(),
+        "top1_agree": (out.argmax(-1) == ref.argmax(-1)).float().mean().item(),
+    }
+
+
+def kernel_numerics(device: torch.device) -> list[dict]:
+    """The paper's kernel rows of Table VI: ours vs padded SDPA, B = 32, 0/50/80% pruned, fp16, fixed counts
+    (the paper's) and variable counts; plus each against the fp32 reference."""
+    rows = []
+    for variable in (False, True):
+        for pruned in (0, 50, 80):
+            wl = make_workload(32, pruned, variable=variable)
+            problem = make_problem(wl, 1, device, torch.float16)
+            ref = reference_output(problem)
+            ours = build_peer("ours", problem).calls[0]().reshape(ref.shape).float()
+            padded = build_peer("padded_sdpa", problem).calls[0]().reshape(ref.shape).float()
+            diff = (ours - padded).abs()
+            rows.append(
+                {
+                    "batch": 32,
+                    "pruned_pct": pruned,
+                    "workload_kind": "ragged" if variable and pruned else "fixed",
+                    "tokens": wl.total,
+                    "max_vs_padded": diff.max().item(),
+                    "mean_vs_padded": diff.mean().item(),
+                    "max_ours_vs_fp32": (ours - ref).abs().max().item(),
+                    "max_padded_vs_fp32": (padded - ref).abs().max().item(),
+                }
+            )
+    return rows
+
+
+# --------------------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.report_e2e", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=None, help="directory (default benchmarks/baselines/<gpu>/e2e)")
+    parser.add_argument("--quick", action="store_true", help="the quick subset (< 4 min on an H200)")
+    parser.add_argument("--part", default=None, help=f"one of {', '.join(PARTS)}, or all (default: quick parts)")
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes (overrides the part's)")
+    parser.add_argument("--workloads", default=None, help="comma-separated workloads: " + ",".join(WORKLOADS))
+    parser.add_argument("--rows", default=None, help="comma-separated subset of rows: " + ",".join(ALL_ROWS))
+    parser.add_argument("--tag", default=None, help="file-name suffix: DIR/<part>-<tag>.json (default: quick)")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    parser.add_argument("--compile-batches", default=None, help="compile only at these batch sizes (1,64)")
+    parser.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help=f"rows not started after this many minutes are skipped (default {QUICK_MINUTES} with --quick, "
+        f"{FULL_MINUTES} without; 0: no limit)",
+    )
+    parser.add_argument("--no-graphed", action="store_true", help="skip the pipelines.graphs rows")
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the CPU tests' dry run
+    parser.add_argument("--model", default=None, help=argparse.SUPPRESS)  # replaces every model (CPU tests)
+    args = parser.parse_args(argv)
+    if args.part is None:
+        args.parts = QUICK_PARTS if args.quick else PARTS
+    elif args.part == "all":
+        args.parts = QUICK_PARTS if args.quick else PARTS
+    elif args.part in PARTS:
+        args.parts = (args.part,)
+    else:
+        parser.error(f"--part must be one of {', '.join(PARTS)} or all, got {args.part!r}")
+    args.batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else None
+    args.compile_batches = tuple(int(b) for b in args.compile_batches.split(",")) if args.compile_batches else None
+    args.workloads = tuple(w.strip() for w in args.workloads.split(",")) if args.workloads else None
+    unknown = sorted(set(args.workloads or ()) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
+    args.rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else None
+    unknown = sorted(set(args.rows or ()) - set(ALL_ROWS))
+    if unknown:
+        parser.error(f"unknown rows {unknown}; choose from {list(ALL_ROWS)}")
+    if args.tag is None and args.quick:
+        args.tag = "quick"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("report_e2e needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    out_dir = args.out or BASELINES / gpu_slug() / "e2e"
+    minutes = args.max_minutes if args.max_minutes is not None else (QUICK_MINUTES if args.quick else FULL_MINUTES)
+    settings = Settings.make(
+        args.quick,
+        compile=not args.no_compile,
+        graphed=not args.no_graphed,
+        compile_batches=args.compile_batches,
+        deadline=time.perf_counter() + 60 * minutes if minutes > 0 else None,
+    )
+    lab = Lab(device, dtype)
+    runner = Runner(lab, settings)
+    env = run_environment()
+    started = time.perf_counter()
+    plans = {p: plan_part(p, args.quick, args.batches, args.workloads) for p in args.parts}
+    if args.rows:  # Table VI compares fixed backends: not filtered
+        plans = {p: [t for t in ts if t.kind == "numerics" or t.row in args.rows] for p, ts in plans.items()}
+    if args.model:
+        plans = {p: [_with_model(t, args.model) for t in ts] for p, ts in plans.items()}
+    total = sum(len(ts) for ts in plans.values())
+    print(
+        f"report_e2e on {env['card'] or 'cpu'}: parts {', '.join(args.parts)}, {total} rows -> {out_dir}",
+        file=sys.stderr,
+        flush=True,
+    )
+    written = []
+    with torch_threads(1), progress(total, "e2e") as bar:
+        for part, tasks in plans.items():
+            path = out_dir / (f"{part}-{args.tag}.json" if args.tag else f"{part}.json")
+            payload = {
+                "part": part,
+                "quick": args.quick,
+                "meta": {
+                    **env,
+                    "dtype": str(dtype).removeprefix("torch."),
+                    "settings": {k: v for k, v in settings.__dict__.items() if k != "deadline"},
+                    "args": {k: v for k, v in vars(args).items() if k != "out"},
+                    "workloads": {name: spec.description for name, spec in WORKLOADS.items()},
+                    "rows": ROW_LABELS,
+                },
+                "rows": [],
+            }
+            if part == "table6" and device.type == "cuda":
+                payload["kernel_rows"] = kernel_numerics(device)
+            for task in tasks:
+                bar.set_postfix_str(f"{part} B={task.batch} {task.workload} {task.row}")
+                t0 = time.perf_counter()
+                row = runner.run(task)
+                row["elapsed_s"] = round(time.perf_counter() - t0, 2)
+                payload["rows"].append(row)
+                payload["meta"]["elapsed_s"] = round(time.perf_counter() - started, 1)
+                write_json(path, payload)
+                bar.update()
+            written.append((part, path, payload))
+            lab.clear()
+    for part, path, payload in written:
+        print(f"\n## {part} ({path})\n")
+        print(e2e_tables.render_part(payload))
+    print(f"\n{total} rows in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    return 0
+
+
+def _with_model(task: Task, model: str) -> Task:
+    return Task(task.part, model, task.workload, task.keep_rate, task.batch, task.row, task.kind)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

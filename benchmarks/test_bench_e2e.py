@@ -1,0 +1,105 @@
+"""pytest-benchmark suite of the end-to-end pipelines: a small representative grid of ``report_e2e``'s Table III.
+
+One benchmark per (batch size, workload, row), DeiT-B 224, fp16, 50% pruning. pytest-benchmark stores and
+compares the wall time of one forward (synchronize after each, the device idle at each start; three input batches
+rotated); the CUDA-event time of the same forwards, img/s, the workload kind and its kept counts, the correctness
+check, the card and the versions go into ``extra_info``. A row that cannot run here (no ``pipelines.graphs``, a
+backend missing from this torch) is skipped with the reason; a pipeline that computes wrong logits fails and is not
+timed. Times are never asserted: regressions are pytest-benchmark's ``--benchmark-compare-fail`` against a stored
+baseline (``python -m benchmarks.run_bench``).
+
+    RAGGED_BENCH_QUICK=1 python -m pytest benchmarks/test_bench_e2e.py --benchmark-only   # B 1, 64; 14 rows
+    python -m pytest benchmarks/test_bench_e2e.py --benchmark-only                        # B 1, 4, 64; + ATS, compile
+
+Quick grid: B in {1, 64} x {l2_ratio (fixed), synthetic (ragged)} x {padded (fair), FA2 varlen, Triton,
+Triton + graphs} plus unpruned timm eager. Full grid: B in {1, 4, 64}, ATS (ragged) too, padded-full, FA2 +
+graphs, and unpruned timm under torch.compile(mode="reduce-overhead") (about half a minute of compilation per
+batch size).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import timm
+import torch
+
+from benchmarks.e2e_common import DEIT_B, Lab, Unavailable, forward_times, sync
+from benchmarks.report_e2e import Runner, Settings, Task
+from benchmarks.timing import gc_off
+
+QUICK = os.environ.get("RAGGED_BENCH_QUICK", "") not in ("", "0")
+BATCHES = (1, 64) if QUICK else (1, 4, 64)
+WORKLOADS = ("l2_ratio", "synthetic") if QUICK else ("l2_ratio", "ats", "synthetic")
+ROWS = (
+    ("padded", "fa2_varlen", "triton", "triton_graphed")
+    if QUICK
+    else ("padded", "padded_full", "fa2_varlen", "triton", "triton_graphed", "fa2_varlen_graphed")
+)
+UNPRUNED = ("timm_eager",) if QUICK else ("timm_eager", "timm_compiled")
+KEEP_RATE = 0.5
+ROUNDS = 20 if QUICK else 50
+
+CASES = [
+    pytest.param(batch, workload, row, id=f"B{batch}-{workload}-{row}", marks=pytest.mark.benchmark(group=f"B{batch}"))
+    for batch in BATCHES
+    for workload, rows in (("none", UNPRUNED), *((w, ROWS) for w in WORKLOADS))
+    for row in rows
+]
+
+
+class PerForward:
+    """One forward per call, rotating through the input batches, then a synchronize: the ``wall`` clock of
+    ``report_e2e`` as a pytest-benchmark target."""
+
+    def __init__(self, calls: list, device: torch.device) -> None:
+        self._calls = calls
+        self._device = device
+        self._i = 0
+
+    def __call__(self) -> None:
+        self._calls[self._i % len(self._calls)]()
+        self._i += 1
+        sync(self._device)
+
+
+@pytest.fixture(scope="session")
+def runner() -> Runner:
+    return Runner(Lab(torch.device("cuda"), torch.float16), Settings.make(quick=True))
+
+
+@pytest.mark.parametrize(("batch", "workload", "row"), CASES)
+def test_e2e(benchmark, bench_env: dict, runner: Runner, batch: int, workload: str, row: str) -> None:
+    keep = 1.0 if workload == "none" else KEEP_RATE
+    task = Task("bench", DEIT_B, workload, keep, batch, row)
+    try:
+        prep = runner.prepare(task)
+    except Unavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        if prep.calls is None:
+            pytest.fail(f"{task.key} is not timed: {prep.entry.get('reason')}")
+        device = runner.lab.device
+        with prep.context():
+            for call in prep.calls:  # warm-up (prepare already ran each pipeline once)
+                call()
+        sync(device)
+        with prep.context(), gc_off():
+            benchmark.pedantic(PerForward(prep.calls, device), rounds=ROUNDS, iterations=1, warmup_rounds=2)
+        events = forward_times(prep.calls, device, context=prep.context, warmup=1, min_iters=ROUNDS, max_iters=ROUNDS)
+        info = runner.describe_task(task)
+        benchmark.extra_info.update(
+            workload_kind=info["workload_kind"],
+            label=info["label"],
+            counts=prep.entry.get("counts"),
+            check=prep.entry.get("check"),
+            compile_s=prep.entry.get("compile_s"),
+            img_per_s=batch / benchmark.stats.stats.median,
+            events_us=events.events.to_dict() if events.events else None,
+            wall_us_report_e2e=events.wall.to_dict(),
+            timm=timm.__version__,
+            **{k: bench_env[k] for k in ("card", "capability", "torch", "triton", "cuda", "commit")},
+        )
+    finally:
+        prep.cleanup()

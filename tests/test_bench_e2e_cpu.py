@@ -1,0 +1,411 @@
+"""CPU checks of the end-to-end benchmark: its inputs, its instrumentation, a dry run, and the report generator.
+
+The benchmark itself needs a GPU; what can be checked without one is checked here: the synthetic ragged selections,
+the paper's padded baseline (``PaddedSDPABackend(pad_to=N)``), that the stage timer leaves a forward's logits
+bit-identical, that ``report_e2e`` runs end to end on a CPU (fp32, deit_tiny, the CPU-capable rows) and writes
+its JSON, and that ``make_results`` turns stored JSON (synthetic fixtures in a GPU run's format) into
+docs/results.md and PNG figures, deterministically. Tolerance rule: the padded attentions and the reference are
+the same fp32 math in another order, so they agree to 1e-5.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import pipelines.model as pm
+from benchmarks import e2e_tables, make_results, report_e2e, run_bench
+from benchmarks.e2e_common import (
+    WORKLOADS,
+    Lab,
+    gpu_slug,
+    make_graphed,
+    synthetic_images,
+    synthetic_selection,
+    workload_kind,
+)
+from benchmarks.e2e_stages import REGIONS, stage_timer
+from pipelines.backends import PaddedSDPABackend, ReferenceBackend
+
+TINY = "deit_tiny_patch16_224"
+CPU = torch.device("cpu")
+
+
+# --------------------------------------------------------------------------------------------------- inputs
+
+
+def test_gpu_slug() -> None:
+    assert gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+    assert gpu_slug("NVIDIA H200") == "nvidia-h200"
+    assert gpu_slug("  ") == "unknown"
+
+
+@pytest.mark.parametrize("keep_rate", [0.1, 0.5, 0.9])
+def test_synthetic_selection_is_ragged_around_the_rate(keep_rate: float) -> None:
+    batch, patches = 64, 196
+    sel = synthetic_selection(batch, patches, keep_rate, CPU, seed=3)
+    keep = sel.keep.view(batch, patches + 1)
+    assert keep.dtype == torch.bool and bool(keep[:, 0].all()), "every CLS row is kept"
+    kept = keep[:, 1:].sum(1).float()
+    assert not sel.fixed_count and sel.count is None
+    assert kept.min() >= 1 and kept.max() <= patches
+    lo, hi = max(1, (keep_rate - 0.2) * patches - 1), min(patches, (keep_rate + 0.2) * patches + 1)
+    assert bool(((kept >= lo) & (kept <= hi)).all())
+    assert kept.unique().numel() > 10, "per-image counts must differ"
+    assert abs(kept.mean().item() / patches - keep_rate) < 0.06
+    again = synthetic_selection(batch, patches, keep_rate, CPU, seed=3)
+    assert torch.equal(again.keep, sel.keep), "seeded"
+
+
+def test_synthetic_selection_keeps_all_at_rate_one() -> None:
+    sel = synthetic_selection(4, 196, 1.0, CPU, seed=0)
+    assert bool(sel.keep.all()) and sel.fixed_count and sel.count == 197
+
+
+def test_workload_kinds() -> None:
+    assert workload_kind("none", 1.0) == "dense"
+    assert workload_kind("ats", 0.5) == "ragged" and workload_kind("l2_calibrated", 0.5) == "ragged"
+    assert workload_kind("synthetic", 0.5) == "ragged" and workload_kind("synthetic", 1.0) == "fixed"
+    assert {w.kind for w in WORKLOADS.values()} == {"fixed", "ragged"}
+
+
+def test_padded_full_matches_fair_padding_and_reference() -> None:
+    g = torch.Generator().manual_seed(11)
+    heads, dim, lengths = 3, 16, [5, 1, 9, 17]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    qkv = torch.randn(sum(lengths), 3 * heads * dim, generator=g)
+    scale = dim**-0.5
+    ref = ReferenceBackend().attend(qkv, cu, max(lengths), heads, scale)
+    fair = PaddedSDPABackend().attend(qkv, cu, max(lengths), heads, scale)
+    full = PaddedSDPABackend(pad_to=33).attend(qkv, cu, max(lengths), heads, scale)
+    torch.testing.assert_close(fair, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(full, ref, atol=1e-5, rtol=0)
+    assert "pad_to=33" in repr(PaddedSDPABackend(pad_to=33))
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="pad_to"):
+            PaddedSDPABackend(pad_to=bad)
+
+
+# --------------------------------------------------------------------------------------------------- stages
+
+
+@pytest.fixture(scope="module")
+def lab() -> Lab:
+    return Lab(CPU, torch.float32)
+
+
+@pytest.mark.parametrize("workload", ["l2_ratio", "ats"])
+def test_stage_timer_leaves_the_forward_unchanged(lab: Lab, workload: str) -> None:
+    pv = lab.pipeline(TINY, workload, 0.5, "reference")
+    images = synthetic_images(2, 224, seed=5)
+    plain = pv.run(images)
+    with stage_timer(pv, CPU) as marks:
+        marks.start()
+        timed = pv.run(images)
+        spent = marks.stop()
+    assert torch.equal(plain.logits, timed.logits) and torch.equal(plain.counts, timed.counts)
+    assert set(spent) == set(REGIONS) and all(spent[r] > 0 for r in REGIONS), spent
+    # ATS prunes inside blocks 3-11: its pack time is summed over nine stages, front is embed + blocks 0-2.
+    assert pm._repack.__name__ == "_repack" and pm.packed_block.__name__ == "packed_block"
+    assert "_prune_input" not in vars(pv) and "_head" not in vars(pv)
+
+
+# --------------------------------------------------------------------------------------------------- dry run
+
+
+def test_report_e2e_dry_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    rc = report_e2e.main(
+        [
+            "--device",
+            "cpu",
+            "--model",
+            TINY,
+            "--quick",
+            "--part",
+            "all",
+            "--batches",
+            "2",
+            "--workloads",
+            "l2_ratio,synthetic",
+            "--rows",
+            "timm_eager,padded,padded_full",
+            "--out",
+            str(tmp_path),
+        ]  # fmt: skip
+    )
+    assert rc == 0
+    files = sorted(p.name for p in tmp_path.glob("*.json"))
+    assert files == [f"{p}-quick.json" for p in sorted(report_e2e.QUICK_PARTS)]
+    table3 = json.loads((tmp_path / "table3-quick.json").read_text())
+    assert table3["part"] == "table3" and table3["meta"]["timm"] and table3["meta"]["commit"]
+    rows = {(r["workload"], r["row"]): r for r in table3["rows"]}
+    for key in [("none", "timm_eager"), ("l2_ratio", "padded"), ("synthetic", "padded_full")]:
+        assert rows[key]["status"] == "ok", rows[key]
+        assert rows[key]["img_per_s"] > 0 and rows[key]["check"]["ok"]
+    assert rows[("synthetic", "padded")]["workload_kind"] == "ragged"
+    assert rows[("synthetic", "padded")]["counts"]["stages"] == 1
+    stages = json.loads((tmp_path / "table4-quick.json").read_text())["rows"]
+    assert all(set(r["stages_us"]) == {*REGIONS, "total"} for r in stages if r["status"] == "ok")
+    numerics = json.loads((tmp_path / "table6-quick.json").read_text())["rows"]
+    assert numerics and all(r["vs_fp32"]["padded"]["max"] < 1e-3 for r in numerics)
+    printed = capsys.readouterr().out
+    assert "## table3" in printed and "padded (fair)" in printed
+
+
+def test_make_graphed_adapter_fits_the_runner(lab: Lab) -> None:
+    pytest.importorskip("pipelines.graphs")
+    pv = lab.pipeline(TINY, "l2_ratio", 0.5, "reference")
+    images = synthetic_images(2, 224, seed=6)
+    forward, note = make_graphed(pv, images)
+    out = forward(images)
+    assert "GraphedPrunedViT" in note
+    torch.testing.assert_close(getattr(out, "logits", out), pv.run(images).logits, atol=1e-5, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------------- report
+
+B224, B384 = "deit_base_patch16_224", "deit_base_patch16_384"
+
+
+def _spread(median_us: float) -> dict:
+    return {"median": median_us, "q1": 0.95 * median_us, "q3": 1.05 * median_us, "lo": 0.9 * median_us,
+            "hi": 1.2 * median_us, "n": 20}  # fmt: skip
+
+
+def _row(model: str, workload: str, keep: float, batch: int, row: str, rate: float | None, **extra) -> dict:
+    res = 384 if model.endswith("384") else 224
+    kind = extra.pop("kind", "throughput")
+    out = {
+        "key": f"{model}|{workload}|k{keep:g}|B{batch}|{row}|{kind}",
+        "model": model,
+        "resolution": res,
+        "batch": batch,
+        "workload": workload,
+        "workload_kind": workload_kind(workload, keep),
+        "keep_rate": keep,
+        "pruned_pct": round(100 * (1 - keep)),
+        "row": row,
+        "label": row,
+        "kind": kind,
+        "counts": {"stages": 1, "mean": [98.0], "min": [60], "max": [137], "keep_fraction_last": 0.5},
+        "workload_desc": WORKLOADS[workload].description if workload in WORKLOADS else None,
+        "check": {"ok": True, "max_abs_diff": 1e-3, "bound": 4e-3, "top1_agree": 1.0, "reason": None},
+    }
+    if rate is None:
+        out.update(status="unavailable", reason="pipelines.graphs is not importable here")
+    else:
+        wall = batch / rate * 1e6
+        out.update(status="ok", img_per_s=rate, wall_us=_spread(wall), events_us=_spread(0.9 * wall), iters=20)
+        out["graph_us"] = _spread(0.5 * wall) if workload_kind(workload, keep) != "ragged" else None
+    out.update(extra)
+    return out
+
+
+ROW_SPEED = {  # relative img/s of each row (padded = 1)
+    "timm_eager": 0.9, "timm_compiled": 2.0, "padded": 1.0, "padded_full": 0.8, "fa2_varlen": 1.6,
+    "nested_sdpa": 0.1, "triton": 1.8, "triton_graphed": 3.3, "fa2_varlen_graphed": 3.0, "padded_graphed": None,
+}  # fmt: skip
+
+
+def _meta(quick: bool, date: str) -> dict:
+    return {
+        "card": "NVIDIA H200", "capability": "9.0", "torch": "2.11.0+cu130", "triton": "3.6.0", "timm": "1.0.29",
+        "cuda": "13.0", "commit": "abc123", "dtype": "float16", "weights": "random (seeded)", "date": date,
+        "args": {"quick": quick},
+    }  # fmt: skip
+
+
+def _throughput_rows(models: list[str], workloads: list[str], batches: list[int], keep: float = 0.5) -> list[dict]:
+    rows = []
+    for model in models:
+        scale = 0.4 if model.endswith("384") else 1.0
+        for b in batches:
+            base = 300 * scale * min(b, 32) ** 0.8
+            rows.append(_row(model, "none", 1.0, b, "timm_eager", base * ROW_SPEED["timm_eager"]))
+            rows.append(_row(model, "none", 1.0, b, "timm_compiled", base * 2.0, compile_s=31.5))
+            for w in workloads:
+                for r, speed in ROW_SPEED.items():
+                    if r.startswith("timm_"):
+                        continue
+                    if r == "nested_sdpa" and b > 4:
+                        rows.append(
+                            _row(model, w, keep, b, r, None, status="skipped", single_forward_ms=41.0, reason="slow")
+                        )
+                        continue
+                    rows.append(_row(model, w, keep, b, r, None if speed is None else base * speed))
+    return rows
+
+
+def _write_fixtures(root: Path) -> Path:
+    card = root / "nvidia-h200"
+    e2e = card / "e2e"
+    e2e.mkdir(parents=True)
+    t3_quick = {"part": "table3", "quick": True, "meta": _meta(True, "2026-11-26T10:00:00+0000"),
+                "rows": _throughput_rows([B224], ["l2_ratio", "ats"], [1, 4, 64])}  # fmt: skip
+    t3_full = {"part": "table3", "quick": False, "meta": _meta(False, "2026-11-26T11:00:00+0000"),
+               "rows": _throughput_rows([B224], ["l2_ratio", "synthetic"], [1, 4, 8, 64, 128])}  # fmt: skip
+    t3_full["rows"][0]["img_per_s"] = 777.0  # B=1 timm eager: must replace the quick run's row
+    fig1_rows = _throughput_rows([B224], [], [64])
+    for pct in (0, 50, 90):
+        keep = round(1 - pct / 100, 2)
+        for w in ("l2_ratio", "synthetic"):
+            for r in ("padded", "triton", "triton_graphed"):
+                rate = 9000 * (1 + (3 if r != "padded" else 0.2) * pct / 100)
+                fig1_rows.append(_row(B224, w, keep, 64, r, rate))
+    stages = []
+    for r in ("padded", "padded_full", "fa2_varlen", "triton"):
+        st = {k: _spread(v) for k, v in zip(("front", "pack", "late", "head", "total"), (900, 80, 2000, 30, 3010),
+                                             strict=True)}  # fmt: skip
+        stages.append(_row(B224, "l2_ratio", 0.5, 8, r, 2000.0, kind="stages", stages_us=st))
+    numerics = [
+        _row(B224, w, 0.5, b, "padded", None, kind="numerics", status="ok",
+             vs_padded={"triton": {"max": 0.002, "mean": 1e-4, "top1_agree": 1.0},
+                        "fa2_varlen": {"max": 0.003, "mean": 1e-4, "top1_agree": 1.0}},
+             vs_fp32={"triton": {"max": 0.004}, "padded": {"max": 0.004}})
+        for w in ("l2_ratio", "ats") for b in (1, 4, 16)
+    ]  # fmt: skip
+    kernel_rows = [
+        {"batch": 32, "pruned_pct": p, "workload_kind": "fixed", "tokens": 100, "max_vs_padded": 4e-4,
+         "mean_vs_padded": 1e-5, "max_ours_vs_fp32": 3e-4, "max_padded_vs_fp32": 3e-4} for p in (0, 50, 80)
+    ]  # fmt: skip
+    parts = {
+        "table3-quick": t3_quick,
+        "table3-b1-128": t3_full,
+        "fig1": {"part": "fig1", "quick": False, "meta": _meta(False, "d"), "rows": fig1_rows},
+        "table4": {"part": "table4", "quick": False, "meta": _meta(False, "d"), "rows": stages},
+        "table5": {"part": "table5", "quick": False, "meta": _meta(False, "d"),
+                   "rows": _throughput_rows(list(e2e_tables.PAPER_TABLE_V), ["l2_ratio"], [4, 64])},
+        "res384": {"part": "res384", "quick": False, "meta": _meta(False, "d"),
+                   "rows": _throughput_rows([B224, B384], ["l2_ratio", "synthetic"], [1, 4, 32])},
+        "table6": {"part": "table6", "quick": False, "meta": _meta(False, "d"), "rows": numerics,
+                   "kernel_rows": kernel_rows},
+    }  # fmt: skip
+    for name, payload in parts.items():
+        (e2e / f"{name}.json").write_text(json.dumps(payload))
+    (e2e / "notes.json").write_text("[1, 2]")  # not a part: ignored
+    (card / "attention.json").write_text(json.dumps(_kernel_fixture()))
+    return card
+
+
+def _kernel_fixture() -> dict:
+    cells = []
+    for b in (1, 32, 64):
+        for p in (0, 50, 80):
+            peers = {}
+            for name, us in (("padded_sdpa", 70), ("varlen_attn", 50), ("fa2_aten", 30), ("ours", 15)):
+                t = us * (1 + b / 64) * (1 - p / 200)
+                peers[name] = {
+                    "status": "ok",
+                    "wall_us": _spread(t),
+                    "events_us": _spread(t),
+                    "graph_us": _spread(t / 2),
+                }
+            peers["nested_sdpa"] = {"status": "failed", "reason": "raised RuntimeError: no"}
+            cells.append(
+                {"batch": b, "pruned_pct": p, "variable": True, "tokens": b * 100, "max_len": 120, "min_len": 80,
+                 "mean_len": 100.0, "roofline_us": 5.0, "peers": peers,
+                 "ratios": {"ours_over_fa2_aten_graph": 0.5, "ours_over_roofline_graph": 1.4}}
+            )  # fmt: skip
+    peers = ["padded_sdpa", "varlen_attn", "fa2_aten", "nested_sdpa", "ours"]
+    meta = {"card": "NVIDIA H200", "capability": "9.0", "torch": "2.11.0+cu130", "triton": "3.6.0", "cuda": "13.0",
+            "commit": "abc123", "copy_bandwidth_gbps": 3900.0, "date": "d"}  # fmt: skip
+    meta["args"] = {"fixed": False, "peers": peers}
+    return {"meta": meta, "cells": cells}
+
+
+def test_merge_prefers_full_and_later_runs() -> None:
+    quick = {
+        "part": "table3",
+        "quick": True,
+        "meta": _meta(True, "2026-11-27"),
+        "rows": [_row(B224, "ats", 0.5, 1, "triton", 10.0)],
+    }
+    full = {
+        "part": "table3",
+        "quick": False,
+        "meta": _meta(False, "2026-11-26"),
+        "rows": [_row(B224, "ats", 0.5, 1, "triton", 20.0)],
+    }
+    later = copy.deepcopy(full)
+    later["meta"]["date"] = "2026-11-28"
+    later["rows"][0]["img_per_s"] = 30.0
+    assert e2e_tables.merge_payloads([quick, full])["rows"][0]["img_per_s"] == 20.0
+    merged = e2e_tables.merge_payloads([later, quick, full])
+    assert merged["rows"][0]["img_per_s"] == 30.0 and len(merged["metas"]) == 3 and not merged["quick"]
+
+
+def test_make_results_writes_tables_and_figures(tmp_path: Path) -> None:
+    card = _write_fixtures(tmp_path / "baselines")
+    out = tmp_path / "docs" / "results.md"
+    assert make_results.main(["--baselines", str(card.parent), "--out", str(out)]) == 0
+    text = out.read_text()
+    for heading in (
+        "## NVIDIA H200", "### Targets", "### Tables I and II", "### Table III", "### Table IV", "### Table V",
+        "### Section V-D", "### Figure 1", "### Table VI",
+    ):  # fmt: skip
+        assert heading in text, heading
+    assert "not measured on this card" not in text
+    assert "torch 2.11.0+cu130, triton 3.6.0, timm 1.0.29" in text
+    assert "**ats** (ragged" in text and "**l2_ratio** (fixed" in text and "(dense" in text
+    assert "503 / 418 / 467" in text, "the paper's Table III row beside ours"
+    assert "| 1 | 777 |" in text, "the full run's row replaced the quick run's"
+    assert "skip (41 ms/fwd)" in text and "n/a" in text
+    assert "paper: padded (fair) (RTX 4000 Ada, B=8) | 2.31 | 0.28 | 5.24 | 0.03 | 7.86" in text
+    assert "4.88e-04" in text and "3.91e-03" in text, "Table VI kernel and E2E rows of the paper"
+    assert "0.112" in text, "Table I of the paper"
+    assert "**missed**" in text or "met" in text
+    figures = out.parent / "figures"
+    pytest.importorskip("matplotlib")
+    pngs = sorted(p.name for p in figures.glob("*.png"))
+    assert pngs == [
+        "nvidia-h200-res224-vs-384.png", "nvidia-h200-speedup-vs-pruning.png", "nvidia-h200-throughput-vs-batch.png",
+    ]  # fmt: skip
+    assert all((figures / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+    assert "](figures/nvidia-h200-speedup-vs-pruning.png)" in text
+    # Deterministic: the same JSON gives the same bytes.
+    first = {p: (figures / p).read_bytes() for p in pngs}
+    assert make_results.main(["--baselines", str(card.parent), "--out", str(out)]) == 0
+    assert out.read_text() == text
+    assert {p: (figures / p).read_bytes() for p in pngs} == first
+
+
+def test_make_results_without_results(tmp_path: Path) -> None:
+    out = tmp_path / "results.md"
+    assert make_results.main(["--baselines", str(tmp_path / "none"), "--out", str(out)]) == 0
+    assert "no stored results" in out.read_text()
+
+
+def test_tables_have_consistent_columns(tmp_path: Path) -> None:
+    card = _write_fixtures(tmp_path)
+    parts, _ = make_results.load_card(card)
+    for part, payload in parts.items():
+        text = e2e_tables.render_part(payload)
+        for block in text.split("\n\n"):
+            lines = [ln for ln in block.splitlines() if ln.startswith("|")]
+            if lines:
+                assert len({ln.count(" | ") for ln in lines if not ln.startswith("|---")}) == 1, (part, block)
+
+
+# --------------------------------------------------------------------------------------------------- run_bench
+
+
+def test_run_bench_command(tmp_path: Path) -> None:
+    args, extra = run_bench.parse_args(["quick", "-k", "B1", "--threshold", "30"])
+    assert args.quick and args.threshold == 30 and extra == ["-k", "B1"]
+    storage = run_bench.storage_dir("nvidia-h200", quick=True, root=tmp_path)
+    assert storage == tmp_path / "nvidia-h200" / "bench-quick"
+    machine = "Linux-CPython-3.12-64bit"
+    assert run_bench.stored_runs(storage, machine) == []
+    (storage / machine).mkdir(parents=True)
+    for name in ("0002_quick-b.json", "0001_quick-a.json", "other.json"):
+        (storage / machine / name).write_text("{}")
+    assert [p.name for p in run_bench.stored_runs(storage, machine)] == ["0001_quick-a.json", "0002_quick-b.json"]
+    cmd = run_bench.pytest_command(storage, "quick-abc", True, 25.0, ["-x"], python="python")
+    assert cmd[:5] == ["python", "-m", "pytest", "benchmarks", "--benchmark-only"]
+    assert f"--benchmark-storage={storage}" in cmd and "--benchmark-save=quick-abc" in cmd
+    assert cmd[-3:] == ["--benchmark-compare", "--benchmark-compare-fail=median:25%", "-x"]
+    assert "--benchmark-compare" not in run_bench.pytest_command(storage, "n", False, 25.0, [])
