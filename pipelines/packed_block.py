@@ -6,7 +6,9 @@ dropouts), so it runs unchanged on the flat ``[T, C]`` buffer; only ``softmax(q 
 boundaries, and that is the backend's job. The same modules and parameters are used: no copy, no fork of timm.
 
 Between the attention residual and the MLP an optional ``mid_hook`` may replace the buffer (a MID_BLOCK pruning
-stage: EViT, ATS); it sees the block's qkv projection too, for the CLS-attention scores.
+stage: EViT, ATS); it sees the block's qkv projection too, for the CLS-attention scores. The two halves are also
+callable on their own (:func:`packed_attention`, :func:`packed_mlp`): :mod:`pipelines.graphs` ends a CUDA graph
+between them when a mid-block stage reads its kept total on the host.
 
 Supported: ``timm.models.vision_transformer.Block`` with ``timm.layers.Attention`` (qk_norm, scale_norm and the
 gated variant of newer timm included), in eval mode. Not supported: other block types (ResPostBlock,
@@ -53,6 +55,33 @@ def block_qkv(attn: Attention, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([attn.q_norm(q).flatten(1), attn.k_norm(k).flatten(1), v.flatten(1)], dim=1)
 
 
+def packed_attention(
+    block: Block, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, backend: AttentionBackend
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention half of ``block`` on packed tokens: ``x + ls1(attn(norm1(x)))``.
+
+    Args: as :func:`packed_block`.
+
+    Returns:
+        The residual stream after the attention residual ``[T, C]`` and the block's qkv projection ``[T, 3*H*D]``
+        (what a MID_BLOCK pruning stage scores).
+    """
+    attn = block.attn
+    normed = block.norm1(x)
+    qkv = block_qkv(attn, normed)  # [T, 3*H*D]
+    a = backend.attend(qkv, cu_seqlens, max_seqlen, attn.num_heads, attn.scale)  # [T, H*D]
+    a = attn.norm(a) if hasattr(attn, "norm") else a  # scale_norm (identity unless configured)
+    gate = getattr(attn, "gate", None)  # gated attention of newer timm versions
+    if gate is not None:
+        a = a * gate(normed).sigmoid()
+    return x + block.drop_path1(block.ls1(attn.proj_drop(attn.proj(a)))), qkv
+
+
+def packed_mlp(block: Block, x: torch.Tensor) -> torch.Tensor:
+    """The MLP half of ``block`` on packed tokens ``[T, C]``: ``x + ls2(mlp(norm2(x)))`` (no attention: any rows)."""
+    return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
+
+
 def packed_block(
     block: Block,
     x: torch.Tensor,
@@ -61,7 +90,7 @@ def packed_block(
     backend: AttentionBackend,
     mid_hook: MidHook | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Runs ``block`` on packed tokens.
+    """Runs ``block`` on packed tokens: :func:`packed_attention`, the optional hook, :func:`packed_mlp`.
 
     Args:
         block: a timm ``Block`` (see :func:`check_packable`).
@@ -75,16 +104,7 @@ def packed_block(
         The block's output ``[T', C]`` and its ``cu_seqlens`` and ``max_seqlen`` (those of the input unless the
         hook changed them).
     """
-    attn = block.attn
-    normed = block.norm1(x)
-    qkv = block_qkv(attn, normed)  # [T, 3*H*D]
-    a = backend.attend(qkv, cu_seqlens, max_seqlen, attn.num_heads, attn.scale)  # [T, H*D]
-    a = attn.norm(a) if hasattr(attn, "norm") else a  # scale_norm (identity unless configured)
-    gate = getattr(attn, "gate", None)  # gated attention of newer timm versions
-    if gate is not None:
-        a = a * gate(normed).sigmoid()
-    x = x + block.drop_path1(block.ls1(attn.proj_drop(attn.proj(a))))
+    x, qkv = packed_attention(block, x, cu_seqlens, max_seqlen, backend)
     if mid_hook is not None:
         x, cu_seqlens, max_seqlen = mid_hook(x, cu_seqlens, max_seqlen, qkv)
-    x = x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
-    return x, cu_seqlens, max_seqlen
+    return packed_mlp(block, x), cu_seqlens, max_seqlen

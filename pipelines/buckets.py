@@ -1,0 +1,174 @@
+"""Token-budget buckets and the segment plan of a CUDA-graphed pruned forward: pure host logic, no tensors.
+
+A CUDA graph replays fixed shapes. A pruned forward has fixed shapes when every stage keeps a count known on the
+host (DynamicViT, EViT, Threshold-L2 ratio, or no pruner): it is captured whole. A variable-count stage (ATS,
+Threshold-L2 threshold/calibrated) decides on the device how many rows survive; :mod:`pipelines.graphs` then cuts
+the forward at each such decision into *segments*, reads the kept total once per stage, and replays the next
+segment as captured for the smallest *capacity* (rows of the packed buffer) that holds that total. The two pure
+pieces of that scheme live here and are tested on the CPU:
+
+* :class:`TokenBuckets` -- which capacities exist, which one a total gets, and the ``max_seqlen`` bound that
+  goes with it.
+* :func:`plan_segments` -- whether the forward is one graph (and the rows per image after each stage if so), or
+  else the packed steps (whole blocks, attention halves, MLP halves) of each segment.
+
+Rows of a capacity beyond the real total form one padding image (:mod:`pipelines.graphs`). Consecutive capacities
+are at most ``min(step, N)`` rows apart (``N``: rows of an unpruned image, CLS included), so the padding image is
+never longer than an unpruned image, which every pruner and backend already handles.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from reference.selection import Placement, Pruner
+from reference.validation import check_int
+
+
+@dataclass(frozen=True)
+class TokenBuckets:
+    """The capacities (packed rows) for which the segments after a variable-count stage are captured.
+
+    Attributes:
+        step: the largest gap between consecutive capacities, in rows; clamped to ``N``. A replay's padding
+            image has fewer rows than this. With ``growth == 1`` the capacities are the multiples of ``step``.
+        growth: above 1.0, each capacity is ``growth`` times the previous one (rounded up, at least one row more)
+            until the gap reaches ``step``: finer buckets, hence less padding and more graphs, for small totals.
+        seqlen_step: the ``max_seqlen`` bound given to attention is rounded up to a multiple of this. The varlen
+            kernels only size their grid with it; ``padded_sdpa`` pads every image to it, so it is bucketed
+            finely rather than fixed at ``N``.
+    """
+
+    step: int = 64
+    growth: float = 1.0
+    seqlen_step: int = 32
+
+    def __post_init__(self) -> None:
+        check_int(self.step, "step", 1)
+        check_int(self.seqlen_step, "seqlen_step", 1)
+        if isinstance(self.growth, bool) or not isinstance(self.growth, (int, float)):
+            raise TypeError(f"growth must be a float >= 1, got {type(self.growth).__name__}")
+        if not 1.0 <= self.growth < math.inf:
+            raise ValueError(f"growth must be a finite float >= 1, got {self.growth}")
+
+    def capacities(self, batch: int, tokens: int) -> tuple[int, ...]:
+        """Every capacity for ``batch`` images of at most ``tokens`` rows each, increasing: from the first that
+        holds ``batch`` rows (each image keeps its CLS row) to ``batch * tokens`` (nothing pruned)."""
+        check_int(batch, "batch", 1)
+        check_int(tokens, "tokens", 1)
+        return _capacities(min(self.step, tokens), float(self.growth), batch, tokens)
+
+    def capacity(self, total: int, batch: int, tokens: int) -> int:
+        """The smallest capacity that holds ``total`` rows (``batch`` images of at most ``tokens`` rows)."""
+        caps = self.capacities(batch, tokens)
+        if isinstance(total, bool) or not isinstance(total, int) or not batch <= total <= caps[-1]:
+            raise ValueError(
+                f"total must be an int in [{batch}, {caps[-1]}] (batch {batch}, {tokens} rows), got {total}"
+            )
+        return caps[bisect.bisect_left(caps, total)]
+
+    def seqlen_bound(self, longest: int, tokens: int) -> int:
+        """A ``max_seqlen`` for images of at most ``longest`` rows: ``longest`` rounded up to a multiple of
+        ``seqlen_step``, but no more than ``max(tokens, longest)`` (no image outgrows the unpruned length)."""
+        check_int(longest, "longest", 1)
+        check_int(tokens, "tokens", 1)
+        return min(-(-longest // self.seqlen_step) * self.seqlen_step, max(tokens, longest))
+
+
+@functools.lru_cache(maxsize=256)
+def _capacities(gap: int, growth: float, batch: int, tokens: int) -> tuple[int, ...]:
+    top = batch * tokens
+    if growth == 1.0:
+        first = -(-batch // gap) * gap
+        return (*range(first, top, gap), top)
+    caps = [batch]
+    while caps[-1] < top:
+        caps.append(min(top, caps[-1] + min(gap, max(1, math.ceil(caps[-1] * (growth - 1.0))))))
+    return tuple(caps)
+
+
+class Step(NamedTuple):
+    """One packed step of a segment: ``kind`` is ``"block"`` (a whole timm block), ``"attention"`` (its
+    attention half, which a mid-block stage scores) or ``"mlp"`` (its MLP half); ``block`` its index."""
+
+    kind: str
+    block: int
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    """How a pruned forward is cut into CUDA graphs.
+
+    Attributes:
+        dense_blocks: blocks run densely by timm before the first stage (``PrunedViT.num_dense_blocks``).
+        counts: rows per image after each stage (CLS and extra tokens included) when every count is known on the
+            host: the forward is one graph. None when a stage keeps a variable count.
+        segments: variable counts only (else ``()``): the packed steps of segment ``0 .. S`` for ``S`` stages.
+            Segment 0 follows the embedding and the dense blocks and ends at stage 0's decision; segment ``j``
+            starts by repacking stage ``j - 1``'s decision into its capacity and ends at stage ``j``'s decision
+            (the last one ends with the head).
+    """
+
+    dense_blocks: int
+    counts: tuple[int, ...] | None
+    segments: tuple[tuple[Step, ...], ...]
+
+    @property
+    def fixed(self) -> bool:
+        """Whether the whole forward has host-known shapes (one graph per batch size)."""
+        return self.counts is not None
+
+
+def plan_segments(pruner: Pruner | None, depth: int, tokens: int) -> SegmentPlan:
+    """The segment plan of a pruned forward.
+
+    Args:
+        pruner: the pipeline's pruner (its ``blocks``, ``placement``, ``fixed_count`` and ``count_after``), or
+            None for the unpruned model.
+        depth: number of transformer blocks.
+        tokens: rows of an unpruned image, CLS included (``N``, 197 at 224x224).
+    """
+    check_int(depth, "depth", 1)
+    check_int(tokens, "tokens", 2)
+    if pruner is None:
+        return SegmentPlan(depth, (), ())
+    # Positions count half blocks: 2k is the input of block k, 2k + 1 the point between its attention and MLP.
+    placement = Placement(pruner.placement)
+    offset = {Placement.BEFORE_BLOCK: 0, Placement.MID_BLOCK: 1, Placement.AFTER_BLOCK: 2}[placement]
+    points = [2 * b + offset for b in pruner.blocks]
+    dense = points[0] // 2
+    counts = _host_counts(pruner, tokens)
+    if counts is not None:
+        return SegmentPlan(dense, counts, ())
+    bounds = [2 * dense, *points, 2 * depth]
+    return SegmentPlan(dense, None, tuple(_steps(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)))
+
+
+def _host_counts(pruner: Pruner, tokens: int) -> tuple[int, ...] | None:
+    if not pruner.fixed_count:
+        return None
+    counts, current = [], tokens
+    for stage in range(len(pruner.blocks)):
+        current = pruner.count_after(stage, current, tokens - 1)
+        if current is None:
+            return None
+        counts.append(current)
+    return tuple(counts)
+
+
+def _steps(start: int, end: int) -> tuple[Step, ...]:
+    """The packed steps from half-block position ``start`` to ``end``."""
+    steps = []
+    if start % 2:
+        steps.append(Step("mlp", start // 2))
+        start += 1
+    while start + 2 <= end:
+        steps.append(Step("block", start // 2))
+        start += 2
+    if start < end:
+        steps.append(Step("attention", start // 2))
+    return tuple(steps)

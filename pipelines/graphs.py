@@ -1,0 +1,395 @@
+"""CUDA-graph runner of a pruned ViT: the whole pruned forward replayed without per-kernel host dispatch.
+
+:class:`GraphedPrunedViT` wraps a :class:`pipelines.model.PrunedViT` and captures its forward in CUDA graphs on
+first use, per batch size. What is captured depends on the pruner (:func:`pipelines.buckets.plan_segments`):
+
+* **Fixed counts** (DynamicViT, EViT, Threshold-L2 ratio, or no pruner): every shape is known on the host, so
+  ``PrunedViT.run`` itself is captured whole, in ONE graph per batch size. A call copies the images into the
+  graph's input buffer and replays it: no host synchronisation at all.
+* **Variable counts** (ATS, Threshold-L2 threshold/calibrated): the forward is cut at every stage's decision.
+  Segment 0 (embedding, dense blocks, packed blocks up to stage 0's keep mask) is one graph per batch size. After
+  each segment the host reads the kept total and the longest image (one 16-byte read per stage: the read the
+  eager pipeline makes too), takes the smallest capacity holding that total (:class:`pipelines.buckets.
+  TokenBuckets`) and replays the next segment as captured for ``(batch size, stage, capacity, max_seqlen)``; it
+  repacks the decision into a buffer of exactly ``capacity`` rows (``triton_impl.pack.repack(capacity=...)``)
+  and runs the blocks up to the next decision (the last segment ends with the head).
+
+**Padding rows.** A capacity buffer has ``capacity - total`` rows that no image owns (the pack kernel leaves them
+unwritten). Inside a segment they form one padding image: attention and the pruner get ``cu_seqlens`` with
+``B + 2`` entries, the last image covering rows ``[total, capacity)`` (possibly empty), so ``T == cu_seqlens[-1]``
+holds for every consumer and no backend or pruner needs a special case. Every operation acts per row (LayerNorm,
+Linear, GELU) or per image (attention, the pruners' segment reductions and sorts), so whatever those rows hold
+stays in them; packing, the counts and the head read the real ``B + 1`` offsets only. ``tests/test_graphs.py``
+fills them with NaN. Capacities are at most ``min(step, N)`` rows apart, so the padding image is never longer
+than an unpruned image and ``max_seqlen`` (rounded up from ``max(longest, padding)``) bounds it too.
+
+**Buffers and memory.** Graphs read and write only static buffers of their batch size, allocated outside the
+graph memory pool: the input images (model dtype), logits, counts and, for variable counts, the state at a
+decision (residual stream, keep mask, offsets; double-buffered, so a segment never overwrites its own input when
+it runs twice: warm-up, then replay) plus the two read-back integers. Everything a graph allocates is its own
+temporary, so all graphs share one memory pool (``pool``, by default one new ``torch.cuda.graph_pool_handle()``)
+that holds about the largest graph's temporaries, not their sum. :meth:`GraphedPrunedViT.memory_report` gives the
+pool's reserved bytes and the buffers' bytes. A graph is captured on first use: warm-up on a side stream, then
+capture, as ``torch.cuda.graph`` requires.
+
+**Eager fallback.** A batch size outside ``batch_sizes`` runs ``PrunedViT.run``. Once ``max_graphs`` graphs
+exist, a missing one runs the same segment code eagerly on the same buffers (identical results, dispatch paid).
+On a CPU nothing is captured and every segment runs eagerly (packing under Triton's interpreter): that is how the
+CPU tests check the buckets and the padding image.
+
+**Outputs.** :meth:`GraphedPrunedViT.run` returns a :class:`PrunedOutput` with logits and counts, cloned from the
+static buffers (with ``clone_outputs=False`` they are the buffers themselves, overwritten by the next call with
+the same batch size), and no selections: the decisions stay on the device.
+
+**Misuse.** A runner is bound to its pipeline as it was at the first call: every parameter and buffer (storage
+pointer and version counter), the backend object, the pruner object and its settings (``extra_repr``, e.g. a
+calibrated threshold) and eval mode. A change raises ``RuntimeError`` at the next call; :meth:`reset` drops every
+graph and re-binds. The check runs on the host while the call's first graph executes; the bound storages are kept
+alive until ``reset()``, so a graph never reads freed memory. Not detected: in-place writes through ``.data``
+(they bypass the version counter) and parameters replaced by new ``Parameter`` objects; call ``reset()`` after
+those. Not thread-safe: one runner, one thread, the model's device current.
+
+Not supported: ``selections=`` replay, training, the ``nested_sdpa`` backend (NestedTensor construction is not
+capturable), the ``reference`` backend on CUDA (it reads the offsets on the host), and variable-count stages
+that append an extra token (no registered pruner does).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pipelines.backends.triton import TritonBackend
+from pipelines.buckets import SegmentPlan, TokenBuckets, plan_segments
+from pipelines.model import PrunedOutput, PrunedViT
+from pipelines.packed_block import packed_attention, packed_block, packed_mlp
+from reference.segments import segment_ids, segment_sum, seqlens, uniform_cu_seqlens
+from reference.validation import check_int
+from triton_impl import pack as triton_pack
+
+# Backends whose forward cannot be captured, and why.
+_NOT_CAPTURABLE = {
+    "nested_sdpa": "building NestedTensors is not capturable in a CUDA graph",
+    "reference": "it reads cu_seqlens on the host for every call (a synchronisation)",
+}
+
+GraphKey = tuple[int, ...]
+"""``(B,)`` for a whole forward or a first segment; ``(B, stage + 1, capacity, max_seqlen)`` for later segments."""
+
+
+@dataclass(frozen=True)
+class GraphMemory:
+    """What the graphs of a :class:`GraphedPrunedViT` hold on the device.
+
+    Attributes:
+        graphs: number of captured graphs.
+        pool_bytes: bytes reserved by the graph memory pool (the graphs' temporaries; shared with any other user
+            of the same pool; 0 before the first capture).
+        buffer_bytes: bytes of the static buffers (inputs, outputs, stage state) of every batch size.
+        keys: the captured graphs (see :data:`GraphKey`).
+    """
+
+    graphs: int
+    pool_bytes: int
+    buffer_bytes: int
+    keys: tuple[GraphKey, ...]
+
+
+@dataclass
+class GraphCounters:
+    """How calls were served: graphs captured and replayed, segments run eagerly (graph budget spent, or CPU),
+    and calls handed to ``PrunedViT.run`` (batch size outside ``batch_sizes``)."""
+
+    captures: int = 0
+    replays: int = 0
+    eager_segments: int = 0
+    eager_calls: int = 0
+
+
+class _Buffers:
+    """The static tensors of one batch size, allocated outside the graph pool and kept until ``reset()``."""
+
+    def __init__(self, pipeline: PrunedViT, batch: int, tokens: int, variable: bool) -> None:
+        model = pipeline.model
+        dtype, device = model.cls_token.dtype, model.cls_token.device
+        channels = model.patch_embed.proj.in_channels
+        width = model.num_classes if model.num_classes > 0 else model.embed_dim
+        self.batch = batch
+        self.images = torch.empty((batch, channels, *pipeline.image_size), dtype=dtype, device=device)
+        self.logits = torch.empty((batch, width), dtype=dtype, device=device)
+        self.counts = torch.zeros((batch, pipeline.num_stages), dtype=torch.long, device=device)
+        # Variable counts: the state at a decision, two sides (segment j reads side (j-1) % 2, writes side j % 2).
+        self.x: tuple[torch.Tensor, ...] = ()  # [B*N, C]: the residual stream in its first rows (NaN until written)
+        self.keep: tuple[torch.Tensor, ...] = ()  # bool [B*N]
+        self.cu: tuple[torch.Tensor, ...] = ()  # int32 [B+1]
+        self.stats: torch.Tensor | None = None  # int64 [2]: kept total and longest image of the last decision
+        if variable:
+            rows, sides = batch * tokens, range(2)
+            self.x = tuple(torch.full((rows, model.embed_dim), float("nan"), dtype=dtype, device=device) for _ in sides)
+            self.keep = tuple(torch.zeros(rows, dtype=torch.bool, device=device) for _ in sides)
+            self.cu = tuple(torch.zeros(batch + 1, dtype=torch.int32, device=device) for _ in sides)
+            self.stats = torch.zeros(2, dtype=torch.long, device=device)
+
+    def nbytes(self) -> int:
+        tensors = [self.images, self.logits, self.counts, *self.x, *self.keep, *self.cu]
+        tensors += [self.stats] if self.stats is not None else []
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _Binding:
+    """The pipeline state the graphs were captured against (see the module docstring, Misuse)."""
+
+    def __init__(self, pipeline: PrunedViT) -> None:
+        self.tensors = [*pipeline.parameters(), *pipeline.buffers()]
+        self.storages = [t.detach() for t in self.tensors]  # keeps the captured storages alive
+        self.state = self._state(pipeline)
+
+    def _state(self, pipeline: PrunedViT) -> tuple:
+        pruner = pipeline.pruner
+        return (
+            [t.data_ptr() for t in self.tensors],
+            [t._version for t in self.tensors],
+            pipeline.backend,
+            pruner,
+            None if pruner is None else pruner.extra_repr(),
+            pipeline.training,
+        )
+
+    def check(self, pipeline: PrunedViT) -> None:
+        if self._state(pipeline) != self.state:
+            raise RuntimeError(
+                "the pipeline changed after GraphedPrunedViT bound to it (parameters or buffers written or moved, "
+                "backend, pruner or its settings, or train mode): call reset() to drop the graphs and re-capture"
+            )
+
+
+class GraphedPrunedViT:
+    """Replays a :class:`PrunedViT` forward from CUDA graphs captured on first use (see the module docstring).
+
+    Args:
+        pipeline: the pipeline to run; its backend must be capturable (``triton``, ``fa2_varlen``,
+            ``padded_sdpa``; ``reference`` on a CPU, where nothing is captured).
+        buckets: the token-budget capacities of variable-count segments.
+        batch_sizes: the batch sizes graphs are captured for; others run ``PrunedViT.run``. None: any.
+        max_graphs: at most this many graphs; beyond, segments run eagerly on the static buffers. None: no limit.
+        pool: a CUDA graph memory pool (``torch.cuda.graph_pool_handle()``) to share, e.g. with other runners
+            replayed on the same stream; None creates one.
+        warmup: eager runs on a side stream before each capture.
+        clone_outputs: return copies of the static output buffers (else the buffers, overwritten by the next call
+            with the same batch size).
+    """
+
+    def __init__(
+        self,
+        pipeline: PrunedViT,
+        buckets: TokenBuckets | None = None,
+        *,
+        batch_sizes: Collection[int] | None = None,
+        max_graphs: int | None = None,
+        pool: tuple[int, int] | None = None,
+        warmup: int = 2,
+        clone_outputs: bool = True,
+    ) -> None:
+        if not isinstance(pipeline, PrunedViT):
+            raise TypeError(f"pipeline must be a PrunedViT, got {type(pipeline).__name__}")
+        if buckets is not None and not isinstance(buckets, TokenBuckets):
+            raise TypeError(f"buckets must be a TokenBuckets or None, got {type(buckets).__name__}")
+        if batch_sizes is not None:
+            batch_sizes = frozenset(check_int(b, "batch_sizes[i]", 1) for b in batch_sizes)
+        if max_graphs is not None:
+            check_int(max_graphs, "max_graphs", 0)
+        _check_capturable(pipeline)
+        self.pipeline = pipeline
+        self.buckets = buckets or TokenBuckets()
+        self.batch_sizes = batch_sizes
+        self.max_graphs = max_graphs
+        self.warmup = check_int(warmup, "warmup", 1)
+        self.clone_outputs = bool(clone_outputs)
+        self.counters = GraphCounters()
+        self._tokens = pipeline.model.patch_embed.num_patches + 1  # N: rows of an unpruned image
+        self._plan = plan_segments(pipeline.pruner, len(pipeline.model.blocks), self._tokens)
+        self._pool = pool
+        self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
+        self._buffers: dict[int, _Buffers] = {}
+        self._binding: _Binding | None = None
+
+    @property
+    def plan(self) -> SegmentPlan:
+        """How the forward is cut into graphs."""
+        return self._plan
+
+    def __call__(
+        self, images: torch.Tensor, return_counts: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Logits ``[B, classes]`` of ``images [B, 3, H, W]``; with ``return_counts`` also the counts ``[B, S]``."""
+        out = self.run(images)
+        return (out.logits, out.counts) if return_counts else out.logits
+
+    @torch.no_grad()
+    def run(self, images: torch.Tensor) -> PrunedOutput:
+        """The forward of ``images`` (on the model's device, at its input size): logits and counts, no selections."""
+        pipeline = self.pipeline
+        if pipeline.training:
+            raise RuntimeError("GraphedPrunedViT is inference only: call .eval() on the pipeline")
+        images = pipeline._check_images(images)
+        batch = images.shape[0]
+        if self.batch_sizes is not None and batch not in self.batch_sizes:
+            self.counters.eager_calls += 1
+            return pipeline.run(images)
+        if self._binding is None:
+            self._bind(images.device)
+        bufs = self._buffers.get(batch) or self._allocate(batch)
+        bufs.images.copy_(images)
+        if self._plan.fixed:
+            self._launch((batch,), functools.partial(self._whole, bufs))
+            self._binding.check(pipeline)
+        else:
+            self._launch((batch,), functools.partial(self._segment, bufs, 0, batch * self._tokens, self._tokens))
+            self._binding.check(pipeline)
+            for index in range(1, len(self._plan.segments)):
+                total, longest = bufs.stats.tolist()  # the one read of this stage
+                capacity = self.buckets.capacity(total, batch, self._tokens)
+                bound = self.buckets.seqlen_bound(max(longest, capacity - total), self._tokens)
+                segment = functools.partial(self._segment, bufs, index, capacity, bound)
+                self._launch((batch, index, capacity, bound), segment)
+        logits, counts = bufs.logits, bufs.counts
+        if self.clone_outputs:
+            logits, counts = logits.clone(), counts.clone()
+        return PrunedOutput(logits, counts, [])
+
+    def memory_report(self) -> GraphMemory:
+        """Graphs captured, bytes reserved by their memory pool and bytes of the static buffers."""
+        pool_bytes = 0
+        if self._pool is not None:
+            pool = tuple(self._pool)
+            segments = torch.cuda.memory_snapshot()
+            pool_bytes = sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == pool)
+        buffer_bytes = sum(b.nbytes() for b in self._buffers.values())
+        return GraphMemory(len(self._graphs), pool_bytes, buffer_bytes, tuple(self._graphs))
+
+    def reset(self) -> None:
+        """Drops every graph and buffer and unbinds: the next call re-binds to the pipeline and captures anew."""
+        if self._graphs:
+            torch.cuda.synchronize(self.pipeline.model.cls_token.device)  # no replay in flight on what is freed
+        self._graphs.clear()
+        self._buffers.clear()
+        self._binding = None
+
+    # -- internals --------------------------------------------------------------------------------------------
+
+    def _bind(self, device: torch.device) -> None:
+        pipeline = self.pipeline
+        _check_capturable(pipeline)
+        pipeline.backend.check(device, pipeline.model.cls_token.dtype)
+        if device.type == "cpu" and not self._plan.fixed and not TritonBackend().interpreted:
+            raise ValueError(
+                "GraphedPrunedViT on the CPU (nothing is captured there) packs variable counts with Triton's "
+                "kernels: set TRITON_INTERPRET=1 before triton (or timm) is first imported"
+            )
+        self._binding = _Binding(pipeline)
+
+    def _allocate(self, batch: int) -> _Buffers:
+        with torch.inference_mode(False):  # normal tensors: writable inside and outside inference mode
+            self._buffers[batch] = _Buffers(self.pipeline, batch, self._tokens, not self._plan.fixed)
+        return self._buffers[batch]
+
+    def _launch(self, key: GraphKey, fn: Callable[[], None]) -> None:
+        """Replays the graph of ``key``, capturing it first if allowed; else runs ``fn`` eagerly."""
+        graph = self._graphs.get(key)
+        if graph is None and self._may_capture():
+            graph = self._graphs[key] = self._capture(fn)
+        if graph is None:
+            fn()
+            self.counters.eager_segments += 1
+        else:
+            graph.replay()
+            self.counters.replays += 1
+
+    def _may_capture(self) -> bool:
+        on_cuda = self.pipeline.model.cls_token.is_cuda
+        return on_cuda and (self.max_graphs is None or len(self._graphs) < self.max_graphs)
+
+    def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        device = self.pipeline.model.cls_token.device
+        with torch.cuda.device(device):
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            # Warm-up on a side stream (lazy handles, Triton compilation, cached launchers), then capture.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(self.warmup):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                fn()
+        self.counters.captures += 1
+        return graph
+
+    def _whole(self, bufs: _Buffers) -> None:
+        """A fixed-count forward: ``PrunedViT.run`` on the static images, into the static outputs."""
+        out = self.pipeline.run(bufs.images)
+        bufs.logits.copy_(out.logits)
+        bufs.counts.copy_(out.counts)
+
+    def _segment(self, bufs: _Buffers, index: int, capacity: int, max_seqlen: int) -> None:
+        """Segment ``index`` of a variable-count forward on the static buffers of one batch size.
+
+        Segment 0 reads the images; segment ``j > 0`` repacks stage ``j - 1``'s decision (buffer side
+        ``(j - 1) % 2``) into ``capacity`` rows. A segment before the last ends with its stage's decision (written
+        to side ``j % 2``, total and longest to ``stats``); the last one with the logits.
+        """
+        pipeline, tokens = self.pipeline, self._tokens
+        if index == 0:
+            x = pipeline._embed(bufs.images)
+            for blk in pipeline.model.blocks[: self._plan.dense_blocks]:
+                x = blk(x)
+            x = x.reshape(-1, x.shape[-1])  # [B*N, C]
+            cu = attn_cu = uniform_cu_seqlens(bufs.batch, tokens, x.device)
+        else:
+            side = (index - 1) % 2
+            x, cu, _ = triton_pack.repack(
+                bufs.x[side], bufs.cu[side], bufs.keep[side], tokens, capacity=capacity, check_values=False
+            )  # [capacity, C]; rows from cu[-1] on are not written
+            bufs.counts[:, index - 1].copy_(seqlens(cu) - 1)
+            attn_cu = F.pad(cu, (0, 1), value=capacity)  # int32 [B+2]: the padding image owns [total, capacity)
+        qkv = None
+        for step in self._plan.segments[index]:
+            block = pipeline.model.blocks[step.block]
+            if step.kind == "block":
+                x = packed_block(block, x, attn_cu, max_seqlen, pipeline.backend)[0]
+            elif step.kind == "attention":
+                x, qkv = packed_attention(block, x, attn_cu, max_seqlen, pipeline.backend)
+            else:
+                x = packed_mlp(block, x)
+        if index == len(self._plan.segments) - 1:
+            bufs.logits.copy_(pipeline._head(x.index_select(0, cu[:-1])))
+            return
+        sel = pipeline.pruner(pipeline._prune_input(pipeline._stages[index], x, attn_cu, tokens - 1, qkv))
+        if sel.extra_token is not None:
+            raise NotImplementedError(
+                f"pruner {pipeline.pruner.name!r} appends an extra token at a variable-count stage, which "
+                "GraphedPrunedViT does not stage between graphs"
+            )
+        rows = x.shape[0]
+        lens = segment_sum(sel.keep.long(), segment_ids(attn_cu, rows), attn_cu.numel() - 1)[: bufs.batch]
+        bufs.stats.copy_(torch.stack([lens.sum(), lens.max()]))
+        side = index % 2
+        bufs.x[side][:rows].copy_(x)
+        bufs.keep[side][:rows].copy_(sel.keep)
+        bufs.cu[side].copy_(cu)
+
+
+def _check_capturable(pipeline: PrunedViT) -> None:
+    backend = pipeline.backend
+    on_cuda = pipeline.model.cls_token.is_cuda
+    if backend.name in _NOT_CAPTURABLE and (on_cuda or backend.name == "nested_sdpa"):
+        raise ValueError(
+            f"backend {backend.name!r} cannot run in a CUDA graph: {_NOT_CAPTURABLE[backend.name]}; "
+            "use 'triton', 'fa2_varlen' or 'padded_sdpa'"
+        )

@@ -1,0 +1,394 @@
+"""CPU tests of the CUDA-graph runner: token buckets, the segment plan, and the segmented forward with its padding
+image (nothing is captured on a CPU: :class:`GraphedPrunedViT` runs every segment eagerly, on the same static
+buffers and through the same code a graph records).
+
+Models: a tiny timm ViT (32x32 images, 8x8 patches: N = 17 rows, six blocks, two heads of 32) so that Triton's
+interpreter stays fast, plus DeiT-Tiny for the default schedules. fp32 throughout.
+
+Tolerance rules:
+* segmented vs ``PrunedViT.run``: counts exact; logits ``atol = rtol = 1e-5``. The segments run the same per-row
+  and per-image arithmetic on a buffer of ``capacity`` rows instead of ``total``, and the CPU GEMM picks its kernel
+  by row count (observed: bitwise when the counts coincide, else <= 6e-8); ``padded_sdpa`` also pads to a bucketed
+  ``max_seqlen`` instead of the exact longest.
+* padding rows are NaN (every capacity-mode repack is wrapped to fill them): any leak makes real logits NaN.
+* fixed counts: the runner calls ``PrunedViT.run`` itself, so bitwise.
+
+The GPU twins (capture, replay, sync-freedom, memory) are in ``test_graphs_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from timm.models.vision_transformer import VisionTransformer
+
+from pipelines import PrunedViT, build_pipeline
+from pipelines.buckets import Step, TokenBuckets, plan_segments
+from pipelines.graphs import GraphedPrunedViT
+from reference.pruners import make_pruner
+from triton_impl import pack as triton_pack
+
+TOKENS = 17  # the tiny ViT: 16 patches + CLS
+VARIABLE = {
+    "ats": lambda: make_pruner("ats", blocks=(1, 2, 3, 4, 5), num_samples=12, min_keep=2),
+    "threshold_l2": lambda: make_pruner("threshold_l2", mode="calibrated", rate=0.5, min_keep=1, block=1),
+}
+FIXED = {
+    "none": lambda: None,
+    "dynamicvit": lambda: make_pruner("dynamicvit", embed_dim=64, rate=0.7, blocks=(1, 3)),
+    "evit_fused": lambda: make_pruner("evit", rate=0.6, blocks=(1, 3), fuse_token=True),
+    "threshold_l2": lambda: make_pruner("threshold_l2", mode="ratio", rate=0.5, block=2),
+}
+FP32 = {"atol": 1e-5, "rtol": 1e-5}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_pipeline(pruner_factory, backend: str = "reference") -> PrunedViT:
+    """The tiny ViT with seeded weights; its qkv weights are scaled up so that attention is peaked and ATS keeps
+    a different count per image (near-uniform attention at random init makes it keep the same count)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=6, num_heads=2, num_classes=10)
+        pruner = pruner_factory()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.qkv.weight.mul_(8.0)
+    return PrunedViT(model, pruner, backend)
+
+
+def tiny_images(n: int, seed: int) -> torch.Tensor:
+    """Images of increasing contrast: the pruners keep different counts per image."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 32, 32, generator=g) * torch.linspace(0.1, 3.0, n)[:, None, None, None]
+
+
+def calibrated(pv: PrunedViT) -> PrunedViT:
+    if getattr(pv.pruner, "mode", None) == "calibrated":
+        pv.calibrate(tiny_images(8, 99))
+    return pv
+
+
+@pytest.fixture
+def poisoned(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Fills the rows no image owns of every capacity-mode repack with NaN; records ``(capacity, total)``."""
+    real = triton_pack.repack
+    seen: list[tuple[int, int]] = []
+
+    def repack(*args: object, capacity: int | None = None, **kwargs: object):
+        out, cu, bound = real(*args, capacity=capacity, **kwargs)
+        total = int(cu[-1])
+        out[total:] = float("nan")
+        seen.append((out.shape[0], total))
+        return out, cu, bound
+
+    monkeypatch.setattr(triton_pack, "repack", repack)
+    return seen
+
+
+def assert_same(out, ref) -> None:
+    assert torch.equal(out.counts, ref.counts)
+    assert bool(torch.isfinite(out.logits).all())
+    torch.testing.assert_close(out.logits, ref.logits, **FP32)
+
+
+# --- token buckets ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch,tokens", [(1, 197), (4, 197), (64, 197), (3, 17), (2, 577)])
+@pytest.mark.parametrize("buckets", [TokenBuckets(), TokenBuckets(step=128), TokenBuckets(step=16, growth=1.3)])
+def test_capacities_cover_every_total_with_short_padding(buckets, batch, tokens):
+    caps = buckets.capacities(batch, tokens)
+    assert list(caps) == sorted(set(caps)) and caps[0] >= batch and caps[-1] == batch * tokens
+    assert all(b - a <= min(buckets.step, tokens) for a, b in zip(caps[:-1], caps[1:], strict=True))
+    for total in range(batch, batch * tokens + 1):
+        cap = buckets.capacity(total, batch, tokens)
+        assert cap in caps and cap >= total
+        assert cap - total < min(buckets.step, tokens)  # the padding image is shorter than an unpruned image
+        smaller = [c for c in caps if c < cap]
+        assert not smaller or smaller[-1] < total  # the smallest that fits
+
+
+def test_linear_buckets_are_multiples_of_step():
+    assert TokenBuckets(step=64).capacities(4, 197) == (64, 128, 192, 256, 320, 384, 448, 512, 576, 640, 704, 768, 788)
+    assert TokenBuckets(step=64).capacities(1, 197) == (64, 128, 192, 197)
+    assert TokenBuckets(step=1000).capacities(2, 17) == (17, 34)  # the gap is clamped to N
+
+
+@pytest.mark.parametrize("total,expected", [(1, 64), (64, 64), (65, 128), (192, 192), (193, 197), (197, 197)])
+def test_bucket_boundaries(total, expected):
+    assert TokenBuckets(step=64).capacity(total, 1, 197) == expected
+
+
+def test_geometric_buckets_grow_by_the_ratio_until_the_step():
+    caps = TokenBuckets(step=32, growth=1.5).capacities(1, 197)
+    assert caps[:8] == (1, 2, 3, 5, 8, 12, 18, 27)
+    gaps = [b - a for a, b in zip(caps[:-1], caps[1:], strict=True)]
+    assert max(gaps) == 32 and gaps[-1] <= 32
+
+
+@pytest.mark.parametrize(
+    "longest,tokens,expected", [(1, 197, 32), (32, 197, 32), (33, 197, 64), (190, 197, 192), (193, 197, 197)]
+)
+def test_seqlen_bound(longest, tokens, expected):
+    bound = TokenBuckets(seqlen_step=32).seqlen_bound(longest, tokens)
+    assert bound == expected and longest <= bound <= max(tokens, longest)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error",
+    [
+        ({"step": 0}, ValueError),
+        ({"growth": 0.9}, ValueError),
+        ({"growth": True}, TypeError),
+        ({"seqlen_step": 0}, ValueError),
+    ],
+)
+def test_buckets_reject_bad_settings(kwargs, error):
+    with pytest.raises(error):
+        TokenBuckets(**kwargs)
+
+
+@pytest.mark.parametrize("total", [0, 789, True])
+def test_capacity_rejects_impossible_totals(total):
+    with pytest.raises(ValueError, match="total"):
+        TokenBuckets().capacity(total, 4, 197)
+
+
+# --- segment plan ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "name,kwargs,counts",
+    [
+        ("dynamicvit", {"embed_dim": 192, "rate": 0.7}, (138, 97, 68)),  # golden 137/96/67 patches + CLS
+        ("evit", {"rate": 0.7, "fuse_token": True}, (140, 100, 72)),  # golden 139/99/71 + CLS
+        ("evit", {"rate": 0.7}, (139, 98, 69)),
+        ("threshold_l2", {"mode": "ratio", "rate": 0.7}, (139,)),
+    ],
+)
+def test_fixed_count_pruners_are_one_graph(name, kwargs, counts):
+    plan = plan_segments(make_pruner(name, **kwargs), 12, 197)
+    assert plan.fixed and plan.counts == counts and plan.segments == ()
+
+
+def test_unpruned_model_is_one_graph():
+    plan = plan_segments(None, 12, 197)
+    assert plan.fixed and plan.counts == () and plan.dense_blocks == 12
+
+
+def test_ats_splits_inside_every_block_from_3():
+    plan = plan_segments(make_pruner("ats"), 12, 197)
+    assert not plan.fixed and plan.dense_blocks == 3 and len(plan.segments) == 10
+    assert plan.segments[0] == (Step("attention", 3),)
+    for j in range(1, 9):
+        assert plan.segments[j] == (Step("mlp", 2 + j), Step("attention", 3 + j))
+    assert plan.segments[9] == (Step("mlp", 11),)
+
+
+def test_threshold_after_block_3_splits_once():
+    plan = plan_segments(make_pruner("threshold_l2", threshold=1.0), 12, 197)
+    assert plan.dense_blocks == 4 and plan.segments == ((), tuple(Step("block", k) for k in range(4, 12)))
+
+
+def test_variable_before_block_stages_and_a_last_block_stage():
+    pruner = make_pruner("dynamicvit", embed_dim=64, blocks=(3, 6, 9))
+    pruner.fixed_count = False  # as if its counts were decided on the device
+    plan = plan_segments(pruner, 12, 197)
+    assert plan.segments == ((), *(tuple(Step("block", k) for k in range(s, s + 3)) for s in (3, 6, 9)))
+    last = plan_segments(make_pruner("threshold_l2", threshold=1.0, block=11), 12, 197)
+    assert last.dense_blocks == 12 and last.segments == ((), ())
+
+
+@pytest.mark.parametrize("blocks", [(0,), (2, 3), (1, 5, 11), tuple(range(12))])
+@pytest.mark.parametrize("placement", ["before_block", "mid_block", "after_block"])
+def test_segments_run_every_packed_block_once_in_order(blocks, placement):
+    pruner = make_pruner("ats", blocks=blocks)
+    pruner.placement = placement
+    plan = plan_segments(pruner, 12, 197)
+    halves = []
+    for steps in plan.segments:
+        for step in steps:
+            halves += [("attention", step.block), ("mlp", step.block)] if step.kind == "block" else [step]
+    assert halves == [(kind, k) for k in range(plan.dense_blocks, 12) for kind in ("attention", "mlp")]
+    assert len(plan.segments) == len(blocks) + 1
+
+
+# --- the segmented forward: padding image, buckets, batch sizes ------------------------------------------------
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on the NaN padding rows
+@pytest.mark.parametrize("backend", ["reference", "padded_sdpa", "triton"])
+@pytest.mark.parametrize("case", list(VARIABLE))
+def test_segments_match_eager_with_nan_padding(case, backend, poisoned):
+    pv = calibrated(tiny_pipeline(VARIABLE[case], backend))
+    runner = GraphedPrunedViT(pv, TokenBuckets(step=5, seqlen_step=4))
+    images = tiny_images(3, 1)
+    out, ref = runner.run(images), pv.run(images)
+    assert_same(out, ref)
+    assert any(cap > total for cap, total in poisoned), "no padding rows: the test proves nothing"
+    assert runner.counters.eager_segments == len(runner.plan.segments) and runner.counters.captures == 0
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("backend", ["reference", "padded_sdpa", "triton"])
+def test_empty_padding_image(backend, poisoned):
+    """``step=1``: every capacity equals its total, so the padding image has no rows at all."""
+    pv = tiny_pipeline(VARIABLE["ats"], backend)
+    images = tiny_images(3, 2)
+    out = GraphedPrunedViT(pv, TokenBuckets(step=1, seqlen_step=1)).run(images)
+    assert_same(out, pv.run(images))
+    assert poisoned and all(cap == total for cap, total in poisoned)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("buckets", [TokenBuckets(step=4, seqlen_step=4), TokenBuckets(step=8, growth=1.5)])
+def test_mixed_batch_sizes_and_changing_inputs(buckets, poisoned):
+    """One runner, batch sizes 1/3/2 interleaved, new images every call: every result equals the eager one and
+    stays intact after later calls; the totals cross bucket boundaries."""
+    pv = tiny_pipeline(VARIABLE["ats"])
+    runner = GraphedPrunedViT(pv, buckets)
+    results = []
+    for seed, batch in enumerate([1, 3, 2, 3, 1, 2]):
+        images = tiny_images(batch, 10 + seed)
+        out = runner.run(images)
+        assert_same(out, pv.run(images))
+        results.append((out, out.logits.clone()))
+    assert all(torch.equal(out.logits, kept) for out, kept in results)  # outputs are clones, not the buffers
+    assert len({cap for cap, _ in poisoned}) > 3
+    assert sorted(runner._buffers) == [1, 2, 3]
+
+
+@pytest.mark.interpreter
+def test_variable_stage_with_an_extra_token_is_refused():
+    pruner = make_pruner("evit", rate=0.5, blocks=(1, 3), fuse_token=True)
+    pruner.fixed_count = False
+    with pytest.raises(NotImplementedError, match="extra token"):
+        GraphedPrunedViT(tiny_pipeline(lambda: pruner)).run(tiny_images(2, 3))
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_deit_tiny_ats_default_buckets(poisoned):
+    """DeiT-Tiny's own ATS schedule (nine mid-block stages) with the default buckets."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        pv = build_pipeline("deit_tiny_patch16_224", "ats", 0.5, "reference")
+    images = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(4))
+    assert_same(GraphedPrunedViT(pv).run(images), pv.run(images))
+    assert len(poisoned) == 9
+
+
+# --- fixed counts, fallback, outputs, memory ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(FIXED))
+def test_fixed_counts_run_the_pipeline_itself(case):
+    pv = tiny_pipeline(FIXED[case])
+    runner = GraphedPrunedViT(pv)
+    assert runner.plan.fixed
+    for batch, seed in [(2, 1), (1, 2), (2, 3)]:
+        images = tiny_images(batch, seed)
+        logits, counts = runner(images, return_counts=True)
+        ref = pv.run(images)
+        assert torch.equal(logits, ref.logits) and torch.equal(counts, ref.counts)
+    assert runner.counters.eager_segments == 3
+
+
+def test_batch_sizes_outside_the_set_run_the_pipeline():
+    pv = tiny_pipeline(FIXED["dynamicvit"])
+    runner = GraphedPrunedViT(pv, batch_sizes=[2])
+    images = tiny_images(1, 5)
+    out = runner.run(images)
+    assert torch.equal(out.logits, pv.run(images).logits) and len(out.selections) == 2
+    assert runner.counters.eager_calls == 1 and not runner._buffers
+
+
+def test_static_outputs_without_clone():
+    runner = GraphedPrunedViT(tiny_pipeline(FIXED["evit_fused"]), clone_outputs=False)
+    first = runner(tiny_images(2, 6))
+    second = runner(tiny_images(2, 7))
+    assert first.data_ptr() == second.data_ptr() and torch.equal(first, second)
+
+
+@pytest.mark.interpreter
+def test_inference_mode_and_no_grad_calls_mix():
+    pv = tiny_pipeline(VARIABLE["ats"])
+    runner = GraphedPrunedViT(pv)
+    images = tiny_images(2, 11)
+    with torch.inference_mode():
+        first = runner(images)
+    torch.testing.assert_close(runner(images), first, atol=0, rtol=0)
+
+
+def test_memory_report_on_cpu():
+    runner = GraphedPrunedViT(tiny_pipeline(FIXED["dynamicvit"]))
+    runner(tiny_images(2, 8))
+    report = runner.memory_report()
+    expected = (2 * 3 * 32 * 32 + 2 * 10) * 4 + 2 * 2 * 8  # images, logits (fp32), counts (int64)
+    assert (report.graphs, report.pool_bytes, report.buffer_bytes, report.keys) == (0, 0, expected, ())
+
+
+# --- misuse ----------------------------------------------------------------------------------------------------
+
+
+def _mutations():
+    def weight(pv):
+        with torch.no_grad():
+            pv.model.blocks[4].mlp.fc1.weight.add_(1.0)
+
+    def moved(pv):
+        pv.model.head.weight.data = pv.model.head.weight.data.clone()
+
+    def pruner_setting(pv):
+        pv.pruner.rate = 0.3
+
+    def backend(pv):
+        pv.backend = "padded_sdpa"
+
+    def train(pv):
+        pv.train()
+
+    return {f.__name__: f for f in (weight, moved, pruner_setting, backend, train)}
+
+
+@pytest.mark.parametrize("mutation", list(_mutations()))
+def test_changes_after_binding_are_detected(mutation):
+    pv = tiny_pipeline(FIXED["evit_fused"])
+    runner = GraphedPrunedViT(pv)
+    images = tiny_images(2, 9)
+    runner(images)
+    _mutations()[mutation](pv)
+    with pytest.raises(RuntimeError, match="reset|inference only"):
+        runner(images)
+    pv.eval()
+    runner.reset()
+    assert torch.equal(runner(images), pv(images))
+
+
+def test_capture_unsafe_backends_are_refused():
+    with pytest.raises(ValueError, match="nested_sdpa.*CUDA graph"):
+        GraphedPrunedViT(tiny_pipeline(FIXED["dynamicvit"], "nested_sdpa"))
+
+
+@pytest.mark.parametrize(
+    "kwargs,error",
+    [
+        ({"buckets": 64}, TypeError),
+        ({"max_graphs": -1}, ValueError),
+        ({"batch_sizes": [0]}, ValueError),
+        ({"warmup": 0}, ValueError),
+    ],
+)
+def test_bad_arguments(kwargs, error):
+    with pytest.raises(error):
+        GraphedPrunedViT(tiny_pipeline(FIXED["dynamicvit"]), **kwargs)
+    with pytest.raises(TypeError, match="PrunedViT"):
+        GraphedPrunedViT(torch.nn.Linear(2, 2))

@@ -1,0 +1,288 @@
+"""The CUDA-graph runner on a GPU: capture, replay, buckets, sync-freedom, fallback, memory, misuse.
+
+Runs with plain ``python -m pytest tests/test_graphs_gpu.py``; skipped on CPU machines by ``conftest.py`` (the CPU
+twins, in ``test_graphs.py``, check the buckets, the segment plan and the NaN padding image). DeiT-S and DeiT-B,
+random weights (seeded), fp16 unless said otherwise; every runner sees batch sizes 1, 4 and 64 mixed, with fresh
+images on every call. Target runtime: under 2 minutes on an H200.
+
+Equality rules:
+
+* fixed counts (one graph per batch size): the graph replays exactly the kernels ``PrunedViT.run`` launches, on the
+  same shapes, so graphed logits and counts equal the eager pipeline's BITWISE, for all three backends (Triton,
+  FA2 forward, SDPA memory-efficient forward and cuBLAS are deterministic for fixed shapes).
+* variable counts (segments per token bucket): the graphs are compared BITWISE with the same runner's segments run
+  eagerly (``max_graphs=0``: same capacities, same kernels). Against ``PrunedViT.run`` (exact-size buffers, so
+  other GEMM shapes and, in fp16, possibly a flipped near-tie decision) they are compared in fp32 with TF32 off:
+  counts exact, logits ``atol = rtol = 1e-4`` (observed on the CPU twin: <= 6e-8).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+from pipelines import PrunedViT
+from pipelines.buckets import TokenBuckets
+from pipelines.factory import build_pruner
+from pipelines.graphs import GraphedPrunedViT
+from pipelines.weights import create_model
+
+pytestmark = pytest.mark.gpu
+
+SMALL, BASE = "deit_small_patch16_224", "deit_base_patch16_224"
+CASES = {
+    "dynamicvit": ("dynamicvit", {}),
+    "evit": ("evit", {}),
+    "evit_fused": ("evit", {"fuse_token": True}),
+    "threshold_ratio": ("threshold_l2", {}),
+    "ats": ("ats", {}),
+    "threshold": ("threshold_l2", {"threshold_mode": "calibrated"}),  # a norm threshold: variable counts
+}
+FIXED = ["dynamicvit", "evit", "evit_fused", "threshold_ratio"]
+VARIABLE = ["ats", "threshold"]
+BACKENDS = ["triton", "fa2_varlen", "padded_sdpa"]
+BATCHES = [1, 4, 64, 4, 1, 64]  # one runner, mixed batch sizes, a fresh batch of images every call
+KEEP_RATE = 0.5
+
+
+def _synthetic_images(count: int, seed: int) -> torch.Tensor:
+    """Seeded images with per-image structure (smooth blobs + texture of varying strength): counts vary."""
+    g = torch.Generator().manual_seed(seed)
+    smooth = torch.nn.functional.interpolate(
+        torch.randn(count, 3, 7, 7, generator=g), size=(224, 224), mode="bicubic", align_corners=False
+    )
+    texture = torch.randn(count, 3, 224, 224, generator=g) * torch.rand(count, generator=g)[:, None, None, None] * 1.5
+    return smooth + texture
+
+
+class _Lab:
+    """Models and pruners built once per module, shared by the pipelines of every backend."""
+
+    def __init__(self) -> None:
+        self.models: dict = {}
+        self.pruners: dict = {}
+        self.images: dict = {}
+
+    def model(self, name: str, dtype: torch.dtype) -> torch.nn.Module:
+        if (name, dtype) not in self.models:
+            with torch.random.fork_rng():
+                torch.manual_seed(0)
+                self.models[(name, dtype)] = create_model(name).cuda().to(dtype).eval()
+        return self.models[(name, dtype)]
+
+    def pipeline(self, name: str, case: str, backend: str, dtype: torch.dtype = torch.float16) -> PrunedViT:
+        key = (name, case, dtype)
+        if key not in self.pruners:
+            pruner_name, options = CASES[case]
+            with torch.random.fork_rng():
+                torch.manual_seed(1)
+                pruner = build_pruner(pruner_name, self.model(name, dtype), KEEP_RATE, **options)
+            self.pruners[key] = pruner.cuda().to(dtype)
+            if case == "threshold":
+                PrunedViT(self.model(name, dtype), self.pruners[key], backend).calibrate(self.batch(8, seed=99))
+        return PrunedViT(self.model(name, dtype), self.pruners[key], backend)
+
+    def batch(self, batch: int, seed: int) -> torch.Tensor:
+        if (batch, seed) not in self.images:
+            self.images[(batch, seed)] = _synthetic_images(batch, seed).cuda()
+        return self.images[(batch, seed)]
+
+
+class _no_tf32:
+    """fp32 on the GPU must mean fp32: cuDNN convolutions (the patch embedding) default to TF32."""
+
+    def __enter__(self) -> None:
+        self.saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+
+    def __exit__(self, *_: object) -> None:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = self.saved
+
+
+@pytest.fixture(scope="module")
+def lab() -> _Lab:
+    return _Lab()
+
+
+def _assert_bitwise(out, ref, what: str) -> None:
+    assert torch.equal(out.counts, ref.counts), f"{what}: counts differ"
+    diff = (out.logits.float() - ref.logits.float()).abs().max().item()
+    assert torch.equal(out.logits, ref.logits), f"{what}: logits differ by up to {diff:.3e}"
+
+
+# --- fixed counts: one graph per batch size ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model,case,backend",
+    [(SMALL, c, b) for c in FIXED for b in BACKENDS]
+    + [(BASE, c, b) for c in ("dynamicvit", "evit_fused") for b in BACKENDS],
+)
+def test_fixed_counts_one_graph_bitwise_and_sync_free(lab, model, case, backend):
+    pv = lab.pipeline(model, case, backend)
+    runner = GraphedPrunedViT(pv)
+    assert runner.plan.fixed
+    for call, batch in enumerate(BATCHES):
+        images = lab.batch(batch, seed=call)
+        _assert_bitwise(runner.run(images), pv.run(images), f"call {call} (B={batch})")
+    assert runner.counters.captures == 3 and runner.counters.replays == len(BATCHES)
+    assert sorted(runner.memory_report().keys) == [(1,), (4,), (64,)]
+
+    # Replays with new images never synchronise (images already on the device, outputs cloned on the device).
+    inputs = [lab.batch(batch, seed=100 + batch) for batch in (4, 1, 64)]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outs = [runner.run(images) for images in inputs]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for images, out in zip(inputs, outs, strict=True):
+        _assert_bitwise(out, pv.run(images), "sync-free replay")
+    assert runner.counters.captures == 3
+
+
+# --- variable counts: segments per token bucket ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "model,case,backend",
+    [(SMALL, c, b) for c in VARIABLE for b in BACKENDS] + [(BASE, "ats", "triton"), (BASE, "threshold", "fa2_varlen")],
+)
+def test_variable_counts_replay_the_eager_segments_bitwise(lab, model, case, backend):
+    pv = lab.pipeline(model, case, backend)
+    graphed = GraphedPrunedViT(pv)
+    eager = GraphedPrunedViT(pv, max_graphs=0)  # the same segments, capacities and kernels, never captured
+    assert not graphed.plan.fixed
+    for call, batch in enumerate(BATCHES):
+        images = lab.batch(batch, seed=call)
+        out = graphed.run(images)
+        assert bool(torch.isfinite(out.logits).all())
+        _assert_bitwise(out, eager.run(images), f"call {call} (B={batch})")
+    assert graphed.counters.eager_segments == 0 and eager.counters.captures == 0
+    assert graphed.counters.replays == len(BATCHES) * len(graphed.plan.segments)
+
+
+@pytest.mark.parametrize("backend", ["triton", "padded_sdpa"])
+@pytest.mark.parametrize("case", VARIABLE)
+def test_variable_counts_match_the_pipeline_in_fp32(lab, case, backend):
+    pv = lab.pipeline(SMALL, case, backend, torch.float32)
+    runner = GraphedPrunedViT(pv)
+    with _no_tf32():
+        for call, batch in enumerate([4, 1, 4, 64]):
+            images = lab.batch(batch, seed=call)
+            out, ref = runner.run(images), pv.run(images)
+            assert torch.equal(out.counts, ref.counts), f"call {call}: decisions differ"
+            torch.testing.assert_close(out.logits, ref.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_totals_cross_bucket_boundaries(lab):
+    """Low-contrast images keep few patches, high-contrast ones many: the same stage replays graphs of several
+    capacities, alternately, each equal to its eager twin."""
+    pv = lab.pipeline(SMALL, "threshold", "triton")
+    buckets = TokenBuckets(step=64)
+    graphed, eager = GraphedPrunedViT(pv, buckets), GraphedPrunedViT(pv, buckets, max_graphs=0)
+    base = lab.batch(4, seed=7)
+    totals = []
+    for scale in (0.2, 3.0, 0.2, 1.0, 3.0):
+        images = base * scale
+        out = graphed.run(images)
+        _assert_bitwise(out, eager.run(images), f"scale {scale}")
+        totals.append(int(out.counts.sum()) + 4)
+    capacities = {key[2] for key in graphed.memory_report().keys if len(key) == 4}
+    assert len(capacities) >= 2, f"totals {totals} all fell into one bucket"
+    assert {buckets.capacity(t, 4, 197) for t in totals} == capacities
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_padding_image(lab, backend):
+    """``step=1``: every capacity equals its total, so every later segment's padding image has no rows."""
+    pv = lab.pipeline(SMALL, "ats", backend)
+    buckets = TokenBuckets(step=1, seqlen_step=1)
+    graphed, eager = GraphedPrunedViT(pv, buckets), GraphedPrunedViT(pv, buckets, max_graphs=0)
+    for call, batch in enumerate([4, 1]):
+        images = lab.batch(batch, seed=60 + call)
+        out = graphed.run(images)
+        assert bool(torch.isfinite(out.logits).all())
+        _assert_bitwise(out, eager.run(images), f"call {call} (B={batch})")
+    assert graphed.counters.eager_segments == 0
+
+
+@pytest.mark.parametrize("case,stages", [("ats", 9), ("threshold", 1)])
+def test_variable_counts_read_once_per_stage(lab, case, stages):
+    pv = lab.pipeline(SMALL, case, "fa2_varlen")
+    runner = GraphedPrunedViT(pv)
+    images = lab.batch(4, seed=3)
+    runner.run(images)  # captures every graph these images need
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            runner.run(images)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == stages, [str(w.message) for w in syncs]
+    assert runner.counters.captures == len(runner.plan.segments)
+
+
+# --- fallback, memory, misuse ------------------------------------------------------------------------------------
+
+
+def test_eager_fallback(lab):
+    """Beyond ``max_graphs`` the segments run eagerly (same results as the graphs); batch sizes outside
+    ``batch_sizes`` run ``PrunedViT.run``."""
+    pv = lab.pipeline(SMALL, "ats", "triton")
+    full = GraphedPrunedViT(pv)
+    capped = GraphedPrunedViT(pv, max_graphs=3, batch_sizes=[4, 64])
+    for call, batch in enumerate([4, 1, 64, 4]):
+        images = lab.batch(batch, seed=20 + call)
+        out = capped.run(images)
+        _assert_bitwise(out, pv.run(images) if batch == 1 else full.run(images), f"call {call} (B={batch})")
+    assert capped.memory_report().graphs == 3
+    assert capped.counters.eager_calls == 1 and capped.counters.eager_segments > 0
+
+
+def test_memory_report_and_a_shared_pool(lab):
+    """Two runners (two backends) share one pool; interleaved replays stay correct, since no graph output lives in
+    the pool."""
+    pool = torch.cuda.graph_pool_handle()
+    pvs = [lab.pipeline(SMALL, "dynamicvit", backend) for backend in ("triton", "fa2_varlen")]
+    runners = [GraphedPrunedViT(pv, pool=pool) for pv in pvs]
+    for call, batch in enumerate([4, 64, 4, 64]):
+        images = lab.batch(batch, seed=40 + call)
+        for pv, runner in zip(pvs, runners, strict=True):
+            _assert_bitwise(runner.run(images), pv.run(images), f"call {call}")
+    reports = [runner.memory_report() for runner in runners]
+    assert reports[0].pool_bytes == reports[1].pool_bytes > 0
+    per_image = (3 * 224 * 224 + 1000) * 2 + 3 * 8  # fp16 images and logits, int64 counts (three stages)
+    assert all(r.graphs == 2 and r.buffer_bytes == (4 + 64) * per_image for r in reports)
+
+
+def test_changed_weights_are_detected(lab):
+    model = copy.deepcopy(lab.model(SMALL, torch.float16))
+    pruner = copy.deepcopy(lab.pipeline(SMALL, "dynamicvit", "triton").pruner)
+    pv = PrunedViT(model, pruner, "triton")
+    runner = GraphedPrunedViT(pv)
+    images = lab.batch(4, seed=5)
+    runner.run(images)
+    with torch.no_grad():
+        model.blocks[5].mlp.fc2.weight.mul_(0.5)
+    with pytest.raises(RuntimeError, match="reset"):
+        runner.run(images)
+    runner.reset()
+    _assert_bitwise(runner.run(images), pv.run(images), "after reset")
+    model.head.weight.data = model.head.weight.data.clone()  # new storage; the captured one is kept alive
+    with pytest.raises(RuntimeError, match="reset"):
+        runner.run(images)
+    runner.reset()
+    _assert_bitwise(runner.run(images), pv.run(images), "after the second reset")
+
+
+@pytest.mark.parametrize("backend", ["nested_sdpa", "reference"])
+def test_capture_unsafe_backends_are_refused(lab, backend):
+    with pytest.raises(ValueError, match="CUDA graph"):
+        GraphedPrunedViT(lab.pipeline(SMALL, "dynamicvit", backend))
