@@ -88,14 +88,21 @@ class PrunedViT(nn.Module):
         pruner: a :class:`reference.selection.Pruner`, or None for the unpruned model (then every block runs
             timm's own dense forward and the backend is unused).
         backend: attention backend name (see :data:`pipelines.backends.BACKENDS`) or instance.
+        compile_blocks: run every block's non-attention work through ``torch.compile`` (Inductor fusions around
+            the GEMMs; the attention backend stays one op). Compiles on first use of each shape.
 
     The module is put in eval mode; it is inference only.
     """
 
     def __init__(
-        self, model: VisionTransformer, pruner: Pruner | None = None, backend: str | AttentionBackend = "reference"
+        self,
+        model: VisionTransformer,
+        pruner: Pruner | None = None,
+        backend: str | AttentionBackend = "reference",
+        compile_blocks: bool = False,
     ) -> None:
         super().__init__()
+        self.compile_blocks = compile_blocks
         _check_model(model)
         self.model = model
         self.pruner = _check_pruner(pruner, len(model.blocks))
@@ -168,8 +175,9 @@ class PrunedViT(nn.Module):
         selections = self._check_selections(selections)
 
         x = self._embed(images.to(dtype))  # [B, N, C]
+        dense = _compiled_dense() if self.compile_blocks else _dense
         for blk in self.model.blocks[: self._start]:
-            x = blk(x)
+            x = dense(blk, x)
         batch, n, channels = x.shape
         made: list[TokenSelection] = []
         counts: list[torch.Tensor] = []
@@ -196,7 +204,9 @@ class PrunedViT(nn.Module):
                 break
             mid = next((s for s in self._stages if s.placement == Placement.MID_BLOCK and s.block == k), None)
             hook = None if mid is None else functools.partial(prune, mid)
-            x, cu, max_seqlen = packed_block(self.model.blocks[k], x, cu, max_seqlen, self._backend, hook)
+            x, cu, max_seqlen = packed_block(
+                self.model.blocks[k], x, cu, max_seqlen, self._backend, hook, self.compile_blocks
+            )
         cls = x.index_select(0, cu[:-1])  # [B, C]: every image's CLS row, one gather
         return PrunedOutput(self._head(cls), torch.stack(counts, dim=1), made)
 
@@ -264,6 +274,15 @@ class PrunedViT(nn.Module):
             if not isinstance(sel, TokenSelection):
                 raise TypeError(f"selections[{i}] must be a TokenSelection, got {type(sel).__name__}")
         return selections
+
+
+def _dense(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return block(x)
+
+
+@functools.cache
+def _compiled_dense():
+    return torch.compile(_dense)
 
 
 def _repack(

@@ -17,6 +17,7 @@ ParallelScalingBlock, ...), attention masks, rotary embeddings, dropout at train
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -82,6 +83,13 @@ def packed_mlp(block: Block, x: torch.Tensor) -> torch.Tensor:
     return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
 
 
+@functools.cache
+def compiled_halves() -> tuple[Callable, Callable]:
+    """:func:`packed_attention` and :func:`packed_mlp` under ``torch.compile`` (Inductor fuses the LayerNorms,
+    residual adds and GELU around the GEMMs; the attention backend stays one opaque op). Compiled on first use."""
+    return torch.compile(packed_attention), torch.compile(packed_mlp)
+
+
 def packed_block(
     block: Block,
     x: torch.Tensor,
@@ -89,6 +97,7 @@ def packed_block(
     max_seqlen: int,
     backend: AttentionBackend,
     mid_hook: MidHook | None = None,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Runs ``block`` on packed tokens: :func:`packed_attention`, the optional hook, :func:`packed_mlp`.
 
@@ -99,12 +108,14 @@ def packed_block(
         max_seqlen: host int bounding every image's length.
         backend: the attention backend.
         mid_hook: optional stage between the attention residual and the MLP, which may prune the buffer.
+        compiled: run the two halves through :func:`compiled_halves`.
 
     Returns:
         The block's output ``[T', C]`` and its ``cu_seqlens`` and ``max_seqlen`` (those of the input unless the
         hook changed them).
     """
-    x, qkv = packed_attention(block, x, cu_seqlens, max_seqlen, backend)
+    attention_half, mlp_half = compiled_halves() if compiled else (packed_attention, packed_mlp)
+    x, qkv = attention_half(block, x, cu_seqlens, max_seqlen, backend)
     if mid_hook is not None:
         x, cu_seqlens, max_seqlen = mid_hook(x, cu_seqlens, max_seqlen, qkv)
-    return packed_mlp(block, x), cu_seqlens, max_seqlen
+    return mlp_half(block, x), cu_seqlens, max_seqlen

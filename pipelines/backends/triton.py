@@ -52,4 +52,6 @@ class TritonBackend(AttentionBackend):
     def attend(
         self, qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float
     ) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # one opaque op in a compiled graph (it has a fake implementation)
+            return torch.ops.ragged_vit.ragged_attention_qkv(qkv, cu_seqlens, max_seqlen, num_heads, scale)
         return _kernels.ragged_attention_qkv(qkv, cu_seqlens, max_seqlen, num_heads, scale)
