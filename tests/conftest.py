@@ -21,6 +21,19 @@ import pytest  # noqa: E402
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _one_cpu_thread():
+    """One intra-op thread on CPU-only machines: on the 2-core CI machine a second busy process makes 2-thread torch
+    ~10x slower. GPU machines keep their threads (their CPU-side references are large)."""
+    if HAS_CUDA:
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if HAS_CUDA:
         # Kernels compiled for the GPU cannot take the CPU tensors of the interpreter twins.

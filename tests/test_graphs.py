@@ -42,13 +42,6 @@ FIXED = {
 FP32 = {"atol": 1e-5, "rtol": 1e-5}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def tiny_pipeline(pruner_factory, backend: str = "reference") -> PrunedViT:
     """The tiny ViT with seeded weights; its qkv weights are scaled up so that attention is peaked and ATS keeps

@@ -29,6 +29,7 @@ from pipelines.buckets import TokenBuckets
 from pipelines.factory import build_pruner
 from pipelines.graphs import GraphedPrunedViT
 from pipelines.weights import create_model
+from tests.helpers import no_tf32
 
 pytestmark = pytest.mark.gpu
 
@@ -89,17 +90,6 @@ class _Lab:
         if (batch, seed) not in self.images:
             self.images[(batch, seed)] = _synthetic_images(batch, seed).cuda()
         return self.images[(batch, seed)]
-
-
-class _no_tf32:
-    """fp32 on the GPU must mean fp32: cuDNN convolutions (the patch embedding) default to TF32."""
-
-    def __enter__(self) -> None:
-        self.saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-
-    def __exit__(self, *_: object) -> None:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = self.saved
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +160,7 @@ def test_variable_counts_replay_the_eager_segments_bitwise(lab, model, case, bac
 def test_variable_counts_match_the_pipeline_in_fp32(lab, case, backend):
     pv = lab.pipeline(SMALL, case, backend, torch.float32)
     runner = GraphedPrunedViT(pv)
-    with _no_tf32():
+    with no_tf32():
         for call, batch in enumerate([4, 1, 4, 64]):
             images = lab.batch(batch, seed=call)
             out, ref = runner.run(images), pv.run(images)

@@ -43,14 +43,6 @@ GOLDEN = {  # patches per image after each stage at keep rate 0.7 on 224x224 (19
 FP32 = {"atol": 1e-5, "rtol": 1e-5}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread: on the 2-core CI machine a second busy process makes 2-thread torch ~10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def pipeline(case: str, keep_rate: float, backend: str = "reference", seed: int = 0) -> PrunedViT:
     """deit_tiny with seeded random weights and the pruner of ``case``; the global RNG is left untouched."""

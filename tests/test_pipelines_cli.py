@@ -23,13 +23,6 @@ REPO = Path(__file__).resolve().parents[1]
 FAST = ["--device", "cpu", "--timed-runs", "1", "--warmup", "0"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _imagenet_names() -> set[str]:
     from timm.data import ImageNetInfo

@@ -31,6 +31,7 @@ from pipelines import PrunedViT
 from pipelines.factory import build_pruner
 from pipelines.model import PrunedOutput
 from pipelines.weights import create_model, load_checkpoint
+from tests.helpers import no_tf32
 
 pytestmark = pytest.mark.gpu
 
@@ -111,7 +112,7 @@ class _Lab:
         key = (name, case, batch)
         if key not in self.refs:
             pv = self.pipeline(name, case, torch.float32)
-            with _no_tf32():
+            with no_tf32():
                 self.refs[key] = pv.run(self.batch(name, batch))
         return self.refs[key]
 
@@ -122,17 +123,6 @@ class _Lab:
             out = self.pipeline(name, case, dtype).run(self.batch(name, batch), selections=ref.selections)
             self.floors[key] = _max_diff(out.logits, ref.logits)
         return self.floors[key]
-
-
-class _no_tf32:
-    """fp32 on the GPU must mean fp32: cuDNN convolutions (the patch embedding) default to TF32."""
-
-    def __enter__(self) -> None:
-        self.saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-
-    def __exit__(self, *_: object) -> None:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = self.saved
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +180,7 @@ def test_keep_rate_one_reproduces_timm(lab, backend):
     """0% pruning: the packed pipeline equals timm's own forward up to the dtype's own noise."""
     model_name = "deit_small_patch16_224"
     images = lab.batch(model_name, 4)
-    with _no_tf32(), torch.no_grad():
+    with no_tf32(), torch.no_grad():
         expected = lab.model(model_name, torch.float32)(images)
     for dtype in DTYPES:
         with torch.no_grad():
@@ -202,7 +192,7 @@ def test_keep_rate_one_reproduces_timm(lab, backend):
             err = _max_diff(out.logits, expected)
             bound = 2 * floor + torch.finfo(dtype).eps * expected.abs().max().item()
             assert err <= bound, f"{case} {dtype}: {err:.3e} > {bound:.3e} (timm's own {dtype} error {floor:.3e})"
-    with _no_tf32():
+    with no_tf32():
         out = lab.pipeline(model_name, "evit", torch.float32, "reference", keep_rate=1.0).run(images)
     torch.testing.assert_close(out.logits, expected, atol=1e-4, rtol=1e-4)
 
@@ -247,7 +237,7 @@ def test_isolation_on_cuda(lab, case, backend, dtype):
     images = lab.batch(model, 4)
     changed = images.clone()
     changed[3] = 0.0  # a flat image: ATS keeps a different number of its patches, so T changes
-    with _no_tf32():
+    with no_tf32():
         a, b = pv.run(images), pv.run(changed)
     assert torch.equal(a.counts[:3], b.counts[:3])
     scale = a.logits[:3].abs().max().item()

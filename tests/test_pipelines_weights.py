@@ -15,13 +15,6 @@ from pipelines.factory import build_pruner
 MODEL = "deit_tiny_patch16_224"
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
 
 def _seeded_pipeline(pruner: str, seed: int, **kwargs):
     with torch.random.fork_rng():
