@@ -23,16 +23,9 @@ from pipelines import PrunedViT, build_pipeline
 from pipelines.factory import build_pruner
 from reference.pruners import make_pruner
 from reference.selection import TokenSelection
+from tests.helpers import PRUNER_CASES as CASES
 
 MODEL = "deit_tiny_patch16_224"
-# name -> (pruner, options); "evit_fused" is EViT with its fused token.
-CASES = {
-    "threshold_l2": ("threshold_l2", {}),
-    "dynamicvit": ("dynamicvit", {}),
-    "evit": ("evit", {}),
-    "evit_fused": ("evit", {"fuse_token": True}),
-    "ats": ("ats", {}),
-}
 KEEP_ALL = ["threshold_l2", "dynamicvit", "evit", "evit_fused"]  # ATS samples adaptively even at 1.0
 GOLDEN = {  # patches per image after each stage at keep rate 0.7 on 224x224 (196 patches); shared/PRUNERS.md
     "threshold_l2": [138],

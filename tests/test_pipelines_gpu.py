@@ -31,18 +31,12 @@ from pipelines import PrunedViT
 from pipelines.factory import build_pruner
 from pipelines.model import PrunedOutput
 from pipelines.weights import create_model, load_checkpoint
+from tests.helpers import PRUNER_CASES as CASES
 from tests.helpers import no_tf32
 
 pytestmark = pytest.mark.gpu
 
 MODELS = ["deit_tiny_patch16_224", "deit_small_patch16_224", "deit_base_patch16_224", "deit_base_patch16_384"]
-CASES = {
-    "threshold_l2": ("threshold_l2", {}),
-    "dynamicvit": ("dynamicvit", {}),
-    "evit": ("evit", {}),
-    "evit_fused": ("evit", {"fuse_token": True}),
-    "ats": ("ats", {}),
-}
 FIXED_COUNT = ["threshold_l2", "dynamicvit", "evit", "evit_fused"]
 BACKENDS = ["padded_sdpa", "fa2_varlen", "nested_sdpa", "triton"]
 BATCHES = [1, 4, 64]
