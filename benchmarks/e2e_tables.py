@@ -202,12 +202,16 @@ def groups(rows: list[dict], *fields: str) -> dict[tuple, list[dict]]:
 # --------------------------------------------------------------------------------------------------- parts
 
 
+def throughput_rows(payload: dict) -> tuple[list[dict], dict, list[dict]]:
+    """A part's throughput rows, their index, and the pruned ones (unpruned rows have workload ``none``)."""
+    rows = [r for r in payload["rows"] if r.get("kind", "throughput") == "throughput"]
+    return rows, index(rows), [r for r in rows if r["workload"] != "none"]
+
+
 def throughput_table(payload: dict, paper: bool = True) -> str:
     """Table III layout per (model, workload): img/s vs batch size for every row, the paper's ratios."""
-    rows = [r for r in payload["rows"] if r.get("kind", "throughput") == "throughput"]
-    idx = index(rows)
+    rows, idx, pruned = throughput_rows(payload)
     out = []
-    pruned = [r for r in rows if r["workload"] != "none"]
     for (model, workload, keep), grp in groups(pruned, "model", "workload", "keep_rate").items():
         cols = present_rows(rows_for(rows, model, workload, keep))
         batches = sorted({r["batch"] for r in grp})
@@ -307,10 +311,8 @@ def stages_table(payload: dict) -> str:
 
 def pruning_table(payload: dict) -> str:
     """Figure 1 as a table per workload: img/s vs pruned %, and each row's speedup over unpruned timm eager."""
-    rows = [r for r in payload["rows"] if r.get("kind", "throughput") == "throughput"]
-    idx = index(rows)
+    rows, idx, pruned = throughput_rows(payload)
     out = []
-    pruned = [r for r in rows if r["workload"] != "none"]
     for (model, workload, batch), grp in groups(pruned, "model", "workload", "batch").items():
         cols = present_rows(grp)
         eager, compiled = unpruned(idx, model, batch, "timm_eager"), unpruned(idx, model, batch, "timm_compiled")
@@ -336,10 +338,8 @@ def pruning_table(payload: dict) -> str:
 
 def models_table(payload: dict) -> str:
     """Table V layout: per model and batch size, img/s of every row, T/Pad, and the paper's row."""
-    rows = [r for r in payload["rows"] if r.get("kind", "throughput") == "throughput"]
-    idx = index(rows)
+    rows, idx, pruned = throughput_rows(payload)
     out = []
-    pruned = [r for r in rows if r["workload"] != "none"]
     for (workload, keep), grp in groups(pruned, "workload", "keep_rate").items():
         models = sorted(
             {r["model"] for r in grp}, key=lambda m: list(PAPER_TABLE_V).index(m) if m in PAPER_TABLE_V else 9
@@ -372,10 +372,8 @@ def models_table(payload: dict) -> str:
 
 def resolution_table(payload: dict) -> str:
     """Section V-D: 224 vs 384 at each batch size: img/s, Triton over padded (fair and full), over reduce-overhead."""
-    rows = [r for r in payload["rows"] if r.get("kind", "throughput") == "throughput"]
-    idx = index(rows)
+    rows, idx, pruned = throughput_rows(payload)
     out = []
-    pruned = [r for r in rows if r["workload"] != "none"]
     for (workload, keep), grp in groups(pruned, "workload", "keep_rate").items():
         cols = present_rows([r for r in rows if r["workload"] in (workload, "none")])
         head = ["resolution", "B", *[ROW_SHORT[c] for c in cols], "T/Pad", "T/Pad-full", "best ours / reduce-overhead"]
