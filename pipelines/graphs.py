@@ -57,6 +57,7 @@ that append an extra token (no registered pruner does).
 from __future__ import annotations
 
 import functools
+import itertools
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
@@ -65,9 +66,15 @@ import torch.nn.functional as F
 
 from pipelines.backends.triton import TritonBackend
 from pipelines.buckets import SegmentPlan, TokenBuckets, plan_segments
-from pipelines.model import PrunedOutput, PrunedViT
-from pipelines.packed_block import packed_attention, packed_block, packed_mlp
-from reference.segments import segment_ids, segment_sum, seqlens, uniform_cu_seqlens
+from pipelines.model import PrunedOutput, PrunedViT, kept_rows
+from pipelines.packed_block import (
+    compiled_blocks,
+    compiled_halves,
+    packed_attention,
+    packed_blocks,
+    packed_mlp,
+)
+from reference.segments import seqlens, uniform_cu_seqlens
 from reference.validation import check_int
 from triton_impl import pack as triton_pack
 
@@ -157,13 +164,16 @@ class _Binding:
             pruner,
             None if pruner is None else pruner.extra_repr(),
             pipeline.training,
+            pipeline.compile_blocks,
+            pipeline.gemm_patch_embed,
         )
 
     def check(self, pipeline: PrunedViT) -> None:
         if self._state(pipeline) != self.state:
             raise RuntimeError(
                 "the pipeline changed after GraphedPrunedViT bound to it (parameters or buffers written or moved, "
-                "backend, pruner or its settings, or train mode): call reset() to drop the graphs and re-capture"
+                "backend, pruner or its settings, train mode, compile_blocks or gemm_patch_embed): call reset() to "
+                "drop the graphs and re-capture"
             )
 
 
@@ -346,9 +356,7 @@ class GraphedPrunedViT:
         """
         pipeline, tokens = self.pipeline, self._tokens
         if index == 0:
-            x = pipeline._embed(bufs.images)
-            for blk in pipeline.model.blocks[: self._plan.dense_blocks]:
-                x = blk(x)
+            x = pipeline.front(bufs.images)  # embedding and dense blocks, [B, N, C]
             x = x.reshape(-1, x.shape[-1])  # [B*N, C]
             cu = attn_cu = uniform_cu_seqlens(bufs.batch, tokens, x.device)
         else:
@@ -359,25 +367,31 @@ class GraphedPrunedViT:
             bufs.counts[:, index - 1].copy_(seqlens(cu) - 1)
             attn_cu = F.pad(cu, (0, 1), value=capacity)  # int32 [B+2]: the padding image owns [total, capacity)
         qkv = None
-        for step in self._plan.segments[index]:
-            block = pipeline.model.blocks[step.block]
-            if step.kind == "block":
-                x = packed_block(block, x, attn_cu, max_seqlen, pipeline.backend)[0]
-            elif step.kind == "attention":
-                x, qkv = packed_attention(block, x, attn_cu, max_seqlen, pipeline.backend)
+        compiled = pipeline.compile_blocks
+        run_blocks = compiled_blocks() if compiled else packed_blocks
+        attention_half, mlp_half = compiled_halves() if compiled else (packed_attention, packed_mlp)
+        blocks = pipeline.model.blocks
+        for kind, group in itertools.groupby(self._plan.segments[index], key=lambda step: step.kind):
+            group = [blocks[step.block] for step in group]
+            if kind == "block":  # consecutive whole blocks: one run (one compiled graph with compile_blocks)
+                x = run_blocks(group, x, attn_cu, max_seqlen, pipeline.backend)
+            elif kind == "attention":
+                (block,) = group
+                x, qkv = attention_half(block, x, attn_cu, max_seqlen, pipeline.backend)
             else:
-                x = packed_mlp(block, x)
+                (block,) = group
+                x = mlp_half(block, x)
         if index == len(self._plan.segments) - 1:
             bufs.logits.copy_(pipeline._head(x.index_select(0, cu[:-1])))
             return
-        sel = pipeline.pruner(pipeline._prune_input(pipeline._stages[index], x, attn_cu, tokens - 1, qkv))
+        sel = pipeline.decide(pipeline._prune_input(pipeline._stages[index], x, attn_cu, tokens - 1, qkv))
         if sel.extra_token is not None:
             raise NotImplementedError(
                 f"pruner {pipeline.pruner.name!r} appends an extra token at a variable-count stage, which "
                 "GraphedPrunedViT does not stage between graphs"
             )
         rows = x.shape[0]
-        lens = segment_sum(sel.keep.long(), segment_ids(attn_cu, rows), attn_cu.numel() - 1)[: bufs.batch]
+        lens = kept_rows(sel, attn_cu)[: bufs.batch]
         bufs.stats.copy_(torch.stack([lens.sum(), lens.max()]))
         side = index % 2
         bufs.x[side][:rows].copy_(x)

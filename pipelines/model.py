@@ -38,14 +38,17 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from pipelines.backends import AttentionBackend, make_backend
-from pipelines.packed_block import check_packable, packed_block
+from pipelines.packed_block import check_packable, compiled_blocks, packed_block, packed_blocks
+from pipelines.patch_embed import patch_embed_gemm, supports_gemm
 from reference import packing as ref_packing
 from reference.attention import split_qkv
 from reference.cls_attention import cls_attention
+from reference.pruners.threshold_l2 import ThresholdL2Pruner
 from reference.segments import segment_ids, segment_sum, seqlens, uniform_cu_seqlens
 from reference.selection import Placement, PruneInput, Pruner, TokenSelection
 from reference.validation import check_tensor
 from triton_impl import pack as triton_pack
+from triton_impl.threshold_l2 import threshold_l2_select
 
 
 @dataclass
@@ -90,6 +93,9 @@ class PrunedViT(nn.Module):
         backend: attention backend name (see :data:`pipelines.backends.BACKENDS`) or instance.
         compile_blocks: run every block's non-attention work through ``torch.compile`` (Inductor fusions around
             the GEMMs; the attention backend stays one op). Compiles on first use of each shape.
+        gemm_patch_embed: on CUDA, compute the patch embedding as one GEMM on patch rows instead of cuDNN's
+            strided convolution (:mod:`pipelines.patch_embed`; same math, rounding-level differences). The CPU
+            always runs timm's own convolution.
 
     The module is put in eval mode; it is inference only.
     """
@@ -100,9 +106,11 @@ class PrunedViT(nn.Module):
         pruner: Pruner | None = None,
         backend: str | AttentionBackend = "reference",
         compile_blocks: bool = False,
+        gemm_patch_embed: bool = True,
     ) -> None:
         super().__init__()
         self.compile_blocks = compile_blocks
+        self.gemm_patch_embed = gemm_patch_embed
         _check_model(model)
         self.model = model
         self.pruner = _check_pruner(pruner, len(model.blocks))
@@ -117,6 +125,7 @@ class PrunedViT(nn.Module):
         )
         for k in range(self._start, len(model.blocks)):
             check_packable(model.blocks[k], f"model.blocks[{k}]")
+        self._steps = _schedule(self._stages, self._start, len(model.blocks))
         self.eval()
 
     @property
@@ -174,10 +183,7 @@ class PrunedViT(nn.Module):
         self._backend.check(images.device, dtype)
         selections = self._check_selections(selections)
 
-        x = self._embed(images.to(dtype))  # [B, N, C]
-        dense = _compiled_dense() if self.compile_blocks else _dense
-        for blk in self.model.blocks[: self._start]:
-            x = dense(blk, x)
+        x = self.front(images.to(dtype))  # [B, N, C]
         batch, n, channels = x.shape
         made: list[TokenSelection] = []
         counts: list[torch.Tensor] = []
@@ -188,25 +194,24 @@ class PrunedViT(nn.Module):
             if selections is not None:
                 sel = selections[stage.index]
             else:
-                sel = self.pruner(self._prune_input(stage, x, cu, n - 1, qkv))
+                sel = self.decide(self._prune_input(stage, x, cu, n - 1, qkv))
             x, cu, max_seqlen = _repack(x, cu, max_seqlen, sel, stage.index)
             made.append(sel)
             counts.append(seqlens(cu) - 1)
             return x, cu, max_seqlen
 
         x, cu, max_seqlen = x.reshape(batch * n, channels), uniform_cu_seqlens(batch, n, x.device), n
-        depth = len(self.model.blocks)
-        for k in range(self._start, depth + 1):
-            for stage in self._stages:
-                if stage.boundary == k:
-                    x, cu, max_seqlen = prune(stage, x, cu, max_seqlen)
-            if k == depth:
-                break
-            mid = next((s for s in self._stages if s.placement == Placement.MID_BLOCK and s.block == k), None)
-            hook = None if mid is None else functools.partial(prune, mid)
-            x, cu, max_seqlen = packed_block(
-                self.model.blocks[k], x, cu, max_seqlen, self._backend, hook, self.compile_blocks
-            )
+        blocks = self.model.blocks
+        run_blocks = compiled_blocks() if self.compile_blocks else packed_blocks
+        for step in self._steps:
+            if step.kind == "prune":
+                x, cu, max_seqlen = prune(step.stage, x, cu, max_seqlen)
+            elif step.kind == "mid":
+                hook = functools.partial(prune, step.stage)
+                block = blocks[step.blocks[0]]
+                x, cu, max_seqlen = packed_block(block, x, cu, max_seqlen, self._backend, hook, self.compile_blocks)
+            else:
+                x = run_blocks([blocks[k] for k in step.blocks], x, cu, max_seqlen, self._backend)
         cls = x.index_select(0, cu[:-1])  # [B, C]: every image's CLS row, one gather
         return PrunedOutput(self._head(cls), torch.stack(counts, dim=1), made)
 
@@ -224,9 +229,26 @@ class PrunedViT(nn.Module):
             x = blk(x)
         return self.pruner.calibrate(x)
 
+    def front(self, images: torch.Tensor) -> torch.Tensor:
+        """Embedding and the dense blocks before the first stage, on checked images in the model dtype:
+        ``[B, 3, H, W]`` -> ``[B, N, C]`` (one compiled graph with ``compile_blocks``)."""
+        return (_compiled_front() if self.compile_blocks else _front)(self, images)
+
+    def decide(self, inp: PruneInput) -> TokenSelection:
+        """One stage's decision: ``pruner(inp)``, or on CUDA its fused Triton twin where one exists
+        (Threshold-L2: :mod:`triton_impl.threshold_l2`, the same keep masks bit for bit, one kernel instead of
+        ~40)."""
+        if inp.x.is_cuda and type(self.pruner) is ThresholdL2Pruner:
+            return threshold_l2_select(self.pruner, inp)
+        return self.pruner(inp)
+
     def _embed(self, images: torch.Tensor) -> torch.Tensor:
         m = self.model
-        return m.norm_pre(m.patch_drop(m._pos_embed(m.patch_embed(images))))
+        if self.gemm_patch_embed and images.is_cuda and supports_gemm(m.patch_embed):
+            x = patch_embed_gemm(m.patch_embed, images)  # the image size was checked by the caller
+        else:
+            x = m.patch_embed(images)
+        return m.norm_pre(m.patch_drop(m._pos_embed(x)))
 
     def _head(self, cls: torch.Tensor) -> torch.Tensor:
         # timm: norm on every token, then 'token' pooling picks CLS; per-token norms commute with that choice.
@@ -276,13 +298,54 @@ class PrunedViT(nn.Module):
         return selections
 
 
-def _dense(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    return block(x)
+@dataclass(frozen=True)
+class _Step:
+    """One step of the packed part of a forward: a pruning stage at a block boundary (``prune``), a block with
+    a stage between its halves (``mid``), or a run of consecutive blocks with no stage (``blocks``)."""
+
+    kind: str  # "prune" | "mid" | "blocks"
+    blocks: tuple[int, ...] = ()
+    stage: _Stage | None = None
+
+
+def _schedule(stages: tuple[_Stage, ...], start: int, depth: int) -> tuple[_Step, ...]:
+    """The steps from block ``start`` to the head, runs of stage-free blocks grouped (one compiled graph each)."""
+    steps: list[_Step] = []
+    run: list[int] = []
+
+    def flush() -> None:
+        if run:
+            steps.append(_Step("blocks", tuple(run)))
+            run.clear()
+
+    for k in range(start, depth + 1):
+        at_boundary = [s for s in stages if s.boundary == k]
+        if at_boundary:
+            flush()
+            steps.extend(_Step("prune", stage=s) for s in at_boundary)
+        if k == depth:
+            break
+        mid = next((s for s in stages if s.placement == Placement.MID_BLOCK and s.block == k), None)
+        if mid is None:
+            run.append(k)
+        else:
+            flush()
+            steps.append(_Step("mid", (k,), mid))
+    flush()
+    return tuple(steps)
+
+
+def _front(pipeline: PrunedViT, images: torch.Tensor) -> torch.Tensor:
+    """Embedding and the dense blocks before the first stage: ``[B, 3, H, W]`` -> ``[B, N, C]``."""
+    x = pipeline._embed(images)
+    for block in pipeline.model.blocks[: pipeline.num_dense_blocks]:
+        x = block(x)
+    return x
 
 
 @functools.cache
-def _compiled_dense():
-    return torch.compile(_dense)
+def _compiled_front():
+    return torch.compile(_front)
 
 
 def _repack(
@@ -302,11 +365,17 @@ def _repack(
     if sel.fixed_count and sel.count is not None:
         tokens, new_cu, _ = triton_pack.repack(x, cu, keep, max_seqlen, count=sel.count, extra_token=extra)
         return tokens, new_cu, sel.count
-    batch = cu.numel() - 1
-    lens = segment_sum(keep.long(), segment_ids(cu, x.shape[0]), batch) + (extra is not None)
+    lens = kept_rows(sel, cu) + (extra is not None)
     total, longest = torch.stack([lens.sum(), lens.max()]).tolist()  # the one sync of a variable-count stage
     tokens, new_cu, _ = triton_pack.repack(x, cu, keep, max_seqlen, capacity=total, extra_token=extra)
     return tokens, new_cu, longest
+
+
+def kept_rows(sel: TokenSelection, cu: torch.Tensor) -> torch.Tensor:
+    """int64 ``[B]``: the rows each image of ``cu``'s batch keeps (CLS included, an extra token excluded)."""
+    if sel.kept is not None:
+        return sel.kept.long()
+    return segment_sum(sel.keep.long(), segment_ids(cu, sel.keep.shape[0]), cu.numel() - 1)
 
 
 def _check_model(model: object) -> None:

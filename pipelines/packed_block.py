@@ -18,7 +18,7 @@ ParallelScalingBlock, ...), attention masks, rotary embeddings, dropout at train
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from timm.models.vision_transformer import Attention, Block  # Attention lives in timm.layers in newer timm
@@ -83,11 +83,27 @@ def packed_mlp(block: Block, x: torch.Tensor) -> torch.Tensor:
     return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
 
 
+def packed_blocks(
+    blocks: Sequence[Block], x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, backend: AttentionBackend
+) -> torch.Tensor:
+    """Consecutive blocks with no pruning stage among them, on one packed buffer: ``[T, C]`` -> ``[T, C]``."""
+    for block in blocks:
+        x = packed_block(block, x, cu_seqlens, max_seqlen, backend)[0]
+    return x
+
+
 @functools.cache
 def compiled_halves() -> tuple[Callable, Callable]:
     """:func:`packed_attention` and :func:`packed_mlp` under ``torch.compile`` (Inductor fuses the LayerNorms,
     residual adds and GELU around the GEMMs; the attention backend stays one opaque op). Compiled on first use."""
     return torch.compile(packed_attention), torch.compile(packed_mlp)
+
+
+@functools.cache
+def compiled_blocks() -> Callable:
+    """:func:`packed_blocks` under ``torch.compile``: one graph over the whole run of blocks, so Inductor also
+    fuses each residual add with the next LayerNorm across the attention ops (which stay opaque custom ops)."""
+    return torch.compile(packed_blocks)
 
 
 def packed_block(

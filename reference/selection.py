@@ -61,12 +61,16 @@ class TokenSelection:
             int known without reading the device; else None.
         extra_token: ``[B, C]`` one extra token per image appended after its kept rows (EViT's fused token),
             or None.
+        kept: int ``[B]`` rows each image keeps (CLS included, extra token excluded) when the pruner counted
+            them on the device as it decided (the fused Triton Threshold-L2 does), so packing need not recount
+            them; else None.
     """
 
     keep: torch.Tensor
     fixed_count: bool
     count: int | None = None
     extra_token: torch.Tensor | None = None
+    kept: torch.Tensor | None = None
 
 
 def check_prune_input(inp: object, *, attention: bool = False, values: bool = False) -> PruneInput:
@@ -135,4 +139,4 @@ class Pruner(nn.Module):
             **flat,
         )
         sel = self(inp)
-        return TokenSelection(sel.keep.view(batch, n), sel.fixed_count, sel.count, sel.extra_token)
+        return TokenSelection(sel.keep.view(batch, n), sel.fixed_count, sel.count, sel.extra_token, sel.kept)

@@ -298,7 +298,7 @@ def ragged_attention_qkv(
 # decorator: the decorator's Python wrapper cost ~30 us per eager call on an H200 (ci/dispatch_profile.py).
 _LIBRARY = torch.library.Library("ragged_vit", "DEF")
 _LIBRARY.define(
-    "ragged_attention_qkv(Tensor qkv, Tensor cu_seqlens, int max_seqlen, int num_heads, float scale) -> Tensor"
+    "ragged_attention_qkv(Tensor qkv, Tensor cu_seqlens, SymInt max_seqlen, int num_heads, float scale) -> Tensor"
 )
 
 

@@ -23,6 +23,14 @@ _SCORE_DTYPES = (*FLOAT_DTYPES, torch.float64)
 MODES = ("threshold", "ratio", "calibrated")
 
 
+def l2_scores(x: torch.Tensor) -> torch.Tensor:
+    """The score of every row ``[T, C]`` -> fp32 ``[T]``: its L2 norm, accumulated in fp32 whatever ``x``'s dtype
+    (decisions are made on fp32 scores). The one definition, shared with the fused Triton selection."""
+    if x.dtype == torch.float64:
+        x = x.float()
+    return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)
+
+
 class ThresholdL2Pruner(Pruner):
     """Keeps the patches with a large residual-stream L2 norm, once, after one block.
 
@@ -100,10 +108,10 @@ class ThresholdL2Pruner(Pruner):
         if isinstance(x, PruneInput):
             check_prune_input(x)
             is_patch = positions(x.cu_seqlens, x.x.shape[0]) > 0
-            scores = x.x[is_patch].float().norm(dim=-1)
+            scores = l2_scores(x.x[is_patch])
         else:
             check_tensor(x, "x", ndim=3, dtypes=_SCORE_DTYPES)
-            scores = x[:, 1:].float().norm(dim=-1).flatten()
+            scores = l2_scores(x[:, 1:]).flatten()
         if scores.numel() == 0:
             raise ValueError("x must hold at least one patch token to calibrate on, got none")
         self.threshold = float(torch.quantile(scores, 1.0 - self.rate))
@@ -117,7 +125,7 @@ class ThresholdL2Pruner(Pruner):
         total = x.shape[0]
         seg = segment_ids(cu, total)
         is_cls = positions(cu, total) == 0
-        score = x.float().norm(dim=-1)  # fp32 whatever the stream dtype: decisions on fp32 scores
+        score = l2_scores(x)
         rank = segment_rank(score, cu)
         if self.mode == "ratio":
             keep = is_cls | (rank < ceil_rate(self.rate, patch_counts(cu))[seg])

@@ -1,0 +1,149 @@
+"""Where the device time of one graphed forward goes (GPU machine): ``python -m ci.forward_profile``.
+
+DeiT-B 224 fp16, random seeded weights, the benchmark's images. For each batch size: the unpruned timm model under
+``torch.compile(mode="reduce-overhead")`` (as timm builds it, and with the pipelines' GEMM patch embedding, so
+that gain is not credited to pruning) and the graphed pruned pipelines (``pipelines.graphs``, Triton backend) of
+a few workloads. Each is replayed under ``torch.profiler`` (CUPTI sees the kernels of graph replays); kernels are
+grouped by kind (GEMM, attention, Inductor-fused, LayerNorm, elementwise, reductions, sort/scan, indexing,
+packing, copies). Per forward: kernel count, summed kernel time ("busy"), CUDA-event time of back-to-back
+forwards ("span"; span - busy = gaps and host waits) and the per-kind split. ``--compile-blocks`` adds the
+pipelines with ``compile_blocks=True``. Details go to ``--out`` (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import re
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.e2e_common import DEIT_B, Lab, make_graphed
+from pipelines.patch_embed import patch_embed_gemm
+
+KINDS = (
+    ("attention", r"_ragged|flash|fmha|attention|sdpa"),
+    ("gemm", r"gemm|nvjet|cutlass|xmma|cublas|sm90_|sm80_"),
+    ("inductor", r"^triton_(poi|per|red|tem)_"),
+    ("layernorm", r"layer_norm|LayerNorm"),
+    ("pack", r"_pack|_count|_unpack|_cls_rows"),
+    ("sort/scan", r"sort|scan|radix|topk|cub::|Cumsum|cumsum"),
+    ("index", r"index|gather|scatter"),
+    ("reduce", r"reduce"),
+    ("elementwise", r"elementwise|gelu|GeluCUDA"),
+    ("copy", r"copy|memcpy|memset|Memcpy|Memset|fill"),
+)
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, name):
+            return kind
+    return "other"
+
+
+def profile_forward(forward, images: list[torch.Tensor], replays: int = 20) -> dict[str, object]:
+    for i in range(6):
+        forward(images[i % len(images)])
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(replays):
+        forward(images[i % len(images)])
+    end.record()
+    torch.cuda.synchronize()
+    span_us = start.elapsed_time(end) * 1e3 / replays
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(replays):
+            forward(images[i % len(images)])
+        torch.cuda.synchronize()
+    per_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for evt in prof.events():
+        if evt.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        name = evt.name
+        dur = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
+        k = kind_of(name)
+        per_kind[k][0] += 1 / replays
+        per_kind[k][1] += dur / replays
+        per_name[name][0] += 1 / replays
+        per_name[name][1] += dur / replays
+    busy = sum(v[1] for v in per_kind.values())
+    kernels = sum(v[0] for v in per_kind.values())
+    top = sorted(per_name.items(), key=lambda kv: -kv[1][1])[:25]
+    return {
+        "span_us": span_us,
+        "busy_us": busy,
+        "kernels": kernels,
+        "kinds": {k: {"count": v[0], "us": v[1]} for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1][1])},
+        "top": [{"name": n[:160], "count": v[0], "us": v[1]} for n, v in top],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,4,64")
+    parser.add_argument("--workloads", default="l2_ratio,l2_calibrated,ats")
+    parser.add_argument("--compile-blocks", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    lab = Lab(torch.device("cuda"), torch.float16)
+    results = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    print(f"{results['card']}  torch {torch.__version__}")
+    kinds = [k for k, _ in KINDS] + ["other"]
+    print("| B | pipeline | img/s | span us | busy us | kernels | " + " | ".join(kinds) + " | first call |")
+    print("|---" * (7 + len(kinds)) + "|")
+    for batch in (int(b) for b in args.batches.split(",")):
+        images = lab.images(DEIT_B, batch)
+        configs: list[tuple[str, object]] = [("timm reduce-overhead", None), ("timm reduce-overhead +gemm embed", None)]
+        for w in args.workloads.split(","):
+            configs.append((w, False))
+            if args.compile_blocks:
+                configs.append((w + " +compile", True))
+        for label, compiled in configs:
+            t0 = time.perf_counter()
+            if compiled is None:
+                model = lab.model(DEIT_B)
+                if "gemm" in label:  # the same embedding as the pipelines, so its gain is not credited to pruning
+                    model = copy.deepcopy(model)
+                    model.patch_embed.forward = functools.partial(patch_embed_gemm, model.patch_embed)
+                model = torch.compile(model, mode="reduce-overhead")
+
+                def forward(x, model=model):
+                    with torch.no_grad():
+                        return model(x)
+            else:
+                pv = lab.pipeline(DEIT_B, label.split()[0], 0.5, "triton")
+                pv.compile_blocks = compiled
+                forward, _ = make_graphed(pv, images[0])
+            forward(images[0])
+            first_s = time.perf_counter() - t0
+            r = profile_forward(forward, images)
+            r.update(batch=batch, pipeline=label, img_per_s=batch / r["span_us"] * 1e6, first_call_s=first_s)
+            results["rows"].append(r)
+            none = {"count": 0, "us": 0}
+            split = " | ".join(
+                f"{r['kinds'].get(k, none)['count']:.0f}/{r['kinds'].get(k, none)['us']:.0f}" for k in kinds
+            )
+            print(
+                f"| {batch} | {label} | {r['img_per_s']:,.0f} | {r['span_us']:.0f} | {r['busy_us']:.0f} "
+                f"| {r['kernels']:.0f} | {split} | {first_s:.0f} s |",
+                flush=True,
+            )
+            del forward
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""timm's patch embedding as one GEMM: a ``p x p`` convolution with stride ``p`` is a Linear layer on patches.
+
+``PatchEmbed.proj`` is a ``Conv2d(C, D, kernel=p, stride=p)``: every output token is ``W [D, C*p*p]`` times one
+non-overlapping ``C x p x p`` patch, plus the bias. Rearranging the image into patch rows (one copy) and calling
+``F.linear`` computes exactly that sum (in another accumulation order: rounding-level differences, no others).
+
+Why: on an H200 (torch 2.11, cuDNN of CUDA 13) the 16x16/stride-16 convolution of DeiT-B runs as an implicit-GEMM
+kernel plus two layout transposes: 83 + 19 us at B=4 and 388 + 152 us at B=64, 10-12% of a graphed pruned
+forward, where the GEMM on patch rows needs a few microseconds. ``PrunedViT`` uses it on CUDA
+(``gemm_patch_embed=True``, the default); on the CPU timm's own convolution runs, so the reference path stays
+timm's forward exactly. ``ci/forward_profile.py`` measures both, and the unpruned timm model with the same
+embedding, so the gain is not credited to pruning.
+
+Supported: timm ``PatchEmbed`` with a bias-or-not ``Conv2d`` projection whose kernel equals its stride, no
+padding, dilation or groups, flattened NLC output, any ``norm`` (applied after, as timm does), inputs at the
+model's size (no dynamic padding). :func:`supports_gemm` says whether a module qualifies.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def supports_gemm(patch_embed: nn.Module) -> bool:
+    """Whether :func:`patch_embed_gemm` computes ``patch_embed``'s forward (see the module docstring)."""
+    proj = getattr(patch_embed, "proj", None)
+    if type(proj) is not nn.Conv2d:  # subclasses (e.g. timm's Conv2dSame) pad or reshape: not covered
+        return False
+    return (
+        tuple(proj.kernel_size) == tuple(proj.stride)
+        and tuple(proj.padding) == (0, 0)
+        and tuple(proj.dilation) == (1, 1)
+        and proj.groups == 1
+        and proj.padding_mode == "zeros"
+        and getattr(patch_embed, "flatten", False) is True
+        and not getattr(patch_embed, "dynamic_img_pad", False)
+    )
+
+
+def patch_rows(images: torch.Tensor, patch: tuple[int, int]) -> torch.Tensor:
+    """``[B, C, H, W]`` -> ``[B * H/p * W/q, C*p*q]``: one row per patch, row-major over the patch grid, each row
+    ordered (channel, y, x) like a ``Conv2d`` weight."""
+    b, c, h, w = images.shape
+    p, q = patch
+    grid = images.reshape(b, c, h // p, p, w // q, q).permute(0, 2, 4, 1, 3, 5)
+    return grid.reshape(b * (h // p) * (w // q), c * p * q)
+
+
+def patch_embed_gemm(patch_embed: nn.Module, images: torch.Tensor) -> torch.Tensor:
+    """``patch_embed(images)`` as one GEMM: ``[B, C, H, W]`` -> ``[B, H/p * W/q, D]`` (then ``patch_embed.norm``).
+
+    The caller checks :func:`supports_gemm` and the image size (``PrunedViT`` does both).
+    """
+    proj = patch_embed.proj
+    b, _, h, w = images.shape
+    p, q = proj.kernel_size
+    rows = patch_rows(images, (p, q))
+    tokens = F.linear(rows, proj.weight.reshape(proj.out_channels, -1), proj.bias)
+    return patch_embed.norm(tokens.reshape(b, (h // p) * (w // q), proj.out_channels))

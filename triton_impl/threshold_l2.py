@@ -1,0 +1,157 @@
+"""Threshold-L2's keep decision in one Triton kernel (the reference: ``reference/pruners/threshold_l2.py``).
+
+The reference ranks every patch inside its image with two stable argsorts over the packed rows, then compares
+ranks and scores; on a GPU that is ~40 small kernels (sorts, scans, gathers, comparisons): ~60-140 us of a
+graphed DeiT-B forward at batch 1-4 on an H200, more than the attention itself. Here one program per image ranks
+its patches by counting, for each patch, the patches that beat it (higher score, or the same score and an
+earlier row: the reference's tie rule; NaN beats every number, as in ``torch.sort``), and writes the keep mask
+and the image's kept count. ``N`` patches cost ``N^2`` comparisons in 64x64 tiles: ~1.5k tiles per DeiT-B
+image at 577 tokens, nothing next to a GEMM.
+
+Same decisions as :class:`reference.pruners.ThresholdL2Pruner`, bit for bit: the scores come from the same
+function (:func:`reference.pruners.threshold_l2.l2_scores`), the ratio count ``ceil(rate * patches)`` is
+computed in float64 from the exact bits of ``rate``, and the threshold is compared in float32, as torch
+compares a float32 tensor with a Python float.
+
+:func:`threshold_l2_select` is the drop-in for ``pruner(inp)``; ``pipelines.model.PrunedViT`` uses it on CUDA.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+import triton
+import triton.language as tl
+
+from reference.pruners.threshold_l2 import ThresholdL2Pruner, l2_scores
+from reference.segments import uniform_length
+from reference.selection import PruneInput, TokenSelection, check_prune_input
+from reference.validation import check_cu_seqlens, check_int, check_tensor
+from triton_impl.launcher import CompiledLauncher
+
+_BLOCK = 64
+
+
+@triton.jit
+def _beats(s_j, s_i, j, i):
+    """Whether score ``s_j`` (row ``j``) ranks before ``s_i`` (row ``i``): descending, NaN first, ties by row."""
+    nan_j = s_j != s_j
+    nan_i = s_i != s_i
+    greater = (s_j > s_i) | (nan_j & ~nan_i)
+    same = (s_j == s_i) | (nan_j & nan_i)
+    return greater | (same & (j < i))
+
+
+@triton.jit(do_not_specialize=["total", "rate_bits", "threshold", "min_keep"])
+def _keep_kernel(
+    SCORES, CU, KEEP, KEPT, total, rate_bits, threshold, min_keep,
+    RATIO: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    # Offsets clamped to [0, total]: malformed cu_seqlens cannot read or write out of bounds.
+    start = tl.minimum(tl.maximum(tl.load(CU + b), 0), total)
+    end = tl.minimum(tl.maximum(tl.load(CU + b + 1), start), total)
+    patches = tl.maximum(end - start - 1, 0)
+    if RATIO:
+        rate = rate_bits.to(tl.float64, bitcast=True)
+        k = tl.math.ceil(patches.to(tl.float64) * rate).to(tl.int32)
+    else:
+        k = min_keep
+    offs = tl.arange(0, BLOCK)
+    kept = (end > start).to(tl.int32)  # the CLS row
+    for i0 in range(start + 1, end, BLOCK):
+        i = i0 + offs
+        in_i = i < end
+        s_i = tl.load(SCORES + i, mask=in_i, other=0.0)
+        rank = tl.zeros([BLOCK], dtype=tl.int32)
+        for j0 in range(start + 1, end, BLOCK):
+            j = j0 + offs
+            in_j = j < end
+            s_j = tl.load(SCORES + j, mask=in_j, other=0.0)
+            better = _beats(s_j[None, :], s_i[:, None], j[None, :], i[:, None]) & in_j[None, :]
+            rank += tl.sum(better.to(tl.int32), axis=1)
+        keep = rank < k
+        if not RATIO:
+            keep = keep | (s_i >= threshold)
+        tl.store(KEEP + i, keep.to(tl.int8), mask=in_i)
+        kept += tl.sum((keep & in_i).to(tl.int32), 0)
+    if end > start:
+        tl.store(KEEP + start, tl.full([], 1, tl.int8))
+    tl.store(KEPT + b, kept)
+
+
+_launcher = CompiledLauncher(_keep_kernel)
+
+
+def _float_bits(value: float) -> int:
+    """The IEEE float64 bits of ``value`` as a signed int64 (the kernel bitcasts them back)."""
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+def threshold_l2_keep(
+    scores: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    *,
+    rate: float | None = None,
+    threshold: float | None = None,
+    min_keep: int = 0,
+    check_values: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep mask of Threshold-L2 from per-row scores, one program per image, no host synchronisation.
+
+    Args:
+        scores: fp32 ``[T]`` patch scores (CLS rows are never scored: their values are ignored).
+        cu_seqlens: int32 ``[B+1]`` offsets of the rows.
+        rate: ``ratio`` mode: keep the top ``ceil(rate * patches)`` patches of each image.
+        threshold: ``threshold`` mode: keep patches with ``score >= threshold``, and at least the ``min_keep``
+            best (give exactly one of ``rate`` and ``threshold``).
+        min_keep: the floor of ``threshold`` mode.
+        check_values: read ``cu_seqlens`` to validate it (default: only on the CPU).
+
+    Returns:
+        ``keep`` bool ``[T]`` (every non-empty image's CLS row True) and ``kept`` int32 ``[B]``, the rows each
+        image keeps (CLS included).
+    """
+    check_tensor(scores, "scores", ndim=1, dtypes=(torch.float32,))
+    total = scores.shape[0]
+    cu = check_cu_seqlens(cu_seqlens, total=total, device=scores.device, check_values=check_values)
+    if (rate is None) == (threshold is None):
+        raise ValueError(f"give exactly one of rate and threshold, got rate={rate!r}, threshold={threshold!r}")
+    if rate is not None and not (isinstance(rate, float) and 0.0 < rate <= 1.0):
+        raise ValueError(f"rate must be a float in (0, 1], got {rate!r}")
+    if threshold is not None and not isinstance(threshold, float):
+        raise TypeError(f"threshold must be a float, got {type(threshold).__name__}")
+    check_int(min_keep, "min_keep", 0)
+    if not scores.is_contiguous():
+        raise ValueError(f"scores must be contiguous, got strides {scores.stride()}")
+    batch = cu.shape[0] - 1
+    keep = torch.empty(total, dtype=torch.bool, device=scores.device)
+    kept = torch.empty(batch, dtype=torch.int32, device=scores.device)
+    ratio = rate is not None
+    args = (
+        scores, cu, keep.view(torch.int8), kept, total,
+        _float_bits(rate) if ratio else 0, 0.0 if ratio else threshold, min_keep, ratio, _BLOCK,
+    )  # fmt: skip
+    aligned = scores.is_cuda and all(t.data_ptr() % 16 == 0 for t in (scores, cu, keep, kept))
+    _launcher((ratio,) if aligned else None, scores.get_device(), (batch, 1), args, num_warps=4, num_stages=1)
+    return keep, kept
+
+
+def threshold_l2_select(pruner: ThresholdL2Pruner, inp: PruneInput) -> TokenSelection:
+    """``pruner(inp)`` through :func:`threshold_l2_keep`: the same :class:`TokenSelection`, plus ``kept``."""
+    if not isinstance(pruner, ThresholdL2Pruner):
+        raise TypeError(f"pruner must be a ThresholdL2Pruner, got {type(pruner).__name__}")
+    check_prune_input(inp)
+    if pruner.threshold is None and pruner.mode == "calibrated":
+        raise RuntimeError("ThresholdL2Pruner(mode='calibrated') has no threshold yet: call calibrate() first")
+    scores = l2_scores(inp.x)
+    if pruner.mode == "ratio":
+        keep, kept = threshold_l2_keep(scores, inp.cu_seqlens, rate=pruner.rate, check_values=False)
+        current = uniform_length(inp.cu_seqlens, inp.x.shape[0])
+        count = None if current is None else pruner.count_after(inp.stage, current, inp.num_patches)
+        return TokenSelection(keep, fixed_count=count is not None, count=count, kept=kept)
+    keep, kept = threshold_l2_keep(
+        scores, inp.cu_seqlens, threshold=pruner.threshold, min_keep=pruner.min_keep, check_values=False
+    )
+    return TokenSelection(keep, fixed_count=False, kept=kept)
