@@ -129,6 +129,7 @@ WORKLOADS: dict[str, WorkloadSpec] = {
 ROW_LABELS: dict[str, str] = {
     "timm_eager": "unpruned timm, eager",
     "timm_compiled": 'unpruned timm, torch.compile(mode="reduce-overhead")',
+    "timm_compiled_gemm": 'unpruned timm + our GEMM patch embedding, torch.compile(mode="reduce-overhead")',
     "padded": "padded (fair): pad to the batch's longest survivor, SDPA + key mask",
     "padded_full": "padded-full (the paper's): pad back to all N tokens, SDPA + key mask",
     "fa2_varlen": "FA2 varlen (aten._flash_attention_forward)",
@@ -137,10 +138,12 @@ ROW_LABELS: dict[str, str] = {
     "triton_graphed": "ours: Triton ragged + CUDA graphs (pipelines.graphs)",
     "fa2_varlen_graphed": "FA2 varlen + CUDA graphs (pipelines.graphs)",
     "padded_graphed": "padded (fair) + CUDA graphs (pipelines.graphs)",
+    "triton_graphed_compiled": "ours: Triton ragged + CUDA graphs + torch.compile of the blocks (compile_blocks)",
 }
-UNPRUNED_ROWS = ("timm_eager", "timm_compiled")
+UNPRUNED_ROWS = ("timm_eager", "timm_compiled", "timm_compiled_gemm")
 EAGER_ROWS = ("padded", "padded_full", "fa2_varlen", "nested_sdpa", "triton")
-GRAPHED_ROWS = ("triton_graphed", "fa2_varlen_graphed", "padded_graphed")
+GRAPHED_ROWS = ("triton_graphed", "fa2_varlen_graphed", "padded_graphed", "triton_graphed_compiled")
+COMPILED_ROWS = ("timm_compiled", "timm_compiled_gemm", "triton_graphed_compiled")  # tens of seconds to build
 ALL_ROWS = (*UNPRUNED_ROWS, *EAGER_ROWS, *GRAPHED_ROWS)
 
 
@@ -153,7 +156,7 @@ def workload_kind(workload: str, keep_rate: float) -> str:
 
 def backend_for(row: str, num_tokens: int) -> AttentionBackend:
     """The attention backend of an eager (or graphed) pruned row; ``num_tokens`` is the unpruned N (CLS included)."""
-    base = row.removesuffix("_graphed")
+    base = row.removesuffix("_compiled").removesuffix("_graphed")
     if base == "padded":
         return PaddedSDPABackend()
     if base == "padded_full":

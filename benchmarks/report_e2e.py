@@ -55,6 +55,7 @@ from benchmarks.attention_peers import build_peer, make_problem, reference_outpu
 from benchmarks.e2e_common import (
     ALL_ROWS,
     BASELINES,
+    COMPILED_ROWS,
     DEIT_B,
     DEIT_B_384,
     DEIT_S,
@@ -85,6 +86,7 @@ from benchmarks.e2e_stages import stage_breakdown
 from benchmarks.timing import describe, graph_time
 from benchmarks.workloads import make_workload
 from pipelines.model import PrunedViT
+from pipelines.patch_embed import with_gemm_patch_embed
 
 # Cheap parts first, compilation last: what a cut-short run loses is the torch.compile rows.
 PARTS = ("table6", "table4", "table3", "fig1", "table5", "res384")
@@ -154,7 +156,7 @@ def plan_part(part: str, quick: bool, batches: tuple[int, ...] | None, workloads
         return default if override is None else override
 
     def add(model: str, workload_list: tuple[str, ...], keep: float, b: int, rows: tuple[str, ...], kind: str) -> None:
-        if kind == "throughput" and any(r in rows for r in ("timm_eager", "timm_compiled")):
+        if kind == "throughput" and any(r.startswith("timm_") for r in rows):
             tasks.extend(Task(part, model, "none", 1.0, b, r, kind) for r in rows if r.startswith("timm_"))
         for w in workload_list:
             tasks.extend(Task(part, model, w, keep, b, r, kind) for r in rows if not r.startswith("timm_"))
@@ -200,7 +202,7 @@ def plan_part(part: str, quick: bool, batches: tuple[int, ...] | None, workloads
     else:
         raise ValueError(f"unknown part {part!r}; choose from {PARTS}")
     # torch.compile rows (tens of seconds each) last within the part; grouping by batch is kept for the rest.
-    return [t for t in tasks if t.row != "timm_compiled"] + [t for t in tasks if t.row == "timm_compiled"]
+    return [t for t in tasks if t.row not in COMPILED_ROWS] + [t for t in tasks if t.row in COMPILED_ROWS]
 
 
 # --------------------------------------------------------------------------------------------------- rows
@@ -319,12 +321,9 @@ class Runner:
             entry["check"] = check_logits(eager, ref.logits, bound).to_dict()
             calls = [functools.partial(model, img) for img in ref.images]
             return Prepared(entry, calls, context=torch.no_grad, capturable=True)
-        if not self.s.compile:
-            raise Unavailable("torch.compile rows switched off (--no-compile)")
+        self._check_compile_allowed(task)
         if device.type != "cuda":
             raise Unavailable('mode="reduce-overhead" needs CUDA graphs (a CUDA device)')
-        if self.s.compile_batches is not None and task.batch not in self.s.compile_batches:
-            raise Unavailable(f"not compiled at B={task.batch} (--compile-batches)")
 
         def cleanup() -> None:
             torch._dynamo.reset()  # frees the compiled graphs and their CUDA-graph pool
@@ -332,6 +331,8 @@ class Runner:
 
         cleanup()
         skips_before = _cudagraph_skips()
+        if task.row == "timm_compiled_gemm":  # pruning's own share: the same embedding as the pipelines
+            model = with_gemm_patch_embed(model)
         try:
             compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
             firsts = []
@@ -358,6 +359,12 @@ class Runner:
         entry["graph_reason"] = "reduce-overhead replays CUDA graphs itself"
         calls = [functools.partial(compiled, img) for img in ref.images]
         return Prepared(entry, calls, context=torch.no_grad, cleanup=cleanup)
+
+    def _check_compile_allowed(self, task: Task) -> None:
+        if not self.s.compile:
+            raise Unavailable("torch.compile rows switched off (--no-compile)")
+        if self.s.compile_batches is not None and task.batch not in self.s.compile_batches:
+            raise Unavailable(f"not compiled at B={task.batch} (--compile-batches)")
 
     @staticmethod
     def _forward(fn: Callable, images: torch.Tensor, *args: object) -> torch.Tensor:
@@ -410,9 +417,13 @@ class Runner:
             raise Unavailable("graphed rows switched off (--no-graphed)")
         if self.lab.device.type != "cuda":
             raise Unavailable("CUDA graphs need a CUDA device")
+        compiled = task.row.endswith("_compiled")
+        if compiled:
+            self._check_compile_allowed(task)
         pv, ref, entry, bound = self._checked_pipeline(task)
         if entry.get("status") == "failed":
             return Prepared(entry)
+        pv.compile_blocks = compiled
         # The graphed runner makes its own decisions: compare with the eager pipeline's own decisions.
         own = self._forward(pv.run, ref.images[0])
         sync(self.lab.device)

@@ -13,8 +13,6 @@ pipelines with ``compile_blocks=True``. Details go to ``--out`` (JSON).
 from __future__ import annotations
 
 import argparse
-import copy
-import functools
 import json
 import re
 import time
@@ -24,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.e2e_common import DEIT_B, Lab, make_graphed
-from pipelines.patch_embed import patch_embed_gemm
+from pipelines.patch_embed import with_gemm_patch_embed
 
 KINDS = (
     ("attention", r"_ragged|flash|fmha|attention|sdpa"),
@@ -112,8 +110,7 @@ def main() -> None:
             if compiled is None:
                 model = lab.model(DEIT_B)
                 if "gemm" in label:  # the same embedding as the pipelines, so its gain is not credited to pruning
-                    model = copy.deepcopy(model)
-                    model.patch_embed.forward = functools.partial(patch_embed_gemm, model.patch_embed)
+                    model = with_gemm_patch_embed(model)
                 model = torch.compile(model, mode="reduce-overhead")
 
                 def forward(x, model=model):

@@ -18,6 +18,9 @@ model's size (no dynamic padding). :func:`supports_gemm` says whether a module q
 
 from __future__ import annotations
 
+import copy
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,3 +62,16 @@ def patch_embed_gemm(patch_embed: nn.Module, images: torch.Tensor) -> torch.Tens
     rows = patch_rows(images, (p, q))
     tokens = F.linear(rows, proj.weight.reshape(proj.out_channels, -1), proj.bias)
     return patch_embed.norm(tokens.reshape(b, (h // p) * (w // q), proj.out_channels))
+
+
+def with_gemm_patch_embed(model: nn.Module) -> nn.Module:
+    """A copy of a timm ViT whose ``patch_embed`` runs :func:`patch_embed_gemm` (the parameters are copied too).
+
+    For comparisons: the unpruned model with the embedding the pipelines use, so that benchmarks credit pruning
+    only with what pruning does.
+    """
+    if not supports_gemm(getattr(model, "patch_embed", None)):
+        raise ValueError("model.patch_embed must be a timm PatchEmbed that supports_gemm()")
+    copy_ = copy.deepcopy(model)
+    copy_.patch_embed.forward = functools.partial(patch_embed_gemm, copy_.patch_embed)
+    return copy_

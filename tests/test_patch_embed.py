@@ -7,7 +7,7 @@ import torch
 from timm.layers import PatchEmbed
 from torch import nn
 
-from pipelines.patch_embed import patch_embed_gemm, patch_rows, supports_gemm
+from pipelines.patch_embed import patch_embed_gemm, patch_rows, supports_gemm, with_gemm_patch_embed
 
 
 @pytest.mark.parametrize(
@@ -43,3 +43,17 @@ def test_unsupported_embeddings_are_refused():
     padded = PatchEmbed(img_size=32, patch_size=8, in_chans=3, embed_dim=16, dynamic_img_pad=True)
     for pe in (overlapping, unflattened, padded, nn.Identity()):
         assert not supports_gemm(pe)
+
+
+def test_with_gemm_patch_embed_copies_and_matches(gen):
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model("deit_tiny_patch16_224", pretrained=False, img_size=64).eval()
+    fast = with_gemm_patch_embed(model)
+    assert fast is not model and fast.patch_embed.proj.weight is not model.patch_embed.proj.weight
+    images = torch.randn(2, 3, 64, 64, generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(fast(images), model(images), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="patch_embed"):
+        with_gemm_patch_embed(nn.Linear(2, 2))

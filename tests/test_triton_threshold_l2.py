@@ -58,6 +58,16 @@ def test_keep_matches_reference_interpreter(lengths, ties, gen):
 
 
 @pytest.mark.interpreter
+def test_underestimated_bound_is_only_slower_interpreter(gen):
+    x, cu = _ragged((70, 5, 33), 8, "cpu", gen)
+    scores = tl2.l2_scores(x)
+    full = tl2.threshold_l2_keep(scores, cu, 70, rate=0.4)
+    for bound in (1, 17, 40):
+        got = tl2.threshold_l2_keep(scores, cu, bound, rate=0.4)
+        assert torch.equal(got[0], full[0]) and torch.equal(got[1], full[1])
+
+
+@pytest.mark.interpreter
 def test_nan_scores_rank_first_like_torch_sort_interpreter(gen):
     x, cu = _ragged((40, 33), 8, "cpu", gen, nan_rows=6)
     _check_against_reference(x, cu)
@@ -80,14 +90,14 @@ def test_keep_matches_reference_gpu(shape, dtype, gen):
 def test_keep_is_sync_free_and_capturable_gpu(gen):
     x, cu = _ragged((197, 120, 5), 768, "cuda", gen)
     scores = tl2.l2_scores(x)
-    ref = tl2.threshold_l2_keep(scores, cu, rate=0.5)
+    ref = tl2.threshold_l2_keep(scores, cu, 197, rate=0.5)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        tl2.threshold_l2_keep(scores, cu, rate=0.5)
+        tl2.threshold_l2_keep(scores, cu, 197, rate=0.5)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            keep, kept = tl2.threshold_l2_keep(scores, cu, rate=0.5)
+            keep, kept = tl2.threshold_l2_keep(scores, cu, 197, rate=0.5)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     keep.fill_(False)
@@ -98,16 +108,17 @@ def test_keep_is_sync_free_and_capturable_gpu(gen):
 def _bad_calls():
     s, cu = torch.rand(10), torch.tensor([0, 4, 10], dtype=torch.int32)
     return [
-        (lambda: tl2.threshold_l2_keep(s.half(), cu, rate=0.5), "scores"),
-        (lambda: tl2.threshold_l2_keep(s, cu.long(), rate=0.5), "cu_seqlens"),
-        (lambda: tl2.threshold_l2_keep(s, torch.tensor([0, 4, 9], dtype=torch.int32), rate=0.5), "cu_seqlens"),
-        (lambda: tl2.threshold_l2_keep(s, cu), "rate and threshold"),
-        (lambda: tl2.threshold_l2_keep(s, cu, rate=0.5, threshold=1.0), "rate and threshold"),
-        (lambda: tl2.threshold_l2_keep(s, cu, rate=0.0), "rate"),
-        (lambda: tl2.threshold_l2_keep(s, cu, rate=1.5), "rate"),
-        (lambda: tl2.threshold_l2_keep(s, cu, threshold=1), "threshold"),
-        (lambda: tl2.threshold_l2_keep(s, cu, threshold=1.0, min_keep=-1), "min_keep"),
-        (lambda: tl2.threshold_l2_keep(torch.rand(20)[::2], cu, rate=0.5), "scores"),
+        (lambda: tl2.threshold_l2_keep(s.half(), cu, 10, rate=0.5), "scores"),
+        (lambda: tl2.threshold_l2_keep(s, cu.long(), 10, rate=0.5), "cu_seqlens"),
+        (lambda: tl2.threshold_l2_keep(s, torch.tensor([0, 4, 9], dtype=torch.int32), 10, rate=0.5), "cu_seqlens"),
+        (lambda: tl2.threshold_l2_keep(s, cu, 10), "rate and threshold"),
+        (lambda: tl2.threshold_l2_keep(s, cu, 10, rate=0.5, threshold=1.0), "rate and threshold"),
+        (lambda: tl2.threshold_l2_keep(s, cu, 10, rate=0.0), "rate"),
+        (lambda: tl2.threshold_l2_keep(s, cu, 10, rate=1.5), "rate"),
+        (lambda: tl2.threshold_l2_keep(s, cu, 10, threshold=1), "threshold"),
+        (lambda: tl2.threshold_l2_keep(s, cu, 10, threshold=1.0, min_keep=-1), "min_keep"),
+        (lambda: tl2.threshold_l2_keep(torch.rand(20)[::2], cu, 10, rate=0.5), "scores"),
+        (lambda: tl2.threshold_l2_keep(s, cu, 0, rate=0.5), "max_seqlen"),
         (lambda: tl2.threshold_l2_select(ThresholdL2Pruner("calibrated", rate=0.5), PruneInput(s[:, None], cu, 0, 9)),
          "calibrate"),
     ]  # fmt: skip

@@ -2,11 +2,11 @@
 
 The reference ranks every patch inside its image with two stable argsorts over the packed rows, then compares
 ranks and scores; on a GPU that is ~40 small kernels (sorts, scans, gathers, comparisons): ~60-140 us of a
-graphed DeiT-B forward at batch 1-4 on an H200, more than the attention itself. Here one program per image ranks
-its patches by counting, for each patch, the patches that beat it (higher score, or the same score and an
-earlier row: the reference's tie rule; NaN beats every number, as in ``torch.sort``), and writes the keep mask
-and the image's kept count. ``N`` patches cost ``N^2`` comparisons in 64x64 tiles: ~1.5k tiles per DeiT-B
-image at 577 tokens, nothing next to a GEMM.
+graphed DeiT-B forward at batch 1-4 on an H200, more than the attention itself. Here programs of 16 rows each rank
+their image's patches by counting, for each patch, the patches that beat it (higher score, or the same score and an
+earlier row: the reference's tie rule; NaN beats every number, as in ``torch.sort``), and write the keep mask
+and add to the image's kept count (integer atomics: order-free). ``N`` patches cost ``N^2`` comparisons in 16x64
+tiles, nothing next to a GEMM; one program per image took 14 us at B=4 on an H200, too serial.
 
 Same decisions as :class:`reference.pruners.ThresholdL2Pruner`, bit for bit: the scores come from the same
 function (:func:`reference.pruners.threshold_l2.l2_scores`), the ratio count ``ceil(rate * patches)`` is
@@ -27,10 +27,11 @@ import triton.language as tl
 from reference.pruners.threshold_l2 import ThresholdL2Pruner, l2_scores
 from reference.segments import uniform_length
 from reference.selection import PruneInput, TokenSelection, check_prune_input
-from reference.validation import check_cu_seqlens, check_int, check_tensor
+from reference.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
 from triton_impl.launcher import CompiledLauncher
 
-_BLOCK = 64
+_BLOCK_I = 16  # rows ranked per step: a DeiT image spreads over 13 programs, so batch 1-4 fills the card
+_BLOCK_J = 64  # rows compared against per step
 
 
 @triton.jit
@@ -46,7 +47,7 @@ def _beats(s_j, s_i, j, i):
 @triton.jit(do_not_specialize=["total", "rate_bits", "threshold", "min_keep"])
 def _keep_kernel(
     SCORES, CU, KEEP, KEPT, total, rate_bits, threshold, min_keep,
-    RATIO: tl.constexpr, BLOCK: tl.constexpr,
+    RATIO: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     # Offsets clamped to [0, total]: malformed cu_seqlens cannot read or write out of bounds.
@@ -58,15 +59,17 @@ def _keep_kernel(
         k = tl.math.ceil(patches.to(tl.float64) * rate).to(tl.int32)
     else:
         k = min_keep
-    offs = tl.arange(0, BLOCK)
-    kept = (end > start).to(tl.int32)  # the CLS row
-    for i0 in range(start + 1, end, BLOCK):
-        i = i0 + offs
+    offs_i = tl.arange(0, BLOCK_I)
+    offs_j = tl.arange(0, BLOCK_J)
+    kept = ((tl.program_id(1) == 0) & (end > start)).to(tl.int32)  # the CLS row, counted once
+    # Grid-stride loop over this image's row blocks: the grid's second axis is only a bound on the work.
+    for i0 in range(start + 1 + tl.program_id(1) * BLOCK_I, end, tl.num_programs(1) * BLOCK_I):
+        i = i0 + offs_i
         in_i = i < end
         s_i = tl.load(SCORES + i, mask=in_i, other=0.0)
-        rank = tl.zeros([BLOCK], dtype=tl.int32)
-        for j0 in range(start + 1, end, BLOCK):
-            j = j0 + offs
+        rank = tl.zeros([BLOCK_I], dtype=tl.int32)
+        for j0 in range(start + 1, end, BLOCK_J):
+            j = j0 + offs_j
             in_j = j < end
             s_j = tl.load(SCORES + j, mask=in_j, other=0.0)
             better = _beats(s_j[None, :], s_i[:, None], j[None, :], i[:, None]) & in_j[None, :]
@@ -76,9 +79,9 @@ def _keep_kernel(
             keep = keep | (s_i >= threshold)
         tl.store(KEEP + i, keep.to(tl.int8), mask=in_i)
         kept += tl.sum((keep & in_i).to(tl.int32), 0)
-    if end > start:
+    if (tl.program_id(1) == 0) & (end > start):
         tl.store(KEEP + start, tl.full([], 1, tl.int8))
-    tl.store(KEPT + b, kept)
+    tl.atomic_add(KEPT + b, kept)  # integer adds: the same total in any order
 
 
 _launcher = CompiledLauncher(_keep_kernel)
@@ -92,6 +95,7 @@ def _float_bits(value: float) -> int:
 def threshold_l2_keep(
     scores: torch.Tensor,
     cu_seqlens: torch.Tensor,
+    max_seqlen: int,
     *,
     rate: float | None = None,
     threshold: float | None = None,
@@ -103,6 +107,7 @@ def threshold_l2_keep(
     Args:
         scores: fp32 ``[T]`` patch scores (CLS rows are never scored: their values are ignored).
         cu_seqlens: int32 ``[B+1]`` offsets of the rows.
+        max_seqlen: a bound on the image lengths that sizes the grid (an underestimate is slower, never wrong).
         rate: ``ratio`` mode: keep the top ``ceil(rate * patches)`` patches of each image.
         threshold: ``threshold`` mode: keep patches with ``score >= threshold``, and at least the ``min_keep``
             best (give exactly one of ``rate`` and ``threshold``).
@@ -123,18 +128,20 @@ def threshold_l2_keep(
     if threshold is not None and not isinstance(threshold, float):
         raise TypeError(f"threshold must be a float, got {type(threshold).__name__}")
     check_int(min_keep, "min_keep", 0)
+    check_max_seqlen(max_seqlen)
     if not scores.is_contiguous():
         raise ValueError(f"scores must be contiguous, got strides {scores.stride()}")
     batch = cu.shape[0] - 1
     keep = torch.empty(total, dtype=torch.bool, device=scores.device)
-    kept = torch.empty(batch, dtype=torch.int32, device=scores.device)
+    kept = torch.zeros(batch, dtype=torch.int32, device=scores.device)
     ratio = rate is not None
     args = (
         scores, cu, keep.view(torch.int8), kept, total,
-        _float_bits(rate) if ratio else 0, 0.0 if ratio else threshold, min_keep, ratio, _BLOCK,
+        _float_bits(rate) if ratio else 0, 0.0 if ratio else threshold, min_keep, ratio, _BLOCK_I, _BLOCK_J,
     )  # fmt: skip
     aligned = scores.is_cuda and all(t.data_ptr() % 16 == 0 for t in (scores, cu, keep, kept))
-    _launcher((ratio,) if aligned else None, scores.get_device(), (batch, 1), args, num_warps=4, num_stages=1)
+    grid = (batch, triton.cdiv(max(max_seqlen - 1, 1), _BLOCK_I))
+    _launcher((ratio,) if aligned else None, scores.get_device(), grid, args, num_warps=4, num_stages=1)
     return keep, kept
 
 
@@ -146,12 +153,13 @@ def threshold_l2_select(pruner: ThresholdL2Pruner, inp: PruneInput) -> TokenSele
     if pruner.threshold is None and pruner.mode == "calibrated":
         raise RuntimeError("ThresholdL2Pruner(mode='calibrated') has no threshold yet: call calibrate() first")
     scores = l2_scores(inp.x)
+    bound = inp.num_patches + 1  # an unpruned image: Threshold-L2's single stage sees nothing longer
     if pruner.mode == "ratio":
-        keep, kept = threshold_l2_keep(scores, inp.cu_seqlens, rate=pruner.rate, check_values=False)
+        keep, kept = threshold_l2_keep(scores, inp.cu_seqlens, bound, rate=pruner.rate, check_values=False)
         current = uniform_length(inp.cu_seqlens, inp.x.shape[0])
         count = None if current is None else pruner.count_after(inp.stage, current, inp.num_patches)
         return TokenSelection(keep, fixed_count=count is not None, count=count, kept=kept)
     keep, kept = threshold_l2_keep(
-        scores, inp.cu_seqlens, threshold=pruner.threshold, min_keep=pruner.min_keep, check_values=False
+        scores, inp.cu_seqlens, bound, threshold=pruner.threshold, min_keep=pruner.min_keep, check_values=False
     )
     return TokenSelection(keep, fixed_count=False, kept=kept)
