@@ -19,10 +19,10 @@ model's size (no dynamic padding). :func:`supports_gemm` says whether a module q
 from __future__ import annotations
 
 import copy
-import functools
 
 import torch
 import torch.nn.functional as F
+from timm.layers import PatchEmbed
 from torch import nn
 
 
@@ -64,14 +64,23 @@ def patch_embed_gemm(patch_embed: nn.Module, images: torch.Tensor) -> torch.Tens
     return patch_embed.norm(tokens.reshape(b, (h // p) * (w // q), proj.out_channels))
 
 
+class GemmPatchEmbed(PatchEmbed):
+    """timm's ``PatchEmbed`` whose forward is :func:`patch_embed_gemm` (same parameters, same state-dict keys)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return patch_embed_gemm(self, x)
+
+
 def with_gemm_patch_embed(model: nn.Module) -> nn.Module:
-    """A copy of a timm ViT whose ``patch_embed`` runs :func:`patch_embed_gemm` (the parameters are copied too).
+    """A copy of a timm ViT whose ``patch_embed`` is a :class:`GemmPatchEmbed` (the parameters are copied too).
 
     For comparisons: the unpruned model with the embedding the pipelines use, so that benchmarks credit pruning
-    only with what pruning does.
+    only with what pruning does. (A plain subclass, not a patched ``forward`` attribute, so that
+    ``torch.compile`` traces it without a graph break.)
     """
-    if not supports_gemm(getattr(model, "patch_embed", None)):
+    embed = getattr(model, "patch_embed", None)
+    if not isinstance(embed, PatchEmbed) or not supports_gemm(embed):
         raise ValueError("model.patch_embed must be a timm PatchEmbed that supports_gemm()")
-    copy_ = copy.deepcopy(model)
-    copy_.patch_embed.forward = functools.partial(patch_embed_gemm, copy_.patch_embed)
-    return copy_
+    copied = copy.deepcopy(model)
+    copied.patch_embed.__class__ = GemmPatchEmbed
+    return copied
