@@ -35,8 +35,11 @@ WORKLOADS = ("l2_ratio", "synthetic") if QUICK else ("l2_ratio", "ats", "synthet
 ROWS = (
     ("padded", "fa2_varlen", "triton", "triton_graphed")
     if QUICK
-    else ("padded", "padded_full", "fa2_varlen", "triton", "triton_graphed", "fa2_varlen_graphed", "triton_graphed_compiled")
-)
+    else (
+        "padded", "padded_full", "fa2_varlen", "triton", "triton_graphed", "fa2_varlen_graphed",
+        "triton_graphed_compiled",
+    )
+)  # fmt: skip
 UNPRUNED = ("timm_eager",) if QUICK else ("timm_eager", "timm_compiled", "timm_compiled_gemm")
 KEEP_RATE = 0.5
 ROUNDS = 20 if QUICK else 50
