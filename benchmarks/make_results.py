@@ -207,7 +207,7 @@ def targets_section(parts: dict[str, dict], kernel: dict | None) -> str:
         measured = f"max {worst:.2e}, top-1 agreement {100 * agree:.1f}%" if worst is not None else "-"
         margins = [m for d in tri for m in d.get("disagree_ref_margins", [])]
         if margins:  # random weights: say whether the flips are near-ties of the reference itself
-            measured += f" (flipped images: fp32 top-1/top-2 margin <= {max(margins):.1e})"
+            measured += f" (flipped images: the padded reference's own top-1/top-2 margin <= {max(margins):.1e})"
         met = worst is not None and worst <= 0.004 and agree == 1.0
         lines.append(
             [

@@ -384,7 +384,7 @@ class GraphedPrunedViT:
         if index == len(self._plan.segments) - 1:
             bufs.logits.copy_(pipeline._head(x.index_select(0, cu[:-1])))
             return
-        sel = pipeline.decide(pipeline._prune_input(pipeline._stages[index], x, attn_cu, tokens - 1, qkv))
+        sel = pipeline.decide(pipeline._stages[index], x, attn_cu, tokens - 1, qkv)
         if sel.extra_token is not None:
             raise NotImplementedError(
                 f"pruner {pipeline.pruner.name!r} appends an extra token at a variable-count stage, which "

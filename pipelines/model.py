@@ -194,7 +194,7 @@ class PrunedViT(nn.Module):
             if selections is not None:
                 sel = selections[stage.index]
             else:
-                sel = self.decide(self._prune_input(stage, x, cu, n - 1, qkv))
+                sel = self.decide(stage, x, cu, n - 1, qkv)
             x, cu, max_seqlen = _repack(x, cu, max_seqlen, sel, stage.index)
             made.append(sel)
             counts.append(seqlens(cu) - 1)
@@ -234,13 +234,22 @@ class PrunedViT(nn.Module):
         ``[B, 3, H, W]`` -> ``[B, N, C]`` (one compiled graph with ``compile_blocks``)."""
         return (_compiled_front() if self.compile_blocks else _front)(self, images)
 
-    def decide(self, inp: PruneInput) -> TokenSelection:
-        """One stage's decision: ``pruner(inp)``, or on CUDA its fused Triton twin where one exists
-        (Threshold-L2: :mod:`triton_impl.threshold_l2`, the same keep masks bit for bit, one kernel instead of
-        ~40)."""
-        if inp.x.is_cuda and type(self.pruner) is ThresholdL2Pruner:
-            return threshold_l2_select(self.pruner, inp)
-        return self.pruner(inp)
+    def decide(
+        self, stage: _Stage, x: torch.Tensor, cu: torch.Tensor, num_patches: int, qkv: torch.Tensor | None = None
+    ) -> TokenSelection:
+        """One stage's decision on the packed stream ``x`` (and its block's ``qkv`` for attention-based pruners).
+
+        ``pruner(inp)``, except on CUDA: Threshold-L2 runs its fused Triton twin (:mod:`triton_impl.threshold_l2`:
+        the same keep masks bit for bit, one kernel instead of ~40), and with ``compile_blocks`` the other pruners
+        run under ``torch.compile`` together with their CLS-attention scores (Inductor fuses their segment
+        operations; its reductions may round differently, like the compiled blocks).
+        """
+        if x.is_cuda and type(self.pruner) is ThresholdL2Pruner:
+            return threshold_l2_select(self.pruner, self._prune_input(stage, x, cu, num_patches, qkv))
+        if x.is_cuda and self.compile_blocks:
+            attn = self.model.blocks[stage.block].attn
+            return _compiled_decision()(self.pruner, x, cu, stage.index, num_patches, qkv, attn.num_heads, attn.scale)
+        return self.pruner(self._prune_input(stage, x, cu, num_patches, qkv))
 
     def _embed(self, images: torch.Tensor) -> torch.Tensor:
         m = self.model
@@ -258,13 +267,8 @@ class PrunedViT(nn.Module):
     def _prune_input(
         self, stage: _Stage, x: torch.Tensor, cu: torch.Tensor, num_patches: int, qkv: torch.Tensor | None
     ) -> PruneInput:
-        cls_attn = v = None
-        if self.pruner.needs_attention:
-            attn = self.model.blocks[stage.block].attn
-            q, k, v = split_qkv(qkv, attn.num_heads)
-            cls_attn = cls_attention(q, k, cu, attn.scale)  # fp32 [T, H]
-            v = v.flatten(1)  # [T, H*D]
-        return PruneInput(x=x, cu_seqlens=cu, stage=stage.index, num_patches=num_patches, cls_attn=cls_attn, v=v)
+        attn = self.model.blocks[stage.block].attn
+        return prune_input(self.pruner, x, cu, stage.index, num_patches, qkv, attn.num_heads, attn.scale)
 
     def _check_images(self, images: object) -> torch.Tensor:
         images = check_tensor(images, "images", ndim=4)
@@ -346,6 +350,34 @@ def _front(pipeline: PrunedViT, images: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _compiled_front():
     return torch.compile(_front)
+
+
+def prune_input(
+    pruner: Pruner,
+    x: torch.Tensor,
+    cu: torch.Tensor,
+    stage: int,
+    num_patches: int,
+    qkv: torch.Tensor | None,
+    num_heads: int,
+    scale: float,
+) -> PruneInput:
+    """What ``pruner`` sees at a stage; attention-based pruners also get the CLS-attention row and the values."""
+    cls_attn = v = None
+    if pruner.needs_attention:
+        q, k, v = split_qkv(qkv, num_heads)
+        cls_attn = cls_attention(q, k, cu, scale)  # fp32 [T, H]
+        v = v.flatten(1)  # [T, H*D]
+    return PruneInput(x=x, cu_seqlens=cu, stage=stage, num_patches=num_patches, cls_attn=cls_attn, v=v)
+
+
+def _decision(pruner: Pruner, *args: object) -> TokenSelection:
+    return pruner(prune_input(pruner, *args))
+
+
+@functools.cache
+def _compiled_decision():
+    return torch.compile(_decision)
 
 
 def _repack(

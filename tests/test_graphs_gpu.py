@@ -155,6 +155,23 @@ def test_variable_counts_replay_the_eager_segments_bitwise(lab, model, case, bac
     assert graphed.counters.replays == len(BATCHES) * len(graphed.plan.segments)
 
 
+@pytest.mark.parametrize("case", ["threshold_ratio", *VARIABLE])
+def test_compile_blocks_in_graphs(lab, case):
+    """``compile_blocks``: compiled block runs, halves and (ATS) decisions inside the graphs. The graphs replay the
+    same compiled kernels as the runner's eager segments (or, for fixed counts, ``PrunedViT.run``): bitwise."""
+    pv = lab.pipeline(SMALL, case, "triton")
+    pv.compile_blocks = True
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    graphed = GraphedPrunedViT(pv)
+    eager = pv.run if graphed.plan.fixed else GraphedPrunedViT(pv, max_graphs=0).run
+    for call, batch in enumerate([4, 1, 4]):
+        images = lab.batch(batch, seed=200 + call)
+        out = graphed.run(images)
+        assert bool(torch.isfinite(out.logits).all())
+        _assert_bitwise(out, eager(images), f"call {call} (B={batch})")
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs_before  # the compiled path ran
+
+
 @pytest.mark.parametrize("backend", ["triton", "padded_sdpa"])
 @pytest.mark.parametrize("case", VARIABLE)
 def test_variable_counts_match_the_pipeline_in_fp32(lab, case, backend):
