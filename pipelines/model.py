@@ -349,7 +349,7 @@ def _front(pipeline: PrunedViT, images: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _compiled_front():
-    return torch.compile(_front, dynamic=True)
+    return torch.compile(_front)
 
 
 def prune_input(
@@ -377,7 +377,7 @@ def _decision(pruner: Pruner, *args: object) -> TokenSelection:
 
 @functools.cache
 def _compiled_decision():
-    return torch.compile(_decision, dynamic=True)
+    return torch.compile(_decision)
 
 
 def _repack(

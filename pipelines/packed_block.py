@@ -95,20 +95,15 @@ def packed_blocks(
 @functools.cache
 def compiled_halves() -> tuple[Callable, Callable]:
     """:func:`packed_attention` and :func:`packed_mlp` under ``torch.compile`` (Inductor fuses the LayerNorms,
-    residual adds and GELU around the GEMMs; the attention backend stays one opaque op). Compiled on first use.
-
-    Every compiled function of the pipelines uses ``dynamic=True``: one set of kernels for every token count, so
-    token buckets cause no recompilation (past Dynamo's recompile limit a function would silently run eagerly),
-    and a CUDA graph and an eager segment of the same shape run the same kernels (with per-shape recompiles, an
-    older static entry and a newer dynamic one could round differently)."""
-    return torch.compile(packed_attention, dynamic=True), torch.compile(packed_mlp, dynamic=True)
+    residual adds and GELU around the GEMMs; the attention backend stays one opaque op). Compiled on first use."""
+    return torch.compile(packed_attention), torch.compile(packed_mlp)
 
 
 @functools.cache
 def compiled_blocks() -> Callable:
     """:func:`packed_blocks` under ``torch.compile``: one graph over the whole run of blocks, so Inductor also
     fuses each residual add with the next LayerNorm across the attention ops (which stay opaque custom ops)."""
-    return torch.compile(packed_blocks, dynamic=True)
+    return torch.compile(packed_blocks)
 
 
 def packed_block(
