@@ -159,11 +159,12 @@ def test_variable_counts_replay_the_eager_segments_bitwise(lab, model, case, bac
 def test_compile_blocks_in_graphs(lab, case):
     """``compile_blocks``: compiled block runs, halves and (ATS) decisions inside the graphs.
 
-    Not bitwise for variable counts: a new token bucket recompiles, and Dynamo then holds a static entry (used by
-    the graphs captured first) and a dynamic one (used by later eager calls of the same shape), whose reductions
-    may round differently (observed on an H100: ATS decisions). So: the compiled path ran, outputs are finite,
-    the first call (one compiled entry) equals the runner's eager segments bitwise, and later calls agree with
-    them in fp16 where an image's counts agree, for most images.
+    Fixed counts: one graph replays ``PrunedViT.run``'s compiled kernels, bitwise (observed on an H100). Variable
+    counts: not bitwise, because every new token count (each ATS stage, each bucket) recompiles and Dynamo then
+    holds a static entry (used by the graph captured first) and a dynamic one (used by later eager calls of the
+    same shape), whose reductions may round differently (observed on an H100: ATS outputs differed). So: the
+    compiled path ran, outputs are finite, and the graphs agree with the runner's eager segments in fp16 where
+    an image's counts agree, for most images.
     """
     pv = lab.pipeline(SMALL, case, "triton")
     pv.compile_blocks = True
@@ -174,7 +175,7 @@ def test_compile_blocks_in_graphs(lab, case):
         images = lab.batch(batch, seed=200 + call)
         out, ref = graphed.run(images), eager(images)
         assert bool(torch.isfinite(out.logits).all())
-        if call == 0 or graphed.plan.fixed:
+        if graphed.plan.fixed:
             _assert_bitwise(out, ref, f"call {call} (B={batch})")
             continue
         same = (out.counts == ref.counts).all(dim=1)
