@@ -14,7 +14,9 @@ pieces of that scheme live here and are tested on the CPU:
 
 Rows of a capacity beyond the real total form one padding image (:mod:`pipelines.graphs`). Consecutive capacities
 are at most ``min(step, N)`` rows apart (``N``: rows of an unpruned image, CLS included), so the padding image is
-never longer than an unpruned image, which every pruner and backend already handles.
+never longer than an unpruned image, which every pruner and backend already handles. Stages that skip their read
+(``sync_free_rows``) may have more padding rows than that; they split them into several padding images of at most
+``N`` rows each (:func:`padding_images`).
 """
 
 from __future__ import annotations
@@ -41,15 +43,23 @@ class TokenBuckets:
         seqlen_step: the ``max_seqlen`` bound given to attention is rounded up to a multiple of this. The varlen
             kernels only size their grid with it; ``padded_sdpa`` pads every image to it, so it is bucketed
             finely rather than fixed at ``N``.
+        sync_free_rows: after a stage whose capacity is at most this many rows, later stages skip their host
+            read: they reuse that capacity (a later total can only be smaller) and ``N`` as ``max_seqlen``, so
+            the rest of the forward replays without waiting for the host; their padding rows grow as the pruner
+            keeps removing tokens and are split into padding images of at most ``N`` rows. For small batches of
+            multi-stage pruners (ATS: 9 reads), where the GEMMs cost the same for fewer rows. 0 (the default):
+            every stage reads its total.
     """
 
     step: int = 64
     growth: float = 1.0
     seqlen_step: int = 32
+    sync_free_rows: int = 0
 
     def __post_init__(self) -> None:
         check_int(self.step, "step", 1)
         check_int(self.seqlen_step, "seqlen_step", 1)
+        check_int(self.sync_free_rows, "sync_free_rows", 0)
         if isinstance(self.growth, bool) or not isinstance(self.growth, (int, float)):
             raise TypeError(f"growth must be a float >= 1, got {type(self.growth).__name__}")
         if not 1.0 <= self.growth < math.inf:
@@ -71,12 +81,26 @@ class TokenBuckets:
             )
         return caps[bisect.bisect_left(caps, total)]
 
+    def rereads_after(self, capacity: int) -> bool:
+        """Whether the stage after one replayed at ``capacity`` rows reads its own total (see ``sync_free_rows``)."""
+        return capacity > self.sync_free_rows
+
     def seqlen_bound(self, longest: int, tokens: int) -> int:
         """A ``max_seqlen`` for images of at most ``longest`` rows: ``longest`` rounded up to a multiple of
         ``seqlen_step``, but no more than ``max(tokens, longest)`` (no image outgrows the unpruned length)."""
         check_int(longest, "longest", 1)
         check_int(tokens, "tokens", 1)
         return min(-(-longest // self.seqlen_step) * self.seqlen_step, max(tokens, longest))
+
+
+def padding_images(capacity: int, batch: int, tokens: int) -> int:
+    """Padding images that cover every row of a ``capacity`` buffer beyond ``batch`` images' real rows, at most
+    ``tokens`` rows each, whatever the real total (at least ``batch``: every image keeps its CLS row)."""
+    check_int(batch, "batch", 1)
+    check_int(tokens, "tokens", 1)
+    if not batch <= capacity:
+        raise ValueError(f"capacity must hold the {batch} CLS rows, got {capacity}")
+    return max(1, -(-(capacity - batch) // tokens))
 
 
 @functools.lru_cache(maxsize=256)

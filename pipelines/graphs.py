@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 
 from pipelines.backends.triton import TritonBackend
-from pipelines.buckets import SegmentPlan, TokenBuckets, plan_segments
+from pipelines.buckets import SegmentPlan, TokenBuckets, padding_images, plan_segments
 from pipelines.model import PrunedOutput, PrunedViT, kept_rows
 from pipelines.packed_block import (
     compiled_blocks,
@@ -85,7 +85,8 @@ _NOT_CAPTURABLE = {
 }
 
 GraphKey = tuple[int, ...]
-"""``(B,)`` for a whole forward or a first segment; ``(B, stage + 1, capacity, max_seqlen)`` for later segments."""
+"""``(B,)`` for a whole forward or a first segment; ``(B, stage + 1, capacity, max_seqlen)`` for later segments;
+``(B, stage + 1, capacity, max_seqlen, padding images)`` for later segments that skipped their host read."""
 
 
 @dataclass(frozen=True)
@@ -258,14 +259,21 @@ class GraphedPrunedViT:
             self._launch((batch,), functools.partial(self._whole, bufs))
             self._binding.check(pipeline)
         else:
-            self._launch((batch,), functools.partial(self._segment, bufs, 0, batch * self._tokens, self._tokens))
+            tokens = self._tokens
+            self._launch((batch,), functools.partial(self._segment, bufs, 0, batch * tokens, tokens))
             self._binding.check(pipeline)
+            capacity = None
             for index in range(1, len(self._plan.segments)):
-                total, longest = bufs.stats.tolist()  # the one read of this stage
-                capacity = self.buckets.capacity(total, batch, self._tokens)
-                bound = self.buckets.seqlen_bound(max(longest, capacity - total), self._tokens)
-                segment = functools.partial(self._segment, bufs, index, capacity, bound)
-                self._launch((batch, index, capacity, bound), segment)
+                if capacity is not None and not self.buckets.rereads_after(capacity):
+                    # No read: the previous capacity holds this stage's (smaller) total; padding in N-row images.
+                    pads = padding_images(capacity, batch, tokens)
+                    key, bound = (batch, index, capacity, tokens, pads), tokens
+                else:
+                    total, longest = bufs.stats.tolist()  # the one read of this stage
+                    capacity = self.buckets.capacity(total, batch, tokens)
+                    bound = self.buckets.seqlen_bound(max(longest, capacity - total), tokens)
+                    key, pads = (batch, index, capacity, bound), 1
+                self._launch(key, functools.partial(self._segment, bufs, index, capacity, bound, pads))
         logits, counts = bufs.logits, bufs.counts
         if self.clone_outputs:
             logits, counts = logits.clone(), counts.clone()
@@ -347,12 +355,13 @@ class GraphedPrunedViT:
         bufs.logits.copy_(out.logits)
         bufs.counts.copy_(out.counts)
 
-    def _segment(self, bufs: _Buffers, index: int, capacity: int, max_seqlen: int) -> None:
+    def _segment(self, bufs: _Buffers, index: int, capacity: int, max_seqlen: int, pads: int = 1) -> None:
         """Segment ``index`` of a variable-count forward on the static buffers of one batch size.
 
         Segment 0 reads the images; segment ``j > 0`` repacks stage ``j - 1``'s decision (buffer side
-        ``(j - 1) % 2``) into ``capacity`` rows. A segment before the last ends with its stage's decision (written
-        to side ``j % 2``, total and longest to ``stats``); the last one with the logits.
+        ``(j - 1) % 2``) into ``capacity`` rows, whose rows past the real total form ``pads`` padding images of
+        at most ``N`` rows. A segment before the last ends with its stage's decision (written to side ``j % 2``,
+        total and longest to ``stats``); the last one with the logits.
         """
         pipeline, tokens = self.pipeline, self._tokens
         if index == 0:
@@ -365,7 +374,11 @@ class GraphedPrunedViT:
                 bufs.x[side], bufs.cu[side], bufs.keep[side], tokens, capacity=capacity, check_values=False
             )  # [capacity, C]; rows from cu[-1] on are not written
             bufs.counts[:, index - 1].copy_(seqlens(cu) - 1)
-            attn_cu = F.pad(cu, (0, 1), value=capacity)  # int32 [B+2]: the padding image owns [total, capacity)
+            if pads == 1:
+                attn_cu = F.pad(cu, (0, 1), value=capacity)  # int32 [B+2]: the padding image owns [total, capacity)
+            else:  # int32 [B+1+pads]: padding images of N rows from the total on, the last ones clamped (or empty)
+                ends = cu[-1:] + torch.arange(1, pads + 1, device=cu.device, dtype=cu.dtype) * tokens
+                attn_cu = torch.cat([cu, ends.clamp_(max=capacity)])
         qkv = None
         compiled = pipeline.compile_blocks
         run_blocks = compiled_blocks() if compiled else packed_blocks

@@ -23,7 +23,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 
 from pipelines import PrunedViT, build_pipeline
-from pipelines.buckets import Step, TokenBuckets, plan_segments
+from pipelines.buckets import Step, TokenBuckets, padding_images, plan_segments
 from pipelines.graphs import GraphedPrunedViT
 from reference.pruners import make_pruner
 from triton_impl import pack as triton_pack
@@ -141,11 +141,22 @@ def test_seqlen_bound(longest, tokens, expected):
         ({"growth": 0.9}, ValueError),
         ({"growth": True}, TypeError),
         ({"seqlen_step": 0}, ValueError),
+        ({"sync_free_rows": -1}, ValueError),
     ],
 )
 def test_buckets_reject_bad_settings(kwargs, error):
     with pytest.raises(error):
         TokenBuckets(**kwargs)
+
+
+def test_sync_free_rows_and_padding_images():
+    assert TokenBuckets().rereads_after(1) and not TokenBuckets(sync_free_rows=256).rereads_after(256)
+    assert TokenBuckets(sync_free_rows=256).rereads_after(257)
+    # Enough N-row images to cover capacity - B rows (each image keeps at least its CLS row), at least one.
+    assert padding_images(4, 4, 197) == 1 and padding_images(197, 1, 197) == 1 and padding_images(199, 1, 197) == 2
+    assert padding_images(788, 4, 197) == 4
+    with pytest.raises(ValueError, match="capacity"):
+        padding_images(3, 4, 197)
 
 
 @pytest.mark.parametrize("total", [0, 789, True])
@@ -257,6 +268,30 @@ def test_mixed_batch_sizes_and_changing_inputs(buckets, poisoned):
     assert all(torch.equal(out.logits, kept) for out, kept in results)  # outputs are clones, not the buffers
     assert len({cap for cap, _ in poisoned}) > 3
     assert sorted(runner._buffers) == [1, 2, 3]
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("backend", ["reference", "padded_sdpa", "triton"])
+def test_stages_without_a_read_reuse_the_capacity(backend, poisoned, monkeypatch):
+    """``sync_free_rows``: after the first read, ATS's later stages reuse its capacity without reading their
+    totals; their growing padding (NaN) spans several padding images of at most N rows; results unchanged."""
+    pv = tiny_pipeline(VARIABLE["ats"], backend)
+    runner = GraphedPrunedViT(pv, TokenBuckets(step=TOKENS, seqlen_step=4, sync_free_rows=10**6))
+    reads = []
+    real_segment = runner._segment
+
+    def segment(bufs, index, capacity, max_seqlen, pads=1):
+        reads.append(pads)
+        real_segment(bufs, index, capacity, max_seqlen, pads)
+
+    monkeypatch.setattr(runner, "_segment", segment)
+    images = tiny_images(4, 5)
+    assert_same(runner.run(images), pv.run(images))
+    stages = len(runner.plan.segments) - 1
+    assert len(poisoned) == stages and len({cap for cap, _ in poisoned}) == 1  # one capacity for every stage
+    assert any(cap - total > TOKENS for cap, total in poisoned), "padding never outgrew one image"
+    assert reads[1] == 1 and all(p == padding_images(poisoned[0][0], 4, TOKENS) for p in reads[2:])
 
 
 @pytest.mark.interpreter

@@ -216,6 +216,20 @@ def test_totals_cross_bucket_boundaries(lab):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_sync_free_stages_replay_bitwise(lab, backend):
+    """``sync_free_rows``: ATS stages after the first reuse its capacity (padding split into N-row images)."""
+    pv = lab.pipeline(SMALL, "ats", backend)
+    buckets = TokenBuckets(sync_free_rows=1024)
+    graphed, eager = GraphedPrunedViT(pv, buckets), GraphedPrunedViT(pv, buckets, max_graphs=0)
+    for call, batch in enumerate([4, 1, 4]):
+        images = lab.batch(batch, seed=80 + call)
+        out = graphed.run(images)
+        assert bool(torch.isfinite(out.logits).all())
+        _assert_bitwise(out, eager.run(images), f"call {call} (B={batch})")
+    assert any(len(key) == 5 for key in graphed.memory_report().keys)  # segments captured without a read
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_padding_image(lab, backend):
     """``step=1``: every capacity equals its total, so every later segment's padding image has no rows."""
     pv = lab.pipeline(SMALL, "ats", backend)
@@ -229,10 +243,15 @@ def test_empty_padding_image(lab, backend):
     assert graphed.counters.eager_segments == 0
 
 
-@pytest.mark.parametrize("case,stages", [("ats", 9), ("threshold", 1)])
-def test_variable_counts_read_once_per_stage(lab, case, stages):
+@pytest.mark.parametrize(
+    "case,stages,buckets",
+    [("ats", 9, TokenBuckets()), ("threshold", 1, TokenBuckets()), ("ats", 1, TokenBuckets(sync_free_rows=1024))],
+    ids=["ats", "threshold", "ats-sync-free"],
+)
+def test_variable_counts_read_once_per_stage(lab, case, stages, buckets):
+    """One read per variable-count stage; with ``sync_free_rows`` above the first capacity, one read in all."""
     pv = lab.pipeline(SMALL, case, "fa2_varlen")
-    runner = GraphedPrunedViT(pv)
+    runner = GraphedPrunedViT(pv, buckets)
     images = lab.batch(4, seed=3)
     runner.run(images)  # captures every graph these images need
     torch.cuda.synchronize()
