@@ -312,3 +312,24 @@ def test_schedule_groups_stage_free_blocks(pruner, expected):
     got = [(s.kind, s.stage.index if s.kind == "prune" else s.blocks) for s in pv._steps]
     assert got == expected
     assert [b for s in pv._steps for b in s.blocks] == list(range(pv.num_dense_blocks, 12))
+
+
+@pytest.mark.parametrize("case", ["dynamicvit", "evit", "evit_fused", "ats"])
+def test_compiled_decisions_trace_and_agree(case):
+    """``compile_blocks`` on CUDA runs the pruners without a fused kernel through ``torch.compile`` (with their
+    CLS-attention scores). Traced here on the CPU's Inductor: the same decisions as eager on seeded fp32 input."""
+    from pipelines.model import _compiled_decision, _decision
+
+    name, options = CASES[case]
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        pruner = make_pruner(name, **options, **({"embed_dim": 64} if name == "dynamicvit" else {}))
+    g = torch.Generator().manual_seed(1)
+    cu = torch.tensor([0, 197, 394], dtype=torch.int32)
+    x, qkv = torch.randn(394, 64, generator=g), torch.randn(394, 3 * 64, generator=g) * 3
+    args = (x, cu, 0, 196, qkv, 2, 32**-0.5)  # stage 0, 196 patches, 2 heads of 32 channels
+    ref, got = _decision(pruner, *args), _compiled_decision()(pruner, *args)
+    assert torch.equal(got.keep, ref.keep)
+    assert (got.fixed_count, got.count) == (ref.fixed_count, ref.count)
+    if ref.extra_token is not None:
+        torch.testing.assert_close(got.extra_token, ref.extra_token, atol=1e-5, rtol=1e-5)
