@@ -102,7 +102,7 @@ def threshold_l2_keep(
     min_keep: int = 0,
     check_values: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep mask of Threshold-L2 from per-row scores, one program per image, no host synchronisation.
+    """Keep mask of Threshold-L2 from per-row scores: one launch, no host synchronisation.
 
     Args:
         scores: fp32 ``[T]`` patch scores (CLS rows are never scored: their values are ignored).
