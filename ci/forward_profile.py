@@ -7,7 +7,8 @@ a few workloads. Each is replayed under ``torch.profiler`` (CUPTI sees the kerne
 grouped by kind (GEMM, attention, Inductor-fused, LayerNorm, elementwise, reductions, sort/scan, indexing,
 packing, copies). Per forward: kernel count, summed kernel time ("busy"), CUDA-event time of back-to-back
 forwards ("span"; span - busy = gaps and host waits) and the per-kind split. ``--compile-blocks`` adds the
-pipelines with ``compile_blocks=True``. Details go to ``--out`` (JSON).
+pipelines with ``compile_blocks=True``, ``--sync-free-rows R`` the runners with
+``TokenBuckets(sync_free_rows=R)``. Details go to ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.e2e_common import DEIT_B, Lab, make_graphed
+from pipelines.buckets import TokenBuckets
+from pipelines.graphs import GraphedPrunedViT
 from pipelines.patch_embed import with_gemm_patch_embed
 
 KINDS = (
@@ -89,6 +92,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4,64")
     parser.add_argument("--workloads", default="l2_ratio,l2_calibrated,ats")
     parser.add_argument("--compile-blocks", action="store_true")
+    parser.add_argument(
+        "--sync-free-rows", type=int, default=0, help="also the runner with TokenBuckets(sync_free_rows=R)"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -100,12 +106,16 @@ def main() -> None:
     print("|---" * (7 + len(kinds)) + "|")
     for batch in (int(b) for b in args.batches.split(",")):
         images = lab.images(DEIT_B, batch)
-        configs: list[tuple[str, object]] = [("timm reduce-overhead", None), ("timm reduce-overhead +gemm embed", None)]
+        configs: list[tuple[str, object, int]] = [
+            ("timm reduce-overhead", None, 0),
+            ("timm reduce-overhead +gemm embed", None, 0),
+        ]
         for w in args.workloads.split(","):
-            configs.append((w, False))
-            if args.compile_blocks:
-                configs.append((w + " +compile", True))
-        for label, compiled in configs:
+            for compiled in (False, True) if args.compile_blocks else (False,):
+                for rows in sorted({0, args.sync_free_rows}):
+                    label = w + (" +compile" if compiled else "") + (f" +sync-free {rows}" if rows else "")
+                    configs.append((label, compiled, rows))
+        for label, compiled, sync_free_rows in configs:
             t0 = time.perf_counter()
             if compiled is None:
                 model = lab.model(DEIT_B)
@@ -119,7 +129,13 @@ def main() -> None:
             else:
                 pv = lab.pipeline(DEIT_B, label.split()[0], 0.5, "triton")
                 pv.compile_blocks = compiled
-                forward, _ = make_graphed(pv, images[0])
+                if sync_free_rows:
+                    runner = GraphedPrunedViT(pv, TokenBuckets(sync_free_rows=sync_free_rows))
+
+                    def forward(x, runner=runner):
+                        return runner.run(x)
+                else:
+                    forward, _ = make_graphed(pv, images[0])
             forward(images[0])
             first_s = time.perf_counter() - t0
             r = profile_forward(forward, images)

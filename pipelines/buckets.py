@@ -43,12 +43,14 @@ class TokenBuckets:
         seqlen_step: the ``max_seqlen`` bound given to attention is rounded up to a multiple of this. The varlen
             kernels only size their grid with it; ``padded_sdpa`` pads every image to it, so it is bucketed
             finely rather than fixed at ``N``.
-        sync_free_rows: after a stage whose capacity is at most this many rows, later stages skip their host
-            read: they reuse that capacity (a later total can only be smaller) and ``N`` as ``max_seqlen``, so
-            the rest of the forward replays without waiting for the host; their padding rows grow as the pruner
-            keeps removing tokens and are split into padding images of at most ``N`` rows. For small batches of
-            multi-stage pruners (ATS: 9 reads), where the GEMMs cost the same for fewer rows. 0 (the default):
-            every stage reads its total.
+        sync_free_rows: a stage whose input buffer has at most this many rows (``B * N`` for the first stage,
+            else the capacity it was replayed at) skips its host read: the segment after it reuses that
+            capacity (a later total can only be smaller) and ``N`` as ``max_seqlen``, and so do all later ones,
+            so the rest of the forward replays without waiting for the host; the padding rows grow as the pruner
+            keeps removing tokens and are split into padding images of at most ``N`` rows. With
+            ``sync_free_rows >= B * N`` the forward reads nothing at all. For small batches of multi-stage
+            pruners (ATS: 9 reads), where the GEMMs cost about the same for fewer rows. 0 (the default): every
+            stage reads its total.
     """
 
     step: int = 64
@@ -82,7 +84,7 @@ class TokenBuckets:
         return caps[bisect.bisect_left(caps, total)]
 
     def rereads_after(self, capacity: int) -> bool:
-        """Whether the stage after one replayed at ``capacity`` rows reads its own total (see ``sync_free_rows``)."""
+        """Whether a stage whose input buffer has ``capacity`` rows reads its total (see ``sync_free_rows``)."""
         return capacity > self.sync_free_rows
 
     def seqlen_bound(self, longest: int, tokens: int) -> int:

@@ -262,9 +262,9 @@ class GraphedPrunedViT:
             tokens = self._tokens
             self._launch((batch,), functools.partial(self._segment, bufs, 0, batch * tokens, tokens))
             self._binding.check(pipeline)
-            capacity = None
+            capacity = batch * tokens  # segment 0's rows: the whole batch
             for index in range(1, len(self._plan.segments)):
-                if capacity is not None and not self.buckets.rereads_after(capacity):
+                if not self.buckets.rereads_after(capacity):
                     # No read: the previous capacity holds this stage's (smaller) total; padding in N-row images.
                     pads = padding_images(capacity, batch, tokens)
                     key, bound = (batch, index, capacity, tokens, pads), tokens

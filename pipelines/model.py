@@ -43,11 +43,13 @@ from pipelines.patch_embed import patch_embed_gemm, supports_gemm
 from reference import packing as ref_packing
 from reference.attention import split_qkv
 from reference.cls_attention import cls_attention
+from reference.pruners.ats import ATSPruner
 from reference.pruners.threshold_l2 import ThresholdL2Pruner
 from reference.segments import segment_ids, segment_sum, seqlens, uniform_cu_seqlens
 from reference.selection import Placement, PruneInput, Pruner, TokenSelection
 from reference.validation import check_tensor
 from triton_impl import pack as triton_pack
+from triton_impl.ats import ats_select
 from triton_impl.threshold_l2 import threshold_l2_select
 
 
@@ -240,12 +242,17 @@ class PrunedViT(nn.Module):
         """One stage's decision on the packed stream ``x`` (and its block's ``qkv`` for attention-based pruners).
 
         ``pruner(inp)``, except on CUDA: Threshold-L2 runs its fused Triton twin (:mod:`triton_impl.threshold_l2`:
-        the same keep masks bit for bit, one kernel instead of ~40), and with ``compile_blocks`` the other pruners
+        the same keep masks bit for bit, one kernel instead of ~40), ATS its two-kernel twin
+        (:mod:`triton_impl.ats`: the same decisions up to the CDF's fp32 rounding, 2 kernels instead of ~250),
+        and with ``compile_blocks`` the other pruners
         run under ``torch.compile`` together with their CLS-attention scores (Inductor fuses their segment
         operations; its reductions may round differently, like the compiled blocks).
         """
         if x.is_cuda and type(self.pruner) is ThresholdL2Pruner:
             return threshold_l2_select(self.pruner, self._prune_input(stage, x, cu, num_patches, qkv))
+        if x.is_cuda and type(self.pruner) is ATSPruner:
+            attn = self.model.blocks[stage.block].attn
+            return ats_select(self.pruner, qkv, cu, num_patches, attn.num_heads, attn.scale)
         if x.is_cuda and self.compile_blocks:
             attn = self.model.blocks[stage.block].attn
             return _compiled_decision()(self.pruner, x, cu, stage.index, num_patches, qkv, attn.num_heads, attn.scale)

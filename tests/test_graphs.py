@@ -272,12 +272,16 @@ def test_mixed_batch_sizes_and_changing_inputs(buckets, poisoned):
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("first_read", [True, False], ids=["one-read", "no-read"])
 @pytest.mark.parametrize("backend", ["reference", "padded_sdpa", "triton"])
-def test_stages_without_a_read_reuse_the_capacity(backend, poisoned, monkeypatch):
-    """``sync_free_rows``: after the first read, ATS's later stages reuse its capacity without reading their
-    totals; their growing padding (NaN) spans several padding images of at most N rows; results unchanged."""
+def test_stages_without_a_read_reuse_the_capacity(backend, first_read, poisoned, monkeypatch):
+    """``sync_free_rows``: from the first stage whose input has at most that many rows on, ATS's stages reuse
+    that capacity without reading their totals (below ``B * N``: the first stage reads, the others do not; from
+    ``B * N`` on: no stage reads); the growing padding (NaN) spans several padding images of at most N rows;
+    results unchanged."""
     pv = tiny_pipeline(VARIABLE["ats"], backend)
-    runner = GraphedPrunedViT(pv, TokenBuckets(step=TOKENS, seqlen_step=4, sync_free_rows=10**6))
+    rows = 4 * TOKENS - 1 if first_read else 4 * TOKENS
+    runner = GraphedPrunedViT(pv, TokenBuckets(step=TOKENS, seqlen_step=4, sync_free_rows=rows))
     reads = []
     real_segment = runner._segment
 
@@ -291,7 +295,10 @@ def test_stages_without_a_read_reuse_the_capacity(backend, poisoned, monkeypatch
     stages = len(runner.plan.segments) - 1
     assert len(poisoned) == stages and len({cap for cap, _ in poisoned}) == 1  # one capacity for every stage
     assert any(cap - total > TOKENS for cap, total in poisoned), "padding never outgrew one image"
-    assert reads[1] == 1 and all(p == padding_images(poisoned[0][0], 4, TOKENS) for p in reads[2:])
+    capacity = poisoned[0][0]
+    assert (capacity < 4 * TOKENS) == first_read
+    free = reads[2:] if first_read else reads[1:]
+    assert (reads[1] == 1) == first_read and all(p == padding_images(capacity, 4, TOKENS) for p in free)
 
 
 @pytest.mark.interpreter

@@ -245,11 +245,17 @@ def test_empty_padding_image(lab, backend):
 
 @pytest.mark.parametrize(
     "case,stages,buckets",
-    [("ats", 9, TokenBuckets()), ("threshold", 1, TokenBuckets()), ("ats", 1, TokenBuckets(sync_free_rows=1024))],
-    ids=["ats", "threshold", "ats-sync-free"],
+    [
+        ("ats", 9, TokenBuckets()),
+        ("threshold", 1, TokenBuckets()),
+        ("ats", 1, TokenBuckets(sync_free_rows=4 * 197 - 1)),
+        ("ats", 0, TokenBuckets(sync_free_rows=4 * 197)),
+    ],
+    ids=["ats", "threshold", "ats-sync-free-after-one", "ats-sync-free"],
 )
 def test_variable_counts_read_once_per_stage(lab, case, stages, buckets):
-    """One read per variable-count stage; with ``sync_free_rows`` above the first capacity, one read in all."""
+    """One read per variable-count stage; with ``sync_free_rows`` below ``B * N`` (but above the first stage's
+    capacity) one read in all; from ``B * N`` on, none."""
     pv = lab.pipeline(SMALL, case, "fa2_varlen")
     runner = GraphedPrunedViT(pv, buckets)
     images = lab.batch(4, seed=3)

@@ -261,7 +261,8 @@ def ats_oracle(score: torch.Tensor, num_samples: int, min_keep: int) -> torch.Te
     cdf = (cdf - cdf[0]) / span if span > 0 else torch.ones(n)
     start = cdf[cdf > 0].min() if bool((cdf > 0).any()) else torch.tensor(1.0)
     last = max(num_samples - 1, 1)
-    targets = start + (torch.linspace(0, 1, num_samples) * last - start * torch.arange(num_samples)) / last
+    ramp = (torch.arange(num_samples, dtype=torch.float64) / last).float()  # s / (S - 1), rounded once
+    targets = start + (1.0 - start) * ramp
     nearest = torch.argmin((targets[:, None] - cdf[None, :]).abs(), dim=1)  # the first on ties
     kept = set(order[nearest].tolist())
     for j in torch.argsort(score, descending=True, stable=True).tolist():

@@ -61,9 +61,11 @@ class CompiledLauncher:
         *,
         num_warps: int,
         num_stages: int,
+        **options: object,
     ) -> None:
         """Launches ``kernel[grid](*args)`` on CUDA device ``device`` (the current one, as Triton requires);
-        ``args`` holds every parameter, constexprs included, in signature order."""
+        ``args`` holds every parameter, constexprs included, in signature order; ``options`` are further compile
+        options (e.g. ``enable_fp_fusion=False``), the same on every call of one launcher."""
         compiled = self._compiled.get((device, key)) if key is not None else None
         if compiled is not None and not _hooks_installed():
             stream = _raw_stream(device) if _raw_stream else torch.cuda.current_stream(device).cuda_stream
@@ -71,7 +73,9 @@ class CompiledLauncher:
                 grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args
             )
             return
-        compiled = self._kernel[grid](*args, num_warps=num_warps, num_stages=num_stages)
+        if _INTERPRETED:
+            options = {}  # the interpreter computes in numpy: no compile options, no FMA contraction
+        compiled = self._kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **options)
         if key is not None and not _INTERPRETED and hasattr(compiled, "packed_metadata"):
             self._compiled[(device, key)] = compiled  # a compiled handle belongs to one device
 

@@ -51,17 +51,61 @@ def inverse_transform_sample(
     # One patch, or all scores zero: the CDF is a single point; put it at 1 so that every target picks it.
     cdf = torch.where(span > 0, (cdf - low) / span, torch.ones_like(cdf)).masked_fill(~valid, inf)
     start = cdf.masked_fill(cdf <= 0, inf).amin(dim=1, keepdim=True).clamp(max=1.0)  # smallest non-zero value
-    # The targets and distances are computed as the official code does: with CDF steps of ~1e-9 (peaked scores)
-    # the fp32 distances round to ties, and which target picks which patch depends on that rounding.
-    ramp = torch.linspace(0.0, 1.0, num_samples, device=scores.device, dtype=cdf.dtype)
-    last = max(num_samples - 1, 1)
-    steps = torch.arange(num_samples, device=scores.device, dtype=cdf.dtype)
-    targets = start + (ramp * last - start * steps) / last  # [B, S]: start, ..., 1
+    # With CDF steps of ~1e-9 (peaked scores) the fp32 distances round to ties, so which target picks which patch
+    # depends on how the targets round. The official code's targets ``start + (linspace(0, 1, S) * (S - 1) -
+    # start * s) / (S - 1)`` round differently on CPU and CUDA (torch.linspace's formulas differ, and CUDA divides
+    # by a scalar through its reciprocal); these are the same targets, rounded the same way on every device:
+    # ``s / (S - 1)`` rounded once, then one multiply and one add, each rounded.
+    targets = start + (1.0 - start) * sample_ramp(num_samples, scores.device, cdf.dtype)  # [B, S]: start, ..., 1
     # [B, S, W] distances (~10 MB at B=64, 224x224); argmin takes the first of equal minima.
     picked = (targets[:, :, None] - cdf[:, None, :]).abs().argmin(dim=2)
     cols = order.gather(1, picked)  # positions inside each image
     chosen = torch.zeros_like(valid).scatter_(1, cols, (patches > 0).expand_as(cols))
     return chosen[segment_ids(cu_seqlens, total), positions(cu_seqlens, total)] & ~is_cls
+
+
+def sample_ramp(
+    num_samples: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``[num_samples]``: ``s / (num_samples - 1)`` for ``s = 0 .. num_samples - 1``, each correctly rounded to
+    ``dtype`` (fp32: computed in float64, then rounded once), so every device gets the same bits; ``[0.0]`` for one
+    sample."""
+    last = max(num_samples - 1, 1)
+    return (torch.arange(num_samples, device=device, dtype=torch.float64) / last).to(dtype)
+
+
+def significance(cls_attn: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """ATS's normalised patch scores ``S_j = sum_h A_h[0, j] * ||V_j||_2 / sum_j (...)``: fp32 ``[T]`` (float64 for
+    float64 inputs), 0 on CLS rows and in images whose scores are all zero.
+
+    Args:
+        cls_attn: ``[T, H]`` CLS-query attention (:func:`reference.cls_attention`).
+        v: ``[T, H*D]`` value vectors.
+        cu_seqlens: int32 ``[B+1]`` offsets.
+    """
+    total = v.shape[0]
+    batch = cu_seqlens.numel() - 1
+    seg = segment_ids(cu_seqlens, total)
+    acc = torch.promote_types(v.dtype, torch.float32)
+    raw = cls_attn.to(acc).sum(dim=-1) * v.to(acc).norm(dim=-1)  # [T]
+    raw = raw.masked_fill(positions(cu_seqlens, total) == 0, 0.0)
+    mass = segment_sum(raw, seg, batch)[seg]
+    return torch.where(mass > 0, raw / mass, torch.zeros_like(raw))
+
+
+def sample_keep(
+    score: torch.Tensor, cu_seqlens: torch.Tensor, width: int, num_samples: int, min_keep: int
+) -> torch.Tensor:
+    """ATS's keep mask from normalised scores ``[T]`` (:func:`significance`): the sampled patches, topped up to
+    ``min(min_keep, patches)`` per image with the best-scoring others (ties: the earlier row), and every CLS row."""
+    total = score.shape[0]
+    batch = cu_seqlens.numel() - 1
+    seg = segment_ids(cu_seqlens, total)
+    chosen = inverse_transform_sample(score, cu_seqlens, width, num_samples)
+    # The floor adds the best-scoring patches not sampled yet: sampled ones rank first.
+    target = torch.maximum(segment_sum(chosen.long(), seg, batch), patch_counts(cu_seqlens).clamp(max=min_keep))
+    rank = segment_rank(score.masked_fill(chosen, float("inf")), cu_seqlens)
+    return (positions(cu_seqlens, total) == 0) | (rank < target[seg])
 
 
 class ATSPruner(Pruner):
@@ -92,26 +136,14 @@ class ATSPruner(Pruner):
 
     def forward(self, inp: PruneInput) -> TokenSelection:
         check_prune_input(inp, attention=True, values=True)
-        x, cu = inp.x, inp.cu_seqlens
+        cu = inp.cu_seqlens
         width = inp.num_patches + 1
         if cu.device.type == "cpu" and bool((seqlens(cu) > width).any()):
             raise ValueError(
                 f"inp.num_patches ({inp.num_patches}) must count the patches of the unpruned image: "
                 f"an image has more than {width} rows"
             )
-        total = x.shape[0]
-        batch = cu.numel() - 1
-        seg = segment_ids(cu, total)
-        is_cls = positions(cu, total) == 0
-        acc = torch.promote_types(x.dtype, torch.float32)
-        raw = inp.cls_attn.to(acc).sum(dim=-1) * inp.v.to(acc).norm(dim=-1)  # [T]
-        raw = raw.masked_fill(is_cls, 0.0)
-        mass = segment_sum(raw, seg, batch)[seg]
-        score = torch.where(mass > 0, raw / mass, torch.zeros_like(raw))
+        score = significance(inp.cls_attn, inp.v, cu)
         samples = inp.num_patches if self.num_samples is None else self.num_samples
-        chosen = inverse_transform_sample(score, cu, width, samples)
-        # The floor adds the best-scoring patches not sampled yet: sampled ones rank first.
-        target = torch.maximum(segment_sum(chosen.long(), seg, batch), patch_counts(cu).clamp(max=self.min_keep))
-        rank = segment_rank(score.masked_fill(chosen, float("inf")), cu)
-        keep = is_cls | (rank < target[seg])
+        keep = sample_keep(score, cu, width, samples, self.min_keep)
         return TokenSelection(keep, fixed_count=False)

@@ -1,0 +1,210 @@
+"""triton_impl.ats against reference.pruners.ats.
+
+Scores are compared with a tolerance (sums in another order). Keep masks are compared exactly where the CDF is
+exact in fp32 (dyadic scores: every summation order gives the same CDF, so the kernel must make the reference's
+decisions bit for bit, ties and the floor included), and by agreement on random scores, where the CDF's last bits
+depend on the summation order. ``kept`` must always count the kernel's own keep mask.
+
+CPU runs use Triton's interpreter; the ``gpu`` cases run DeiT-sized batches (577 tokens included) on a CUDA card.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference.attention import split_qkv
+from reference.cls_attention import cls_attention
+from reference.pruners import ATSPruner
+from reference.pruners.ats import sample_keep, significance
+from reference.segments import cu_seqlens_from_counts, segment_ids, segment_sum
+from reference.selection import PruneInput
+from triton_impl import ats
+
+LENGTHS = {
+    "deit": (197, 197),
+    "ragged": (197, 60, 2, 1, 131),
+    "empty-images": (0, 70, 0, 5),
+    "tile-edges": (65, 64, 63, 129),
+}
+
+
+def _cu(lengths, device="cpu"):
+    return cu_seqlens_from_counts(torch.tensor(lengths)).to(device)
+
+
+def _dyadic_scores(cu, gen, peaked=False):
+    """Scores whose sums are exact in fp32 in any order: multiples of 1/16 (ties abound), or with ``peaked`` a
+    few of 2**10 among multiples of 2**-10; CLS rows hold garbage (the kernel must ignore them)."""
+    total = int(cu[-1])
+    if peaked:
+        scores = torch.randint(0, 4, (total,), generator=gen) * 2.0**-10
+        scores[torch.randperm(total, generator=gen)[: max(1, total // 40)]] = 2.0**10
+    else:
+        scores = torch.randint(0, 17, (total,), generator=gen) / 16
+    scores[cu[:-1].long().clamp(max=max(total - 1, 0))] = 7.5
+    return scores.float()
+
+
+def _kept_counts(keep, cu):
+    return segment_sum(keep.long(), segment_ids(cu, keep.shape[0]), cu.numel() - 1)
+
+
+def _check_exact(scores, cu, bound, num_samples, min_keep):
+    keep, kept = ats.ats_keep(scores, cu, bound, num_samples, min_keep)
+    ref = sample_keep(scores.cpu(), cu.cpu(), bound, num_samples, min_keep)
+    assert torch.equal(keep.cpu(), ref), (num_samples, min_keep)
+    assert torch.equal(kept.long().cpu(), _kept_counts(ref, cu.cpu()))
+
+
+def _qkv(lengths, heads, head_dim, device, gen, dtype=torch.float32):
+    cu = _cu(lengths)
+    qkv = torch.randn(int(cu[-1]), 3 * heads * head_dim, generator=gen)
+    return qkv.to(device=device, dtype=dtype), cu.to(device)
+
+
+def _reference_scores(qkv, cu, heads, scale):
+    q, k, v = split_qkv(qkv.float(), heads)
+    return significance(cls_attention(q, k, cu, scale), v.flatten(1), cu)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("lengths", list(LENGTHS.values()), ids=list(LENGTHS))
+@pytest.mark.parametrize("peaked", [False, True], ids=["flat", "peaked"])
+def test_keep_equals_reference_on_exact_cdf_interpreter(lengths, peaked, gen):
+    cu = _cu(lengths)
+    scores = _dyadic_scores(cu, gen, peaked)
+    for num_samples, min_keep in ((196, 8), (40, 0), (3, 8), (1, 30)):  # small ones: the floor tops up
+        _check_exact(scores, cu, 197, num_samples, min_keep)
+
+
+@pytest.mark.interpreter
+def test_zero_scores_and_single_patches_interpreter():
+    cu = _cu((197, 2, 1, 9))
+    scores = torch.zeros(int(cu[-1]))
+    keep, kept = ats.ats_keep(scores, cu, 197, 196, 8)
+    assert kept.tolist() == [9, 2, 1, 9]  # one sampled patch (every target ties at CDF 1), topped up to 8
+    assert keep[1:9].all() and not keep[9:197].any()  # ties: the floor takes the earliest patches
+    _check_exact(scores, cu, 197, 196, 8)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("lengths", list(LENGTHS.values()), ids=list(LENGTHS))
+def test_scores_match_reference_interpreter(lengths, gen):
+    heads, head_dim = 3, 16
+    qkv, cu = _qkv(lengths, heads, head_dim, "cpu", gen)
+    got = ats.ats_scores(qkv, cu, heads, head_dim**-0.5, 197)
+    torch.testing.assert_close(got, _reference_scores(qkv, cu, heads, head_dim**-0.5), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.interpreter
+def test_select_matches_pruner_interpreter(gen):
+    heads, head_dim = 3, 16
+    lengths = LENGTHS["ragged"]
+    qkv, cu = _qkv(lengths, heads, head_dim, "cpu", gen)
+    scale = head_dim**-0.5
+    for pruner in (ATSPruner(), ATSPruner(num_samples=20, min_keep=12)):
+        q, k, v = split_qkv(qkv, heads)
+        x = torch.randn(qkv.shape[0], heads * head_dim, generator=gen)
+        inp = PruneInput(x, cu, 0, 196, cls_attention(q, k, cu, scale), v.flatten(1))
+        ref = pruner(inp)
+        got = ats.ats_select(pruner, qkv, cu, 196, heads, scale)
+        assert not got.fixed_count and got.count is None and got.extra_token is None
+        assert torch.equal(got.kept.long(), _kept_counts(got.keep, cu))
+        # Scores equal to fp32 rounding: the masks agree but for CDF near-ties (none expected at this size).
+        assert (got.keep != ref.keep).sum() <= 2, pruner.extra_repr()
+        # Given its own scores, the sampler is the reference's exactly (numpy sums as torch on the CPU).
+        assert torch.equal(got.keep, ats.ats_keep(ats.ats_scores(qkv, cu, heads, scale, 197), cu, 197,
+                                                  pruner.num_samples or 196, pruner.min_keep)[0])  # fmt: skip
+
+
+@pytest.mark.interpreter
+def test_rows_past_the_bound_are_never_kept_interpreter(gen):
+    cu = _cu((40, 10))
+    scores = torch.rand(50, generator=gen)
+    keep, kept = ats.ats_keep(scores, cu, 16, 16, 4)  # image 0 has 40 rows, the bound is 16
+    assert not keep[16:40].any() and kept[0] <= 16
+    assert torch.equal(kept.long(), _kept_counts(keep, cu))
+    assert torch.equal(keep[40:], sample_keep(scores[40:], _cu((10,)), 16, 16, 4))
+
+
+def _bad_calls():
+    s, cu = torch.rand(10), torch.tensor([0, 4, 10], dtype=torch.int32)
+    qkv = torch.randn(10, 3 * 2 * 4)
+    return [
+        (lambda: ats.ats_keep(s.half(), cu, 10, 9), "scores"),
+        (lambda: ats.ats_keep(torch.rand(20)[::2], cu, 10, 9), "scores"),
+        (lambda: ats.ats_keep(s, cu.long(), 10, 9), "cu_seqlens"),
+        (lambda: ats.ats_keep(s, torch.tensor([0, 4, 9], dtype=torch.int32), 10, 9), "cu_seqlens"),
+        (lambda: ats.ats_keep(s, cu, 0, 9), "max_seqlen"),
+        (lambda: ats.ats_keep(s, cu, 10, 0), "num_samples"),
+        (lambda: ats.ats_keep(s, cu, 10, 9, -1), "min_keep"),
+        (lambda: ats.ats_scores(qkv, cu, 5, 0.5, 10), "num_heads"),
+        (lambda: ats.ats_scores(qkv.t(), cu, 2, 0.5, 10), "qkv"),
+        (lambda: ats.ats_scores(qkv.int(), cu, 2, 0.5, 10), "qkv"),
+        (lambda: ats.ats_scores(qkv[:, ::2], cu, 1, 0.5, 10), "qkv"),
+        (lambda: ats.ats_scores(qkv, cu, 2, "0.5", 10), "scale"),
+        (lambda: ats.ats_select(ATSPruner, qkv, cu, 9, 2, 0.5), "pruner"),
+        (lambda: ats.ats_select(ATSPruner(), qkv, cu, 0, 2, 0.5), "num_patches"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_bad_calls())))
+def test_bad_input_raises_before_launch(index, forbid_launch):
+    forbid_launch(ats, "_logits_launcher", "_sample_launcher")
+    call, word = _bad_calls()[index]
+    with pytest.raises((ValueError, TypeError), match=word):
+        call()
+
+
+# --- GPU -------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(1, 197), (64, 197), (16, 577)])
+@pytest.mark.parametrize("peaked", [False, True], ids=["flat", "peaked"])
+def test_keep_equals_reference_on_exact_cdf_gpu(shape, peaked, gen):
+    batch, n = shape
+    lengths = torch.randint(1, n + 1, (batch,), generator=gen).tolist()
+    cu = _cu(lengths, "cuda")
+    scores = _dyadic_scores(cu.cpu(), gen, peaked).cuda()
+    for num_samples, min_keep in ((n - 1, 8), (40, 0), (3, 8)):
+        _check_exact(scores, cu, n, num_samples, min_keep)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 197), (64, 197), (16, 577)])
+def test_select_agrees_with_pruner_gpu(shape, dtype, gen):
+    batch, n = shape
+    heads, head_dim = 12, 64
+    lengths = torch.randint(1, n + 1, (batch,), generator=gen).tolist()
+    qkv, cu = _qkv(lengths, heads, head_dim, "cuda", gen, dtype)
+    scale = head_dim**-0.5
+    scores = ats.ats_scores(qkv, cu, heads, scale, n)
+    torch.testing.assert_close(scores, _reference_scores(qkv, cu, heads, scale), rtol=2e-5, atol=1e-7)
+    pruner = ATSPruner()
+    got = ats.ats_select(pruner, qkv, cu, n - 1, heads, scale)
+    assert torch.equal(got.kept.long(), _kept_counts(got.keep, cu))
+    q, k, v = split_qkv(qkv, heads)
+    ref = pruner(PruneInput(qkv[:, : heads * head_dim], cu, 0, n - 1, cls_attention(q, k, cu, scale), v.flatten(1)))
+    differ = (got.keep != ref.keep).sum().item()
+    assert differ <= max(2, qkv.shape[0] // 500), f"{differ} of {qkv.shape[0]} rows decided differently"
+
+
+@pytest.mark.gpu
+def test_select_is_sync_free_and_capturable_gpu(gen):
+    heads, head_dim = 12, 64
+    qkv, cu = _qkv((197, 120, 5), heads, head_dim, "cuda", gen, torch.float16)
+    ref = ats.ats_select(ATSPruner(), qkv, cu, 196, heads, 0.125)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            sel = ats.ats_select(ATSPruner(), qkv, cu, 196, heads, 0.125)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    sel.keep.fill_(False)
+    graph.replay()
+    assert torch.equal(sel.keep, ref.keep) and torch.equal(sel.kept, ref.kept)

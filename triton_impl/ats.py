@@ -1,0 +1,294 @@
+"""ATS's keep decision in two Triton kernels (the reference: ``reference/pruners/ats.py``).
+
+The reference scores and samples with ~250 small kernels per stage on a GPU (CLS attention, segment softmax, value
+norms, a padded sort, a cumulative sum, a ``[B, S, W]`` distance argmin, a scatter, a rank for the floor); ATS has
+a stage in each of blocks 3-11, so its decisions were ~3.5 ms of a 4 ms graphed DeiT-B forward at batch 1 (H100).
+Here one stage is two launches:
+
+1. ``_logits_kernel`` (programs of 16 rows of one image): the CLS query's logit against every key, per head
+   (``[T, H]`` fp32), and each row's value norm over all heads (``[T]`` fp32).
+2. ``_sample_kernel`` (one program per image, its rows in registers): softmax per head over the image, the
+   normalised significance ``S_j`` (CLS 0), then the sampling itself: one ``tl.sort`` of 64-bit keys
+   ``(score bits, row)`` (non-negative floats order as their bits, so this is the reference's stable ascending
+   sort), ``tl.cumsum``, min-max normalisation, the evenly spaced targets in chunks of ``BLOCK_S`` against the
+   whole CDF (``argmin`` keeps the first of equal distances, as ``torch.argmin``), and the floor: a second sort
+   of the unsampled patches by (descending score, row) whose ``k``-th key is the cut. It writes every row's keep
+   flag and the image's kept count.
+
+Same decisions as :func:`reference.pruners.ats.sample_keep` given the same scores, except where the CDF's fp32
+rounding decides: ``tl.cumsum`` adds in a tree, ``torch.cumsum`` in another order, and with peaked scores a target
+can sit between two CDF values that differ only in their last bits. The divisions are correctly rounded
+(``div_rn``) and the kernel is compiled without FMA contraction, so when the CDF is exact (dyadic scores: every
+order gives the same sums) the keep masks are equal bit for bit; the tests check that, and the agreement on
+random scores. The scores themselves agree with :func:`reference.pruners.ats.significance` to fp32 rounding.
+
+:func:`ats_select` is the drop-in for ``ATSPruner(inp)``; ``pipelines.model.PrunedViT`` uses it on CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from reference.pruners.ats import ATSPruner
+from reference.selection import TokenSelection
+from reference.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
+from triton_impl.launcher import CompiledLauncher
+
+_BLOCK_T = 16  # rows per step of the logits kernel: a DeiT image spreads over 13 programs
+
+
+@triton.jit
+def _image_rows(CU, b, total):
+    """Rows ``[start, end)`` of image ``b``, clamped to ``[0, total]``: malformed offsets cannot reach out of
+    bounds."""
+    start = tl.minimum(tl.maximum(tl.load(CU + b), 0), total)
+    end = tl.minimum(tl.maximum(tl.load(CU + b + 1), start), total)
+    return start, end
+
+
+@triton.jit(do_not_specialize=["total", "stride", "scale"])
+def _logits_kernel(
+    QKV, CU, LOGITS, VNORM, total, stride, scale,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    start, end = _image_rows(CU, b, total)
+    offs_d = tl.arange(0, BLOCK_D)
+    in_d = offs_d < D
+    cls_row = QKV + start.to(tl.int64) * stride  # q of the CLS row: the first H*D columns
+    # Grid-stride loop over this image's row blocks: the grid's second axis is only a bound on the work.
+    for t0 in range(start + tl.program_id(1) * BLOCK_T, end, tl.num_programs(1) * BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        in_t = t < end
+        rows = QKV + t.to(tl.int64)[:, None] * stride + offs_d[None, :]
+        mask = in_t[:, None] & in_d[None, :]
+        squares = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for h in range(H):
+            q = tl.load(cls_row + h * D + offs_d, mask=in_d, other=0.0).to(tl.float32)
+            k = tl.load(rows + (H + h) * D, mask=mask, other=0.0).to(tl.float32)
+            tl.store(LOGITS + t * H + h, tl.sum(k * q[None, :], axis=1) * scale, mask=in_t)
+            v = tl.load(rows + (2 * H + h) * D, mask=mask, other=0.0).to(tl.float32)
+            squares += tl.sum(v * v, axis=1)
+        tl.store(VNORM + t, tl.sqrt_rn(squares), mask=in_t)
+
+
+@triton.jit(do_not_specialize=["total", "num_samples", "min_keep"])
+def _sample_kernel(
+    LOGITS, VNORM, SCORES, CU, KEEP, KEPT, total, num_samples, min_keep,
+    H: tl.constexpr, FROM_LOGITS: tl.constexpr, SAMPLE: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    start, end = _image_rows(CU, b, total)
+    length = tl.minimum(end - start, BLOCK_W)  # rows past the bound are never kept (zeroed at the end)
+    offs = tl.arange(0, BLOCK_W)
+    in_image = offs < length
+    is_patch = in_image & (offs > 0)
+    if FROM_LOGITS:  # S_j = sum_h softmax_h(logits)[j] * ||V_j||, normalised over the image's patches
+        attn = tl.zeros([BLOCK_W], dtype=tl.float32)
+        for h in range(H):
+            logit = tl.load(LOGITS + (start + offs) * H + h, mask=in_image, other=0.0)
+            peak = tl.max(tl.where(in_image, logit, float("-inf")), 0)
+            e = tl.where(in_image, tl.exp(logit - peak), 0.0)
+            attn += e / tl.maximum(tl.sum(e, 0), 1.0)  # the peak adds exp(0) = 1; an empty image adds nothing
+        raw = tl.where(is_patch, attn * tl.load(VNORM + start + offs, mask=in_image, other=0.0), 0.0)
+        mass = tl.sum(raw, 0)
+        score = tl.where(mass > 0, tl.math.div_rn(raw, tl.where(mass > 0, mass, 1.0)), 0.0)
+    else:
+        score = tl.load(SCORES + start + offs, mask=is_patch, other=0.0)
+    if not SAMPLE:
+        tl.store(SCORES + start + offs, score, mask=in_image)
+        return
+    patches = tl.maximum(length - 1, 0)
+    # Ascending by (score, row), CLS and rows outside the image last; the low 32 bits keep the row.
+    bits = score.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    row = offs.to(tl.int64)
+    keys = tl.sort(tl.where(is_patch, (bits << 32) | row, (0x7FFFFFFF << 32) | row))
+    sorted_bits = keys >> 32
+    pos = (keys & 0xFFFFFFFF).to(tl.int32)
+    valid = offs < patches  # sorted slots that hold patches
+    cdf = tl.cumsum(tl.where(valid, sorted_bits.to(tl.int32).to(tl.float32, bitcast=True), 0.0), 0)
+    low = tl.sum(tl.where(offs == 0, cdf, 0.0), 0)
+    span = tl.sum(tl.where(offs == patches - 1, cdf, 0.0), 0) - low
+    # One patch, or all scores zero: the CDF is a single point; at 1, every target picks it.
+    cdf = tl.where(span > 0, tl.math.div_rn(cdf - low, tl.where(span > 0, span, 1.0)), 1.0)
+    cdf = tl.where(valid, cdf, float("inf"))
+    first = tl.minimum(tl.min(tl.where(cdf > 0, cdf, float("inf")), 0), 1.0)  # the smallest non-zero CDF value
+    last = tl.maximum(num_samples - 1, 1).to(tl.float32)
+    chosen = tl.zeros([BLOCK_W], dtype=tl.int32)
+    for s0 in range(0, num_samples, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        ramp = tl.math.div_rn(s.to(tl.float32), last)  # s / (S - 1), rounded once (reference: sample_ramp)
+        target = first + (1.0 - first) * ramp  # compiled without FMA contraction: rounded as torch rounds it
+        nearest = tl.argmin(tl.abs(target[:, None] - cdf[None, :]), axis=1, tie_break_left=True)
+        hit = (nearest[:, None] == offs[None, :]) & (s < num_samples)[:, None]
+        chosen = tl.maximum(chosen, tl.max(hit.to(tl.int32), axis=0))
+    chosen = (chosen != 0) & valid
+    sampled = tl.sum(chosen.to(tl.int32), 0)
+    extra = tl.minimum(min_keep, patches) - sampled
+    keep = chosen
+    if extra > 0:  # the floor: the best unsampled patches by (descending score, row); the extra-th key is the cut
+        top = tl.where(valid & ~chosen, ((0x7FFFFFFF - sorted_bits) << 32) | pos.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
+        cut = tl.sum(tl.where(offs == extra - 1, tl.sort(top), 0), 0)
+        keep = keep | (top <= cut)
+    tl.store(KEEP + start + pos, (keep | (pos == 0)).to(tl.int8), mask=pos < length)
+    for r in range(start + BLOCK_W, end, BLOCK_W):  # an image longer than the bound: its tail is dropped
+        tl.store(KEEP + r + offs, tl.zeros([BLOCK_W], dtype=tl.int8), mask=r + offs < end)
+    tl.store(KEPT + b, tl.where(length > 0, 1 + sampled + tl.maximum(extra, 0), 0))
+
+
+_logits_launcher = CompiledLauncher(_logits_kernel)
+_sample_launcher = CompiledLauncher(_sample_kernel)
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    return all(t.is_cuda and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _sample_shape(max_seqlen: int) -> tuple[int, int, int]:
+    """``BLOCK_W`` (rows of an image in registers), ``BLOCK_S`` (targets per step) and warps for a bound."""
+    width = triton.next_power_of_2(max(max_seqlen, 16))
+    return width, max(8, min(64, 8192 // width)), 4 if width <= 256 else 8
+
+
+def _check_qkv(qkv: torch.Tensor, num_heads: int, scale: float) -> tuple[int, int]:
+    check_tensor(qkv, "qkv", ndim=2, dtypes=FLOAT_DTYPES)
+    check_int(num_heads, "num_heads", 1)
+    if qkv.shape[1] % (3 * num_heads):
+        raise ValueError(f"qkv.shape[1] ({qkv.shape[1]}) must be divisible by 3 * num_heads ({3 * num_heads})")
+    if qkv.stride(1) != 1:
+        raise ValueError(f"qkv must have contiguous rows (stride 1 along dim 1), got strides {qkv.stride()}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+    return num_heads, qkv.shape[1] // (3 * num_heads)
+
+
+def _logits(qkv: torch.Tensor, cu: torch.Tensor, heads: int, head_dim: int, scale: float, max_seqlen: int):
+    total = qkv.shape[0]
+    logits = torch.empty(total, heads, dtype=torch.float32, device=qkv.device)
+    vnorm = torch.empty(total, dtype=torch.float32, device=qkv.device)
+    block_d = triton.next_power_of_2(head_dim)
+    args = (qkv, cu, logits, vnorm, total, qkv.stride(0), float(scale), heads, head_dim, _BLOCK_T, block_d)
+    key = (qkv.dtype, heads, head_dim) if _aligned(qkv, cu, logits, vnorm) else None
+    grid = (cu.shape[0] - 1, triton.cdiv(max_seqlen, _BLOCK_T))
+    _logits_launcher(key, qkv.get_device(), grid, args, num_warps=4, num_stages=1)
+    return logits, vnorm
+
+
+def _sample(logits, vnorm, scores, cu, max_seqlen, num_samples, min_keep, *, from_logits: bool, sample: bool):
+    total = scores.shape[0]
+    batch = cu.shape[0] - 1
+    keep = torch.empty(total, dtype=torch.bool, device=scores.device) if sample else scores
+    kept = torch.empty(batch, dtype=torch.int32, device=scores.device) if sample else cu
+    heads = logits.shape[1]
+    width, block_s, warps = _sample_shape(max_seqlen)
+    args = (
+        logits, vnorm, scores, cu, keep.view(torch.int8) if sample else keep, kept, total, num_samples, min_keep,
+        heads, from_logits, sample, width, block_s,
+    )  # fmt: skip
+    key = (heads, from_logits, sample, width) if _aligned(logits, vnorm, scores, cu, keep, kept) else None
+    _sample_launcher(
+        key, scores.get_device(), (batch, 1), args, num_warps=warps, num_stages=1, enable_fp_fusion=False
+    )
+    return keep, kept
+
+
+def _check_sampling(cu_seqlens, total, device, max_seqlen, num_samples, min_keep, check_values):
+    cu = check_cu_seqlens(cu_seqlens, total=total, device=device, check_values=check_values)
+    check_max_seqlen(max_seqlen)
+    check_int(num_samples, "num_samples", 1)
+    check_int(min_keep, "min_keep", 0)
+    return cu
+
+
+def ats_scores(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    num_heads: int,
+    scale: float,
+    max_seqlen: int,
+    *,
+    check_values: bool | None = None,
+) -> torch.Tensor:
+    """ATS's normalised significance of every row from a block's qkv projection: fp32 ``[T]``, 0 on CLS rows.
+
+    The kernels' twin of ``significance(cls_attention(q, k, cu, scale), v, cu)`` (:mod:`reference.pruners.ats`).
+
+    Args:
+        qkv: ``[T, 3*H*D]`` packed qkv projection (timm's layout: q heads, k heads, v heads), contiguous rows.
+        cu_seqlens: int32 ``[B+1]`` offsets of the rows.
+        num_heads: ``H``.
+        scale: softmax scale of the attention logits.
+        max_seqlen: a bound on the image lengths (an image longer than it is scored on its first rows only).
+        check_values: read ``cu_seqlens`` to validate it (default: only on the CPU).
+    """
+    heads, head_dim = _check_qkv(qkv, num_heads, scale)
+    total = qkv.shape[0]
+    cu = _check_sampling(cu_seqlens, total, qkv.device, max_seqlen, 1, 0, check_values)
+    logits, vnorm = _logits(qkv, cu, heads, head_dim, scale, max_seqlen)
+    scores = torch.empty(total, dtype=torch.float32, device=qkv.device)
+    _sample(logits, vnorm, scores, cu, max_seqlen, 1, 0, from_logits=True, sample=False)
+    return scores
+
+
+def ats_keep(
+    scores: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    num_samples: int,
+    min_keep: int = 8,
+    *,
+    check_values: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ATS's keep mask from normalised scores: one launch, no host synchronisation.
+
+    The kernel's twin of :func:`reference.pruners.ats.sample_keep` (see the module docstring for where the two
+    may differ).
+
+    Args:
+        scores: fp32 ``[T]`` non-negative patch scores (CLS rows are ignored).
+        cu_seqlens: int32 ``[B+1]`` offsets of the rows.
+        max_seqlen: a bound on the image lengths: rows of an image past it are never kept.
+        num_samples: CDF targets per image.
+        min_keep: patches every image keeps at least (or all it has).
+        check_values: read ``cu_seqlens`` to validate it (default: only on the CPU).
+
+    Returns:
+        ``keep`` bool ``[T]`` (every non-empty image's CLS row True) and ``kept`` int32 ``[B]``, the rows each image
+        keeps (CLS included).
+    """
+    check_tensor(scores, "scores", ndim=1, dtypes=(torch.float32,))
+    if not scores.is_contiguous():
+        raise ValueError(f"scores must be contiguous, got strides {scores.stride()}")
+    cu = _check_sampling(cu_seqlens, scores.shape[0], scores.device, max_seqlen, num_samples, min_keep, check_values)
+    none = scores.new_empty(0, 1)  # no logits, no value norms: the kernel reads the scores
+    return _sample(none, scores, scores, cu, max_seqlen, num_samples, min_keep, from_logits=False, sample=True)
+
+
+def ats_select(
+    pruner: ATSPruner, qkv: torch.Tensor, cu_seqlens: torch.Tensor, num_patches: int, num_heads: int, scale: float
+) -> TokenSelection:
+    """``pruner(inp)`` from the stage block's qkv projection, in two launches: the same :class:`TokenSelection`
+    (up to the CDF rounding described above), plus ``kept``.
+
+    Args:
+        pruner: the :class:`ATSPruner` (its ``num_samples`` and ``min_keep``).
+        qkv: ``[T, 3*H*D]`` qkv projection of the stage's block, contiguous rows.
+        cu_seqlens: int32 ``[B+1]`` offsets of the rows (not read on the GPU).
+        num_patches: patches of the unpruned image: the bound on every image's rows is ``num_patches + 1``.
+        num_heads: ``H``.
+        scale: softmax scale of the attention logits.
+    """
+    if not isinstance(pruner, ATSPruner):
+        raise TypeError(f"pruner must be an ATSPruner, got {type(pruner).__name__}")
+    heads, head_dim = _check_qkv(qkv, num_heads, scale)
+    check_int(num_patches, "num_patches", 1)
+    samples = num_patches if pruner.num_samples is None else pruner.num_samples
+    bound = num_patches + 1
+    cu = _check_sampling(cu_seqlens, qkv.shape[0], qkv.device, bound, samples, pruner.min_keep, None)
+    logits, vnorm = _logits(qkv, cu, heads, head_dim, scale, bound)
+    # The scores stay in registers: the value norms stand in for the (unwritten) scores buffer.
+    keep, kept = _sample(logits, vnorm, vnorm, cu, bound, samples, pruner.min_keep, from_logits=True, sample=True)
+    return TokenSelection(keep, fixed_count=False, kept=kept)
