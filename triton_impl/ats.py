@@ -5,15 +5,15 @@ norms, a padded sort, a cumulative sum, a ``[B, S, W]`` distance argmin, a scatt
 a stage in each of blocks 3-11, so its decisions were ~3.5 ms of a 4 ms graphed DeiT-B forward at batch 1 (H100).
 Here one stage is two launches:
 
-1. ``_logits_kernel`` (programs of 16 rows of one image): the CLS query's logit against every key, per head
-   (``[T, H]`` fp32), and each row's value norm over all heads (``[T]`` fp32).
-2. ``_sample_kernel`` (one program per image, its rows in registers): softmax per head over the image, the
-   normalised significance ``S_j`` (CLS 0), then the sampling itself: one ``tl.sort`` of 64-bit keys
-   ``(score bits, row)`` (non-negative floats order as their bits, so this is the reference's stable ascending
-   sort), ``tl.cumsum``, min-max normalisation, the evenly spaced targets in chunks of ``BLOCK_S`` against the
-   whole CDF (``argmin`` keeps the first of equal distances, as ``torch.argmin``), and the floor: a second sort
-   of the unsampled patches by (descending score, row) whose ``k``-th key is the cut. It writes every row's keep
-   flag and the image's kept count.
+1. ``_logits_kernel`` (one program per image, head and 16-row block): the CLS query's logit against every key
+   and the squared norm of every value, per head (two ``[T, H]`` fp32 buffers).
+2. ``_sample_kernel`` (one program per image, its rows in registers): the softmax of every head at once on a
+   ``[rows, heads]`` tile, the normalised significance ``S_j`` (CLS 0), then the sampling itself: one
+   ``tl.sort`` of 64-bit keys ``(score bits, row)`` (non-negative floats order as their bits, so this is the
+   reference's stable ascending sort), ``tl.cumsum``, min-max normalisation, the evenly spaced targets in
+   chunks of ``BLOCK_S`` against the whole CDF (``argmin`` keeps the first of equal distances, as
+   ``torch.argmin``), and the floor: a second sort of the unsampled patches by (descending score, row) whose
+   ``k``-th key is the cut. It writes every row's keep flag and the image's kept count.
 
 Same decisions as :func:`reference.pruners.ats.sample_keep` given the same scores, except where the CDF's fp32
 rounding decides: ``tl.cumsum`` adds in a tree, ``torch.cumsum`` in another order, and with peaked scores a target
@@ -50,35 +50,33 @@ def _image_rows(CU, b, total):
 
 @triton.jit(do_not_specialize=["total", "stride", "scale"])
 def _logits_kernel(
-    QKV, CU, LOGITS, VNORM, total, stride, scale,
+    QKV, CU, LOGITS, SQUARES, total, stride, scale,
     H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
+    h = tl.program_id(2)
     start, end = _image_rows(CU, b, total)
     offs_d = tl.arange(0, BLOCK_D)
     in_d = offs_d < D
-    cls_row = QKV + start.to(tl.int64) * stride  # q of the CLS row: the first H*D columns
+    q = tl.load(QKV + start.to(tl.int64) * stride + h * D + offs_d, mask=in_d & (end > start), other=0.0)
+    q = q.to(tl.float32)  # the CLS query of head h
     # Grid-stride loop over this image's row blocks: the grid's second axis is only a bound on the work.
     for t0 in range(start + tl.program_id(1) * BLOCK_T, end, tl.num_programs(1) * BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         in_t = t < end
-        rows = QKV + t.to(tl.int64)[:, None] * stride + offs_d[None, :]
+        head = QKV + t.to(tl.int64)[:, None] * stride + h * D + offs_d[None, :]
         mask = in_t[:, None] & in_d[None, :]
-        squares = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for h in range(H):
-            q = tl.load(cls_row + h * D + offs_d, mask=in_d, other=0.0).to(tl.float32)
-            k = tl.load(rows + (H + h) * D, mask=mask, other=0.0).to(tl.float32)
-            tl.store(LOGITS + t * H + h, tl.sum(k * q[None, :], axis=1) * scale, mask=in_t)
-            v = tl.load(rows + (2 * H + h) * D, mask=mask, other=0.0).to(tl.float32)
-            squares += tl.sum(v * v, axis=1)
-        tl.store(VNORM + t, tl.sqrt_rn(squares), mask=in_t)
+        k = tl.load(head + H * D, mask=mask, other=0.0).to(tl.float32)
+        tl.store(LOGITS + t * H + h, tl.sum(k * q[None, :], axis=1) * scale, mask=in_t)
+        v = tl.load(head + 2 * H * D, mask=mask, other=0.0).to(tl.float32)
+        tl.store(SQUARES + t * H + h, tl.sum(v * v, axis=1), mask=in_t)
 
 
 @triton.jit(do_not_specialize=["total", "num_samples", "min_keep"])
 def _sample_kernel(
-    LOGITS, VNORM, SCORES, CU, KEEP, KEPT, total, num_samples, min_keep,
+    LOGITS, SQUARES, SCORES, CU, KEEP, KEPT, total, num_samples, min_keep,
     H: tl.constexpr, FROM_LOGITS: tl.constexpr, SAMPLE: tl.constexpr, BLOCK_W: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     start, end = _image_rows(CU, b, total)
@@ -87,13 +85,15 @@ def _sample_kernel(
     in_image = offs < length
     is_patch = in_image & (offs > 0)
     if FROM_LOGITS:  # S_j = sum_h softmax_h(logits)[j] * ||V_j||, normalised over the image's patches
-        attn = tl.zeros([BLOCK_W], dtype=tl.float32)
-        for h in range(H):
-            logit = tl.load(LOGITS + (start + offs) * H + h, mask=in_image, other=0.0)
-            peak = tl.max(tl.where(in_image, logit, float("-inf")), 0)
-            e = tl.where(in_image, tl.exp(logit - peak), 0.0)
-            attn += e / tl.maximum(tl.sum(e, 0), 1.0)  # the peak adds exp(0) = 1; an empty image adds nothing
-        raw = tl.where(is_patch, attn * tl.load(VNORM + start + offs, mask=in_image, other=0.0), 0.0)
+        offs_h = tl.arange(0, BLOCK_H)
+        cells = (start + offs)[:, None] * H + offs_h[None, :]
+        mask = in_image[:, None] & (offs_h < H)[None, :]
+        logit = tl.load(LOGITS + cells, mask=mask, other=0.0)  # [W, heads]: every head's softmax at once
+        peak = tl.max(tl.where(mask, logit, float("-inf")), 0)
+        e = tl.where(mask, tl.exp(logit - peak[None, :]), 0.0)
+        attn = tl.sum(e / tl.maximum(tl.sum(e, 0), 1.0)[None, :], 1)  # the peak adds exp(0) = 1 per head
+        norm = tl.sqrt_rn(tl.sum(tl.load(SQUARES + cells, mask=mask, other=0.0), 1))
+        raw = tl.where(is_patch, attn * norm, 0.0)
         mass = tl.sum(raw, 0)
         score = tl.where(mass > 0, tl.math.div_rn(raw, tl.where(mass > 0, mass, 1.0)), 0.0)
     else:
@@ -150,7 +150,7 @@ def _aligned(*tensors: torch.Tensor) -> bool:
 def _sample_shape(max_seqlen: int) -> tuple[int, int, int]:
     """``BLOCK_W`` (rows of an image in registers), ``BLOCK_S`` (targets per step) and warps for a bound."""
     width = triton.next_power_of_2(max(max_seqlen, 16))
-    return width, max(8, min(64, 8192 // width)), 4 if width <= 256 else 8
+    return width, max(8, min(64, 16384 // width)), 8
 
 
 def _check_qkv(qkv: torch.Tensor, num_heads: int, scale: float) -> tuple[int, int]:
@@ -168,16 +168,16 @@ def _check_qkv(qkv: torch.Tensor, num_heads: int, scale: float) -> tuple[int, in
 def _logits(qkv: torch.Tensor, cu: torch.Tensor, heads: int, head_dim: int, scale: float, max_seqlen: int):
     total = qkv.shape[0]
     logits = torch.empty(total, heads, dtype=torch.float32, device=qkv.device)
-    vnorm = torch.empty(total, dtype=torch.float32, device=qkv.device)
+    squares = torch.empty(total, heads, dtype=torch.float32, device=qkv.device)
     block_d = triton.next_power_of_2(head_dim)
-    args = (qkv, cu, logits, vnorm, total, qkv.stride(0), float(scale), heads, head_dim, _BLOCK_T, block_d)
-    key = (qkv.dtype, heads, head_dim) if _aligned(qkv, cu, logits, vnorm) else None
-    grid = (cu.shape[0] - 1, triton.cdiv(max_seqlen, _BLOCK_T))
-    _logits_launcher(key, qkv.get_device(), grid, args, num_warps=4, num_stages=1)
-    return logits, vnorm
+    args = (qkv, cu, logits, squares, total, qkv.stride(0), float(scale), heads, head_dim, _BLOCK_T, block_d)
+    key = (qkv.dtype, heads, head_dim) if _aligned(qkv, cu, logits, squares) else None
+    grid = (cu.shape[0] - 1, triton.cdiv(max_seqlen, _BLOCK_T), heads)
+    _logits_launcher(key, qkv.get_device(), grid, args, num_warps=2, num_stages=1)
+    return logits, squares
 
 
-def _sample(logits, vnorm, scores, cu, max_seqlen, num_samples, min_keep, *, from_logits: bool, sample: bool):
+def _sample(logits, squares, scores, cu, max_seqlen, num_samples, min_keep, *, from_logits: bool, sample: bool):
     total = scores.shape[0]
     batch = cu.shape[0] - 1
     keep = torch.empty(total, dtype=torch.bool, device=scores.device) if sample else scores
@@ -185,10 +185,10 @@ def _sample(logits, vnorm, scores, cu, max_seqlen, num_samples, min_keep, *, fro
     heads = logits.shape[1]
     width, block_s, warps = _sample_shape(max_seqlen)
     args = (
-        logits, vnorm, scores, cu, keep.view(torch.int8) if sample else keep, kept, total, num_samples, min_keep,
-        heads, from_logits, sample, width, block_s,
+        logits, squares, scores, cu, keep.view(torch.int8) if sample else keep, kept, total, num_samples,
+        min_keep, heads, from_logits, sample, width, triton.next_power_of_2(heads), block_s,
     )  # fmt: skip
-    key = (heads, from_logits, sample, width) if _aligned(logits, vnorm, scores, cu, keep, kept) else None
+    key = (heads, from_logits, sample, width) if _aligned(logits, squares, scores, cu, keep, kept) else None
     _sample_launcher(
         key, scores.get_device(), (batch, 1), args, num_warps=warps, num_stages=1, enable_fp_fusion=False
     )
@@ -227,9 +227,9 @@ def ats_scores(
     heads, head_dim = _check_qkv(qkv, num_heads, scale)
     total = qkv.shape[0]
     cu = _check_sampling(cu_seqlens, total, qkv.device, max_seqlen, 1, 0, check_values)
-    logits, vnorm = _logits(qkv, cu, heads, head_dim, scale, max_seqlen)
+    logits, squares = _logits(qkv, cu, heads, head_dim, scale, max_seqlen)
     scores = torch.empty(total, dtype=torch.float32, device=qkv.device)
-    _sample(logits, vnorm, scores, cu, max_seqlen, 1, 0, from_logits=True, sample=False)
+    _sample(logits, squares, scores, cu, max_seqlen, 1, 0, from_logits=True, sample=False)
     return scores
 
 
@@ -263,7 +263,7 @@ def ats_keep(
     if not scores.is_contiguous():
         raise ValueError(f"scores must be contiguous, got strides {scores.stride()}")
     cu = _check_sampling(cu_seqlens, scores.shape[0], scores.device, max_seqlen, num_samples, min_keep, check_values)
-    none = scores.new_empty(0, 1)  # no logits, no value norms: the kernel reads the scores
+    none = scores.new_empty(0, 1)  # no logits, no squares of values: the kernel reads the scores
     return _sample(none, scores, scores, cu, max_seqlen, num_samples, min_keep, from_logits=False, sample=True)
 
 
@@ -288,7 +288,7 @@ def ats_select(
     samples = num_patches if pruner.num_samples is None else pruner.num_samples
     bound = num_patches + 1
     cu = _check_sampling(cu_seqlens, qkv.shape[0], qkv.device, bound, samples, pruner.min_keep, None)
-    logits, vnorm = _logits(qkv, cu, heads, head_dim, scale, bound)
-    # The scores stay in registers: the value norms stand in for the (unwritten) scores buffer.
-    keep, kept = _sample(logits, vnorm, vnorm, cu, bound, samples, pruner.min_keep, from_logits=True, sample=True)
+    logits, squares = _logits(qkv, cu, heads, head_dim, scale, bound)
+    # The scores stay in registers: the logits stand in for the (unwritten) scores buffer.
+    keep, kept = _sample(logits, squares, logits, cu, bound, samples, pruner.min_keep, from_logits=True, sample=True)
     return TokenSelection(keep, fixed_count=False, kept=kept)

@@ -1,0 +1,71 @@
+"""Device time of ATS's two decision kernels (GPU machine): ``python -m ci.ats_kernels``.
+
+DeiT-B shapes (12 heads of 64, 197 rows per image), fp16 qkv. For each batch size: the logits kernel, the sample
+kernel computing only the scores, the sample kernel sampling from given scores, and the whole ``ats_select``;
+each captured 50 times into one CUDA graph and replayed, so launch overhead is not counted. Prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from reference.pruners import ATSPruner
+from reference.segments import cu_seqlens_from_counts
+from triton_impl import ats
+
+
+def device_us(fn, repeats: int = 50, replays: int = 20) -> float:
+    """Mean device time of ``fn()`` in microseconds: ``repeats`` calls in one graph, replayed ``replays`` times."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeats):
+            fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (repeats * replays)
+
+
+def measure(batch: int, n: int, gen: torch.Generator) -> tuple[float, float, float, float]:
+    """Microseconds of the logits kernel, the scores-only sample kernel, sampling from scores, ``ats_select``."""
+    heads, head_dim = 12, 64
+    scale = head_dim**-0.5
+    lengths = torch.randint(n // 2, n + 1, (batch,), generator=gen)
+    cu = cu_seqlens_from_counts(lengths).cuda()
+    qkv = torch.randn(int(lengths.sum()), 3 * heads * head_dim, generator=gen).cuda().half()
+    scores = ats.ats_scores(qkv, cu, heads, scale, n)
+    logits, squares = ats._logits(qkv, cu, heads, head_dim, scale, n)
+    out = torch.empty_like(scores)
+    pruner = ATSPruner()
+    return (
+        device_us(lambda: ats._logits(qkv, cu, heads, head_dim, scale, n)),
+        device_us(lambda: ats._sample(logits, squares, out, cu, n, 1, 0, from_logits=True, sample=False)),
+        device_us(lambda: ats.ats_keep(scores, cu, n, n - 1, 8, check_values=False)),
+        device_us(lambda: ats.ats_select(pruner, qkv, cu, n - 1, heads, scale)),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default="1,4,64")
+    parser.add_argument("--tokens", type=int, default=197)
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    print(torch.cuda.get_device_name())
+    print("| B | logits | scores only | sample from scores | ats_select |")
+    print("|---|---|---|---|---|")
+    for batch in (int(b) for b in args.batches.split(",")):
+        times = measure(batch, args.tokens, gen)
+        print(f"| {batch} | " + " | ".join(f"{t:.1f}" for t in times) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
