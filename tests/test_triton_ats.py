@@ -33,15 +33,19 @@ def _cu(lengths, device="cpu"):
     return cu_seqlens_from_counts(torch.tensor(lengths)).to(device)
 
 
-def _dyadic_scores(cu, gen, peaked=False):
-    """Scores whose sums are exact in fp32 in any order: multiples of 1/16 (ties abound), or with ``peaked`` a
-    few of 2**10 among multiples of 2**-10; CLS rows hold garbage (the kernel must ignore them)."""
+def _dyadic_scores(cu, gen, kind="flat"):
+    """Scores whose CDF is the same in fp32 in any summation order; CLS rows hold garbage (the kernel must ignore
+    them). ``flat``: multiples of 1/16 (ties abound). ``peaked``: a few of 2**10 among multiples of 2**-10.
+    ``needle``: a few of 1 among multiples of 2**-40, whose sum rounds away next to any 1 (so every order gives
+    the same sums): targets far above the tiny CDF values see them all at the same rounded fp32 distance, and
+    ``argmin`` must take the first of them."""
     total = int(cu[-1])
-    if peaked:
-        scores = torch.randint(0, 4, (total,), generator=gen) * 2.0**-10
-        scores[torch.randperm(total, generator=gen)[: max(1, total // 40)]] = 2.0**10
-    else:
+    if kind == "flat":
         scores = torch.randint(0, 17, (total,), generator=gen) / 16
+    else:
+        tiny, big = (2.0**-10, 2.0**10) if kind == "peaked" else (2.0**-40, 1.0)
+        scores = torch.randint(0, 4, (total,), generator=gen) * tiny
+        scores[torch.randperm(total, generator=gen)[: max(1, total // 40)]] = big
     scores[cu[:-1].long().clamp(max=max(total - 1, 0))] = 7.5
     return scores.float()
 
@@ -70,10 +74,10 @@ def _reference_scores(qkv, cu, heads, scale):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("lengths", list(LENGTHS.values()), ids=list(LENGTHS))
-@pytest.mark.parametrize("peaked", [False, True], ids=["flat", "peaked"])
-def test_keep_equals_reference_on_exact_cdf_interpreter(lengths, peaked, gen):
+@pytest.mark.parametrize("kind", ["flat", "peaked", "needle"])
+def test_keep_equals_reference_on_exact_cdf_interpreter(lengths, kind, gen):
     cu = _cu(lengths)
-    scores = _dyadic_scores(cu, gen, peaked)
+    scores = _dyadic_scores(cu, gen, kind)
     for num_samples, min_keep in ((196, 8), (40, 0), (3, 8), (1, 30)):  # small ones: the floor tops up
         _check_exact(scores, cu, 197, num_samples, min_keep)
 
@@ -162,12 +166,12 @@ def test_bad_input_raises_before_launch(index, forbid_launch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(1, 197), (64, 197), (16, 577)])
-@pytest.mark.parametrize("peaked", [False, True], ids=["flat", "peaked"])
-def test_keep_equals_reference_on_exact_cdf_gpu(shape, peaked, gen):
+@pytest.mark.parametrize("kind", ["flat", "peaked", "needle"])
+def test_keep_equals_reference_on_exact_cdf_gpu(shape, kind, gen):
     batch, n = shape
     lengths = torch.randint(1, n + 1, (batch,), generator=gen).tolist()
     cu = _cu(lengths, "cuda")
-    scores = _dyadic_scores(cu.cpu(), gen, peaked).cuda()
+    scores = _dyadic_scores(cu.cpu(), gen, kind).cuda()
     for num_samples, min_keep in ((n - 1, 8), (40, 0), (3, 8)):
         _check_exact(scores, cu, n, num_samples, min_keep)
 
