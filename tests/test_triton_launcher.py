@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+import triton
+import triton.language as tl
 
 from triton_impl import launcher
 
@@ -39,3 +41,23 @@ def test_interpreter_never_caches(device):
     ta.ragged_attention_qkv(qkv, cu, 5, 1)
     ta.ragged_attention_qkv(qkv, cu, 5, 1)
     assert ta._launcher.cache_size() == 0
+
+
+@triton.jit
+def _program_ids(OUT):
+    x, y, z = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    flat = (x * tl.num_programs(1) + y) * tl.num_programs(2) + z
+    tl.store(OUT + flat, flat)
+
+
+def test_cached_launch_covers_every_grid_dimension(device):
+    """The cached launch must pass the whole grid: a 3-D grid once ran its cached launches on z = 0 only."""
+    import torch
+
+    run = launcher.CompiledLauncher(_program_ids)
+    grid = (2, 3, 4)
+    for call in range(3):  # the first call compiles, the later ones take the cached handle (on a GPU)
+        out = torch.full((24,), -1, dtype=torch.int32, device=device)
+        run(("ids",), out.get_device() if out.is_cuda else 0, grid, (out,), num_warps=1, num_stages=1)
+        assert torch.equal(out.cpu(), torch.arange(24, dtype=torch.int32)), f"call {call}"
+    assert run.cache_size() == (1 if device == "cuda" else 0)

@@ -56,22 +56,22 @@ class CompiledLauncher:
         self,
         key: Hashable | None,
         device: int,
-        grid: tuple[int, int],
+        grid: tuple[int, ...],
         args: Sequence[object],
         *,
         num_warps: int,
         num_stages: int,
         **options: object,
     ) -> None:
-        """Launches ``kernel[grid](*args)`` on CUDA device ``device`` (the current one, as Triton requires);
-        ``args`` holds every parameter, constexprs included, in signature order; ``options`` are further compile
-        options (e.g. ``enable_fp_fusion=False``), the same on every call of one launcher."""
+        """Launches ``kernel[grid](*args)`` (a grid of 1 to 3 dimensions) on CUDA device ``device`` (the current
+        one, as Triton requires); ``args`` holds every parameter, constexprs included, in signature order;
+        ``options`` are further compile options (e.g. ``enable_fp_fusion=False``), the same on every call of one
+        launcher."""
         compiled = self._compiled.get((device, key)) if key is not None else None
         if compiled is not None and not _hooks_installed():
             stream = _raw_stream(device) if _raw_stream else torch.cuda.current_stream(device).cuda_stream
-            compiled.run(
-                grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args
-            )
+            gx, gy, gz = (*grid, 1, 1)[:3]
+            compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
             return
         if _INTERPRETED:
             options = {}  # the interpreter computes in numpy: no compile options, no FMA contraction
