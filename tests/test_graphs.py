@@ -24,7 +24,7 @@ from timm.models.vision_transformer import VisionTransformer
 
 from pipelines import PrunedViT, build_pipeline
 from pipelines.buckets import Step, TokenBuckets, padding_images, plan_segments
-from pipelines.graphs import GraphedPrunedViT
+from pipelines.graphs import AUTO_SYNC_FREE_ROWS, GraphedPrunedViT
 from reference.pruners import make_pruner
 from triton_impl import pack as triton_pack
 
@@ -147,6 +147,16 @@ def test_seqlen_bound(longest, tokens, expected):
 def test_buckets_reject_bad_settings(kwargs, error):
     with pytest.raises(error):
         TokenBuckets(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "case,rows", [("ats", AUTO_SYNC_FREE_ROWS), ("threshold_l2", 0)], ids=["several-stages", "one-stage"]
+)
+def test_default_buckets_skip_reads_only_for_several_variable_stages(case, rows):
+    runner = GraphedPrunedViT(tiny_pipeline(VARIABLE[case]))
+    assert runner.buckets == TokenBuckets(sync_free_rows=rows)
+    given = TokenBuckets(step=8)
+    assert GraphedPrunedViT(tiny_pipeline(VARIABLE[case]), given).buckets is given
 
 
 def test_sync_free_rows_and_padding_images():
