@@ -77,7 +77,7 @@ from pipelines.packed_block import (
     packed_blocks,
     packed_mlp,
 )
-from reference.segments import seqlens, uniform_cu_seqlens
+from reference.segments import uniform_cu_seqlens
 from reference.validation import check_int
 from triton_impl import pack as triton_pack
 
@@ -137,21 +137,25 @@ class _Buffers:
         self.images = torch.empty((batch, channels, *pipeline.image_size), dtype=dtype, device=device)
         self.logits = torch.empty((batch, width), dtype=dtype, device=device)
         self.counts = torch.zeros((batch, pipeline.num_stages), dtype=torch.long, device=device)
-        # Variable counts: the state at a decision, two sides (segment j reads side (j-1) % 2, writes side j % 2).
+        # Variable counts: the state at a decision, two sides (segment j reads side (j-1) % 2, writes side j % 2),
+        # and the offsets of every segment (row j: segment j's images; the last segment turns rows 1.. into counts).
         self.x: tuple[torch.Tensor, ...] = ()  # [B*N, C]: the residual stream in its first rows (NaN until written)
         self.keep: tuple[torch.Tensor, ...] = ()  # bool [B*N]
-        self.cu: tuple[torch.Tensor, ...] = ()  # int32 [B+1]
+        self.cu: torch.Tensor | None = None  # int32 [stages + 1, B+1]
         self.stats: torch.Tensor | None = None  # int64 [2]: kept total and longest image of the last decision
+        self.pad_steps: torch.Tensor | None = None  # int32 [B]: N, 2N, ..., B*N (padding images' offsets)
         if variable:
             rows, sides = batch * tokens, range(2)
             self.x = tuple(torch.full((rows, model.embed_dim), float("nan"), dtype=dtype, device=device) for _ in sides)
             self.keep = tuple(torch.zeros(rows, dtype=torch.bool, device=device) for _ in sides)
-            self.cu = tuple(torch.zeros(batch + 1, dtype=torch.int32, device=device) for _ in sides)
+            self.cu = torch.zeros((pipeline.num_stages + 1, batch + 1), dtype=torch.int32, device=device)
             self.stats = torch.zeros(2, dtype=torch.long, device=device)
+            # At most B padding images: padding_images(B * N, B, N) = ceil((B*N - B) / N) <= B.
+            self.pad_steps = torch.arange(1, batch + 1, dtype=torch.int32, device=device) * tokens
 
     def nbytes(self) -> int:
-        tensors = [self.images, self.logits, self.counts, *self.x, *self.keep, *self.cu]
-        tensors += [self.stats] if self.stats is not None else []
+        tensors = [self.images, self.logits, self.counts, *self.x, *self.keep]
+        tensors += [t for t in (self.cu, self.stats, self.pad_steps) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -383,14 +387,13 @@ class GraphedPrunedViT:
         else:
             side = (index - 1) % 2
             x, cu, _ = triton_pack.repack(
-                bufs.x[side], bufs.cu[side], bufs.keep[side], tokens, capacity=capacity, check_values=False
+                bufs.x[side], bufs.cu[index - 1], bufs.keep[side], tokens, capacity=capacity, check_values=False
             )  # [capacity, C]; rows from cu[-1] on are not written
-            bufs.counts[:, index - 1].copy_(seqlens(cu) - 1)
+            bufs.cu[index].copy_(cu)
             if pads == 1:
                 attn_cu = F.pad(cu, (0, 1), value=capacity)  # int32 [B+2]: the padding image owns [total, capacity)
             else:  # int32 [B+1+pads]: padding images of N rows from the total on, the last ones clamped (or empty)
-                ends = cu[-1:] + torch.arange(1, pads + 1, device=cu.device, dtype=cu.dtype) * tokens
-                attn_cu = torch.cat([cu, ends.clamp_(max=capacity)])
+                attn_cu = torch.cat([cu, (cu[-1:] + bufs.pad_steps[:pads]).clamp_(max=capacity)])
         qkv = None
         compiled = pipeline.compile_blocks
         run_blocks = compiled_blocks() if compiled else packed_blocks
@@ -408,6 +411,7 @@ class GraphedPrunedViT:
                 x = mlp_half(block, x)
         if index == len(self._plan.segments) - 1:
             bufs.logits.copy_(pipeline._head(x.index_select(0, cu[:-1])))
+            bufs.counts.copy_((bufs.cu[1:, 1:] - bufs.cu[1:, :-1] - 1).t())  # rows after each stage, CLS excluded
             return
         sel = pipeline.decide(pipeline._stages[index], x, attn_cu, tokens - 1, qkv)
         if sel.extra_token is not None:
@@ -422,7 +426,8 @@ class GraphedPrunedViT:
         side = index % 2
         bufs.x[side][:rows].copy_(x)
         bufs.keep[side][:rows].copy_(sel.keep)
-        bufs.cu[side].copy_(cu)
+        if index == 0:
+            bufs.cu[0].copy_(cu)  # later segments wrote theirs when they repacked
 
 
 def _check_capturable(pipeline: PrunedViT) -> None:
