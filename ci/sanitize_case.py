@@ -1,15 +1,36 @@
 """A representative pack -> attention -> repack -> unpack sequence for ``compute-sanitizer --tool memcheck``.
 
 Run on the GPU machine from the repo root: ``compute-sanitizer --tool memcheck python -m ci.sanitize_case``.
-Mixed lengths (1..577), a fused extra token, a capacity-bounded repack and a too-small capacity, fp16 and bf16.
+Mixed lengths (1..577), a fused extra token, a capacity-bounded repack and a too-small capacity, fp16 and bf16;
+then the pruners' decision kernels (Threshold-L2, ATS) on the same kind of batch, with an image longer than the
+bound, empty images and NaN rows.
 """
 
 from __future__ import annotations
 
 import torch
 
+from reference.pruners import ATSPruner
+from reference.segments import cu_seqlens_from_counts
+from triton_impl import ats
 from triton_impl import attention as ta
 from triton_impl import pack as tp
+from triton_impl import threshold_l2 as tl2
+
+
+def decisions(device: str, gen: torch.Generator) -> None:
+    """Threshold-L2 and ATS decisions on ragged images (0..700 rows: one past the 577-row bound), NaN rows."""
+    lengths = torch.tensor([0, 1, 2, 197, 577, 700, 64])
+    cu = cu_seqlens_from_counts(lengths).to(device)
+    total = int(lengths.sum())
+    qkv = torch.randn(total, 3 * 768, generator=gen).to(device, torch.float16)
+    qkv[torch.randperm(total, generator=gen)[:5]] = float("nan")
+    scores = tl2.l2_scores(qkv[:, :768])
+    tl2.threshold_l2_keep(scores, cu, 577, rate=0.5)
+    tl2.threshold_l2_keep(scores, cu, 577, threshold=float(scores.nanmedian()), min_keep=8)
+    for pruner in (ATSPruner(), ATSPruner(num_samples=1000, min_keep=600)):
+        ats.ats_select(pruner, qkv, cu, 576, 12, 0.125)
+    ats.ats_keep(ats.ats_scores(qkv, cu, 12, 0.125, 577), cu, 577, 576, 8)
 
 
 def main() -> None:
@@ -32,6 +53,7 @@ def main() -> None:
         for d in (32, 128):
             q = torch.randn(tokens.shape[0], 4, d, generator=gen).to("cuda", dtype)
             ta.ragged_attention(q, q, q, cu, bound)
+    decisions("cuda", gen)
     torch.cuda.synchronize()
     print("sanitize case finished")
 

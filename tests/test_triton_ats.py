@@ -123,6 +123,27 @@ def test_select_matches_pruner_interpreter(gen):
 
 
 @pytest.mark.interpreter
+def test_more_targets_than_rows_interpreter(gen):
+    """``num_samples`` above the register width: the targets are searched in several chunks."""
+    cu = _cu((197, 60))
+    for kind in ("flat", "needle"):
+        _check_exact(_dyadic_scores(cu, gen, kind), cu, 197, 600, 8)
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_nan_scores_stay_in_bounds_interpreter(gen):
+    """NaN scores (garbage rows) decide nothing sensible, but every write stays inside its image and the counts
+    match the mask."""
+    cu = _cu((70, 5, 33))
+    scores = torch.rand(108, generator=gen)
+    scores[torch.randperm(108, generator=gen)[:9]] = float("nan")
+    keep, kept = ats.ats_keep(scores, cu, 70, 69, 8)
+    assert keep[cu[:-1].long()].all()
+    assert torch.equal(kept.long(), _kept_counts(keep, cu))
+
+
+@pytest.mark.interpreter
 def test_rows_past_the_bound_are_never_kept_interpreter(gen):
     cu = _cu((40, 10))
     scores = torch.rand(50, generator=gen)
