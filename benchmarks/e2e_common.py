@@ -139,12 +139,17 @@ ROW_LABELS: dict[str, str] = {
     "fa2_varlen_graphed": "FA2 varlen + CUDA graphs (pipelines.graphs)",
     "padded_graphed": "padded (fair) + CUDA graphs (pipelines.graphs)",
     "triton_graphed_compiled": "ours: Triton ragged + CUDA graphs + torch.compile of the blocks (compile_blocks)",
+    "public_compiled": (
+        'public APIs only: timm blocks on gathered tokens (fixed counts) or on all N with a key mask (variable), '
+        'decisions replayed, torch.compile(mode="reduce-overhead")'
+    ),
 }
 UNPRUNED_ROWS = ("timm_eager", "timm_compiled", "timm_compiled_gemm")
 EAGER_ROWS = ("padded", "padded_full", "fa2_varlen", "nested_sdpa", "triton")
 GRAPHED_ROWS = ("triton_graphed", "fa2_varlen_graphed", "padded_graphed", "triton_graphed_compiled")
-COMPILED_ROWS = ("timm_compiled", "timm_compiled_gemm", "triton_graphed_compiled")  # tens of seconds to build
-ALL_ROWS = (*UNPRUNED_ROWS, *EAGER_ROWS, *GRAPHED_ROWS)
+PUBLIC_ROWS = ("public_compiled",)  # benchmarks.public_peer
+COMPILED_ROWS = ("timm_compiled", "timm_compiled_gemm", "triton_graphed_compiled", "public_compiled")  # slow to build
+ALL_ROWS = (*UNPRUNED_ROWS, *EAGER_ROWS, *GRAPHED_ROWS, *PUBLIC_ROWS)
 
 
 def workload_kind(workload: str, keep_rate: float) -> str:

@@ -49,6 +49,7 @@ ROW_SHORT = {
     "fa2_varlen_graphed": "FA2 + graphs",
     "padded_graphed": "padded + graphs",
     "triton_graphed_compiled": "Triton + graphs + compile",
+    "public_compiled": "public APIs + reduce-overhead",
 }
 ROW_ORDER = tuple(ROW_SHORT)
 OURS = ("triton", "triton_graphed", "triton_graphed_compiled")

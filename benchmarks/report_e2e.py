@@ -83,6 +83,7 @@ from benchmarks.e2e_common import (
     write_json,
 )
 from benchmarks.e2e_stages import stage_breakdown
+from benchmarks.public_peer import PublicPrunedViT, dense_plan
 from benchmarks.timing import describe, graph_time
 from benchmarks.workloads import make_workload
 from pipelines.model import PrunedViT
@@ -304,6 +305,8 @@ class Runner:
         """Builds the row's pipeline and checks it against the fp32 reference (see the module docstring)."""
         if task.workload == "none":
             return self._prepare_unpruned(task)
+        if task.row == "public_compiled":
+            return self._prepare_public(task)
         if task.row in GRAPHED_ROWS:
             return self._prepare_graphed(task)
         return self._prepare_pruned(task)
@@ -311,7 +314,7 @@ class Runner:
     # -- unpruned -------------------------------------------------------------------------------------------
 
     def _prepare_unpruned(self, task: Task) -> Prepared:
-        lab, device = self.lab, self.lab.device
+        lab = self.lab
         ref = lab.reference(task.model, "none", 1.0, task.batch)
         model = lab.model(task.model)
         eager = self._forward(model, ref.images[0])
@@ -321,9 +324,28 @@ class Runner:
             entry["check"] = check_logits(eager, ref.logits, bound).to_dict()
             calls = [functools.partial(model, img) for img in ref.images]
             return Prepared(entry, calls, context=torch.no_grad, capturable=True)
+        self._check_reduce_overhead(task)
+        if task.row == "timm_compiled_gemm":  # pruning's own share: the same embedding as the pipelines
+            model = with_gemm_patch_embed(model)
+        return self._reduce_overhead(task, model, [(img,) for img in ref.images], ref.logits, bound, entry)
+
+    def _check_reduce_overhead(self, task: Task) -> None:
         self._check_compile_allowed(task)
-        if device.type != "cuda":
+        if self.lab.device.type != "cuda":
             raise Unavailable('mode="reduce-overhead" needs CUDA graphs (a CUDA device)')
+
+    def _reduce_overhead(
+        self,
+        task: Task,
+        module: torch.nn.Module,
+        inputs: list[tuple],
+        ref_logits: torch.Tensor,
+        bound: float,
+        entry: dict,
+    ) -> Prepared:
+        """``module`` under ``torch.compile(mode="reduce-overhead")``, one forward per input set (``inputs[i]``:
+        its arguments), checked on the first against ``ref_logits`` (callers check first that it may run)."""
+        device = self.lab.device
 
         def cleanup() -> None:
             torch._dynamo.reset()  # frees the compiled graphs and their CUDA-graph pool
@@ -331,22 +353,21 @@ class Runner:
 
         cleanup()
         skips_before = _cudagraph_skips()
-        if task.row == "timm_compiled_gemm":  # pruning's own share: the same embedding as the pipelines
-            model = with_gemm_patch_embed(model)
         try:
-            compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
+            compiled = torch.compile(module, mode="reduce-overhead", dynamic=False)
             firsts = []
-            for img in ref.images:  # compile; record the CUDA graph; first replays
+            for args in inputs:  # compile; record the CUDA graph; first replays
                 sync(device)
                 t0 = time.perf_counter()
                 with torch.no_grad():
-                    compiled(img)
+                    compiled(*args)
                 sync(device)
                 firsts.append(round(time.perf_counter() - t0, 3))
             entry.update(compile_s=firsts[0], first_calls_s=firsts)
             entry["cudagraph_skips"] = _cudagraph_skips() - skips_before  # > 0: it ran without CUDA graphs
-            print(f"\n  compiled {task.model} B={task.batch}: {firsts[0]:.1f} s", file=sys.stderr, flush=True)
-            check = check_logits(self._forward(compiled, ref.images[0]), ref.logits, bound)
+            built = f"{task.row} {task.model} B={task.batch}: {firsts[0]:.1f} s"
+            print(f"\n  compiled {built}", file=sys.stderr, flush=True)
+            check = check_logits(self._forward(compiled, *inputs[0]), ref_logits, bound)
         except Exception as exc:  # a compile failure is a result
             cleanup()
             entry.update(status="failed", reason=f"torch.compile failed: {describe(exc)}")
@@ -357,7 +378,7 @@ class Runner:
             entry.update(status="failed", reason=check.reason)
             return Prepared(entry)
         entry["graph_reason"] = "reduce-overhead replays CUDA graphs itself"
-        calls = [functools.partial(compiled, img) for img in ref.images]
+        calls = [functools.partial(compiled, *args) for args in inputs]
         return Prepared(entry, calls, context=torch.no_grad, cleanup=cleanup)
 
     def _check_compile_allowed(self, task: Task) -> None:
@@ -411,6 +432,28 @@ class Runner:
             )
         calls = forward_calls(pv, ref, WORKLOADS[task.workload].replayed)
         return Prepared(entry, calls, capturable=capturable, pipeline=pv)
+
+    def _prepare_public(self, task: Task) -> Prepared:
+        """The public-API peer (:mod:`benchmarks.public_peer`) on the reference's decisions, replayed."""
+        self._check_reduce_overhead(task)
+        lab = self.lab
+        ref = lab.reference(task.model, task.workload, task.keep_rate, task.batch)
+        tokens = lab.num_patches(task.model) + 1
+        gather = workload_kind(task.workload, task.keep_rate) == "fixed"
+        pv = lab.pipeline(task.model, task.workload, task.keep_rate, backend_for("padded", tokens))
+        try:
+            plans = [dense_plan(sels, task.batch, tokens, gather) for sels in ref.selections]
+        except ValueError as exc:
+            raise Unavailable(str(exc)) from exc
+        entry: dict = {
+            "counts": ref.counts,
+            "workload_desc": WORKLOADS[task.workload].description,
+            "layout": "gather (fixed counts)" if gather else "pad to N + key mask (variable counts)",
+        }
+        peer = PublicPrunedViT(pv.model, pv.pruner, gather)
+        inputs = [(img, *plans[i % len(plans)]) for i, img in enumerate(ref.images)]  # images[0]'s decisions
+        bound = error_bound(ref.logits, ref.floor, lab.dtype)
+        return self._reduce_overhead(task, peer, inputs, ref.logits, bound, entry)
 
     def _prepare_graphed(self, task: Task) -> Prepared:
         if not self.s.graphed:

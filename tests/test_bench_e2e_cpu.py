@@ -132,7 +132,7 @@ def test_report_e2e_dry_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture
             "--workloads",
             "l2_ratio,synthetic",
             "--rows",
-            "timm_eager,padded,padded_full",
+            "timm_eager,padded,padded_full,public_compiled",
             "--out",
             str(tmp_path),
         ]  # fmt: skip
@@ -146,6 +146,8 @@ def test_report_e2e_dry_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture
     for key in [("none", "timm_eager"), ("l2_ratio", "padded"), ("synthetic", "padded_full")]:
         assert rows[key]["status"] == "ok", rows[key]
         assert rows[key]["img_per_s"] > 0 and rows[key]["check"]["ok"]
+    public = rows[("synthetic", "public_compiled")]
+    assert public["status"] == "unavailable" and "CUDA" in public["reason"], public
     assert rows[("synthetic", "padded")]["workload_kind"] == "ragged"
     assert rows[("synthetic", "padded")]["counts"]["stages"] == 1
     stages = json.loads((tmp_path / "table4-quick.json").read_text())["rows"]
@@ -409,3 +411,20 @@ def test_run_bench_command(tmp_path: Path) -> None:
     assert f"--benchmark-storage={storage}" in cmd and "--benchmark-save=quick-abc" in cmd
     assert cmd[-3:] == ["--benchmark-compare", "--benchmark-compare-fail=median:25%", "-x"]
     assert "--benchmark-compare" not in run_bench.pytest_command(storage, "n", False, 25.0, [])
+
+
+@pytest.mark.parametrize("workload", ["l2_ratio", "synthetic"])
+def test_public_row_replays_the_reference_decisions(lab: Lab, workload: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The public-API row's plumbing on the CPU (the compile itself needs CUDA): its inputs reproduce the reference
+    logits when run eagerly, gathering for fixed counts and masking for ragged ones."""
+    runner = report_e2e.Runner(lab, report_e2e.Settings.make(quick=True))
+    seen = {}
+    monkeypatch.setattr(runner, "_check_reduce_overhead", lambda task: None)
+    monkeypatch.setattr(runner, "_reduce_overhead", lambda task, module, inputs, ref, bound, entry: seen.update(
+        module=module, inputs=inputs, ref=ref, bound=bound, entry=entry))  # fmt: skip
+    runner._prepare_public(report_e2e.Task("table3", TINY, workload, 0.5, 2, "public_compiled"))
+    assert seen["module"].gather == (workload == "l2_ratio")
+    assert seen["entry"]["layout"].startswith("gather" if workload == "l2_ratio" else "pad to N")
+    with torch.no_grad():
+        out = seen["module"](*seen["inputs"][0])
+    assert (out.float() - seen["ref"]).abs().max().item() <= seen["bound"]

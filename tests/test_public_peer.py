@@ -1,0 +1,66 @@
+"""benchmarks.public_peer: the public-API pruned forward equals the reference pipeline on the same decisions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from timm.models.vision_transformer import VisionTransformer
+
+from benchmarks.public_peer import PublicPrunedViT, dense_plan
+from pipelines import PrunedViT
+from reference.pruners import make_pruner
+from reference.selection import TokenSelection
+
+PRUNERS = {
+    "threshold_l2_ratio": (lambda: make_pruner("threshold_l2", mode="ratio", rate=0.5, block=1), True),
+    "dynamicvit": (lambda: make_pruner("dynamicvit", embed_dim=64, rate=0.7, blocks=(1, 3)), True),
+    "evit": (lambda: make_pruner("evit", rate=0.6, blocks=(1, 3)), True),
+    "ats": (lambda: make_pruner("ats", blocks=(1, 2, 3, 4, 5), num_samples=12, min_keep=2), False),
+    "threshold_l2_calibrated": (
+        lambda: make_pruner("threshold_l2", mode="calibrated", rate=0.5, min_keep=1, block=1),
+        False,
+    ),
+}
+
+
+def _pipeline(factory) -> PrunedViT:
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=6, num_heads=2, num_classes=10)
+        pruner = factory()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.qkv.weight.mul_(8.0)  # peaked attention: ATS keeps a different count per image
+    pv = PrunedViT(model, pruner, "reference").eval()
+    if getattr(pruner, "mode", None) == "calibrated":
+        pv.calibrate(torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(9)))
+    return pv
+
+
+@pytest.mark.parametrize("name", list(PRUNERS))
+def test_public_peer_matches_the_pipeline_on_its_decisions(name):
+    factory, gather = PRUNERS[name]
+    pv = _pipeline(factory)
+    g = torch.Generator().manual_seed(3)
+    images = torch.randn(4, 3, 32, 32, generator=g) * torch.linspace(0.1, 3.0, 4)[:, None, None, None]
+    with torch.no_grad():
+        ref = pv.run(images)
+        plan = dense_plan(ref.selections, 4, 17, gather)
+        logits = PublicPrunedViT(pv.model, pv.pruner, gather)(images, *plan)
+    torch.testing.assert_close(logits, ref.logits, atol=1e-5, rtol=1e-5)
+    if not gather:  # the key masks keep exactly the counted patches (and CLS)
+        assert torch.equal(torch.stack([m.sum(1) - 1 for m in plan], 1), ref.counts)
+    if name == "ats":
+        assert len(set(ref.counts[:, -1].tolist())) > 1, "the images should keep different counts"
+
+
+def test_dense_plan_refuses_what_it_cannot_express():
+    keep = torch.tensor([True, True, False, True, True, True])
+    with pytest.raises(ValueError, match="extra token"):
+        dense_plan([TokenSelection(keep, True, 2, extra_token=torch.zeros(2, 4))], 2, 3, True)
+    with pytest.raises(ValueError, match="different counts"):
+        dense_plan([TokenSelection(keep, False)], 2, 3, True)
+    with pytest.raises(ValueError, match="rows"):
+        dense_plan([TokenSelection(keep, False)], 2, 4, False)
+    with pytest.raises(ValueError, match="none"):
+        dense_plan([], 2, 3, False)
