@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU suite, in one call on the device machine (no nox there): card facts, GPU tests, compute-sanitizer
 # memcheck on a representative case, then whatever extra steps are named (tune, bench-quick, bench).
-# Usage: bash ci/gpu_suite.sh [tests] [sanitize] [tune|tune-quick] [bench|bench-quick] [pipelines]
+# Usage: bash ci/gpu_suite.sh [tests] [sanitize] [tune|tune-quick] [bench|bench-quick] [dispatch] [profile]
+#        [table3-small] [forward-profile] [ats-kernels]
+# Set RAGGED_BENCH_COMMIT to the commit's short sha for the e2e steps (the device copy has no .git).
 # Results go under $OUT (default /tmp/ragged-vit-out).
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -28,6 +30,11 @@ for step in "${steps[@]}"; do
                    --section LaunchStats -k regex:_ragged -s 2 -c 1 "$PY" -m ci.profile_attention --batch $1 --pruned $2 \
                    > "$OUT/ncu_B$1_p$2.txt" 2>&1; grep -E "Duration|Throughput|Pipe|Issue|Stall|Occupancy|Registers|Shared" "$OUT/ncu_B$1_p$2.txt" | head -40
              done ;;
+    table3-small) "$PY" -m benchmarks.report_e2e --part table3 --batches 1,4,64 --tag b1-4-64 --out "$OUT" \
+                    --max-minutes 8 2>&1 | grep -v Warning | tee "$OUT/table3.log" | tail -60 ;;
+    forward-profile) "$PY" -m ci.forward_profile --compile-blocks --workloads l2_calibrated,ats \
+                       --out "$OUT/forward_profile.json" 2>&1 | grep "^|" ;;
+    ats-kernels) "$PY" -m ci.ats_kernels 2>&1 | tail -5 ;;
     *) echo "unknown step: $step"; status=2 ;;
   esac
 done
