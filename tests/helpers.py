@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import torch
+from timm.models.vision_transformer import VisionTransformer
+
+from pipelines import PrunedViT
 
 #: Pruner cases of the pipeline tests: name -> (pruner, options); "evit_fused" is EViT with its fused token.
 PRUNER_CASES = {
@@ -23,3 +26,23 @@ class no_tf32:  # noqa: N801 - used like a function: ``with no_tf32():``
 
     def __exit__(self, *_: object) -> None:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = self.saved
+
+
+def tiny_pipeline(pruner_factory, backend: str = "reference") -> PrunedViT:
+    """A 6-block ViT on 32x32 images (16 patches + CLS) with seeded weights, its pruner from ``pruner_factory``;
+    its qkv weights are scaled up so that attention is peaked and ATS keeps a different count per image
+    (near-uniform attention at random init makes it keep the same count)."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=6, num_heads=2, num_classes=10)
+        pruner = pruner_factory()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.qkv.weight.mul_(8.0)
+    return PrunedViT(model, pruner, backend)
+
+
+def tiny_images(n: int, seed: int) -> torch.Tensor:
+    """Images of increasing contrast for :func:`tiny_pipeline`: the pruners keep different counts per image."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 32, 32, generator=g) * torch.linspace(0.1, 3.0, n)[:, None, None, None]

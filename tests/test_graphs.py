@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from timm.models.vision_transformer import VisionTransformer
 
 from pipelines import PrunedViT, build_pipeline
 from pipelines.buckets import Step, TokenBuckets, padding_images, plan_segments
 from pipelines.graphs import AUTO_SYNC_FREE_ROWS, GraphedPrunedViT
 from reference.pruners import make_pruner
+from tests.helpers import tiny_images, tiny_pipeline
 from triton_impl import pack as triton_pack
 
 TOKENS = 17  # the tiny ViT: 16 patches + CLS
@@ -41,25 +41,6 @@ FIXED = {
 }
 FP32 = {"atol": 1e-5, "rtol": 1e-5}
 
-
-
-def tiny_pipeline(pruner_factory, backend: str = "reference") -> PrunedViT:
-    """The tiny ViT with seeded weights; its qkv weights are scaled up so that attention is peaked and ATS keeps
-    a different count per image (near-uniform attention at random init makes it keep the same count)."""
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=6, num_heads=2, num_classes=10)
-        pruner = pruner_factory()
-    with torch.no_grad():
-        for block in model.blocks:
-            block.attn.qkv.weight.mul_(8.0)
-    return PrunedViT(model, pruner, backend)
-
-
-def tiny_images(n: int, seed: int) -> torch.Tensor:
-    """Images of increasing contrast: the pruners keep different counts per image."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 3, 32, 32, generator=g) * torch.linspace(0.1, 3.0, n)[:, None, None, None]
 
 
 def calibrated(pv: PrunedViT) -> PrunedViT:

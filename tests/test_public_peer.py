@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from timm.models.vision_transformer import VisionTransformer
 
 from benchmarks.public_peer import PublicPrunedViT, dense_plan
 from pipelines import PrunedViT
 from reference.pruners import make_pruner
 from reference.selection import TokenSelection
+from tests.helpers import tiny_images, tiny_pipeline
 
 PRUNERS = {
     "threshold_l2_ratio": (lambda: make_pruner("threshold_l2", mode="ratio", rate=0.5, block=1), True),
@@ -24,16 +24,9 @@ PRUNERS = {
 
 
 def _pipeline(factory) -> PrunedViT:
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        model = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=6, num_heads=2, num_classes=10)
-        pruner = factory()
-    with torch.no_grad():
-        for block in model.blocks:
-            block.attn.qkv.weight.mul_(8.0)  # peaked attention: ATS keeps a different count per image
-    pv = PrunedViT(model, pruner, "reference").eval()
-    if getattr(pruner, "mode", None) == "calibrated":
-        pv.calibrate(torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(9)))
+    pv = tiny_pipeline(factory).eval()
+    if getattr(pv.pruner, "mode", None) == "calibrated":
+        pv.calibrate(tiny_images(8, 9))
     return pv
 
 
@@ -41,8 +34,7 @@ def _pipeline(factory) -> PrunedViT:
 def test_public_peer_matches_the_pipeline_on_its_decisions(name):
     factory, gather = PRUNERS[name]
     pv = _pipeline(factory)
-    g = torch.Generator().manual_seed(3)
-    images = torch.randn(4, 3, 32, 32, generator=g) * torch.linspace(0.1, 3.0, 4)[:, None, None, None]
+    images = tiny_images(4, 3)
     with torch.no_grad():
         ref = pv.run(images)
         plan = dense_plan(ref.selections, 4, 17, gather)
