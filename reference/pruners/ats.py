@@ -53,9 +53,10 @@ def inverse_transform_sample(
     start = cdf.masked_fill(cdf <= 0, inf).amin(dim=1, keepdim=True).clamp(max=1.0)  # smallest non-zero value
     # With CDF steps of ~1e-9 (peaked scores) the fp32 distances round to ties, so which target picks which patch
     # depends on how the targets round. The official code's targets ``start + (linspace(0, 1, S) * (S - 1) -
-    # start * s) / (S - 1)`` round differently on CPU and CUDA (torch.linspace's formulas differ, and CUDA divides
-    # by a scalar through its reciprocal); these are the same targets, rounded the same way on every device:
-    # ``s / (S - 1)`` rounded once, then one multiply and one add, each rounded.
+    # start * s) / (S - 1)`` inherit torch.linspace's rounding, which is implementation-specific (on the CPU it
+    # is up to 1 ulp off ``s / (S - 1)``, measured; CUDA has its own kernel); these are the same targets, rounded
+    # the same way on every device and in the Triton kernel: ``s / (S - 1)`` rounded once, then one multiply and
+    # one add, each rounded.
     targets = start + (1.0 - start) * sample_ramp(num_samples, scores.device, cdf.dtype)  # [B, S]: start, ..., 1
     # [B, S, W] distances (~10 MB at B=64, 224x224); argmin takes the first of equal minima.
     picked = (targets[:, :, None] - cdf[:, None, :]).abs().argmin(dim=2)
