@@ -2,36 +2,29 @@
 
 DeiT-B shapes (12 heads of 64, 197 rows per image), fp16 qkv. For each batch size: the logits kernel, the sample
 kernel computing only the scores, the sample kernel sampling from given scores, and the whole ``ats_select``;
-each captured 50 times into one CUDA graph and replayed, so launch overhead is not counted. Prints a table.
+each captured 50 times into one CUDA graph and replayed (``benchmarks.timing.graph_time``), so launch overhead is
+not counted. Prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 
+from benchmarks.timing import graph_time
 from reference.pruners import ATSPruner
 from reference.segments import cu_seqlens_from_counts
 from triton_impl import ats
 
 
-def device_us(fn, repeats: int = 50, replays: int = 20) -> float:
-    """Mean device time of ``fn()`` in microseconds: ``repeats`` calls in one graph, replayed ``replays`` times."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (repeats * replays)
+def device_us(fn) -> float:
+    """Median device time of ``fn()`` in microseconds: 50 calls in one CUDA graph, replayed 20 times."""
+    result = graph_time([fn], contextlib.nullcontext, calls_per_graph=50, replays=20)
+    if result.spread is None:
+        raise RuntimeError(result.reason)
+    return result.spread.median
 
 
 def measure(batch: int, n: int, gen: torch.Generator) -> tuple[float, float, float, float]:
