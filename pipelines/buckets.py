@@ -15,8 +15,8 @@ pieces of that scheme live here and are tested on the CPU:
 Rows of a capacity beyond the real total form one padding image (:mod:`pipelines.graphs`). Consecutive capacities
 are at most ``min(step, N)`` rows apart (``N``: rows of an unpruned image, CLS included), so the padding image is
 never longer than an unpruned image, which every pruner and backend already handles. Stages that skip their read
-(``sync_free_rows``) may have more padding rows than that; they split them into several padding images of at most
-``N`` rows each (:func:`padding_images`).
+(``sync_free_rows``) may have more padding rows than that; they split them into several padding images no longer
+than the segment's bound on an image's rows (:func:`padding_images`).
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ class TokenBuckets:
             finely rather than fixed at ``N``.
         sync_free_rows: a stage whose input buffer has at most this many rows (``B * N`` for the first stage,
             else the capacity it was replayed at) skips its host read: the segment after it reuses that
-            capacity (a later total can only be smaller) and ``N`` as ``max_seqlen``, and so do all later ones,
-            so the rest of the forward replays without waiting for the host; the padding rows grow as the pruner
-            keeps removing tokens and are split into padding images of at most ``N`` rows. With
+            capacity (a later total can only be smaller), or ``B`` times the pruner's bound on an image's rows
+            (:attr:`SegmentPlan.row_bounds`) if smaller, and that bound as ``max_seqlen``; so do all later ones,
+            and the rest of the forward replays as one graph without waiting for the host. The padding rows grow
+            as the pruner keeps removing tokens and are split into padding images of at most that bound. With
             ``sync_free_rows >= B * N`` the forward reads nothing at all. For small batches of multi-stage
             pruners (ATS: 9 reads), where the GEMMs cost about the same for fewer rows. 0 (the default): every
             stage reads its total.
@@ -97,7 +98,8 @@ class TokenBuckets:
 
 def padding_images(capacity: int, batch: int, tokens: int) -> int:
     """Padding images that cover every row of a ``capacity`` buffer beyond ``batch`` images' real rows, at most
-    ``tokens`` rows each, whatever the real total (at least ``batch``: every image keeps its CLS row)."""
+    ``tokens`` rows each (a bound on an image's rows), whatever the real total (at least ``batch``: every image
+    keeps its CLS row)."""
     check_int(batch, "batch", 1)
     check_int(tokens, "tokens", 1)
     if not batch <= capacity:
@@ -137,11 +139,15 @@ class SegmentPlan:
             Segment 0 follows the embedding and the dense blocks and ends at stage 0's decision; segment ``j``
             starts by repacking stage ``j - 1``'s decision into its capacity and ends at stage ``j``'s decision
             (the last one ends with the head).
+        row_bounds: variable counts only (else ``()``): for each segment, the most rows any image can have in
+            it, known on the host (``N`` for segment 0, then ``pruner.max_count_after`` stage by stage; ATS with
+            ``S`` samples: ``S + 1``). Segments that skip their read size their buffer and padding images by it.
     """
 
     dense_blocks: int
     counts: tuple[int, ...] | None
     segments: tuple[tuple[Step, ...], ...]
+    row_bounds: tuple[int, ...] = ()
 
     @property
     def fixed(self) -> bool:
@@ -153,8 +159,8 @@ def plan_segments(pruner: Pruner | None, depth: int, tokens: int) -> SegmentPlan
     """The segment plan of a pruned forward.
 
     Args:
-        pruner: the pipeline's pruner (its ``blocks``, ``placement``, ``fixed_count`` and ``count_after``), or
-            None for the unpruned model.
+        pruner: the pipeline's pruner (its ``blocks``, ``placement``, ``fixed_count``, ``count_after`` and
+            ``max_count_after``), or None for the unpruned model.
         depth: number of transformer blocks.
         tokens: rows of an unpruned image, CLS included (``N``, 197 at 224x224).
     """
@@ -171,7 +177,12 @@ def plan_segments(pruner: Pruner | None, depth: int, tokens: int) -> SegmentPlan
     if counts is not None:
         return SegmentPlan(dense, counts, ())
     bounds = [2 * dense, *points, 2 * depth]
-    return SegmentPlan(dense, None, tuple(_steps(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True)))
+    segments = tuple(_steps(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+    rows = [tokens]
+    for stage in range(len(pruner.blocks)):
+        bound = check_int(pruner.max_count_after(stage, rows[-1], tokens - 1), "pruner.max_count_after()", 1)
+        rows.append(min(rows[-1], bound))
+    return SegmentPlan(dense, None, segments, tuple(rows))
 
 
 def _host_counts(pruner: Pruner, tokens: int) -> tuple[int, ...] | None:

@@ -6,30 +6,33 @@ first use, per batch size. What is captured depends on the pruner (:func:`pipeli
 * **Fixed counts** (DynamicViT, EViT, Threshold-L2 ratio, or no pruner): every shape is known on the host, so
   ``PrunedViT.run`` itself is captured whole, in ONE graph per batch size. A call copies the images into the
   graph's input buffer and replays it: no host synchronisation at all.
-* **Variable counts** (ATS, Threshold-L2 threshold/calibrated): the forward is cut at every stage's decision.
-  Segment 0 (embedding, dense blocks, packed blocks up to stage 0's keep mask) is one graph per batch size. After
-  each segment the host reads the kept total and the longest image (one 16-byte read per stage: the read the
-  eager pipeline makes too), takes the smallest capacity holding that total (:class:`pipelines.buckets.
-  TokenBuckets`) and replays the next segment as captured for ``(batch size, stage, capacity, max_seqlen)``; it
-  repacks the decision into a buffer of exactly ``capacity`` rows (``triton_impl.pack.repack(capacity=...)``)
-  and runs the blocks up to the next decision (the last segment ends with the head). With ``sync_free_rows``
-  (on by default for pruners with several variable-count stages), a stage whose input has at most that many
-  rows skips the read: it and every later stage reuse that capacity, so small batches of ATS replay their ten
-  segments back to back without waiting for the host.
+* **Variable counts** (ATS, Threshold-L2 threshold/calibrated): the forward is cut at every stage's decision into
+  segments. Segment 0 runs the embedding, the dense blocks and the packed blocks up to stage 0's decision;
+  segment ``j`` repacks stage ``j - 1``'s decision into a buffer of ``capacity`` rows
+  (``triton_impl.pack.repack(capacity=...)``) and runs the blocks up to the next decision (the last one ends with
+  the head). Before a segment the host may read the kept total and the longest image (one 16-byte read per
+  stage: the read the eager pipeline makes too), take the smallest capacity holding that total
+  (:class:`pipelines.buckets.TokenBuckets`) and replay the segment as captured for that capacity. With
+  ``sync_free_rows`` (on by default for pruners with several variable-count stages), a stage whose input has at
+  most that many rows skips the read: it takes the previous capacity, or the pruner's own bound on the rows it
+  keeps (``Pruner.max_count_after``; ATS keeps at most its sample count) if smaller, and so does every later
+  stage. The segments between two reads are ONE graph, keyed by their :class:`SegmentShape` s, and hand their
+  decisions to each other directly: a small ATS batch replays its whole forward as one graph.
 
 **Padding rows.** A capacity buffer has ``capacity - total`` rows that no image owns (the pack kernel leaves them
-unwritten). Inside a segment they form one padding image: attention and the pruner get ``cu_seqlens`` with
-``B + 2`` entries, the last image covering rows ``[total, capacity)`` (possibly empty), so ``T == cu_seqlens[-1]``
-holds for every consumer and no backend or pruner needs a special case. Every operation acts per row (LayerNorm,
-Linear, GELU) or per image (attention, the pruners' segment reductions and sorts), so whatever those rows hold
-stays in them; packing, the counts and the head read the real ``B + 1`` offsets only. ``tests/test_graphs.py``
-fills them with NaN. Capacities are at most ``min(step, N)`` rows apart, so the padding image is never longer
-than an unpruned image and ``max_seqlen`` (rounded up from ``max(longest, padding)``) bounds it too.
+unwritten). Inside a segment they form padding images after the ``B`` real ones, each at most ``max_seqlen``
+rows (one after a read; as many as needed without), whose offsets the pack kernel writes after the real ones, so
+``T == cu_seqlens[-1]`` holds for every consumer and no backend or pruner needs a special case. Every operation
+acts per row (LayerNorm, Linear, GELU) or per image (attention, the pruners' segment reductions and sorts), so
+whatever those rows hold stays in them; packing, the counts and the head read the real ``B + 1`` offsets only.
+``tests/test_graphs.py`` fills them with NaN. After a read, capacities are at most ``min(step, N)`` rows apart,
+so the one padding image is never longer than ``max_seqlen`` (rounded up from ``max(longest, padding)``).
 
 **Buffers and memory.** Graphs read and write only static buffers of their batch size, allocated outside the
 graph memory pool: the input images (model dtype), logits, counts and, for variable counts, the state at a
-decision (residual stream, keep mask, offsets; double-buffered, so a segment never overwrites its own input when
-it runs twice: warm-up, then replay) plus the two read-back integers. Everything a graph allocates is its own
+decision handed from one graph to the next (residual stream, keep mask, kept counts; double-buffered, so a graph
+never overwrites its own input when it runs twice: warm-up, then replay), every segment's offsets and the two
+read-back integers. Everything a graph allocates is its own
 temporary, so all graphs share one memory pool (``pool``, by default one new ``torch.cuda.graph_pool_handle()``)
 that holds about the largest graph's temporaries, not their sum. :meth:`GraphedPrunedViT.memory_report` gives the
 pool's reserved bytes and the buffers' bytes. A graph is captured on first use: warm-up on a side stream, then
@@ -63,13 +66,13 @@ import functools
 import itertools
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from pipelines.backends.triton import TritonBackend
 from pipelines.buckets import SegmentPlan, TokenBuckets, padding_images, plan_segments
-from pipelines.model import PrunedOutput, PrunedViT, kept_rows
+from pipelines.model import PrunedOutput, PrunedViT, decision_counts, kept_rows
 from pipelines.packed_block import (
     compiled_blocks,
     compiled_halves,
@@ -77,7 +80,6 @@ from pipelines.packed_block import (
     packed_blocks,
     packed_mlp,
 )
-from reference.segments import uniform_cu_seqlens
 from reference.validation import check_int
 from triton_impl import pack as triton_pack
 
@@ -91,9 +93,18 @@ AUTO_SYNC_FREE_ROWS = 1024
 """``sync_free_rows`` of the default buckets for pruners with several variable-count stages (see
 :class:`GraphedPrunedViT`)."""
 
-GraphKey = tuple[int, ...]
-"""``(B,)`` for a whole forward or a first segment; ``(B, stage + 1, capacity, max_seqlen)`` for later segments;
-``(B, stage + 1, capacity, max_seqlen, padding images)`` for later segments that skipped their host read."""
+class SegmentShape(NamedTuple):
+    """How one segment of a variable-count forward is replayed (part of its graph's key)."""
+
+    index: int  # the segment (0: embedding to stage 0's decision; j: stage j - 1's repack to stage j's decision)
+    capacity: int  # rows of its packed buffer
+    max_seqlen: int  # bound on its images' rows, padding images included
+    pads: int  # padding images after the B real ones (0 in segment 0)
+
+
+GraphKey = tuple
+"""``(B,)`` for a whole fixed-count forward; ``(B, SegmentShape, ...)`` for consecutive segments of a
+variable-count forward replayed as one graph (from one host read to the next)."""
 
 
 @dataclass(frozen=True)
@@ -137,25 +148,29 @@ class _Buffers:
         self.images = torch.empty((batch, channels, *pipeline.image_size), dtype=dtype, device=device)
         self.logits = torch.empty((batch, width), dtype=dtype, device=device)
         self.counts = torch.zeros((batch, pipeline.num_stages), dtype=torch.long, device=device)
-        # Variable counts: the state at a decision, two sides (segment j reads side (j-1) % 2, writes side j % 2),
-        # and the offsets of every segment (row j: segment j's images; the last segment turns rows 1.. into counts).
+        # Variable counts: the decision handed from one graph to the next, two sides (a graph reads one side and
+        # writes the other, so warm-up runs never overwrite their own input), and the offsets of every segment.
         self.x: tuple[torch.Tensor, ...] = ()  # [B*N, C]: the residual stream in its first rows (NaN until written)
         self.keep: tuple[torch.Tensor, ...] = ()  # bool [B*N]
-        self.cu: torch.Tensor | None = None  # int32 [stages + 1, B+1]
+        self.kept: tuple[torch.Tensor, ...] = ()  # int32 [B]: rows each image keeps
+        # int32 [stages + 1, >= 2B + 1]: row j holds segment j's offsets, the B + 1 real ones then those of its
+        # padding images (at most B); row 0 is the dense batch's, written once here. Rows start 16-byte aligned
+        # (the kernels' cached launches need that).
+        self.cu: torch.Tensor | None = None
         self.stats: torch.Tensor | None = None  # int64 [2]: kept total and longest image of the last decision
-        self.pad_steps: torch.Tensor | None = None  # int32 [B]: N, 2N, ..., B*N (padding images' offsets)
         if variable:
             rows, sides = batch * tokens, range(2)
             self.x = tuple(torch.full((rows, model.embed_dim), float("nan"), dtype=dtype, device=device) for _ in sides)
             self.keep = tuple(torch.zeros(rows, dtype=torch.bool, device=device) for _ in sides)
-            self.cu = torch.zeros((pipeline.num_stages + 1, batch + 1), dtype=torch.int32, device=device)
+            self.kept = tuple(torch.zeros(batch, dtype=torch.int32, device=device) for _ in sides)
+            width = -(-(2 * batch + 1) // 4) * 4
+            self.cu = torch.zeros((pipeline.num_stages + 1, width), dtype=torch.int32, device=device)
+            self.cu[0, : batch + 1] = torch.arange(batch + 1, dtype=torch.int32, device=device) * tokens
             self.stats = torch.zeros(2, dtype=torch.long, device=device)
-            # At most B padding images: padding_images(B * N, B, N) = ceil((B*N - B) / N) <= B.
-            self.pad_steps = torch.arange(1, batch + 1, dtype=torch.int32, device=device) * tokens
 
     def nbytes(self) -> int:
-        tensors = [self.images, self.logits, self.counts, *self.x, *self.keep]
-        tensors += [t for t in (self.cu, self.stats, self.pad_steps) if t is not None]
+        tensors = [self.images, self.logits, self.counts, *self.x, *self.keep, *self.kept]
+        tensors += [t for t in (self.cu, self.stats) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -275,21 +290,7 @@ class GraphedPrunedViT:
             self._launch((batch,), functools.partial(self._whole, bufs))
             self._binding.check(pipeline)
         else:
-            tokens = self._tokens
-            self._launch((batch,), functools.partial(self._segment, bufs, 0, batch * tokens, tokens))
-            self._binding.check(pipeline)
-            capacity = batch * tokens  # segment 0's rows: the whole batch
-            for index in range(1, len(self._plan.segments)):
-                if not self.buckets.rereads_after(capacity):
-                    # No read: the previous capacity holds this stage's (smaller) total; padding in N-row images.
-                    pads = padding_images(capacity, batch, tokens)
-                    key, bound = (batch, index, capacity, tokens, pads), tokens
-                else:
-                    total, longest = bufs.stats.tolist()  # the one read of this stage
-                    capacity = self.buckets.capacity(total, batch, tokens)
-                    bound = self.buckets.seqlen_bound(max(longest, capacity - total), tokens)
-                    key, pads = (batch, index, capacity, bound), 1
-                self._launch(key, functools.partial(self._segment, bufs, index, capacity, bound, pads))
+            self._run_segments(bufs)
         logits, counts = bufs.logits, bufs.counts
         if self.clone_outputs:
             logits, counts = logits.clone(), counts.clone()
@@ -371,29 +372,66 @@ class GraphedPrunedViT:
         bufs.logits.copy_(out.logits)
         bufs.counts.copy_(out.counts)
 
-    def _segment(self, bufs: _Buffers, index: int, capacity: int, max_seqlen: int, pads: int = 1) -> None:
-        """Segment ``index`` of a variable-count forward on the static buffers of one batch size.
+    def _run_segments(self, bufs: _Buffers) -> None:
+        """A variable-count forward: the segments from one host read to the next, each run one graph."""
+        batch, tokens, plan = bufs.batch, self._tokens, self._plan
+        chain = [SegmentShape(0, batch * tokens, tokens, 0)]  # segment 0: the whole dense batch
+        for index in range(1, len(plan.segments)):
+            previous, rows = chain[-1], plan.row_bounds[index]
+            if self.buckets.rereads_after(previous.capacity):
+                self._launch_chain(bufs, chain)  # ends with the decision's total and longest image in bufs.stats
+                total, longest = bufs.stats.tolist()  # the one read of this stage
+                capacity = min(self.buckets.capacity(total, batch, tokens), batch * rows)
+                bound = self.buckets.seqlen_bound(max(longest, capacity - total), tokens)
+                chain = [SegmentShape(index, capacity, bound, 1)]
+            else:  # no read: the previous capacity (or the pruner's bound) holds this stage's smaller total
+                capacity = min(previous.capacity, batch * rows)
+                chain.append(SegmentShape(index, capacity, rows, padding_images(capacity, batch, rows)))
+        self._launch_chain(bufs, chain)
 
-        Segment 0 reads the images; segment ``j > 0`` repacks stage ``j - 1``'s decision (buffer side
-        ``(j - 1) % 2``) into ``capacity`` rows, whose rows past the real total form ``pads`` padding images of
-        at most ``N`` rows. A segment before the last ends with its stage's decision (written to side ``j % 2``,
-        total and longest to ``stats``); the last one with the logits.
+    def _launch_chain(self, bufs: _Buffers, chain: list[SegmentShape]) -> None:
+        # A chain that hands its decision to the next graph is one segment (the capacity never grows, so once a
+        # stage skips its read every later one does): its sides (read (j - 1) % 2, write j % 2) differ.
+        assert len(chain) == 1 or chain[-1].index == len(self._plan.segments) - 1
+        self._launch((bufs.batch, *chain), functools.partial(self._chain, bufs, tuple(chain)))
+        if chain[0].index == 0:
+            self._binding.check(self.pipeline)  # on the host, while the first graph runs
+
+    def _chain(self, bufs: _Buffers, chain: tuple[SegmentShape, ...]) -> None:
+        """Consecutive segments in one graph: each hands its decision to the next directly; the last one stores
+        it in the static buffers (unless it ends with the head)."""
+        state = None
+        for position, shape in enumerate(chain):
+            state = self._segment(bufs, shape, state, store=position == len(chain) - 1)
+
+    def _segment(
+        self, bufs: _Buffers, shape: SegmentShape, state: _Decision | None, store: bool
+    ) -> _Decision | None:
+        """Segment ``shape.index`` of a variable-count forward on the static buffers of one batch size.
+
+        Segment 0 reads the images; segment ``j > 0`` repacks stage ``j - 1``'s decision (``state``, or the
+        static buffers' side ``(j - 1) % 2``) into ``shape.capacity`` rows, whose rows past the real total form
+        ``shape.pads`` padding images of at most ``shape.max_seqlen`` rows (the pack kernel writes their offsets
+        after the real ones, into ``bufs.cu[j]``). A segment before the last ends with its stage's decision: it
+        returns it, or with ``store`` writes it to side ``j % 2`` (and, when a read follows, the total and
+        longest image to ``stats``); the last segment writes the logits and counts.
         """
-        pipeline, tokens = self.pipeline, self._tokens
+        pipeline, tokens, batch, index = self.pipeline, self._tokens, bufs.batch, shape.index
         if index == 0:
             x = pipeline.front(bufs.images)  # embedding and dense blocks, [B, N, C]
             x = x.reshape(-1, x.shape[-1])  # [B*N, C]
-            cu = attn_cu = uniform_cu_seqlens(bufs.batch, tokens, x.device)
+            cu = attn_cu = bufs.cu[0, : batch + 1]
         else:
-            side = (index - 1) % 2
-            x, cu, _ = triton_pack.repack(
-                bufs.x[side], bufs.cu[index - 1], bufs.keep[side], tokens, capacity=capacity, check_values=False
-            )  # [capacity, C]; rows from cu[-1] on are not written
-            bufs.cu[index].copy_(cu)
-            if pads == 1:
-                attn_cu = F.pad(cu, (0, 1), value=capacity)  # int32 [B+2]: the padding image owns [total, capacity)
-            else:  # int32 [B+1+pads]: padding images of N rows from the total on, the last ones clamped (or empty)
-                attn_cu = torch.cat([cu, (cu[-1:] + bufs.pad_steps[:pads]).clamp_(max=capacity)])
+            if state is None:  # the previous segment ran in another graph
+                side = (index - 1) % 2
+                state = _Decision(bufs.x[side], bufs.keep[side], bufs.kept[side])
+            attn_cu = bufs.cu[index, : batch + 1 + shape.pads]
+            x, _, _ = triton_pack.repack(
+                state.x, bufs.cu[index - 1, : batch + 1], state.keep, self._plan.row_bounds[index - 1],
+                capacity=shape.capacity, kept=state.kept, padding_images=shape.pads, padding_len=shape.max_seqlen,
+                cu_out=attn_cu, check_values=False,
+            )  # fmt: skip  # [capacity, C]; rows from the real total on are not written
+            cu = attn_cu[: batch + 1]
         qkv = None
         compiled = pipeline.compile_blocks
         run_blocks = compiled_blocks() if compiled else packed_blocks
@@ -402,32 +440,46 @@ class GraphedPrunedViT:
         for kind, group in itertools.groupby(self._plan.segments[index], key=lambda step: step.kind):
             group = [blocks[step.block] for step in group]
             if kind == "block":  # consecutive whole blocks: one run (one compiled graph with compile_blocks)
-                x = run_blocks(group, x, attn_cu, max_seqlen, pipeline.backend)
+                x = run_blocks(group, x, attn_cu, shape.max_seqlen, pipeline.backend)
             elif kind == "attention":
                 (block,) = group
-                x, qkv = attention_half(block, x, attn_cu, max_seqlen, pipeline.backend)
+                x, qkv = attention_half(block, x, attn_cu, shape.max_seqlen, pipeline.backend)
             else:
                 (block,) = group
                 x = mlp_half(block, x)
         if index == len(self._plan.segments) - 1:
             bufs.logits.copy_(pipeline._head(x.index_select(0, cu[:-1])))
-            bufs.counts.copy_((bufs.cu[1:, 1:] - bufs.cu[1:, :-1] - 1).t())  # rows after each stage, CLS excluded
-            return
-        sel = pipeline.decide(pipeline._stages[index], x, attn_cu, tokens - 1, qkv)
+            offsets = bufs.cu[1:, : batch + 1]  # every stage's real offsets
+            bufs.counts.copy_((offsets[:, 1:] - offsets[:, :-1] - 1).t())  # rows after each stage, CLS excluded
+            return None
+        sel = pipeline.decide(pipeline._stages[index], x, attn_cu, tokens - 1, qkv, shape.max_seqlen)
         if sel.extra_token is not None:
             raise NotImplementedError(
                 f"pruner {pipeline.pruner.name!r} appends an extra token at a variable-count stage, which "
                 "GraphedPrunedViT does not stage between graphs"
             )
-        rows = x.shape[0]
-        if self.buckets.rereads_after(capacity):  # the next stage reads its total and longest image
-            lens = kept_rows(sel, attn_cu)[: bufs.batch]
+        kept = decision_counts(sel)
+        kept = None if kept is None else kept[:batch]
+        if not store:
+            return _Decision(x, sel.keep, kept)
+        if self.buckets.rereads_after(shape.capacity):  # the next stage reads its total and longest image
+            lens = kept_rows(sel, attn_cu)[:batch]
             bufs.stats.copy_(torch.stack([lens.sum(), lens.max()]))
         side = index % 2
+        rows = x.shape[0]
         bufs.x[side][:rows].copy_(x)
         bufs.keep[side][:rows].copy_(sel.keep)
-        if index == 0:
-            bufs.cu[0].copy_(cu)  # later segments wrote theirs when they repacked
+        bufs.kept[side].copy_(kept if kept is not None else kept_rows(sel, attn_cu)[:batch])
+        return None
+
+
+class _Decision(NamedTuple):
+    """A stage's decision handed to the next segment: the packed stream, its keep mask and (if the decision
+    counted them) the rows each real image keeps, int32 ``[B]``."""
+
+    x: torch.Tensor
+    keep: torch.Tensor
+    kept: torch.Tensor | None
 
 
 def _check_capturable(pipeline: PrunedViT) -> None:

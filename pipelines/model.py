@@ -196,7 +196,7 @@ class PrunedViT(nn.Module):
             if selections is not None:
                 sel = selections[stage.index]
             else:
-                sel = self.decide(stage, x, cu, n - 1, qkv)
+                sel = self.decide(stage, x, cu, n - 1, qkv, max_seqlen)
             x, cu, max_seqlen = _repack(x, cu, max_seqlen, sel, stage.index)
             made.append(sel)
             counts.append(seqlens(cu) - 1)
@@ -237,9 +237,16 @@ class PrunedViT(nn.Module):
         return (_compiled_front() if self.compile_blocks else _front)(self, images)
 
     def decide(
-        self, stage: _Stage, x: torch.Tensor, cu: torch.Tensor, num_patches: int, qkv: torch.Tensor | None = None
+        self,
+        stage: _Stage,
+        x: torch.Tensor,
+        cu: torch.Tensor,
+        num_patches: int,
+        qkv: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
     ) -> TokenSelection:
-        """One stage's decision on the packed stream ``x`` (and its block's ``qkv`` for attention-based pruners).
+        """One stage's decision on the packed stream ``x`` (and its block's ``qkv`` for attention-based pruners);
+        ``max_seqlen`` bounds the images' rows (None: ``num_patches + 1``).
 
         ``pruner(inp)``, except on CUDA: Threshold-L2 runs its fused Triton twin (:mod:`triton_impl.threshold_l2`:
         the same keep masks bit for bit, one kernel instead of ~40), ATS its two-kernel twin
@@ -252,7 +259,7 @@ class PrunedViT(nn.Module):
             return threshold_l2_select(self.pruner, self._prune_input(stage, x, cu, num_patches, qkv))
         if x.is_cuda and type(self.pruner) is ATSPruner:
             attn = self.model.blocks[stage.block].attn
-            return ats_select(self.pruner, qkv, cu, num_patches, attn.num_heads, attn.scale)
+            return ats_select(self.pruner, qkv, cu, num_patches, attn.num_heads, attn.scale, max_seqlen)
         if x.is_cuda and self.compile_blocks:
             attn = self.model.blocks[stage.block].attn
             return _compiled_decision()(self.pruner, x, cu, stage.index, num_patches, qkv, attn.num_heads, attn.scale)
@@ -402,12 +409,23 @@ def _repack(
     if x.device.type != "cuda":
         return ref_packing.repack(x, cu, keep, extra)
     if sel.fixed_count and sel.count is not None:
-        tokens, new_cu, _ = triton_pack.repack(x, cu, keep, max_seqlen, count=sel.count, extra_token=extra)
+        tokens, new_cu, _ = triton_pack.repack(
+            x, cu, keep, max_seqlen, count=sel.count, extra_token=extra, kept=decision_counts(sel)
+        )
         return tokens, new_cu, sel.count
     lens = kept_rows(sel, cu) + (extra is not None)
     total, longest = torch.stack([lens.sum(), lens.max()]).tolist()  # the one sync of a variable-count stage
-    tokens, new_cu, _ = triton_pack.repack(x, cu, keep, max_seqlen, capacity=total, extra_token=extra)
+    tokens, new_cu, _ = triton_pack.repack(
+        x, cu, keep, max_seqlen, capacity=total, extra_token=extra, kept=decision_counts(sel)
+    )
     return tokens, new_cu, longest
+
+
+def decision_counts(sel: TokenSelection) -> torch.Tensor | None:
+    """``sel.kept`` when a decision kernel counted the rows (int32 ``[B]``), for the repack to skip its own count;
+    else None."""
+    kept = sel.kept
+    return kept if kept is not None and kept.dtype == torch.int32 and kept.is_contiguous() else None
 
 
 def kept_rows(sel: TokenSelection, cu: torch.Tensor) -> torch.Tensor:

@@ -112,6 +112,14 @@ class Pruner(nn.Module):
         """Rows per image after ``stage`` given ``current`` rows before it (CLS included), or None if variable."""
         return None
 
+    def max_count_after(self, stage: int, current: int, num_patches: int) -> int:
+        """An upper bound on any image's rows after ``stage`` given at most ``current`` rows before it (CLS
+        included), known on the host: :meth:`count_after` where the count is fixed, else ``current`` (nothing
+        known). Variable-count pruners with a tighter bound override it (ATS keeps at most its sample count);
+        the CUDA-graph runner sizes its buffers with it (``pipelines.buckets.plan_segments``)."""
+        count = self.count_after(stage, current, num_patches)
+        return current if count is None else count
+
     def forward(self, inp: PruneInput) -> TokenSelection:  # pragma: no cover - abstract
         raise NotImplementedError
 

@@ -55,9 +55,9 @@ def poisoned(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     real = triton_pack.repack
     seen: list[tuple[int, int]] = []
 
-    def repack(*args: object, capacity: int | None = None, **kwargs: object):
-        out, cu, bound = real(*args, capacity=capacity, **kwargs)
-        total = int(cu[-1])
+    def repack(*args: object, capacity: int | None = None, padding_images: int = 0, **kwargs: object):
+        out, cu, bound = real(*args, capacity=capacity, padding_images=padding_images, **kwargs)
+        total = int(cu[cu.numel() - 1 - padding_images])  # the real images' end; padding offsets follow
         out[total:] = float("nan")
         seen.append((out.shape[0], total))
         return out, cu, bound
@@ -187,6 +187,16 @@ def test_ats_splits_inside_every_block_from_3():
     assert plan.segments[9] == (Step("mlp", 11),)
 
 
+def test_row_bounds_follow_the_pruner():
+    """Bounds on an image's rows per segment: ATS keeps at most its samples (+ CLS) or its floor; no bound for
+    Threshold-L2's threshold mode; fixed plans need none."""
+    assert plan_segments(make_pruner("ats", num_samples=98), 12, 197).row_bounds == (197, *[99] * 9)
+    assert plan_segments(make_pruner("ats", num_samples=4, min_keep=8), 12, 197).row_bounds == (197, *[9] * 9)
+    assert plan_segments(make_pruner("ats"), 12, 197).row_bounds == (197,) * 10  # 196 samples: no bound
+    assert plan_segments(make_pruner("threshold_l2", threshold=1.0), 12, 197).row_bounds == (197, 197)
+    assert plan_segments(make_pruner("evit", rate=0.7), 12, 197).row_bounds == ()
+
+
 def test_threshold_after_block_3_splits_once():
     plan = plan_segments(make_pruner("threshold_l2", threshold=1.0), 12, 197)
     assert plan.dense_blocks == 4 and plan.segments == ((), tuple(Step("block", k) for k in range(4, 12)))
@@ -265,31 +275,53 @@ def test_mixed_batch_sizes_and_changing_inputs(buckets, poisoned):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 @pytest.mark.parametrize("first_read", [True, False], ids=["one-read", "no-read"])
 @pytest.mark.parametrize("backend", ["reference", "padded_sdpa", "triton"])
-def test_stages_without_a_read_reuse_the_capacity(backend, first_read, poisoned, monkeypatch):
-    """``sync_free_rows``: from the first stage whose input has at most that many rows on, ATS's stages reuse
-    that capacity without reading their totals (below ``B * N``: the first stage reads, the others do not; from
-    ``B * N`` on: no stage reads); the growing padding (NaN) spans several padding images of at most N rows;
-    results unchanged."""
+def test_stages_without_a_read_run_as_one_chain(backend, first_read, poisoned, monkeypatch):
+    """``sync_free_rows``: from the first stage whose input has at most that many rows on, ATS's stages take that
+    capacity, or ``B`` times ATS's own bound on an image's rows (12 samples: 13 rows) if smaller, without reading
+    their totals (below ``B * N``: the first stage reads, the others do not; from ``B * N`` on: no stage reads),
+    and run as one chain (one graph on a GPU), handing decisions over directly; the growing padding (NaN) spans
+    several padding images of at most 13 rows; results unchanged."""
     pv = tiny_pipeline(VARIABLE["ats"], backend)
     rows = 4 * TOKENS - 1 if first_read else 4 * TOKENS
     runner = GraphedPrunedViT(pv, TokenBuckets(step=TOKENS, seqlen_step=4, sync_free_rows=rows))
-    reads = []
-    real_segment = runner._segment
+    bound = 13
+    assert runner.plan.row_bounds == (TOKENS, *[bound] * 5)
+    chains = []
+    real_chain = runner._chain
 
-    def segment(bufs, index, capacity, max_seqlen, pads=1):
-        reads.append(pads)
-        real_segment(bufs, index, capacity, max_seqlen, pads)
+    def chain(bufs, shapes):
+        chains.append(shapes)
+        real_chain(bufs, shapes)
 
-    monkeypatch.setattr(runner, "_segment", segment)
+    monkeypatch.setattr(runner, "_chain", chain)
     images = tiny_images(4, 5)
     assert_same(runner.run(images), pv.run(images))
-    stages = len(runner.plan.segments) - 1
-    assert len(poisoned) == stages and len({cap for cap, _ in poisoned}) == 1  # one capacity for every stage
-    assert any(cap - total > TOKENS for cap, total in poisoned), "padding never outgrew one image"
-    capacity = poisoned[0][0]
-    assert (capacity < 4 * TOKENS) == first_read
-    free = reads[2:] if first_read else reads[1:]
-    assert (reads[1] == 1) == first_read and all(p == padding_images(capacity, 4, TOKENS) for p in free)
+    assert [[s.index for s in c] for c in chains] == ([[0], [1, 2, 3, 4, 5]] if first_read else [list(range(6))])
+    free = chains[-1][1:]  # the segments after the last read
+    capacity = chains[1][0].capacity if first_read else 4 * bound
+    assert all(s.capacity == capacity and s.max_seqlen == bound for s in free)
+    assert all(s.pads == padding_images(capacity, 4, bound) for s in free)
+    assert len(poisoned) == 5 and {cap for cap, _ in poisoned} == {capacity}  # one capacity for every stage
+    assert any(cap - total > bound for cap, total in poisoned), "padding never outgrew one image"
+    assert runner.counters.eager_segments == len(chains)
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_chained_segments_equal_separate_ones():
+    """A chain hands each decision to the next segment in memory; separate graphs pass it through the static
+    buffers: the same capacities give the same logits bit for bit."""
+    pv = tiny_pipeline(VARIABLE["ats"], "triton")
+    images = tiny_images(3, 8)
+    chained = GraphedPrunedViT(pv, TokenBuckets(sync_free_rows=3 * TOKENS))
+    out = chained.run(images)
+    separate = GraphedPrunedViT(pv, TokenBuckets(sync_free_rows=3 * TOKENS))
+    separate._launch_chain = lambda bufs, chain: [  # noqa: E731 - one graph per segment, same shapes
+        GraphedPrunedViT._launch_chain(separate, bufs, [shape]) for shape in chain
+    ]
+    ref = separate.run(images)
+    assert chained.counters.eager_segments == 1 and separate.counters.eager_segments == len(pv.pruner.blocks) + 1
+    assert torch.equal(out.logits, ref.logits) and torch.equal(out.counts, ref.counts)
 
 
 @pytest.mark.interpreter

@@ -314,6 +314,28 @@ def test_ats_counts_vary_per_image_and_respect_the_floor(gen: torch.Generator) -
     assert not sel.fixed_count and sel.count is None
 
 
+@pytest.mark.parametrize("num_samples,min_keep", [(40, 8), (3, 8), (196, 8), (12, 0)])
+def test_ats_max_count_after_bounds_every_image(gen: torch.Generator, num_samples: int, min_keep: int) -> None:
+    """The host bound the graph runner sizes buffers with: never exceeded (flat scores keep the most patches,
+    one per target), and reached where the image has enough patches."""
+    lengths = [197, 197, 60, 5, 1]
+    inp = packed_input(gen, lengths)
+    flat = image_rows(inp.cu_seqlens, 0)
+    inp.cls_attn[flat] = 1.0 / 197
+    inp.v[flat] = torch.ones(C)
+    pruner = ATSPruner(num_samples=num_samples, min_keep=min_keep)
+    sel = pruner(inp)
+    for b, length in enumerate(lengths):
+        kept = int(sel.keep[image_rows(inp.cu_seqlens, b)].sum())
+        bound = pruner.max_count_after(0, length, NUM_PATCHES)
+        assert kept <= bound == 1 + min(length - 1, max(num_samples, min_keep)), (b, kept, bound)
+    assert int(sel.keep[flat].sum()) == pruner.max_count_after(0, 197, NUM_PATCHES) or num_samples == 196
+    assert ATSPruner().max_count_after(0, 197, NUM_PATCHES) == 197  # one target per patch: no bound
+    ratio = ThresholdL2Pruner("ratio", rate=0.5)  # the base class: the fixed count, else no bound
+    assert ratio.max_count_after(0, 197, NUM_PATCHES) == 1 + math.ceil(0.5 * 196)
+    assert ThresholdL2Pruner("threshold", threshold=1.0).max_count_after(0, 150, NUM_PATCHES) == 150
+
+
 def test_threshold_counts_vary_and_respect_the_floor(gen: torch.Generator) -> None:
     lengths = [197, 197, 60, 5]
     inp = packed_input(gen, lengths)

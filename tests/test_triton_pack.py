@@ -92,11 +92,150 @@ def test_pack_isolation_interpreter(gen):
         assert torch.equal(a[0][cu[i] : cu[i + 1]], b[0][cu[i] : cu[i + 1]])
 
 
+def _second_stage(x, keep, gen):
+    """A packed first stage, a random second-stage mask (CLS kept), its per-image counts and a fused token."""
+    tokens, cu, bound = tp.pack(x, keep)
+    keep2 = torch.rand(tokens.shape[0], generator=gen) < 0.6
+    keep2[cu[:-1].long().cpu()] = True
+    ref = reference.repack(tokens.cpu(), cu.cpu(), keep2)
+    kept = (ref[1][1:] - ref[1][:-1]).to(device=x.device, dtype=torch.int32)
+    extra = torch.randn(x.shape[0], x.shape[-1], generator=gen).to(x)
+    return tokens, cu, keep2.to(x.device), bound, kept, extra
+
+
+def _reference_repack(tokens, cu, keep2, fused):
+    return reference.repack(tokens.cpu(), cu.cpu(), keep2.cpu(), None if fused is None else fused.cpu())
+
+
+def _check_kept(x, keep, gen, forbid_launch):
+    """``kept=`` gives the reference result without the counting kernel, and its counts are the ones used."""
+    tokens, cu, keep2, bound, kept, extra = _second_stage(x, keep, gen)
+    plain = [tp.repack(tokens, cu, keep2, bound, extra_token=fused) for fused in (None, extra)]
+    forbid_launch(tp, "_count_launcher")
+    for fused, without in zip((None, extra), plain, strict=True):
+        ref = _reference_repack(tokens, cu, keep2, fused)
+        got = tp.repack(tokens, cu, keep2, bound, extra_token=fused, kept=kept, check_values=True)
+        _assert_same_pack((got[0].cpu(), got[1].cpu(), got[2]), ref, ref[2])
+        assert torch.equal(got[0], without[0]) and torch.equal(got[1], without[1]) and got[2] == without[2]
+        total = ref[0].shape[0]
+        cap = tp.repack(tokens, cu, keep2, bound, extra_token=fused, capacity=total + 5, kept=kept)
+        assert torch.equal(cap[1].cpu(), ref[1]) and torch.equal(cap[0][:total].cpu(), ref[0])
+
+    # The offsets follow the counts given, not the mask (trusted without check_values): kept is really read.
+    shifted = kept + 1
+    cap = tp.repack(tokens, cu, keep2, bound, capacity=3 * tokens.shape[0], kept=shifted, check_values=False)
+    expected = torch.cat([torch.zeros(1, dtype=torch.int64), shifted.cpu().long().cumsum(0)]).int()
+    assert torch.equal(cap[1].cpu(), expected)
+    with pytest.raises(ValueError, match="kept"):
+        tp.repack(tokens, cu, keep2, bound, capacity=3 * tokens.shape[0], kept=shifted, check_values=True)
+
+
+def _check_padding(x, keep, gen):
+    """Padding offsets after the real ones: some below capacity, the trailing ones clamped to it, exact values."""
+    tokens, cu, keep2, bound, kept, extra = _second_stage(x, keep, gen)
+    batch = cu.numel() - 1
+    for trial, fused in enumerate((None, extra, None, extra)):
+        ref = _reference_repack(tokens, cu, keep2, fused)
+        total = ref[0].shape[0]
+        pad_len = int(torch.randint(1, 10, (1,), generator=gen))
+        below = int(torch.randint(1, 4, (1,), generator=gen))  # padding images ending below capacity
+        capacity = total + below * pad_len + int(torch.randint(1, pad_len + 1, (1,), generator=gen))
+        pads = below + 2 + int(torch.randint(0, 5, (1,), generator=gen))  # >= 2 clamped (the last ones empty)
+        got = tp.repack(
+            tokens, cu, keep2, bound, extra_token=fused, capacity=capacity, padding_images=pads, padding_len=pad_len,
+            kept=kept if trial % 2 else None,
+        )  # fmt: skip
+        expected = ref[1].tolist() + [min(total + (i + 1) * pad_len, capacity) for i in range(pads)]
+        assert sum(e < capacity for e in expected[batch + 1 :]) == below
+        assert got[1].dtype == torch.int32 and got[1].tolist() == expected
+        assert got[0].shape[0] == capacity and torch.equal(got[0][:total].cpu(), ref[0])
+        assert got[2] == bound + (fused is not None)
+
+    # Default padding_len: the returned bound (max_seqlen + 1 with a fused token).
+    ref = _reference_repack(tokens, cu, keep2, extra)
+    total, step = ref[0].shape[0], bound + 1
+    got = tp.repack(tokens, cu, keep2, bound, extra_token=extra, capacity=total + 2 * step + 1, padding_images=4)
+    assert got[1].tolist() == ref[1].tolist() + [total + step, total + 2 * step] + [total + 2 * step + 1] * 2
+
+    # Overflow (capacity below the total): every offset past the real ones is the capacity.
+    small = max(1, total - 2)
+    got = tp.repack(tokens, cu, keep2, bound, extra_token=extra, capacity=small, padding_images=3, padding_len=1)
+    assert got[1].tolist() == ref[1].clamp(max=small).tolist() + [small] * 3
+
+
+def _check_cu_out(x, keep, gen, monkeypatch):
+    """``cu_out=`` is written in place and returned, whole or as an unaligned slice of a larger buffer; an unaligned
+    one never reaches the compiled-handle cache (its key assumes 16-byte aligned pointers)."""
+    tokens, cu, keep2, bound, kept, extra = _second_stage(x, keep, gen)
+    keys = []
+    launcher = tp._pack_launcher
+
+    def recording(key, *args, **kwargs):
+        keys.append(key)
+        launcher(key, *args, **kwargs)
+
+    monkeypatch.setattr(tp, "_pack_launcher", recording)
+    batch, pads = cu.numel() - 1, 3
+    entries = batch + 1 + pads
+    capacity = tokens.shape[0] + 2
+    fresh = tp.repack(tokens, cu, keep2, bound, extra_token=extra, capacity=capacity, padding_images=pads)
+    rows = int(fresh[1][batch])  # the rows past the total are left unwritten
+    whole = torch.full((entries,), -7, dtype=torch.int32, device=x.device)
+    got = tp.repack(tokens, cu, keep2, bound, extra_token=extra, capacity=capacity, padding_images=pads, cu_out=whole)
+    assert got[1] is whole and torch.equal(whole, fresh[1]) and torch.equal(got[0][:rows], fresh[0][:rows])
+    assert (keys[-1] is not None) == x.is_cuda
+
+    # A row of a graph buffer, starting 4 * (4k + 3) bytes in: not 16-byte aligned.
+    row_len = 4 * -(-(entries + 1) // 4) + 2
+    buf = torch.full((3, row_len), -7, dtype=torch.int32, device=x.device)
+    view = buf[1, 1 : 1 + entries]
+    assert view.data_ptr() % 16 != 0
+    got = tp.repack(
+        tokens, cu, keep2, bound, extra_token=extra, capacity=capacity, padding_images=pads, cu_out=view, kept=kept
+    )
+    assert got[1] is view and torch.equal(view, fresh[1]) and torch.equal(got[0][:rows], fresh[0][:rows])
+    assert keys[-1] is None
+    untouched = torch.ones_like(buf, dtype=torch.bool)
+    untouched[1, 1 : 1 + entries] = False
+    assert bool((buf[untouched] == -7).all())
+
+    # pack takes the same options.
+    ref = reference.pack(x.cpu(), keep.cpu())
+    out = torch.full((batch + 2,), -7, dtype=torch.int32, device=x.device)
+    total = ref[0].shape[0]
+    got = tp.pack(x, keep, capacity=total + 3, padding_images=1, padding_len=2, cu_out=out, kept=keep.sum(1).int())
+    assert got[1] is out and out.tolist() == ref[1].tolist() + [total + 2]
+    assert torch.equal(got[0][:total].cpu(), ref[0])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("batch,n,channels", [(1, 5, 8), (4, 40, 16)])
+def test_repack_kept_skips_counting_interpreter(batch, n, channels, gen, forbid_launch):
+    x, keep = _batch(batch, n, channels, torch.float32, "cpu", gen)
+    _check_kept(x, keep, gen, forbid_launch)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("batch,n,channels", [(1, 5, 8), (4, 40, 16)])
+def test_repack_padding_offsets_interpreter(batch, n, channels, gen):
+    x, keep = _batch(batch, n, channels, torch.float32, "cpu", gen)
+    _check_padding(x, keep, gen)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("batch,n,channels", [(1, 5, 8), (4, 40, 16)])
+def test_repack_cu_out_in_place_interpreter(batch, n, channels, gen, monkeypatch):
+    x, keep = _batch(batch, n, channels, torch.float16, "cpu", gen)
+    _check_cu_out(x, keep, gen, monkeypatch)
+
+
 def _bad_pack_calls():
     x = torch.randn(2, 5, 8)
     keep = torch.ones(2, 5, dtype=torch.bool)
     tokens = torch.randn(10, 8)
     cu = torch.tensor([0, 5, 10], dtype=torch.int32)
+    ones = torch.ones(10, dtype=torch.bool)
+    kept = torch.tensor([5, 5], dtype=torch.int32)
     no_cls = keep.clone()
     no_cls[1, 0] = False
     return [
@@ -120,6 +259,31 @@ def _bad_pack_calls():
         ("max_seqlen", lambda: tp.unpack(tokens, cu, 0)),
         ("tokens", lambda: tp.unpack(tokens.int(), cu, 5)),
         ("cu_seqlens", lambda: tp.cls_rows(tokens, torch.tensor([0, 5, 11], dtype=torch.int32))),
+        ("kept", lambda: tp.repack(tokens, cu, ones, 5, kept=[5, 5])),
+        ("kept", lambda: tp.repack(tokens, cu, ones, 5, kept=kept.long())),
+        ("kept", lambda: tp.repack(tokens, cu, ones, 5, kept=kept[:1])),
+        ("kept", lambda: tp.repack(tokens, cu, ones, 5, kept=kept[None])),
+        ("kept", lambda: tp.repack(tokens, cu, ones, 5, kept=torch.full((4,), 5, dtype=torch.int32)[::2])),
+        ("kept", lambda: tp.repack(tokens, cu, ones, 5, kept=kept.to("meta"))),
+        ("kept", lambda: tp.repack(tokens, cu, ones, 5, kept=kept - 1, check_values=True)),
+        ("kept", lambda: tp.repack(tokens, cu, ones, 5, capacity=12, kept=kept + 1, check_values=True)),
+        ("kept", lambda: tp.pack(x, keep, kept=kept[:1])),
+        ("padding_images", lambda: tp.repack(tokens, cu, ones, 5, padding_images=2)),
+        ("padding_images", lambda: tp.repack(tokens, cu, ones, 5, count=5, padding_images=1)),
+        ("padding_images", lambda: tp.pack(x, keep, padding_images=1)),
+        ("padding_images", lambda: tp.repack(tokens, cu, ones, 5, capacity=12, padding_images=-1)),
+        ("padding_images", lambda: tp.repack(tokens, cu, ones, 5, capacity=12, padding_images=1.0)),
+        ("padding_images", lambda: tp.repack(tokens, cu, ones, 5, capacity=12, padding_images=True)),
+        ("padding_len", lambda: tp.repack(tokens, cu, ones, 5, padding_len=3)),
+        ("padding_len", lambda: tp.repack(tokens, cu, ones, 5, capacity=12, padding_images=1, padding_len=0)),
+        ("padding_len", lambda: tp.repack(tokens, cu, ones, 5, capacity=12, padding_images=1, padding_len=2.0)),
+        ("cu_out", lambda: tp.repack(tokens, cu, ones, 5, cu_out=cu.long())),
+        ("cu_out", lambda: tp.repack(tokens, cu, ones, 5, cu_out=cu.tolist())),
+        ("cu_out", lambda: tp.repack(tokens, cu, ones, 5, cu_out=cu[None])),
+        ("cu_out", lambda: tp.repack(tokens, cu, ones, 5, capacity=12, padding_images=1, cu_out=cu.clone())),
+        ("cu_out", lambda: tp.repack(tokens, cu, ones, 5, cu_out=torch.zeros(6, dtype=torch.int32)[::2])),
+        ("cu_out", lambda: tp.repack(tokens, cu, ones, 5, cu_out=cu.to("meta"))),
+        ("cu_out", lambda: tp.pack(x, keep, cu_out=cu[:2].clone())),
     ]  # fmt: skip
 
 
@@ -155,3 +319,25 @@ def test_pack_is_sync_free_with_count_or_capacity_gpu(gen):
         tp.repack(tokens, cu, keep2, bound, capacity=tokens.shape[0] + 64)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,n,channels", [(1, 197, 768), (64, 197, 384), (5, 1025, 192)])
+def test_repack_kept_skips_counting_gpu(batch, n, channels, gen, forbid_launch):
+    x, keep = _batch(batch, n, channels, torch.float16, "cuda", gen)
+    _check_kept(x, keep, gen, forbid_launch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,n,channels", [(1, 197, 768), (64, 197, 384), (5, 1025, 192)])
+def test_repack_padding_offsets_gpu(batch, n, channels, gen):
+    x, keep = _batch(batch, n, channels, torch.bfloat16, "cuda", gen)
+    _check_padding(x, keep, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch,n,channels", [(1, 197, 768), (64, 197, 384), (5, 1025, 192)])
+def test_repack_cu_out_in_place_gpu(batch, n, channels, gen, monkeypatch):
+    """The aligned call caches the compiled kernel; the unaligned slice after it must not reuse that handle."""
+    x, keep = _batch(batch, n, channels, torch.float16, "cuda", gen)
+    _check_cu_out(x, keep, gen, monkeypatch)

@@ -307,7 +307,13 @@ def ats_keep(
 
 
 def ats_select(
-    pruner: ATSPruner, qkv: torch.Tensor, cu_seqlens: torch.Tensor, num_patches: int, num_heads: int, scale: float
+    pruner: ATSPruner,
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    num_patches: int,
+    num_heads: int,
+    scale: float,
+    max_seqlen: int | None = None,
 ) -> TokenSelection:
     """``pruner(inp)`` from the stage block's qkv projection, in two launches: the same :class:`TokenSelection`
     (up to the CDF rounding described above), plus ``kept``.
@@ -316,16 +322,19 @@ def ats_select(
         pruner: the :class:`ATSPruner` (its ``num_samples`` and ``min_keep``).
         qkv: ``[T, 3*H*D]`` qkv projection of the stage's block, contiguous rows.
         cu_seqlens: int32 ``[B+1]`` offsets of the rows (not read on the GPU).
-        num_patches: patches of the unpruned image: the bound on every image's rows is ``num_patches + 1``.
+        num_patches: patches of the unpruned image (the sample count when ``pruner.num_samples`` is None).
         num_heads: ``H``.
         scale: softmax scale of the attention logits.
+        max_seqlen: a bound on every image's rows (rows past it are never kept); None: ``num_patches + 1``. A
+            tighter bound (e.g. after an earlier ATS stage: :meth:`ATSPruner.max_count_after`) narrows the
+            sampling kernel's tile.
     """
     if not isinstance(pruner, ATSPruner):
         raise TypeError(f"pruner must be an ATSPruner, got {type(pruner).__name__}")
     heads, head_dim = _check_qkv(qkv, num_heads, scale)
     check_int(num_patches, "num_patches", 1)
     samples = num_patches if pruner.num_samples is None else pruner.num_samples
-    bound = num_patches + 1
+    bound = num_patches + 1 if max_seqlen is None else max_seqlen
     cu = _check_sampling(cu_seqlens, qkv.shape[0], qkv.device, bound, samples, pruner.min_keep, None)
     logits, squares = _logits(qkv, cu, heads, head_dim, scale, bound)
     scores = torch.empty(qkv.shape[0], dtype=torch.float32, device=qkv.device)

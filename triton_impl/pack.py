@@ -19,6 +19,18 @@ How many rows the output has decides whether the host must wait:
 * neither: exactly one device-to-host read (the total), documented and unavoidable for an exact-size buffer.
 
 ``max_seqlen`` returned is an upper bound (the input bound, or ``count``), never read from the device.
+
+Options for the CUDA-graph runner (``pipelines.graphs``), which saves small kernels per pruning stage:
+
+* ``kept=`` int32 ``[B]``: the rows each image keeps, as a decision kernel already reports them; skips
+  ``_count_kernel``. Trusted as given: checked against ``keep`` only with ``check_values=True``.
+* ``padding_images=P`` (capacity mode only): ``cu_seqlens`` gets ``P`` more offsets,
+  ``min(total + (i + 1) * padding_len, capacity)``, describing padding images of at most ``padding_len`` rows
+  over the rows ``[total, capacity)`` that no image owns (``total``: the real rows written), so attention sees
+  ``T == cu_seqlens[-1]`` when ``P * padding_len >= capacity - total``. Written by ``_pack_kernel`` itself.
+* ``cu_out=``: a preallocated int32 ``[B+1+P]`` (any contiguous slice, alignment not required) written in place.
+
+Not supported: padding with ``count=`` or an exact-size buffer (there every row belongs to an image).
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from reference.validation import FLOAT_DTYPES, check_cu_seqlens, check_max_seqlen, check_tensor
+from reference.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
 from triton_impl.launcher import CompiledLauncher
 
 _BLOCK_R = 32
@@ -54,10 +66,10 @@ def _count_kernel(KEEP, SRC_CU, COUNTS, dense_len, LEN_PAD: tl.constexpr, DENSE:
     tl.store(COUNTS + b, tl.sum(k, 0))
 
 
-@triton.jit(do_not_specialize=["dense_len", "batch", "capacity"])
+@triton.jit(do_not_specialize=["dense_len", "batch", "capacity", "num_pads", "pad_len"])
 def _pack_kernel(
     X, KEEP, SRC_CU, COUNTS, EXTRA, OUT, CU_OUT,
-    dense_len, batch, capacity, stride_xt, stride_et,
+    dense_len, batch, capacity, stride_xt, stride_et, num_pads, pad_len,
     CHANNELS: tl.constexpr,
     BLOCK_C: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -65,6 +77,7 @@ def _pack_kernel(
     B_PAD: tl.constexpr,
     DENSE: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
+    PADS_PAD: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     r = tl.program_id(1)
@@ -76,9 +89,19 @@ def _pack_kernel(
     count_b = tl.sum(tl.where(offs_b == b, counts, 0), 0)
     offset = tl.sum(tl.where(offs_b < b, counts, 0), 0) + b * HAS_EXTRA
     if r == 0:
-        tl.store(CU_OUT + b + 1, tl.minimum(offset + count_b + HAS_EXTRA, capacity))
+        end = offset + count_b + HAS_EXTRA
+        tl.store(CU_OUT + b + 1, tl.minimum(end, capacity))
         if b == 0:
             tl.store(CU_OUT, 0)
+        if PADS_PAD > 0:
+            if b == batch - 1:
+                # The last image's end is the real total: padding images of pad_len rows from there on, clamped
+                # to capacity (int64: total + num_pads * pad_len may pass int32 before the clamp).
+                offs_p = tl.arange(0, PADS_PAD)
+                pad_ends = end.to(tl.int64) + (offs_p + 1).to(tl.int64) * pad_len
+                tl.store(
+                    CU_OUT + batch + 1 + offs_p, tl.minimum(pad_ends, capacity).to(tl.int32), mask=offs_p < num_pads
+                )
 
     # Rank of each kept row inside its image: kept rows before this block + running count inside it.
     row0 = r * BLOCK_R
@@ -159,34 +182,45 @@ def _repack(
     extra_token: torch.Tensor | None,
     count: int | None,
     capacity: int | None,
+    *,
+    kept: torch.Tensor | None = None,
+    padding_images: int = 0,
+    padding_len: int | None = None,
+    cu_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     channels = x.shape[-1]
     dense = src_cu is None
     has_extra = extra_token is not None
     len_pad = triton.next_power_of_2(max_len)
-    counts = torch.empty(batch, dtype=torch.int32, device=x.device)
+    counts = torch.empty(batch, dtype=torch.int32, device=x.device) if kept is None else kept
+    if cu_out is None:
+        cu_out = torch.empty(batch + 1 + padding_images, dtype=torch.int32, device=x.device)
     device = x.get_device()
-    pointers = [x, keep, counts] + [t for t in (src_cu, extra_token) if t is not None]
+    # cu_out may be a slice of a larger buffer: an unaligned one takes Triton's own (specialising) path.
+    pointers = [x, keep, counts, cu_out] + [t for t in (src_cu, extra_token) if t is not None]
     aligned = x.is_cuda and all(t.data_ptr() % 16 == 0 for t in pointers)
-    _count_launcher(
-        (dense, len_pad) if aligned else None, device, (batch, 1),
-        (keep, src_cu, counts, max_len, len_pad, dense), num_warps=4, num_stages=1,
-    )  # fmt: skip
+    if kept is None:
+        _count_launcher(
+            (dense, len_pad) if aligned else None, device, (batch, 1),
+            (keep, src_cu, counts, max_len, len_pad, dense), num_warps=4, num_stages=1,
+        )  # fmt: skip
     if count is not None:
         rows, bound = batch * count, count
     elif capacity is not None:
         rows, bound = capacity, max_len + has_extra
     else:
         rows, bound = int(counts.sum()) + batch * has_extra, max_len + has_extra  # the one documented sync
+    # Clamping the step to capacity changes no offset (total + step >= capacity either way) and keeps it an i32.
+    pad_len = min(bound if padding_len is None else padding_len, rows)
+    pads_pad = triton.next_power_of_2(padding_images) if padding_images else 0
     out = x.new_empty((rows, channels))
-    cu_out = torch.empty(batch + 1, dtype=torch.int32, device=x.device)
     stride_x, stride_e = x.stride(-2), extra_token.stride(0) if has_extra else 0
     block_c, b_pad = _channel_block(channels), triton.next_power_of_2(batch)
-    key = (x.dtype, channels, len_pad, b_pad, dense, has_extra, stride_x % 16, stride_e % 16)
+    key = (x.dtype, channels, len_pad, b_pad, dense, has_extra, pads_pad, stride_x % 16, stride_e % 16)
     _pack_launcher(
         key if aligned else None, device, (batch, -(-max_len // _BLOCK_R)),
         (x, keep, src_cu, counts, extra_token, out, cu_out, max_len, batch, rows, stride_x, stride_e,
-         channels, block_c, _BLOCK_R, len_pad, b_pad, dense, has_extra),
+         padding_images, pad_len, channels, block_c, _BLOCK_R, len_pad, b_pad, dense, has_extra, pads_pad),
         num_warps=4, num_stages=1,
     )  # fmt: skip
     return out, cu_out, bound
@@ -206,6 +240,44 @@ def _check_cls_kept(keep_at_cls: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be True at every image's CLS row")
 
 
+def _check_graph_options(
+    kept: torch.Tensor | None,
+    padding_images: int,
+    padding_len: int | None,
+    cu_out: torch.Tensor | None,
+    capacity: int | None,
+    batch: int,
+    device: torch.device,
+) -> None:
+    """Metadata checks of ``kept``, ``padding_images``, ``padding_len`` and ``cu_out`` (no device read)."""
+    if kept is not None:
+        check_tensor(kept, "kept", ndim=1, dtypes=(torch.int32,), device=device)
+        if kept.shape[0] != batch:
+            raise ValueError(f"kept must have shape ({batch},), one count per image, got {tuple(kept.shape)}")
+        if not kept.is_contiguous():
+            raise ValueError(f"kept must be contiguous, got stride {kept.stride()}")
+    check_int(padding_images, "padding_images", 0)
+    if padding_len is not None:
+        check_int(padding_len, "padding_len", 1)
+    if (padding_images or padding_len is not None) and capacity is None:
+        raise ValueError(
+            f"padding_images={padding_images} / padding_len={padding_len} need capacity=: the padding images cover "
+            "the buffer rows past the total"
+        )
+    if cu_out is not None:
+        entries = batch + 1 + padding_images
+        check_tensor(cu_out, "cu_out", ndim=1, dtypes=(torch.int32,), device=device)
+        if cu_out.shape[0] != entries:
+            raise ValueError(f"cu_out must have shape ({entries},) (B + 1 + padding_images), got {tuple(cu_out.shape)}")
+        if not cu_out.is_contiguous():
+            raise ValueError(f"cu_out must be contiguous, got stride {cu_out.stride()}")
+
+
+def _check_kept_values(kept: torch.Tensor | None, counts: torch.Tensor) -> None:
+    if kept is not None and not torch.equal(kept.long(), counts.long()):
+        raise ValueError(f"kept={kept.tolist()} does not match the kept rows per image of keep {counts.tolist()}")
+
+
 def pack(
     x: torch.Tensor,
     keep: torch.Tensor,
@@ -214,6 +286,10 @@ def pack(
     capacity: int | None = None,
     extra_token: torch.Tensor | None = None,
     check_values: bool | None = None,
+    kept: torch.Tensor | None = None,
+    padding_images: int = 0,
+    padding_len: int | None = None,
+    cu_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Packs the kept tokens of a dense batch: ``x [B, N, C]``, ``keep`` bool ``[B, N]``.
 
@@ -221,10 +297,11 @@ def pack(
         count: rows kept per image, known on the host (fixed-count pruners): no sync.
         capacity: output rows to allocate (CUDA graphs): no sync, see the module docstring.
         extra_token: optional ``[B, C]`` appended after each image's kept rows.
-        check_values: read ``keep`` to check CLS is kept (and ``count``); default only on CPU.
+        check_values: read ``keep`` to check CLS is kept (and ``count``, ``kept``); default only on CPU.
+        kept, padding_images, padding_len, cu_out: as in :func:`repack`.
 
     Returns:
-        ``tokens [T, C]``, ``cu_seqlens`` int32 ``[B+1]``, ``max_seqlen`` (an upper bound, host int).
+        ``tokens [T, C]``, ``cu_seqlens`` int32 ``[B+1+padding_images]``, ``max_seqlen`` (an upper bound, host int).
     """
     check_tensor(x, "x", ndim=3, dtypes=FLOAT_DTYPES)
     batch, n, _ = x.shape
@@ -240,11 +317,16 @@ def pack(
         raise ValueError(f"x must have rows laid out image after image (stride(0) == N * stride(1)), got {x.stride()}")
     _check_mode(count, capacity)
     _check_extra(extra_token, batch, x)
+    _check_graph_options(kept, padding_images, padding_len, cu_out, capacity, batch, x.device)
     if check_values if check_values is not None else x.device.type == "cpu":
         _check_cls_kept(keep[:, 0], "keep[:, 0]")
         if count is not None and not bool((keep.sum(1) + (extra_token is not None) == count).all()):
             raise ValueError(f"count={count} does not match the kept rows per image {keep.sum(1).tolist()}")
-    return _repack(x, keep, None, batch, n, extra_token, count, capacity)
+        _check_kept_values(kept, keep.sum(1))
+    return _repack(
+        x, keep, None, batch, n, extra_token, count, capacity,
+        kept=kept, padding_images=padding_images, padding_len=padding_len, cu_out=cu_out,
+    )  # fmt: skip
 
 
 def repack(
@@ -257,13 +339,28 @@ def repack(
     capacity: int | None = None,
     extra_token: torch.Tensor | None = None,
     check_values: bool | None = None,
+    kept: torch.Tensor | None = None,
+    padding_images: int = 0,
+    padding_len: int | None = None,
+    cu_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Prunes an already packed buffer, ragged to ragged (no detour through padding).
 
     Args:
         tokens: ``[T, C]`` packed rows; ``cu_seqlens`` int32 ``[B+1]``; ``keep`` bool ``[T]``.
         max_seqlen: upper bound on the input lengths (e.g. the ``max_seqlen`` returned by :func:`pack`).
-        count, capacity, extra_token, check_values: as in :func:`pack`.
+        count, capacity, extra_token: as in :func:`pack`.
+        check_values: read ``keep`` (and ``cu_seqlens``, ``kept``) to check them; default only on CPU.
+        kept: int32 ``[B]``, the rows each image keeps (CLS included, an extra token excluded), e.g.
+            ``TokenSelection.kept``: skips the counting kernel; checked against ``keep`` only with ``check_values``.
+        padding_images: with ``capacity`` only: append this many offsets to ``cu_seqlens``,
+            ``min(total + (i + 1) * padding_len, capacity)``, padding images over the rows no image owns.
+        padding_len: rows per padding image (at most); defaults to the returned ``max_seqlen`` bound.
+        cu_out: int32 contiguous ``[B+1+padding_images]`` to write ``cu_seqlens`` into (and return), e.g. a row
+            of a preallocated graph buffer; need not be 16-byte aligned.
+
+    Returns:
+        ``tokens [T', C]``, ``cu_seqlens`` int32 ``[B+1+padding_images]``, ``max_seqlen`` (an upper bound).
     """
     check_tensor(tokens, "tokens", ndim=2, dtypes=FLOAT_DTYPES)
     total = tokens.shape[0]
@@ -276,12 +373,19 @@ def repack(
     _check_mode(count, capacity)
     batch = cu_seqlens.shape[0] - 1
     _check_extra(extra_token, batch, tokens)
+    _check_graph_options(kept, padding_images, padding_len, cu_out, capacity, batch, tokens.device)
     if check_values if check_values is not None else tokens.device.type == "cpu":
         lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
         if int(lens.max()) > max_seqlen:
             raise ValueError(f"max_seqlen={max_seqlen} is below the longest sequence {int(lens.max())}")
         _check_cls_kept(keep[cu_seqlens[:-1].long()[lens > 0]], "keep")
-    return _repack(tokens, keep, cu_seqlens, batch, max_seqlen, extra_token, count, capacity)
+        if kept is not None:
+            kept_before = torch.cat([keep.new_zeros(1, dtype=torch.long), keep.long().cumsum(0)])  # [T+1]
+            _check_kept_values(kept, kept_before[cu_seqlens[1:].long()] - kept_before[cu_seqlens[:-1].long()])
+    return _repack(
+        tokens, keep, cu_seqlens, batch, max_seqlen, extra_token, count, capacity,
+        kept=kept, padding_images=padding_images, padding_len=padding_len, cu_out=cu_out,
+    )  # fmt: skip
 
 
 def unpack(

@@ -135,6 +135,13 @@ class ATSPruner(Pruner):
     def extra_repr(self) -> str:
         return f"blocks={self.blocks}, num_samples={self.num_samples}, min_keep={self.min_keep}"
 
+    def max_count_after(self, stage: int, current: int, num_patches: int) -> int:
+        """At most ``max(samples, min_keep)`` patches survive (each target picks one, duplicates collapse; the
+        floor tops up to ``min_keep``), and never more than the image had: ``1 + min(current - 1, max(samples,
+        min_keep))`` rows, CLS included."""
+        samples = num_patches if self.num_samples is None else self.num_samples
+        return 1 + min(current - 1, max(samples, self.min_keep))
+
     def forward(self, inp: PruneInput) -> TokenSelection:
         check_prune_input(inp, attention=True, values=True)
         cu = inp.cu_seqlens
