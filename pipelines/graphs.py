@@ -17,7 +17,9 @@ first use, per batch size. What is captured depends on the pruner (:func:`pipeli
   most that many rows skips the read: it takes the previous capacity, or the pruner's own bound on the rows it
   keeps (``Pruner.max_count_after``; ATS keeps at most its sample count) if smaller, and so does every later
   stage. The segments between two reads are ONE graph, keyed by their :class:`SegmentShape` s, and hand their
-  decisions to each other directly: a small ATS batch replays its whole forward as one graph.
+  decisions to each other directly: a small ATS batch replays its whole forward as one graph. Inside such a
+  graph a mid-block stage's MLP half (per row, so it commutes with the repack) runs on every row beside the
+  decision, which runs on a second stream: the graph holds them as parallel branches.
 
 **Padding rows.** A capacity buffer has ``capacity - total`` rows that no image owns (the pack kernel leaves them
 unwritten). Inside a segment they form padding images after the ``B`` real ones, each at most ``max_seqlen``
@@ -80,6 +82,7 @@ from pipelines.packed_block import (
     packed_blocks,
     packed_mlp,
 )
+from reference.selection import TokenSelection
 from reference.validation import check_int
 from triton_impl import pack as triton_pack
 
@@ -258,6 +261,7 @@ class GraphedPrunedViT:
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._buffers: dict[int, _Buffers] = {}
         self._binding: _Binding | None = None
+        self._side_stream: torch.cuda.Stream | None = None  # where decisions run beside an MLP half
 
     @property
     def plan(self) -> SegmentPlan:
@@ -424,7 +428,7 @@ class GraphedPrunedViT:
         else:
             if state is None:  # the previous segment ran in another graph
                 side = (index - 1) % 2
-                state = _Decision(bufs.x[side], bufs.keep[side], bufs.kept[side])
+                state = _Decision(bufs.x[side], bufs.keep[side], bufs.kept[side], mlp_done=False)
             attn_cu = bufs.cu[index, : batch + 1 + shape.pads]
             x, _, _ = triton_pack.repack(
                 state.x, bufs.cu[index - 1, : batch + 1], state.keep, self._plan.row_bounds[index - 1],
@@ -437,7 +441,10 @@ class GraphedPrunedViT:
         run_blocks = compiled_blocks() if compiled else packed_blocks
         attention_half, mlp_half = compiled_halves() if compiled else (packed_attention, packed_mlp)
         blocks = pipeline.model.blocks
-        for kind, group in itertools.groupby(self._plan.segments[index], key=lambda step: step.kind):
+        steps = self._plan.segments[index]
+        if state is not None and state.mlp_done:
+            steps = steps[1:]  # the previous segment ran this MLP half already, on every row
+        for kind, group in itertools.groupby(steps, key=lambda step: step.kind):
             group = [blocks[step.block] for step in group]
             if kind == "block":  # consecutive whole blocks: one run (one compiled graph with compile_blocks)
                 x = run_blocks(group, x, attn_cu, shape.max_seqlen, pipeline.backend)
@@ -452,7 +459,14 @@ class GraphedPrunedViT:
             offsets = bufs.cu[1:, : batch + 1]  # every stage's real offsets
             bufs.counts.copy_((offsets[:, 1:] - offsets[:, :-1] - 1).t())  # rows after each stage, CLS excluded
             return None
-        sel = pipeline.decide(pipeline._stages[index], x, attn_cu, tokens - 1, qkv, shape.max_seqlen)
+        stage = pipeline._stages[index]
+        decide = functools.partial(pipeline.decide, stage, x, attn_cu, tokens - 1, qkv, shape.max_seqlen)
+        following = self._plan.segments[index + 1]
+        mlp_ahead = not store and bool(following) and following[0].kind == "mlp"
+        if mlp_ahead:  # in a chain: the next segment's leading MLP half runs now, beside the decision
+            sel, x = self._decide_beside_mlp(decide, blocks[following[0].block], x)
+        else:
+            sel = decide()
         if sel.extra_token is not None:
             raise NotImplementedError(
                 f"pruner {pipeline.pruner.name!r} appends an extra token at a variable-count stage, which "
@@ -461,7 +475,7 @@ class GraphedPrunedViT:
         kept = decision_counts(sel)
         kept = None if kept is None else kept[:batch]
         if not store:
-            return _Decision(x, sel.keep, kept)
+            return _Decision(x, sel.keep, kept, mlp_done=mlp_ahead)
         if self.buckets.rereads_after(shape.capacity):  # the next stage reads its total and longest image
             lens = kept_rows(sel, attn_cu)[:batch]
             bufs.stats.copy_(torch.stack([lens.sum(), lens.max()]))
@@ -472,14 +486,37 @@ class GraphedPrunedViT:
         bufs.kept[side].copy_(kept if kept is not None else kept_rows(sel, attn_cu)[:batch])
         return None
 
+    def _decide_beside_mlp(
+        self, decide: Callable[[], TokenSelection], block: torch.nn.Module, x: torch.Tensor
+    ) -> tuple[TokenSelection, torch.Tensor]:
+        """A mid-block stage's decision and its block's MLP half, which acts per row and so commutes with the
+        repack: the MLP runs on every row of the buffer (pruned ones too) while the decision runs on a second
+        stream (on a GPU; a graph records the two as parallel branches). At small batch both are latency-bound
+        and fill few SMs, so the decision's ~10 us hide behind the MLP's GEMMs."""
+        mlp_half = compiled_halves()[1] if self.pipeline.compile_blocks else packed_mlp
+        if not x.is_cuda:
+            return decide(), mlp_half(block, x)
+        main = torch.cuda.current_stream(x.device)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(x.device)
+        side = self._side_stream
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            sel = decide()
+        x = mlp_half(block, x)
+        main.wait_stream(side)  # the decision's tensors are used (and freed) on the main stream from here on
+        return sel, x
+
 
 class _Decision(NamedTuple):
-    """A stage's decision handed to the next segment: the packed stream, its keep mask and (if the decision
-    counted them) the rows each real image keeps, int32 ``[B]``."""
+    """A stage's decision handed to the next segment: the packed stream, its keep mask, (if the decision counted
+    them) the rows each real image keeps, int32 ``[B]``, and whether the next segment's leading MLP half was
+    already applied to the stream."""
 
     x: torch.Tensor
     keep: torch.Tensor
     kept: torch.Tensor | None
+    mlp_done: bool
 
 
 def _check_capturable(pipeline: PrunedViT) -> None:

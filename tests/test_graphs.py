@@ -309,12 +309,22 @@ def test_stages_without_a_read_run_as_one_chain(backend, first_read, poisoned, m
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
 def test_chained_segments_equal_separate_ones():
-    """A chain hands each decision to the next segment in memory; separate graphs pass it through the static
-    buffers: the same capacities give the same logits bit for bit."""
+    """A chain hands each decision to the next segment in memory, with the next MLP half already applied to every
+    row (it ran beside the decision); separate graphs pass the decision through the static buffers and run the
+    MLP after the repack: the same capacities give the same logits (bit for bit on the CPU)."""
     pv = tiny_pipeline(VARIABLE["ats"], "triton")
     images = tiny_images(3, 8)
     chained = GraphedPrunedViT(pv, TokenBuckets(sync_free_rows=3 * TOKENS))
+    beside = []
+    real_beside = chained._decide_beside_mlp
+
+    def spy(decide, block, x):
+        beside.append(x.shape[0])
+        return real_beside(decide, block, x)
+
+    chained._decide_beside_mlp = spy
     out = chained.run(images)
+    assert len(beside) == len(pv.pruner.blocks)  # every decision of the chain
     separate = GraphedPrunedViT(pv, TokenBuckets(sync_free_rows=3 * TOKENS))
     separate._launch_chain = lambda bufs, chain: [  # noqa: E731 - one graph per segment, same shapes
         GraphedPrunedViT._launch_chain(separate, bufs, [shape]) for shape in chain
