@@ -8,7 +8,8 @@ grouped by kind (GEMM, attention, Inductor-fused, LayerNorm, elementwise, reduct
 packing, copies). Per forward: kernel count, summed kernel time ("busy"), CUDA-event time of back-to-back
 forwards ("span"; span - busy = gaps and host waits) and the per-kind split. ``--compile-blocks`` adds the
 pipelines with ``compile_blocks=True``, ``--sync-free-rows R`` the runners with
-``TokenBuckets(sync_free_rows=R)``. Details go to ``--out`` (JSON).
+``TokenBuckets(sync_free_rows=R)``, ``--serial-decisions`` the runners with ``overlap_decisions=False``. Details
+go to ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ def main() -> None:
     parser.add_argument(
         "--sync-free-rows", type=int, default=0, help="also the runner with TokenBuckets(sync_free_rows=R)"
     )
+    parser.add_argument(
+        "--serial-decisions", action="store_true", help="also the runners with overlap_decisions=False"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -106,16 +110,18 @@ def main() -> None:
     print("|---" * (7 + len(kinds)) + "|")
     for batch in (int(b) for b in args.batches.split(",")):
         images = lab.images(DEIT_B, batch)
-        configs: list[tuple[str, object, int]] = [
-            ("timm reduce-overhead", None, 0),
-            ("timm reduce-overhead +gemm embed", None, 0),
+        configs: list[tuple[str, object, int, bool]] = [
+            ("timm reduce-overhead", None, 0, True),
+            ("timm reduce-overhead +gemm embed", None, 0, True),
         ]
         for w in args.workloads.split(","):
             for compiled in (False, True) if args.compile_blocks else (False,):
                 for rows in sorted({0, args.sync_free_rows}):
                     label = w + (" +compile" if compiled else "") + (f" +sync-free {rows}" if rows else "")
-                    configs.append((label, compiled, rows))
-        for label, compiled, sync_free_rows in configs:
+                    configs.append((label, compiled, rows, True))
+                if args.serial_decisions:
+                    configs.append((w + (" +compile" if compiled else "") + " +serial", compiled, 0, False))
+        for label, compiled, sync_free_rows, overlap in configs:
             t0 = time.perf_counter()
             if compiled is None:
                 model = lab.model(DEIT_B)
@@ -129,8 +135,9 @@ def main() -> None:
             else:
                 pv = lab.pipeline(DEIT_B, label.split()[0], 0.5, "triton")
                 pv.compile_blocks = compiled
-                if sync_free_rows:
-                    runner = GraphedPrunedViT(pv, TokenBuckets(sync_free_rows=sync_free_rows))
+                if sync_free_rows or not overlap:
+                    buckets = TokenBuckets(sync_free_rows=sync_free_rows) if sync_free_rows else None
+                    runner = GraphedPrunedViT(pv, buckets, overlap_decisions=overlap)
 
                     def forward(x, runner=runner):
                         return runner.run(x)

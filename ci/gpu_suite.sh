@@ -32,7 +32,7 @@ for step in "${steps[@]}"; do
              done ;;
     table3-small) "$PY" -m benchmarks.report_e2e --part table3 --batches 1,4,64 --tag b1-4-64 --out "$OUT" \
                     --max-minutes 8 2>&1 | grep -v Warning | tee "$OUT/table3.log" | tail -60 ;;
-    forward-profile) "$PY" -m ci.forward_profile --compile-blocks --workloads l2_calibrated,ats \
+    forward-profile) "$PY" -m ci.forward_profile --compile-blocks --serial-decisions --workloads l2_calibrated,ats \
                        --out "$OUT/forward_profile.json" 2>&1 | grep "^|" ;;
     ats-kernels) "$PY" -m ci.ats_kernels 2>&1 | tail -5 ;;
     *) echo "unknown step: $step"; status=2 ;;

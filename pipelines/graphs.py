@@ -224,6 +224,9 @@ class GraphedPrunedViT:
         warmup: eager runs on a side stream before each capture.
         clone_outputs: return copies of the static output buffers (else the buffers, overwritten by the next call
             with the same batch size).
+        overlap_decisions: inside a chain of read-free segments, run each mid-block decision on a second stream
+            beside its block's MLP half (applied before the repack; see the module docstring). False: one
+            stream, the MLP after the repack.
     """
 
     def __init__(
@@ -236,6 +239,7 @@ class GraphedPrunedViT:
         pool: tuple[int, int] | None = None,
         warmup: int = 2,
         clone_outputs: bool = True,
+        overlap_decisions: bool = True,
     ) -> None:
         if not isinstance(pipeline, PrunedViT):
             raise TypeError(f"pipeline must be a PrunedViT, got {type(pipeline).__name__}")
@@ -251,6 +255,7 @@ class GraphedPrunedViT:
         self.max_graphs = max_graphs
         self.warmup = check_int(warmup, "warmup", 1)
         self.clone_outputs = bool(clone_outputs)
+        self.overlap_decisions = bool(overlap_decisions)
         self.counters = GraphCounters()
         self._tokens = pipeline.model.patch_embed.num_patches + 1  # N: rows of an unpruned image
         self._plan = plan_segments(pipeline.pruner, len(pipeline.model.blocks), self._tokens)
@@ -462,7 +467,7 @@ class GraphedPrunedViT:
         stage = pipeline._stages[index]
         decide = functools.partial(pipeline.decide, stage, x, attn_cu, tokens - 1, qkv, shape.max_seqlen)
         following = self._plan.segments[index + 1]
-        mlp_ahead = not store and bool(following) and following[0].kind == "mlp"
+        mlp_ahead = self.overlap_decisions and not store and bool(following) and following[0].kind == "mlp"
         if mlp_ahead:  # in a chain: the next segment's leading MLP half runs now, beside the decision
             sel, x = self._decide_beside_mlp(decide, blocks[following[0].block], x)
         else:

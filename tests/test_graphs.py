@@ -332,6 +332,12 @@ def test_chained_segments_equal_separate_ones():
     ref = separate.run(images)
     assert chained.counters.eager_segments == 1 and separate.counters.eager_segments == len(pv.pruner.blocks) + 1
     assert torch.equal(out.logits, ref.logits) and torch.equal(out.counts, ref.counts)
+    serial = GraphedPrunedViT(pv, TokenBuckets(sync_free_rows=3 * TOKENS), overlap_decisions=False)
+    serial._decide_beside_mlp = spy
+    beside.clear()
+    out_serial = serial.run(images)
+    assert not beside and serial.counters.eager_segments == 1  # one chain, MLP halves after the repacks
+    assert torch.equal(out_serial.logits, ref.logits) and torch.equal(out_serial.counts, ref.counts)
 
 
 @pytest.mark.interpreter
