@@ -123,6 +123,19 @@ def test_select_matches_pruner_interpreter(gen):
 
 
 @pytest.mark.interpreter
+def test_tighter_row_bound_changes_the_tile_not_the_result_interpreter(gen):
+    """After an earlier ATS stage no image has more than ``samples + 1`` rows: the graph runner passes that bound
+    (``max_seqlen=99``: a 128-wide tile instead of 256) and gets the decisions of the default bound (197)."""
+    heads, head_dim = 2, 16
+    qkv, cu = _qkv((99, 60, 2, 1, 90), heads, head_dim, "cpu", gen)
+    pruner = ATSPruner(num_samples=98)
+    wide = ats.ats_select(pruner, qkv, cu, 196, heads, head_dim**-0.5)
+    tight = ats.ats_select(pruner, qkv, cu, 196, heads, head_dim**-0.5, max_seqlen=99)
+    assert torch.equal(tight.keep, wide.keep) and torch.equal(tight.kept, wide.kept)
+    assert ats._sample_shape(99)[0] < ats._sample_shape(197)[0]  # the narrower tile really is narrower
+
+
+@pytest.mark.interpreter
 def test_more_targets_than_rows_interpreter(gen):
     """``num_samples`` above the register width: the targets are searched in several chunks."""
     cu = _cu((197, 60))
@@ -171,6 +184,7 @@ def _bad_calls():
         (lambda: ats.ats_scores(qkv, cu, 2, "0.5", 10), "scale"),
         (lambda: ats.ats_select(ATSPruner, qkv, cu, 9, 2, 0.5), "pruner"),
         (lambda: ats.ats_select(ATSPruner(), qkv, cu, 0, 2, 0.5), "num_patches"),
+        (lambda: ats.ats_select(ATSPruner(), qkv, cu, 9, 2, 0.5, max_seqlen=0), "max_seqlen"),
     ]
 
 
