@@ -469,7 +469,7 @@ class GraphedPrunedViT:
         following = self._plan.segments[index + 1]
         mlp_ahead = self.overlap_decisions and not store and bool(following) and following[0].kind == "mlp"
         if mlp_ahead:  # in a chain: the next segment's leading MLP half runs now, beside the decision
-            sel, x = self._decide_beside_mlp(decide, blocks[following[0].block], x)
+            sel, x = self._decide_beside_mlp(decide, functools.partial(mlp_half, blocks[following[0].block]), x)
         else:
             sel = decide()
         if sel.extra_token is not None:
@@ -492,15 +492,14 @@ class GraphedPrunedViT:
         return None
 
     def _decide_beside_mlp(
-        self, decide: Callable[[], TokenSelection], block: torch.nn.Module, x: torch.Tensor
+        self, decide: Callable[[], TokenSelection], mlp: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
     ) -> tuple[TokenSelection, torch.Tensor]:
         """A mid-block stage's decision and its block's MLP half, which acts per row and so commutes with the
         repack: the MLP runs on every row of the buffer (pruned ones too) while the decision runs on a second
         stream (on a GPU; a graph records the two as parallel branches). At small batch both are latency-bound
         and fill few SMs, so the decision's ~10 us hide behind the MLP's GEMMs."""
-        mlp_half = compiled_halves()[1] if self.pipeline.compile_blocks else packed_mlp
         if not x.is_cuda:
-            return decide(), mlp_half(block, x)
+            return decide(), mlp(x)
         main = torch.cuda.current_stream(x.device)
         if self._side_stream is None:
             self._side_stream = torch.cuda.Stream(x.device)
@@ -508,7 +507,7 @@ class GraphedPrunedViT:
         side.wait_stream(main)
         with torch.cuda.stream(side):
             sel = decide()
-        x = mlp_half(block, x)
+        x = mlp(x)
         main.wait_stream(side)  # the decision's tensors are used (and freed) on the main stream from here on
         return sel, x
 

@@ -318,9 +318,9 @@ def test_chained_segments_equal_separate_ones():
     beside = []
     real_beside = chained._decide_beside_mlp
 
-    def spy(decide, block, x):
+    def spy(decide, mlp, x):
         beside.append(x.shape[0])
-        return real_beside(decide, block, x)
+        return real_beside(decide, mlp, x)
 
     chained._decide_beside_mlp = spy
     out = chained.run(images)
