@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from reference.segments import segment_ids, segment_sum
 from reference.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
 from triton_impl.launcher import CompiledLauncher
 
@@ -380,8 +381,7 @@ def repack(
             raise ValueError(f"max_seqlen={max_seqlen} is below the longest sequence {int(lens.max())}")
         _check_cls_kept(keep[cu_seqlens[:-1].long()[lens > 0]], "keep")
         if kept is not None:
-            kept_before = torch.cat([keep.new_zeros(1, dtype=torch.long), keep.long().cumsum(0)])  # [T+1]
-            _check_kept_values(kept, kept_before[cu_seqlens[1:].long()] - kept_before[cu_seqlens[:-1].long()])
+            _check_kept_values(kept, segment_sum(keep.long(), segment_ids(cu_seqlens, total), batch))
     return _repack(
         tokens, keep, cu_seqlens, batch, max_seqlen, extra_token, count, capacity,
         kept=kept, padding_images=padding_images, padding_len=padding_len, cu_out=cu_out,
