@@ -11,7 +11,7 @@ Reads, for every card directory ``benchmarks/baselines/<gpu-slug>/``:
 * ``attention.json`` -- the kernel benchmark as ``python -m benchmarks.report_attention --out`` writes it.
 
 and writes the paper's tables beside ours (Tables I-VI, Figure 1, Section V-D, each with its card, versions and
-workload kind), the targets of ``shared/ANCHORS.md`` with their measured values, and matplotlib figures
+workload kind), the targets of ``docs/targets.md`` with their measured values, and matplotlib figures
 (throughput vs batch size, speedup vs pruning ratio, 224 vs 384). The output depends only on the JSON: sorted
 inputs, fixed number formats, PNGs without timestamps, so regenerating it from the same files changes nothing.
 """
@@ -117,7 +117,7 @@ def _verdict(values: list[float | None], threshold: float) -> str:
 
 
 def targets_section(parts: dict[str, dict], kernel: dict | None) -> str:
-    """ANCHORS.md's targets with this card's numbers (ours = the faster of Triton eager and Triton + graphs)."""
+    """The targets of docs/targets.md with this card's numbers (ours: the faster of Triton eager and with graphs)."""
     lines: list[list[str]] = []
 
     def add(target: str, values: list[tuple[str, float]], need: float) -> None:
@@ -243,7 +243,7 @@ def targets_section(parts: dict[str, dict], kernel: dict | None) -> str:
                 ("met" if max(roof) <= 1.5 else "**missed**") if roof else "not measured",
             ]
         )
-    return T.table(["target (shared/ANCHORS.md)", "measured", "verdict"], lines)
+    return T.table(["target (docs/targets.md)", "measured", "verdict"], lines)
 
 
 # --------------------------------------------------------------------------------------------------- figures

@@ -27,7 +27,7 @@ Parts (one JSON each, ``DIR/<part>[-<tag>].json``; DIR defaults to ``benchmarks/
 * ``table6`` -- numerics: max / mean |logit diff| of Triton and FA2 against the padded (fair) pipeline, fp16,
   same decisions, B = 1, 4, 16 (64), and the paper's kernel rows (B = 32, 0/50/80% pruned).
 
-Method (``/work/.library/device/METHOD.md``): fp16, ``torch.no_grad``, images already on the GPU, three input
+Method (``docs/measuring.md``): fp16, ``torch.no_grad``, images already on the GPU, three input
 batches rotated; per row a warm-up, then forwards timed one at a time (synchronize, host clock and CUDA events
 around each forward); medians with quartiles. Throughput = B / median wall time per forward. Where a pipeline has
 no host synchronisation (fixed counts) its device-only time under CUDA-graph replay is measured too. One torch

@@ -27,7 +27,7 @@ from tests.helpers import PRUNER_CASES as CASES
 
 MODEL = "deit_tiny_patch16_224"
 KEEP_ALL = ["threshold_l2", "dynamicvit", "evit", "evit_fused"]  # ATS samples adaptively even at 1.0
-GOLDEN = {  # patches per image after each stage at keep rate 0.7 on 224x224 (196 patches); shared/PRUNERS.md
+GOLDEN = {  # patches per image after each stage at keep rate 0.7 on 224x224 (196 patches); docs/pruners.md
     "threshold_l2": [138],
     "dynamicvit": [137, 96, 67],
     "evit": [138, 97, 68],

@@ -10,7 +10,7 @@ the same images, so backends differ only in layout, precision and attention. Tol
 
 * backend vs fp32 reference: ``err <= 2 * floor + eps(dtype) * max|logits|``, where ``floor`` is the error of
   the same pipeline in the same dtype with exact (fp32-math) attention, i.e. the reference backend run in that
-  dtype: a backend may at most double the rounding error its dtype causes anyway (CONVENTIONS.md's kernel rule,
+  dtype: a backend may at most double the rounding error its dtype causes anyway (docs/measuring.md's kernel rule,
   applied end to end).
 * top-1: identical to the fp32 reference for every image whose top-1/top-2 logit margin exceeds twice the
   measured error (random weights give near-ties that no precision decides); with a real checkpoint, every image.
@@ -242,7 +242,7 @@ def test_isolation_on_cuda(lab, case, backend, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_backend_kernels_on_odd_lengths(backend, dtype):
-    """Each backend alone on FlashAttention's odd lengths, against fp32 math (the 2x rule of CONVENTIONS.md)."""
+    """Each backend alone on FlashAttention's odd lengths, against fp32 math (the 2x rule of docs/measuring.md)."""
     from pipelines.backends import make_backend
     from reference.attention import split_qkv
     from reference.segments import cu_seqlens_from_counts
