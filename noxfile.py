@@ -62,7 +62,7 @@ def results(session: nox.Session) -> None:
 def demo(session: nox.Session) -> None:
     """Classifies scikit-image's sample photos with a pruned DeiT on every available backend."""
     session.install("-e", ".[demo]")
-    session.run("python", "-m", "pipelines", *session.posargs, env={"OMP_NUM_THREADS": "2"})
+    session.run("python", "-m", "ragged_vit", *session.posargs, env={"OMP_NUM_THREADS": "2"})
 
 
 @nox.session

@@ -17,10 +17,11 @@ inside the callable. Peers:
 * ``nested_sdpa`` -- jagged NestedTensors wrapped around the q, k, v views in every call (a pipeline gets a new
   qkv from every layer), ``[B, H, j, D]`` SDPA with the flash backend forced (``sdpa_kernel`` entered once around
   all calls), ``.values()`` of the result. Offsets (int64) and min/max lengths are precomputed.
-* ``ours`` -- ``triton_impl.attention.ragged_attention_qkv`` into a preallocated ``out``, ``max_seqlen = 197``.
+* ``ours`` -- ``ragged_vit.triton_impl.attention.ragged_attention_qkv`` into a preallocated ``out``,
+  ``max_seqlen = 197``.
 * ``ours_op`` -- the custom op ``torch.ops.ragged_vit.ragged_attention_qkv.default`` (allocates its output).
 
-Each peer is checked once against ``reference.attention.ragged_attention`` (fp32) before it is timed.
+Each peer is checked once against ``ragged_vit.reference.attention.ragged_attention`` (fp32) before it is timed.
 """
 
 from __future__ import annotations
@@ -38,8 +39,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.timing import Call, ContextFactory, describe
 from benchmarks.workloads import HEAD_DIM, MAX_SEQLEN, NUM_HEADS, Workload, make_qkv_sets
-from reference.attention import ragged_attention, split_qkv
-from triton_impl.attention import ragged_attention_qkv
+from ragged_vit.reference.attention import ragged_attention, split_qkv
+from ragged_vit.triton_impl.attention import ragged_attention_qkv
 
 PEER_NAMES = ("padded_sdpa", "fa2_aten", "varlen_attn", "nested_sdpa", "ours", "ours_op")
 TOLERANCE = 2e-2  # max abs error of an fp16 peer against the fp32 reference

@@ -50,11 +50,11 @@ import torch
 from torch import nn
 
 from benchmarks.timing import REPO_ROOT, Spread, describe, environment, gc_off, schedule, summarize
-from pipelines.backends import AttentionBackend, PaddedSDPABackend, make_backend
-from pipelines.factory import build_pruner
-from pipelines.model import PrunedOutput, PrunedViT
-from pipelines.weights import create_model, load_checkpoint
-from reference.selection import TokenSelection
+from ragged_vit.core.selection import TokenSelection
+from ragged_vit.pipelines.backends import AttentionBackend, PaddedSDPABackend, make_backend
+from ragged_vit.pipelines.factory import build_pruner
+from ragged_vit.pipelines.model import PrunedOutput, PrunedViT
+from ragged_vit.pipelines.weights import create_model, load_checkpoint
 
 Call = Callable[[], object]
 
@@ -135,9 +135,9 @@ ROW_LABELS: dict[str, str] = {
     "fa2_varlen": "FA2 varlen (aten._flash_attention_forward)",
     "nested_sdpa": "NestedTensor SDPA (flash forced)",
     "triton": "ours: Triton ragged",
-    "triton_graphed": "ours: Triton ragged + CUDA graphs (pipelines.graphs)",
-    "fa2_varlen_graphed": "FA2 varlen + CUDA graphs (pipelines.graphs)",
-    "padded_graphed": "padded (fair) + CUDA graphs (pipelines.graphs)",
+    "triton_graphed": "ours: Triton ragged + CUDA graphs (ragged_vit.pipelines.graphs)",
+    "fa2_varlen_graphed": "FA2 varlen + CUDA graphs (ragged_vit.pipelines.graphs)",
+    "padded_graphed": "padded (fair) + CUDA graphs (ragged_vit.pipelines.graphs)",
     "triton_graphed_compiled": "ours: Triton ragged + CUDA graphs + torch.compile of the blocks (compile_blocks)",
     "public_compiled": (
         'public APIs only: timm blocks on gathered tokens (fixed counts) or on all N with a key mask (variable), '
@@ -501,7 +501,8 @@ class Unavailable(RuntimeError):
 
 
 def make_graphed(pv: PrunedViT, example: torch.Tensor) -> tuple[Callable[[torch.Tensor], object], str]:
-    """The CUDA-graph runner of ``pipelines.graphs`` around ``pv``, imported lazily: ``(forward(images), note)``.
+    """The CUDA-graph runner of ``ragged_vit.pipelines.graphs`` around ``pv``, imported lazily: ``(forward(images),
+    note)``.
 
     The one place that knows that runner's API: ``GraphedPrunedViT(pipeline)`` (graphs captured on first use, per
     batch size), called as ``run(images) -> PrunedOutput``. Tolerant of small changes: options named
@@ -510,12 +511,12 @@ def make_graphed(pv: PrunedViT, example: torch.Tensor) -> tuple[Callable[[torch.
     the result is logits or has ``.logits``. Raises :class:`Unavailable` with the reason.
     """
     try:
-        module = importlib.import_module("pipelines.graphs")
+        module = importlib.import_module("ragged_vit.pipelines.graphs")
     except ImportError as exc:
-        raise Unavailable(f"pipelines.graphs is not importable here ({describe(exc)})") from exc
+        raise Unavailable(f"ragged_vit.pipelines.graphs is not importable here ({describe(exc)})") from exc
     cls = getattr(module, "GraphedPrunedViT", None)
     if cls is None:
-        raise Unavailable("pipelines.graphs has no GraphedPrunedViT")
+        raise Unavailable("ragged_vit.pipelines.graphs has no GraphedPrunedViT")
     params = inspect.signature(cls).parameters
     kwargs: dict[str, object] = {}
     for name in ("batch_size", "max_batch", "batch"):

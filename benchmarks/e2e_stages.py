@@ -1,11 +1,11 @@
 """Stage breakdown of one pruned forward (the paper's Table IV): front, pack, late blocks, head.
 
-:func:`stage_timer` instruments a :class:`pipelines.model.PrunedViT` from the outside, without changing what it
-computes: inside the context, ``pipelines.model._repack`` and ``pipelines.model.packed_block`` (module globals
-that ``PrunedViT.run`` looks up at call time) and the pipeline's ``_prune_input`` / ``_head`` methods (instance
-attributes shadowing the class's) are wrapped so that entering a region records a mark. On a GPU a mark is a CUDA
-event on the current stream, so the regions are device-side intervals of one forward, the paper's method; on a
-CPU it is the host clock. Regions:
+:func:`stage_timer` instruments a :class:`ragged_vit.pipelines.model.PrunedViT` from the outside, without changing what
+it computes: inside the context, ``ragged_vit.pipelines.model._repack`` and ``ragged_vit.pipelines.model.packed_block``
+(module globals that ``PrunedViT.run`` looks up at call time) and the pipeline's ``_prune_input`` / ``_head`` methods
+(instance attributes shadowing the class's) are wrapped so that entering a region records a mark. On a GPU a mark is a
+CUDA event on the current stream, so the regions are device-side intervals of one forward, the paper's method; on a CPU
+it is the host clock. Regions:
 
 * ``front`` -- input checks, patch embedding and the dense blocks before the first stage;
 * ``pack``  -- each pruning stage: the pruner's scoring (CLS attention for EViT/ATS) and the repack of the
@@ -27,9 +27,9 @@ from collections.abc import Iterator
 
 import torch
 
-import pipelines.model as pm
+import ragged_vit.pipelines.model as pm
 from benchmarks.timing import Spread, gc_off, summarize
-from pipelines.model import PrunedViT
+from ragged_vit.pipelines.model import PrunedViT
 
 REGIONS = ("front", "pack", "late", "head")
 

@@ -430,11 +430,11 @@ Weights are random (seeded) unless a run says otherwise: speed does not depend o
 **Rows.** *timm eager* / *timm reduce-overhead*: the UNPRUNED timm model, eager and under
 `torch.compile(mode="reduce-overhead")` (compiled once per batch size; compile time in the clocks table) -- what a
 user would run instead. The pruned pipeline (dense blocks, pruning, packed blocks) with each attention backend:
-*padded (fair)* pads to the batch's longest survivor (SDPA + key mask), *padded-full (paper's)* pads back to all
-N tokens as the paper's baseline did, *FA2 varlen* (`aten._flash_attention_forward`, no wrapper),
-*NestedTensor* (flash forced; timed at B <= 4 only, beyond that one forward's time is shown), *Triton (ours)*;
-*+ graphs*: the same pipelines under the CUDA-graph runner `pipelines.graphs`. T/Pad and T/FA2 are Triton eager
-over padded (fair) and FA2 varlen; *best ours* is the faster of Triton eager and Triton + graphs.
+*padded (fair)* pads to the batch's longest survivor (SDPA + key mask), *padded-full (paper's)* pads back to all N
+tokens as the paper's baseline did, *FA2 varlen* (`aten._flash_attention_forward`, no wrapper), *NestedTensor* (flash
+forced; timed at B <= 4 only, beyond that one forward's time is shown), *Triton (ours)*; *+ graphs*: the same pipelines
+under the CUDA-graph runner `ragged_vit.pipelines.graphs`. T/Pad and T/FA2 are Triton eager over padded (fair) and FA2
+varlen; *best ours* is the faster of Triton eager and Triton + graphs.
 
 **Workloads** (the kind, fixed or ragged, is given with every table): *l2_ratio* Threshold-L2 top-k after block
 3 (equal counts, the paper's setting); *l2_calibrated* Threshold-L2 with a calibrated norm threshold (ragged);

@@ -10,7 +10,7 @@ allow". ``reduce-overhead`` replays CUDA graphs, so the shapes must not change f
   batch's longest survivor would change the shape every call), and every attention after a stage gets a key mask
   (``attn_mask`` of timm's ``Attention``, i.e. SDPA's boolean mask): the paper's padded-full layout.
 
-The decisions are replayed, not made: :func:`dense_plan` turns a packed run's selections (``reference.selection
+The decisions are replayed, not made: :func:`dense_plan` turns a packed run's selections (``ragged_vit.core.selection
 .TokenSelection`` per stage) into gather indices or key masks computed before the timed call, so the peer's time
 leaves out its pruner, which only favours the peer. Not supported: an appended extra token (EViT's fused token).
 """
@@ -23,7 +23,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from reference.selection import Placement, Pruner, TokenSelection
+from ragged_vit.core.selection import Placement, Pruner, TokenSelection
 
 
 def dense_plan(selections: Sequence[TokenSelection], batch: int, tokens: int, gather: bool) -> list[torch.Tensor]:

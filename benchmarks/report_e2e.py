@@ -18,7 +18,7 @@ Parts (one JSON each, ``DIR/<part>[-<tag>].json``; DIR defaults to ``benchmarks/
   ``benchmarks.e2e_common``: fixed and ragged) x every row: unpruned timm eager and under
   ``torch.compile(mode="reduce-overhead")`` (compiled once per batch size, compile time reported), padded (fair),
   padded-full (the paper's), FA2 varlen, NestedTensor SDPA (timed at B <= 4 only, otherwise one forward is
-  reported as too slow), Triton, and the CUDA-graph rows of ``pipelines.graphs`` when it exists.
+  reported as too slow), Triton, and the CUDA-graph rows of ``ragged_vit.pipelines.graphs`` when it exists.
 * ``table4`` -- stage breakdown (front / pack / late blocks / head, CUDA events in one forward), B = 8 (the
   paper's, by its Table III) and 64.
 * ``table5`` -- DeiT-T/S/B at 224, B = 4 and 64.
@@ -86,8 +86,8 @@ from benchmarks.e2e_stages import stage_breakdown
 from benchmarks.public_peer import PublicPrunedViT, dense_plan
 from benchmarks.timing import describe, graph_time
 from benchmarks.workloads import make_workload
-from pipelines.model import PrunedViT
-from pipelines.patch_embed import with_gemm_patch_embed
+from ragged_vit.pipelines.model import PrunedViT
+from ragged_vit.pipelines.patch_embed import with_gemm_patch_embed
 
 # Cheap parts first, compilation last: what a cut-short run loses is the torch.compile rows.
 PARTS = ("table6", "table4", "table3", "fig1", "table5", "res384")
@@ -631,7 +631,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"rows not started after this many minutes are skipped (default {QUICK_MINUTES} with --quick, "
         f"{FULL_MINUTES} without; 0: no limit)",
     )
-    parser.add_argument("--no-graphed", action="store_true", help="skip the pipelines.graphs rows")
+    parser.add_argument("--no-graphed", action="store_true", help="skip the ragged_vit.pipelines.graphs rows")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the CPU tests' dry run
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)  # replaces every model (CPU tests)
     args = parser.parse_args(argv)

@@ -14,9 +14,9 @@ import contextlib
 import torch
 
 from benchmarks.timing import graph_time
-from reference.pruners import ATSPruner
-from reference.segments import cu_seqlens_from_counts
-from triton_impl import ats
+from ragged_vit.core.segments import cu_seqlens_from_counts
+from ragged_vit.reference.pruners import ATSPruner
+from ragged_vit.triton_impl import ats
 
 
 def device_us(fn) -> float:

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from pipelines.factory import build_pipeline
-from pipelines.graphs import GraphedPrunedViT
+from ragged_vit.pipelines.factory import build_pipeline
+from ragged_vit.pipelines.graphs import GraphedPrunedViT
 
 
 def _img_per_s(forward, images: list[torch.Tensor], iters: int = 30) -> float:

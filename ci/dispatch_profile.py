@@ -14,10 +14,10 @@ import time
 import torch
 import triton
 
-from reference.attention import split_qkv
-from reference.segments import cu_seqlens_from_counts
-from triton_impl import attention as ta
-from triton_impl.configs import attention_config
+from ragged_vit.core.segments import cu_seqlens_from_counts
+from ragged_vit.reference.attention import split_qkv
+from ragged_vit.triton_impl import attention as ta
+from ragged_vit.triton_impl.configs import attention_config
 
 
 @triton.jit
@@ -72,7 +72,7 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  triton {triton.__version__}")
     for name, fn in rows.items():
         print(f"{name:40s} {_per_call_us(fn):7.2f} us/call")
-    from triton_impl.launcher import _hooks_installed
+    from ragged_vit.triton_impl.launcher import _hooks_installed
 
     print(f"cached specialisations: {ta._launcher.cache_size()}, launch hooks installed: {_hooks_installed()}")
     profile = cProfile.Profile()

@@ -1,15 +1,14 @@
 """Where the device time of one graphed forward goes (GPU machine): ``python -m ci.forward_profile``.
 
 DeiT-B 224 fp16, random seeded weights, the benchmark's images. For each batch size: the unpruned timm model under
-``torch.compile(mode="reduce-overhead")`` (as timm builds it, and with the pipelines' GEMM patch embedding, so
-that gain is not credited to pruning) and the graphed pruned pipelines (``pipelines.graphs``, Triton backend) of
-a few workloads. Each is replayed under ``torch.profiler`` (CUPTI sees the kernels of graph replays); kernels are
-grouped by kind (GEMM, attention, Inductor-fused, LayerNorm, elementwise, reductions, sort/scan, indexing,
-packing, copies). Per forward: kernel count, summed kernel time ("busy"), CUDA-event time of back-to-back
-forwards ("span"; span - busy = gaps and host waits) and the per-kind split. ``--compile-blocks`` adds the
-pipelines with ``compile_blocks=True``, ``--sync-free-rows R`` the runners with
-``TokenBuckets(sync_free_rows=R)``, ``--serial-decisions`` the runners with ``overlap_decisions=False``. Details
-go to ``--out`` (JSON).
+``torch.compile(mode="reduce-overhead")`` (as timm builds it, and with the pipelines' GEMM patch embedding, so that gain
+is not credited to pruning) and the graphed pruned pipelines (``ragged_vit.pipelines.graphs``, Triton backend) of a few
+workloads. Each is replayed under ``torch.profiler`` (CUPTI sees the kernels of graph replays); kernels are grouped by
+kind (GEMM, attention, Inductor-fused, LayerNorm, elementwise, reductions, sort/scan, indexing, packing, copies). Per
+forward: kernel count, summed kernel time ("busy"), CUDA-event time of back-to-back forwards ("span"; span - busy = gaps
+and host waits) and the per-kind split. ``--compile-blocks`` adds the pipelines with ``compile_blocks=True``,
+``--sync-free-rows R`` the runners with ``TokenBuckets(sync_free_rows=R)``, ``--serial-decisions`` the runners with
+``overlap_decisions=False``. Details go to ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -24,9 +23,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.e2e_common import DEIT_B, Lab, make_graphed
-from pipelines.buckets import TokenBuckets
-from pipelines.graphs import GraphedPrunedViT
-from pipelines.patch_embed import with_gemm_patch_embed
+from ragged_vit.pipelines.buckets import TokenBuckets
+from ragged_vit.pipelines.graphs import GraphedPrunedViT
+from ragged_vit.pipelines.patch_embed import with_gemm_patch_embed
 
 KINDS = (
     ("attention", r"_ragged|flash|fmha|attention|sdpa"),

@@ -6,11 +6,15 @@
 # Set RAGGED_BENCH_COMMIT to the commit's short sha for the e2e steps (the device copy has no .git).
 # Results go under $OUT (default /tmp/ragged-vit-out).
 set -uo pipefail
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 OUT="${OUT:-/tmp/ragged-vit-out}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
 status=0
+# The library is imported as the installed package ragged_vit: install this checkout (editable) with what the machine
+# already has (no network there: no dependencies, no build isolation).
+"$PY" -m pip install -q --no-deps --no-build-isolation --no-index -e . > "$OUT/install.log" 2>&1 \
+  || { echo "pip install -e . failed:"; tail -20 "$OUT/install.log"; exit 2; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/card.txt"
 "$PY" -c "import torch, triton, timm; print('torch', torch.__version__, 'triton', triton.__version__, 'timm', timm.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/card.txt"
 steps=("$@")

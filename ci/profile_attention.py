@@ -10,8 +10,8 @@ import argparse
 
 import torch
 
-from reference.segments import cu_seqlens_from_counts
-from triton_impl.attention import ragged_attention_qkv
+from ragged_vit.core.segments import cu_seqlens_from_counts
+from ragged_vit.triton_impl.attention import ragged_attention_qkv
 
 
 def main() -> None:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from reference.pruners import ATSPruner
-from reference.segments import cu_seqlens_from_counts
-from triton_impl import ats
-from triton_impl import attention as ta
-from triton_impl import pack as tp
-from triton_impl import threshold_l2 as tl2
+from ragged_vit.core.segments import cu_seqlens_from_counts
+from ragged_vit.reference.pruners import ATSPruner
+from ragged_vit.triton_impl import ats
+from ragged_vit.triton_impl import attention as ta
+from ragged_vit.triton_impl import pack as tp
+from ragged_vit.triton_impl import threshold_l2 as tl2
 
 
 def decisions(device: str, gen: torch.Generator) -> None:

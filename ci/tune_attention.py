@@ -20,9 +20,9 @@ import torch
 
 from benchmarks.timing import graph_time
 from benchmarks.workloads import HEAD_DIM, MAX_SEQLEN, NUM_HEADS, make_qkv_sets, make_workload
-from reference.attention import split_qkv
-from triton_impl import attention as ta
-from triton_impl.configs import AttentionConfig
+from ragged_vit.reference.attention import split_qkv
+from ragged_vit.triton_impl import attention as ta
+from ragged_vit.triton_impl.configs import AttentionConfig
 
 CELLS = [(b, p) for b in (1, 4, 32, 64, 128) for p in (0, 50, 80)]
 QUICK_CELLS = [(1, 80), (32, 50), (64, 0), (128, 0)]

@@ -1,21 +1,21 @@
 """Token-budget buckets and the segment plan of a CUDA-graphed pruned forward: pure host logic, no tensors.
 
-A CUDA graph replays fixed shapes. A pruned forward has fixed shapes when every stage keeps a count known on the
-host (DynamicViT, EViT, Threshold-L2 ratio, or no pruner): it is captured whole. A variable-count stage (ATS,
-Threshold-L2 threshold/calibrated) decides on the device how many rows survive; :mod:`pipelines.graphs` then cuts
-the forward at each such decision into *segments*, reads the kept total once per stage, and replays the next
-segment as captured for the smallest *capacity* (rows of the packed buffer) that holds that total. The two pure
-pieces of that scheme live here and are tested on the CPU:
+A CUDA graph replays fixed shapes. A pruned forward has fixed shapes when every stage keeps a count known on the host
+(DynamicViT, EViT, Threshold-L2 ratio, or no pruner): it is captured whole. A variable-count stage (ATS, Threshold-L2
+threshold/calibrated) decides on the device how many rows survive; :mod:`ragged_vit.pipelines.graphs` then cuts the
+forward at each such decision into *segments*, reads the kept total once per stage, and replays the next segment as
+captured for the smallest *capacity* (rows of the packed buffer) that holds that total. The two pure pieces of that
+scheme live here and are tested on the CPU:
 
 * :class:`TokenBuckets` -- which capacities exist, which one a total gets, and the ``max_seqlen`` bound that
   goes with it.
 * :func:`plan_segments` -- whether the forward is one graph (and the rows per image after each stage if so), or
   else the packed steps (whole blocks, attention halves, MLP halves) of each segment.
 
-Rows of a capacity beyond the real total form one padding image (:mod:`pipelines.graphs`). Consecutive capacities
-are at most ``min(step, N)`` rows apart (``N``: rows of an unpruned image, CLS included), so the padding image is
-never longer than an unpruned image, which every pruner and backend already handles. Stages that skip their read
-(``sync_free_rows``) may have more padding rows than that; they split them into several padding images no longer
+Rows of a capacity beyond the real total form one padding image (:mod:`ragged_vit.pipelines.graphs`). Consecutive
+capacities are at most ``min(step, N)`` rows apart (``N``: rows of an unpruned image, CLS included), so the padding
+image is never longer than an unpruned image, which every pruner and backend already handles. Stages that skip their
+read (``sync_free_rows``) may have more padding rows than that; they split them into several padding images no longer
 than the segment's bound on an image's rows (:func:`padding_images`).
 """
 
@@ -27,8 +27,8 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from reference.selection import Placement, Pruner
-from reference.validation import check_int
+from ragged_vit.core.selection import Placement, Pruner
+from ragged_vit.core.validation import check_int
 
 
 @dataclass(frozen=True)

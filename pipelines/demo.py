@@ -1,4 +1,4 @@
-"""The demo behind ``python -m pipelines`` / ``ragged-vit``: classify real images with a pruned DeiT on every
+"""The demo behind ``python -m ragged_vit`` / ``ragged-vit``: classify real images with a pruned DeiT on every
 chosen backend, and report predictions, kept tokens, backend agreement and throughput.
 
 The first backend prunes; the others replay its decisions (:meth:`PrunedViT.run` with ``selections=``), so the
@@ -18,16 +18,16 @@ from typing import TextIO
 
 import torch
 
-from pipelines.factory import build_pruner
-from pipelines.images import load_images, preprocess
-from pipelines.model import PrunedViT
-from pipelines.weights import create_model, load_checkpoint
-from reference.selection import Placement
+from ragged_vit.core.selection import Placement
+from ragged_vit.pipelines.factory import build_pruner
+from ragged_vit.pipelines.images import load_images, preprocess
+from ragged_vit.pipelines.model import PrunedViT
+from ragged_vit.pipelines.weights import create_model, load_checkpoint
 
 
 @dataclass
 class DemoOptions:
-    """Everything the demo needs; the CLI fills it from its arguments (see ``pipelines.__main__``)."""
+    """Everything the demo needs; the CLI fills it from its arguments (see ``ragged_vit.pipelines.cli``)."""
 
     model: str
     pruner: str

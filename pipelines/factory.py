@@ -23,12 +23,12 @@ import os
 
 from torch import nn
 
-from pipelines.backends import AttentionBackend
-from pipelines.model import PrunedViT
-from pipelines.weights import create_model, load_checkpoint
-from reference.pruners import PRUNERS, make_pruner
-from reference.selection import Pruner
-from reference.validation import check_rate
+from ragged_vit.core.selection import Pruner
+from ragged_vit.core.validation import check_rate
+from ragged_vit.pipelines.backends import AttentionBackend
+from ragged_vit.pipelines.model import PrunedViT
+from ragged_vit.pipelines.weights import create_model, load_checkpoint
+from ragged_vit.reference.pruners import PRUNERS, make_pruner
 
 PRUNER_NAMES: tuple[str, ...] = (*PRUNERS, "none")
 

@@ -1,25 +1,26 @@
 """CUDA-graph runner of a pruned ViT: the whole pruned forward replayed without per-kernel host dispatch.
 
-:class:`GraphedPrunedViT` wraps a :class:`pipelines.model.PrunedViT` and captures its forward in CUDA graphs on
-first use, per batch size. What is captured depends on the pruner (:func:`pipelines.buckets.plan_segments`):
+:class:`GraphedPrunedViT` wraps a :class:`ragged_vit.pipelines.model.PrunedViT` and captures its forward in CUDA graphs
+on first use, per batch size. What is captured depends on the pruner
+(:func:`ragged_vit.pipelines.buckets.plan_segments`):
 
 * **Fixed counts** (DynamicViT, EViT, Threshold-L2 ratio, or no pruner): every shape is known on the host, so
   ``PrunedViT.run`` itself is captured whole, in ONE graph per batch size. A call copies the images into the
   graph's input buffer and replays it: no host synchronisation at all.
 * **Variable counts** (ATS, Threshold-L2 threshold/calibrated): the forward is cut at every stage's decision into
-  segments. Segment 0 runs the embedding, the dense blocks and the packed blocks up to stage 0's decision;
-  segment ``j`` repacks stage ``j - 1``'s decision into a buffer of ``capacity`` rows
-  (``triton_impl.pack.repack(capacity=...)``) and runs the blocks up to the next decision (the last one ends with
-  the head). Before a segment the host may read the kept total and the longest image (one 16-byte read per
-  stage: the read the eager pipeline makes too), take the smallest capacity holding that total
-  (:class:`pipelines.buckets.TokenBuckets`) and replay the segment as captured for that capacity. With
-  ``sync_free_rows`` (on by default for pruners with several variable-count stages), a stage whose input has at
-  most that many rows skips the read: it takes the previous capacity, or the pruner's own bound on the rows it
-  keeps (``Pruner.max_count_after``; ATS keeps at most its sample count) if smaller, and so does every later
-  stage. The segments between two reads are ONE graph, keyed by their :class:`SegmentShape` s, and hand their
-  decisions to each other directly: a small ATS batch replays its whole forward as one graph. Inside such a
-  graph a mid-block stage's MLP half (per row, so it commutes with the repack) runs on every row beside the
-  decision, which runs on a second stream: the graph holds them as parallel branches.
+  segments. Segment 0 runs the embedding, the dense blocks and the packed blocks up to stage 0's decision; segment ``j``
+  repacks stage ``j - 1``'s decision into a buffer of ``capacity`` rows
+  (``ragged_vit.triton_impl.pack.repack(capacity=...)``) and runs the blocks up to the next decision (the last one ends
+  with the head). Before a segment the host may read the kept total and the longest image (one 16-byte read per stage:
+  the read the eager pipeline makes too), take the smallest capacity holding that total
+  (:class:`ragged_vit.pipelines.buckets.TokenBuckets`) and replay the segment as captured for that capacity. With
+  ``sync_free_rows`` (on by default for pruners with several variable-count stages), a stage whose input has at most
+  that many rows skips the read: it takes the previous capacity, or the pruner's own bound on the rows it keeps
+  (``Pruner.max_count_after``; ATS keeps at most its sample count) if smaller, and so does every later stage. The
+  segments between two reads are ONE graph, keyed by their :class:`SegmentShape` s, and hand their decisions to each
+  other directly: a small ATS batch replays its whole forward as one graph. Inside such a graph a mid-block stage's MLP
+  half (per row, so it commutes with the repack) runs on every row beside the decision, which runs on a second stream:
+  the graph holds them as parallel branches.
 
 **Padding rows.** A capacity buffer has ``capacity - total`` rows that no image owns (the pack kernel leaves them
 unwritten). Inside a segment they form padding images after the ``B`` real ones, each at most ``max_seqlen``
@@ -72,19 +73,19 @@ from typing import NamedTuple
 
 import torch
 
-from pipelines.backends.triton import TritonBackend
-from pipelines.buckets import SegmentPlan, TokenBuckets, padding_images, plan_segments
-from pipelines.model import PrunedOutput, PrunedViT, decision_counts, kept_rows
-from pipelines.packed_block import (
+from ragged_vit.core.selection import TokenSelection
+from ragged_vit.core.validation import check_int
+from ragged_vit.pipelines.backends.triton import TritonBackend
+from ragged_vit.pipelines.buckets import SegmentPlan, TokenBuckets, padding_images, plan_segments
+from ragged_vit.pipelines.model import PrunedOutput, PrunedViT, decision_counts, kept_rows
+from ragged_vit.pipelines.packed_block import (
     compiled_blocks,
     compiled_halves,
     packed_attention,
     packed_blocks,
     packed_mlp,
 )
-from reference.selection import TokenSelection
-from reference.validation import check_int
-from triton_impl import pack as triton_pack
+from ragged_vit.triton_impl import pack as triton_pack
 
 # Backends whose forward cannot be captured, and why.
 _NOT_CAPTURABLE = {

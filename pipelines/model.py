@@ -1,11 +1,12 @@
 """A token-pruned timm ViT end to end: dense blocks, pruning stages, packed blocks, head.
 
 :class:`PrunedViT` wraps a timm ``VisionTransformer`` (its modules and parameter names untouched, so official
-checkpoints load) and a pruner from :mod:`reference.pruners`, and runs:
+checkpoints load) and a pruner from :mod:`ragged_vit.reference.pruners`, and runs:
 
 1. timm's own embedding and the blocks before the first pruning stage, on the dense ``[B, N, C]`` batch;
 2. at the first stage, the batch viewed as packed (``[B*N, C]``, uniform ``cu_seqlens``) and pruned;
-3. every later block on the packed buffer (:func:`pipelines.packed_block.packed_block`), attention through the
+3. every later block on the packed buffer (:func:`ragged_vit.pipelines.packed_block.packed_block`), attention through
+the
    chosen backend, later stages repacking the packed buffer directly (no detour through padding);
 4. ``model.norm``, ``fc_norm`` and ``head`` on each image's CLS row: logits ``[B, classes]`` in input order.
 
@@ -15,11 +16,11 @@ are returned, and a later run may replay them (``selections=``), so two backends
 and differ only in layout and attention. A replayed selection is used as recorded, EViT's fused token included
 (cast to the replaying run's dtype): it is part of the decision.
 
-Packing: on CUDA the sync-free kernels of :mod:`triton_impl.pack` (fixed-count pruners pass ``count`` from the
-host, so nothing synchronises; a variable-count stage reads its total and longest image once, in one transfer,
-so that every backend gets the exact longest length). On the CPU :mod:`reference.packing` is used: the CPU path
-exists to run the reference backend without a GPU, and Triton's pack kernels would only run there under the
-interpreter, slowly.
+Packing: on CUDA the sync-free kernels of :mod:`ragged_vit.triton_impl.pack` (fixed-count pruners pass ``count`` from
+the host, so nothing synchronises; a variable-count stage reads its total and longest image once, in one transfer, so
+that every backend gets the exact longest length). On the CPU :mod:`ragged_vit.reference.packing` is used: the CPU path
+exists to run the reference backend without a GPU, and Triton's pack kernels would only run there under the interpreter,
+slowly.
 
 Supported: timm ``VisionTransformer`` with a class token, no register tokens, ``global_pool='token'`` (DeiT,
 original ViT), blocks from the first stage on being timm ``Block``/``Attention``; inference only (eval mode).
@@ -37,20 +38,20 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from pipelines.backends import AttentionBackend, make_backend
-from pipelines.packed_block import check_packable, compiled_blocks, packed_block, packed_blocks
-from pipelines.patch_embed import patch_embed_gemm, supports_gemm
-from reference import packing as ref_packing
-from reference.attention import split_qkv
-from reference.cls_attention import cls_attention
-from reference.pruners.ats import ATSPruner
-from reference.pruners.threshold_l2 import ThresholdL2Pruner
-from reference.segments import segment_ids, segment_sum, seqlens, uniform_cu_seqlens
-from reference.selection import Placement, PruneInput, Pruner, TokenSelection
-from reference.validation import check_tensor
-from triton_impl import pack as triton_pack
-from triton_impl.ats import ats_select
-from triton_impl.threshold_l2 import threshold_l2_select
+from ragged_vit.core.segments import segment_ids, segment_sum, seqlens, uniform_cu_seqlens
+from ragged_vit.core.selection import Placement, PruneInput, Pruner, TokenSelection
+from ragged_vit.core.validation import check_tensor
+from ragged_vit.pipelines.backends import AttentionBackend, make_backend
+from ragged_vit.pipelines.packed_block import check_packable, compiled_blocks, packed_block, packed_blocks
+from ragged_vit.pipelines.patch_embed import patch_embed_gemm, supports_gemm
+from ragged_vit.reference import packing as ref_packing
+from ragged_vit.reference.attention import split_qkv
+from ragged_vit.reference.cls_attention import cls_attention
+from ragged_vit.reference.pruners.ats import ATSPruner
+from ragged_vit.reference.pruners.threshold_l2 import ThresholdL2Pruner
+from ragged_vit.triton_impl import pack as triton_pack
+from ragged_vit.triton_impl.ats import ats_select
+from ragged_vit.triton_impl.threshold_l2 import threshold_l2_select
 
 
 @dataclass
@@ -90,14 +91,14 @@ class PrunedViT(nn.Module):
 
     Args:
         model: a timm ``VisionTransformer`` (``timm.create_model``); its modules are used as they are.
-        pruner: a :class:`reference.selection.Pruner`, or None for the unpruned model (then every block runs
+        pruner: a :class:`ragged_vit.core.selection.Pruner`, or None for the unpruned model (then every block runs
             timm's own dense forward and the backend is unused).
-        backend: attention backend name (see :data:`pipelines.backends.BACKENDS`) or instance.
+        backend: attention backend name (see :data:`ragged_vit.pipelines.backends.BACKENDS`) or instance.
         compile_blocks: run every block's non-attention work through ``torch.compile`` (Inductor fusions around
             the GEMMs; the attention backend stays one op). Compiles on first use of each shape.
         gemm_patch_embed: on CUDA, compute the patch embedding as one GEMM on patch rows instead of cuDNN's
-            strided convolution (:mod:`pipelines.patch_embed`; same math, rounding-level differences). The CPU
-            always runs timm's own convolution.
+            strided convolution (:mod:`ragged_vit.pipelines.patch_embed`; same math, rounding-level differences). The
+            CPU always runs timm's own convolution.
 
     The module is put in eval mode; it is inference only.
     """
@@ -248,12 +249,12 @@ class PrunedViT(nn.Module):
         """One stage's decision on the packed stream ``x`` (and its block's ``qkv`` for attention-based pruners);
         ``max_seqlen`` bounds the images' rows (None: ``num_patches + 1``).
 
-        ``pruner(inp)``, except on CUDA: Threshold-L2 runs its fused Triton twin (:mod:`triton_impl.threshold_l2`:
-        the same keep masks bit for bit, one kernel instead of ~40), ATS its two-kernel twin
-        (:mod:`triton_impl.ats`: the same decisions up to the CDF's fp32 rounding, 2 kernels instead of ~250),
-        and with ``compile_blocks`` the other pruners
-        run under ``torch.compile`` together with their CLS-attention scores (Inductor fuses their segment
-        operations; its reductions may round differently, like the compiled blocks).
+        ``pruner(inp)``, except on CUDA: Threshold-L2 runs its fused Triton twin
+        (:mod:`ragged_vit.triton_impl.threshold_l2`: the same keep masks bit for bit, one kernel instead of ~40), ATS
+        its two-kernel twin (:mod:`ragged_vit.triton_impl.ats`: the same decisions up to the CDF's fp32 rounding, 2
+        kernels instead of ~250), and with ``compile_blocks`` the other pruners run under ``torch.compile`` together
+        with their CLS-attention scores (Inductor fuses their segment operations; its reductions may round differently,
+        like the compiled blocks).
         """
         if x.is_cuda and type(self.pruner) is ThresholdL2Pruner:
             return threshold_l2_select(self.pruner, self._prune_input(stage, x, cu, num_patches, qkv))
@@ -455,7 +456,7 @@ def _check_pruner(pruner: object, depth: int) -> Pruner | None:
     if pruner is None:
         return None
     if not isinstance(pruner, Pruner):
-        raise TypeError(f"pruner must be a reference.selection.Pruner or None, got {type(pruner).__name__}")
+        raise TypeError(f"pruner must be a ragged_vit.core.selection.Pruner or None, got {type(pruner).__name__}")
     blocks = tuple(pruner.blocks)
     if not blocks or any(not 0 <= b < depth for b in blocks) or list(blocks) != sorted(set(blocks)):
         raise ValueError(f"pruner.blocks must be strictly increasing block indices in [0, {depth}), got {blocks}")

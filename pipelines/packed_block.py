@@ -5,10 +5,10 @@ the attention core acts on each token independently (LayerNorm, the Linear layer
 dropouts), so it runs unchanged on the flat ``[T, C]`` buffer; only ``softmax(q k^T) v`` must respect image
 boundaries, and that is the backend's job. The same modules and parameters are used: no copy, no fork of timm.
 
-Between the attention residual and the MLP an optional ``mid_hook`` may replace the buffer (a MID_BLOCK pruning
-stage: EViT, ATS); it sees the block's qkv projection too, for the CLS-attention scores. The two halves are also
-callable on their own (:func:`packed_attention`, :func:`packed_mlp`): :mod:`pipelines.graphs` ends a CUDA graph
-between them when a mid-block stage reads its kept total on the host.
+Between the attention residual and the MLP an optional ``mid_hook`` may replace the buffer (a MID_BLOCK pruning stage:
+EViT, ATS); it sees the block's qkv projection too, for the CLS-attention scores. The two halves are also callable on
+their own (:func:`packed_attention`, :func:`packed_mlp`): :mod:`ragged_vit.pipelines.graphs` ends a CUDA graph between
+them when a mid-block stage reads its kept total on the host.
 
 Supported: ``timm.models.vision_transformer.Block`` with ``timm.layers.Attention`` (qk_norm, scale_norm and the
 gated variant of newer timm included), in eval mode. Not supported: other block types (ResPostBlock,
@@ -24,8 +24,8 @@ import torch
 from timm.models.vision_transformer import Attention, Block  # Attention lives in timm.layers in newer timm
 from torch import nn
 
-from pipelines.backends.base import AttentionBackend
-from reference.attention import split_qkv
+from ragged_vit.pipelines.backends.base import AttentionBackend
+from ragged_vit.reference.attention import split_qkv
 
 #: ``mid_hook(x [T, C], cu_seqlens, max_seqlen, qkv [T, 3*H*D]) -> (x', cu_seqlens', max_seqlen')``
 MidHook = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor, int]]

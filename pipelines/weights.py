@@ -16,7 +16,7 @@ import timm
 import torch
 from torch import nn
 
-from reference.selection import Pruner
+from ragged_vit.core.selection import Pruner
 
 _LISTED = 8  # keys shown per error message
 

@@ -1,4 +1,4 @@
-"""Bidirectional multi-head attention in fp32 math: the ground truth for ``triton_impl.attention``.
+"""Bidirectional multi-head attention in fp32 math: the ground truth for ``ragged_vit.triton_impl.attention``.
 
 Two independent formulations that check each other:
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from reference.validation import check_cu_seqlens, check_same_device, check_tensor
+from ragged_vit.core.validation import check_cu_seqlens, check_same_device, check_tensor
 
 _REF_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from reference.segments import segment_ids, segment_softmax
-from reference.validation import check_cu_seqlens, check_same_device, check_tensor
+from ragged_vit.core.segments import segment_ids, segment_softmax
+from ragged_vit.core.validation import check_cu_seqlens, check_same_device, check_tensor
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

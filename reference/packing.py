@@ -1,19 +1,19 @@
-"""Packing surviving tokens into one flat buffer, and back: the ground truth for ``triton_impl.pack``.
+"""Packing surviving tokens into one flat buffer, and back: the ground truth for ``ragged_vit.triton_impl.pack``.
 
 Layout (FlashAttention's varlen contract): image ``b`` owns rows ``cu_seqlens[b]:cu_seqlens[b+1]`` of the packed
 ``tokens [T, C]``, its surviving tokens contiguous and in their original order, so the CLS token of image ``b``
 sits at row ``cu_seqlens[b]``. ``cu_seqlens`` is int32 ``[B+1]`` with a leading 0.
 
 These functions favour clarity over speed and may synchronise with the device (``max_seqlen`` is returned as a
-Python int). The kernels in ``triton_impl.pack`` compute the same results without host synchronisation.
+Python int). The kernels in ``ragged_vit.triton_impl.pack`` compute the same results without host synchronisation.
 """
 
 from __future__ import annotations
 
 import torch
 
-from reference.segments import cu_seqlens_from_counts, segment_ids, seqlens
-from reference.validation import FLOAT_DTYPES, check_cu_seqlens, check_keep_mask, check_max_seqlen, check_tensor
+from ragged_vit.core.segments import cu_seqlens_from_counts, segment_ids, seqlens
+from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_keep_mask, check_max_seqlen, check_tensor
 
 
 def pack(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:

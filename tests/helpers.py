@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from pipelines import PrunedViT
+from ragged_vit import PrunedViT
 
 #: Pruner cases of the pipeline tests: name -> (pruner, options); "evit_fused" is EViT with its fused token.
 PRUNER_CASES = {

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import pipelines.model as pm
+import ragged_vit.pipelines.model as pm
 from benchmarks import e2e_tables, make_results, report_e2e, run_bench
 from benchmarks.e2e_common import (
     WORKLOADS,
@@ -29,7 +29,7 @@ from benchmarks.e2e_common import (
     workload_kind,
 )
 from benchmarks.e2e_stages import REGIONS, stage_timer
-from pipelines.backends import PaddedSDPABackend, ReferenceBackend
+from ragged_vit.pipelines.backends import PaddedSDPABackend, ReferenceBackend
 
 TINY = "deit_tiny_patch16_224"
 CPU = torch.device("cpu")
@@ -159,7 +159,7 @@ def test_report_e2e_dry_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_make_graphed_adapter_fits_the_runner(lab: Lab) -> None:
-    pytest.importorskip("pipelines.graphs")
+    pytest.importorskip("ragged_vit.pipelines.graphs")
     pv = lab.pipeline(TINY, "l2_ratio", 0.5, "reference")
     images = synthetic_images(2, 224, seed=6)
     forward, note = make_graphed(pv, images)
@@ -198,7 +198,7 @@ def _row(model: str, workload: str, keep: float, batch: int, row: str, rate: flo
         "check": {"ok": True, "max_abs_diff": 1e-3, "bound": 4e-3, "top1_agree": 1.0, "reason": None},
     }
     if rate is None:
-        out.update(status="unavailable", reason="pipelines.graphs is not importable here")
+        out.update(status="unavailable", reason="ragged_vit.pipelines.graphs is not importable here")
     else:
         wall = batch / rate * 1e6
         out.update(status="ok", img_per_s=rate, wall_us=_spread(wall), events_us=_spread(0.9 * wall), iters=20)

@@ -27,8 +27,8 @@ from benchmarks.workloads import (
     make_workload,
     sets_to_rotate,
 )
-from reference.attention import padded_attention, ragged_attention, split_qkv
-from reference.packing import unpack
+from ragged_vit.reference.attention import padded_attention, ragged_attention, split_qkv
+from ragged_vit.reference.packing import unpack
 
 FP32_TOL = 1e-5
 

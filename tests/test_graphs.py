@@ -21,12 +21,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipelines import PrunedViT, build_pipeline
-from pipelines.buckets import Step, TokenBuckets, padding_images, plan_segments
-from pipelines.graphs import AUTO_SYNC_FREE_ROWS, GraphedPrunedViT
-from reference.pruners import make_pruner
+from ragged_vit import PrunedViT, build_pipeline
+from ragged_vit.pipelines.buckets import Step, TokenBuckets, padding_images, plan_segments
+from ragged_vit.pipelines.graphs import AUTO_SYNC_FREE_ROWS, GraphedPrunedViT
+from ragged_vit.reference.pruners import make_pruner
+from ragged_vit.triton_impl import pack as triton_pack
 from tests.helpers import tiny_images, tiny_pipeline
-from triton_impl import pack as triton_pack
 
 TOKENS = 17  # the tiny ViT: 16 patches + CLS
 VARIABLE = {

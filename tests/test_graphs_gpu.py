@@ -24,11 +24,11 @@ import warnings
 import pytest
 import torch
 
-from pipelines import PrunedViT
-from pipelines.buckets import TokenBuckets
-from pipelines.factory import build_pruner
-from pipelines.graphs import GraphedPrunedViT
-from pipelines.weights import create_model
+from ragged_vit import PrunedViT
+from ragged_vit.pipelines.buckets import TokenBuckets
+from ragged_vit.pipelines.factory import build_pruner
+from ragged_vit.pipelines.graphs import GraphedPrunedViT
+from ragged_vit.pipelines.weights import create_model
 from tests.helpers import no_tf32
 
 pytestmark = pytest.mark.gpu

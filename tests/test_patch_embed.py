@@ -1,4 +1,4 @@
-"""pipelines.patch_embed: timm's strided-convolution patch embedding computed as one GEMM on patch rows."""
+"""ragged_vit.pipelines.patch_embed: timm's strided-convolution patch embedding computed as one GEMM on patch rows."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from timm.layers import PatchEmbed
 from torch import nn
 
-from pipelines.patch_embed import patch_embed_gemm, patch_rows, supports_gemm, with_gemm_patch_embed
+from ragged_vit.pipelines.patch_embed import patch_embed_gemm, patch_rows, supports_gemm, with_gemm_patch_embed
 
 
 @pytest.mark.parametrize(

@@ -19,10 +19,10 @@ import pytest
 import torch
 from timm.models.vision_transformer import ResPostBlock, VisionTransformer
 
-from pipelines import PrunedViT, build_pipeline
-from pipelines.factory import build_pruner
-from reference.pruners import make_pruner
-from reference.selection import TokenSelection
+from ragged_vit import PrunedViT, build_pipeline
+from ragged_vit.core.selection import TokenSelection
+from ragged_vit.pipelines.factory import build_pruner
+from ragged_vit.reference.pruners import make_pruner
 from tests.helpers import PRUNER_CASES as CASES
 
 MODEL = "deit_tiny_patch16_224"
@@ -265,7 +265,7 @@ def test_unsupported_models_and_modes():
         model = VisionTransformer(**tiny)
     with pytest.raises(ValueError, match=r"pruner.blocks must be strictly increasing block indices in \[0, 2\)"):
         PrunedViT(model, make_pruner("evit"))
-    with pytest.raises(TypeError, match="pruner must be a reference.selection.Pruner"):
+    with pytest.raises(TypeError, match="pruner must be a ragged_vit.core.selection.Pruner"):
         PrunedViT(model, "evit")
     with pytest.raises(TypeError, match="model must be a timm VisionTransformer"):
         PrunedViT(torch.nn.Linear(2, 2))
@@ -318,7 +318,7 @@ def test_schedule_groups_stage_free_blocks(pruner, expected):
 def test_compiled_decisions_trace_and_agree(case):
     """``compile_blocks`` on CUDA runs the pruners without a fused kernel through ``torch.compile`` (with their
     CLS-attention scores). Traced here on the CPU's Inductor: the same decisions as eager on seeded fp32 input."""
-    from pipelines.model import _compiled_decision, _decision
+    from ragged_vit.pipelines.model import _compiled_decision, _decision
 
     name, options = CASES[case]
     with torch.random.fork_rng():

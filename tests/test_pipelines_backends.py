@@ -12,8 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipelines.backends import BACKENDS, AttentionBackend, make_backend
-from reference.segments import cu_seqlens_from_counts
+from ragged_vit.core.segments import cu_seqlens_from_counts
+from ragged_vit.pipelines.backends import BACKENDS, AttentionBackend, make_backend
 
 LENGTHS = [1, 63, 65, 97, 197]
 

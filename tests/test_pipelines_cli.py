@@ -1,6 +1,6 @@
-"""The CLI (``python -m pipelines`` / ``ragged-vit``) and its image loading, on the CPU with tiny settings.
+"""The CLI (``python -m ragged_vit`` / ``ragged-vit``) and its image loading, on the CPU with tiny settings.
 
-In-process runs call ``pipelines.__main__.main([...])``; one subprocess run checks the console entry from a fresh
+In-process runs call ``ragged_vit.pipelines.cli.main([...])``; one subprocess run checks the console entry from a fresh
 interpreter, where the CLI itself must switch Triton's interpreter on before timm is imported.
 """
 
@@ -9,17 +9,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from pipelines.__main__ import main
-from pipelines.images import load_images, preprocess
-from pipelines.weights import create_model
+from ragged_vit.pipelines.cli import main
+from ragged_vit.pipelines.images import load_images, preprocess
+from ragged_vit.pipelines.weights import create_model
 
-REPO = Path(__file__).resolve().parents[1]
 FAST = ["--device", "cpu", "--timed-runs", "1", "--warmup", "0"]
 
 
@@ -127,16 +125,16 @@ def test_cli_reports_errors_in_one_line(argv, match, capsys):
 
 
 @pytest.mark.interpreter
-def test_console_entry_in_a_fresh_process():
+def test_console_entry_in_a_fresh_process(tmp_path):
     pytest.importorskip("skimage")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("PYTHONPATH", None)  # the installed package, not the checkout's folders
     result = subprocess.run(
         [
             sys.executable,
             "-m",
-            "pipelines",
+            "ragged_vit",
             "--images",
             "coffee",
             "--pruner",
@@ -148,7 +146,7 @@ def test_console_entry_in_a_fresh_process():
         capture_output=True,
         text=True,
         env=env,
-        cwd=REPO,
+        cwd=tmp_path,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr

@@ -27,10 +27,10 @@ import os
 import pytest
 import torch
 
-from pipelines import PrunedViT
-from pipelines.factory import build_pruner
-from pipelines.model import PrunedOutput
-from pipelines.weights import create_model, load_checkpoint
+from ragged_vit import PrunedViT
+from ragged_vit.pipelines.factory import build_pruner
+from ragged_vit.pipelines.model import PrunedOutput
+from ragged_vit.pipelines.weights import create_model, load_checkpoint
 from tests.helpers import PRUNER_CASES as CASES
 from tests.helpers import no_tf32
 
@@ -243,9 +243,9 @@ def test_isolation_on_cuda(lab, case, backend, dtype):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_backend_kernels_on_odd_lengths(backend, dtype):
     """Each backend alone on FlashAttention's odd lengths, against fp32 math (the 2x rule of docs/measuring.md)."""
-    from pipelines.backends import make_backend
-    from reference.attention import split_qkv
-    from reference.segments import cu_seqlens_from_counts
+    from ragged_vit.core.segments import cu_seqlens_from_counts
+    from ragged_vit.pipelines.backends import make_backend
+    from ragged_vit.reference.attention import split_qkv
 
     lengths = [1, 63, 64, 65, 97, 197, 577, 1025]
     heads, head_dim = 12, 64
@@ -270,7 +270,7 @@ def test_backend_kernels_on_odd_lengths(backend, dtype):
 
 def test_cli_on_cuda(tmp_path, capsys):
     image_lib = pytest.importorskip("PIL.Image")
-    from pipelines.__main__ import main
+    from ragged_vit.pipelines.cli import main
 
     pixels = (_synthetic_images(2, 256).clamp(-2, 2) * 60 + 128).to(torch.uint8).permute(0, 2, 3, 1).numpy()
     for i, p in enumerate(pixels):

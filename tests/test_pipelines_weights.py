@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipelines import build_pipeline, create_model, load_checkpoint
-from pipelines.factory import build_pruner
+from ragged_vit import build_pipeline, create_model, load_checkpoint
+from ragged_vit.pipelines.factory import build_pruner
 
 MODEL = "deit_tiny_patch16_224"
 

@@ -1,4 +1,5 @@
-"""Tests of ``reference.pruners``: counts, CLS, per-image isolation, packed == dense, and each method's definition.
+"""Tests of ``ragged_vit.reference.pruners``: counts, CLS, per-image isolation, packed == dense, and each method's
+definition.
 
 Keep decisions are compared bitwise (``torch.equal``): every pruner scores in fp32 and breaks ties by row order,
 so the same scores give the same mask. The per-image oracles (a Python loop over images, in the dense formulation
@@ -15,9 +16,11 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from reference.cls_attention import cls_attention
-from reference.packing import pack, repack
-from reference.pruners import (
+from ragged_vit.core.segments import cu_seqlens_from_counts, seqlens, uniform_cu_seqlens
+from ragged_vit.core.selection import Placement, PruneInput, Pruner
+from ragged_vit.reference.cls_attention import cls_attention
+from ragged_vit.reference.packing import pack, repack
+from ragged_vit.reference.pruners import (
     PRUNERS,
     ATSPruner,
     DynamicViTPruner,
@@ -25,8 +28,6 @@ from reference.pruners import (
     ThresholdL2Pruner,
     make_pruner,
 )
-from reference.segments import cu_seqlens_from_counts, seqlens, uniform_cu_seqlens
-from reference.selection import Placement, PruneInput, Pruner
 
 C, H = 32, 4  # small channels for the behaviour tests; the golden counts use DeiT-S (384, 6)
 NUM_PATCHES = 196

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from benchmarks.public_peer import PublicPrunedViT, dense_plan
-from pipelines import PrunedViT
-from reference.pruners import make_pruner
-from reference.selection import TokenSelection
+from ragged_vit import PrunedViT
+from ragged_vit.core.selection import TokenSelection
+from ragged_vit.reference.pruners import make_pruner
 from tests.helpers import tiny_images, tiny_pipeline
 
 PRUNERS = {

@@ -1,4 +1,5 @@
-"""Tests of ``reference.attention``: ragged vs padded vs per-sequence SDPA, timm's qkv layout, strides, isolation.
+"""Tests of ``ragged_vit.reference.attention``: ragged vs padded vs per-sequence SDPA, timm's qkv layout, strides,
+isolation.
 
 Tolerance rule: the references upcast their inputs exactly (fp16/bf16 -> fp32 loses nothing) and compute in
 fp32, so the only error is fp32 rounding in two matmuls and a softmax with unit-scale logits (~1e-6). They are
@@ -17,9 +18,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference.attention import padded_attention, ragged_attention, split_qkv
-from reference.packing import pack, unpack
-from reference.segments import cu_seqlens_from_counts, seqlens, uniform_cu_seqlens
+from ragged_vit.core.segments import cu_seqlens_from_counts, seqlens, uniform_cu_seqlens
+from ragged_vit.reference.attention import padded_attention, ragged_attention, split_qkv
+from ragged_vit.reference.packing import pack, unpack
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}

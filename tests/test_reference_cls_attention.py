@@ -1,4 +1,5 @@
-"""Tests of ``reference.cls_attention``: the CLS query's attention row per image and head, on the packed layout.
+"""Tests of ``ragged_vit.reference.cls_attention``: the CLS query's attention row per image and head, on the packed
+layout.
 
 Tolerance rule: ``cls_attention`` upcasts its inputs exactly and computes in fp32 (fp64 stays fp64); it is
 compared with row 0 of the dense per-image ``softmax(q k^T * scale)`` computed in fp64 from the same upcast
@@ -11,9 +12,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference.attention import split_qkv
-from reference.cls_attention import cls_attention
-from reference.segments import cu_seqlens_from_counts
+from ragged_vit.core.segments import cu_seqlens_from_counts
+from ragged_vit.reference.attention import split_qkv
+from ragged_vit.reference.cls_attention import cls_attention
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
 FP64_TOL = {"atol": 1e-10, "rtol": 1e-10}

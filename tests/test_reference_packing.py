@@ -1,4 +1,4 @@
-"""Tests of ``reference.packing``: pack, unpack, repack and cls_rows on the varlen layout.
+"""Tests of ``ragged_vit.reference.packing``: pack, unpack, repack and cls_rows on the varlen layout.
 
 Packing only moves values (gather/scatter), so every comparison here is bitwise (``torch.equal``): no
 tolerance applies. Inputs are seeded per test case through the ``gen`` fixture (hypothesis tests draw a seed).
@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reference.packing import cls_rows, pack, repack, unpack
-from reference.segments import cu_seqlens_from_counts, seqlens
+from ragged_vit.core.segments import cu_seqlens_from_counts, seqlens
+from ragged_vit.reference.packing import cls_rows, pack, repack, unpack
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
 # (B, N): a single image, odd ViT lengths (197 = 14*14+1, 577 = 24*24+1), a one-token batch.

@@ -1,4 +1,4 @@
-"""triton_impl.ats against reference.pruners.ats.
+"""ragged_vit.triton_impl.ats against ragged_vit.reference.pruners.ats.
 
 Scores are compared with a tolerance (sums in another order). Keep masks are compared exactly where the CDF is
 exact in fp32 (dyadic scores: every summation order gives the same CDF, so the kernel must make the reference's
@@ -13,13 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference.attention import split_qkv
-from reference.cls_attention import cls_attention
-from reference.pruners import ATSPruner
-from reference.pruners.ats import sample_keep, significance
-from reference.segments import cu_seqlens_from_counts, segment_ids, segment_sum
-from reference.selection import PruneInput
-from triton_impl import ats
+from ragged_vit.core.segments import cu_seqlens_from_counts, segment_ids, segment_sum
+from ragged_vit.core.selection import PruneInput
+from ragged_vit.reference.attention import split_qkv
+from ragged_vit.reference.cls_attention import cls_attention
+from ragged_vit.reference.pruners import ATSPruner
+from ragged_vit.reference.pruners.ats import sample_keep, significance
+from ragged_vit.triton_impl import ats
 
 LENGTHS = {
     "deit": (197, 197),

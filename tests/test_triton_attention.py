@@ -1,4 +1,4 @@
-"""triton_impl.attention against reference.attention.
+"""ragged_vit.triton_impl.attention against ragged_vit.reference.attention.
 
 Tolerance rule (FlashAttention's): the kernel's max error against the fp32 (fp64 for the check of fp32 itself)
 reference must be at most 2x the error of PyTorch's own attention run in the kernel's dtype on the same inputs,
@@ -14,10 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import reference
-from reference.segments import cu_seqlens_from_counts
-from triton_impl import attention as ta
-from triton_impl.configs import AttentionConfig
+import ragged_vit.reference
+from ragged_vit.core.segments import cu_seqlens_from_counts
+from ragged_vit.triton_impl import attention as ta
+from ragged_vit.triton_impl.configs import AttentionConfig
 
 INTERP_LENGTHS = (1, 2, 63, 64, 65, 197)
 GPU_LENGTHS = (1, 2, 63, 64, 65, 97, 138, 197, 577, 1025)
@@ -44,7 +44,7 @@ def _torch_same_dtype(q, k, v, cu) -> torch.Tensor:
 
 
 def _check_close(got: torch.Tensor, q, k, v, cu) -> None:
-    ref = reference.ragged_attention(q.double(), k.double(), v.double(), cu.cpu().to(q.device))
+    ref = ragged_vit.reference.ragged_attention(q.double(), k.double(), v.double(), cu.cpu().to(q.device))
     err = (got.double() - ref).abs().max().item()
     yard = (_torch_same_dtype(q, k, v, cu).double() - ref).abs().max().item()
     assert err <= 2 * yard + _FLOOR[got.dtype], f"kernel error {err:.3g} > 2 x torch {yard:.3g} + floor"
@@ -65,7 +65,7 @@ def _run_qkv(lengths, heads, head_dim, dtype, device, gen, max_seqlen=None):
 def test_qkv_layout_matches_reference_interpreter(dtype, head_dim, gen):
     heads = 2
     qkv, cu, got = _run_qkv(INTERP_LENGTHS, heads, head_dim, dtype, "cpu", gen)
-    q, k, v = reference.split_qkv(qkv, heads)
+    q, k, v = ragged_vit.reference.split_qkv(qkv, heads)
     assert not got.isnan().any()
     _check_close(got.view(-1, heads, head_dim), q, k, v, cu)
 
@@ -100,7 +100,7 @@ _CONFIGS = [
 def _launch_config(config, lengths, bound, dtype, device, gen, heads=1, head_dim=32):
     cu = _cu(lengths, device)
     qkv = _qkv(int(cu[-1]), heads, head_dim, dtype, device, gen)
-    q, k, v = reference.split_qkv(qkv, heads)
+    q, k, v = ragged_vit.reference.split_qkv(qkv, heads)
     out = torch.full((qkv.shape[0], heads * head_dim), float("nan"), dtype=dtype, device=device)
     ta.ragged_attention_qkv(qkv, cu, bound, heads, out=out, config=config)
     return out.view(-1, heads, head_dim), (q, k, v, cu)
@@ -113,7 +113,7 @@ def test_configs_and_bound_give_reference_results_interpreter(config, bound, gen
     """Every tile shape and grid shape computes the reference result, for any max_seqlen bound
     (the grid-stride loop covers query tiles beyond an underestimated bound); fp32 IEEE dots: 2e-6."""
     out, (q, k, v, cu) = _launch_config(config, TILE_LENGTHS, bound, torch.float32, "cpu", gen)
-    torch.testing.assert_close(out, reference.ragged_attention(q, k, v, cu), rtol=0, atol=2e-6)
+    torch.testing.assert_close(out, ragged_vit.reference.ragged_attention(q, k, v, cu), rtol=0, atol=2e-6)
 
 
 @pytest.mark.interpreter
@@ -122,8 +122,8 @@ def test_custom_scale_and_zero_length_images_interpreter(gen):
     cu = _cu((5, 0, 64, 0), "cpu")
     qkv = _qkv(int(cu[-1]), heads, head_dim, torch.float32, "cpu", gen)
     got = ta.ragged_attention_qkv(qkv, cu, 64, heads, scale=0.3)
-    q, k, v = reference.split_qkv(qkv, heads)
-    ref = reference.ragged_attention(q, k, v, cu, scale=0.3)
+    q, k, v = ragged_vit.reference.split_qkv(qkv, heads)
+    ref = ragged_vit.reference.ragged_attention(q, k, v, cu, scale=0.3)
     torch.testing.assert_close(got.view_as(ref), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -204,7 +204,7 @@ def test_qkv_layout_matches_reference_gpu(dtype, batch, gen):
     lengths = [GPU_LENGTHS[int(i)] for i in torch.randint(len(GPU_LENGTHS), (batch,), generator=gen)]
     qkv, cu, got = _run_qkv(lengths, heads, head_dim, dtype, "cuda", gen, max_seqlen=1025)
     assert not got.isnan().any()
-    q, k, v = reference.split_qkv(qkv, heads)
+    q, k, v = ragged_vit.reference.split_qkv(qkv, heads)
     _check_close(got.view(-1, heads, head_dim), q, k, v, cu)
 
 
@@ -214,7 +214,7 @@ def test_qkv_layout_matches_reference_gpu(dtype, batch, gen):
 def test_other_head_dims_gpu(head_dim, dtype, gen):
     heads = 3
     qkv, cu, got = _run_qkv(GPU_LENGTHS, heads, head_dim, dtype, "cuda", gen)
-    q, k, v = reference.split_qkv(qkv, heads)
+    q, k, v = ragged_vit.reference.split_qkv(qkv, heads)
     _check_close(got.view(-1, heads, head_dim), q, k, v, cu)
 
 
@@ -236,13 +236,13 @@ def test_cached_launch_respects_specialisation_gpu(gen):
         qkv, cu, got = _run_qkv(lengths, heads, head_dim, torch.float16, "cuda", gen, max_seqlen=197)
         again = ta.ragged_attention_qkv(qkv, cu, 197, heads)
         assert torch.equal(got, again)
-        _check_close(got.view(-1, heads, head_dim), *reference.split_qkv(qkv, heads), cu)
+        _check_close(got.view(-1, heads, head_dim), *ragged_vit.reference.split_qkv(qkv, heads), cu)
     assert ta._launcher.cache_size() >= 1  # the repeated calls went through the cached compiled launch
     store = torch.randn(qkv.shape[0], width + 1, generator=gen).half().cuda()
     odd = store[:, 1:]  # 2-byte misaligned base, row stride 2305: a different specialisation
     out = torch.full((odd.shape[0], heads * head_dim + 1), float("nan"), dtype=torch.float16, device="cuda")[:, 1:]
     got = ta.ragged_attention_qkv(odd, cu, 197, heads, out=out)
-    _check_close(got.view(-1, heads, head_dim), *reference.split_qkv(odd, heads), cu)
+    _check_close(got.view(-1, heads, head_dim), *ragged_vit.reference.split_qkv(odd, heads), cu)
 
 
 @pytest.mark.gpu

@@ -1,4 +1,4 @@
-"""triton_impl.launcher: when the cached compiled launch may be used."""
+"""ragged_vit.triton_impl.launcher: when the cached compiled launch may be used."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import triton
 import triton.language as tl
 
-from triton_impl import launcher
+from ragged_vit.triton_impl import launcher
 
 
 def test_hooks_detected_in_hook_chains():
@@ -34,7 +34,7 @@ def test_interpreter_never_caches(device):
         pytest.skip("interpreter-only check; the GPU twin is test_cached_launch_respects_specialisation_gpu")
     import torch
 
-    from triton_impl import attention as ta
+    from ragged_vit.triton_impl import attention as ta
 
     qkv = torch.randn(5, 3 * 16)
     cu = torch.tensor([0, 5], dtype=torch.int32)

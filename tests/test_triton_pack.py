@@ -1,4 +1,4 @@
-"""triton_impl.pack against reference.packing: packing is a copy, so every comparison is bitwise.
+"""ragged_vit.triton_impl.pack against ragged_vit.reference.packing: packing is a copy, so every comparison is bitwise.
 
 CPU runs use Triton's interpreter (small batches); the ``gpu`` cases run larger batches on a CUDA card.
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import reference
-from triton_impl import pack as tp
+import ragged_vit.reference
+from ragged_vit.triton_impl import pack as tp
 
 
 def _batch(batch, n, channels, dtype, device, gen, rate=0.5):
@@ -29,7 +29,7 @@ def _assert_same_pack(got, ref, bound_at_least):
 def _check_pack_family(x, keep, gen):
     """pack, repack (with and without a fused token), capacity and count modes, unpack, cls_rows."""
     batch, n, channels = x.shape
-    ref = reference.pack(x.cpu(), keep.cpu())
+    ref = ragged_vit.reference.pack(x.cpu(), keep.cpu())
     got = tp.pack(x, keep)
     _assert_same_pack((got[0].cpu(), got[1].cpu(), got[2]), ref, ref[2])
     tokens, cu, bound = got
@@ -38,7 +38,7 @@ def _check_pack_family(x, keep, gen):
     keep2[ref[1][:-1].long()] = True
     extra = torch.randn(batch, channels, generator=gen).to(x)
     for fused in (None, extra):
-        ref2 = reference.repack(ref[0], ref[1], keep2, None if fused is None else fused.cpu())
+        ref2 = ragged_vit.reference.repack(ref[0], ref[1], keep2, None if fused is None else fused.cpu())
         got2 = tp.repack(tokens, cu, keep2.to(x.device), bound, extra_token=fused)
         _assert_same_pack((got2[0].cpu(), got2[1].cpu(), got2[2]), ref2, ref2[2])
 
@@ -52,9 +52,9 @@ def _check_pack_family(x, keep, gen):
     assert small[0].shape[0] == 3 and int(small[1].max()) <= 3
 
     padded, mask = tp.unpack(tokens, cu, bound + 2, fill=-1.0)
-    ref_padded, ref_mask = reference.unpack(ref[0], ref[1], bound + 2, fill=-1.0)
+    ref_padded, ref_mask = ragged_vit.reference.unpack(ref[0], ref[1], bound + 2, fill=-1.0)
     assert torch.equal(padded.cpu(), ref_padded) and torch.equal(mask.cpu(), ref_mask)
-    assert torch.equal(tp.cls_rows(tokens, cu).cpu(), reference.cls_rows(ref[0], ref[1]))
+    assert torch.equal(tp.cls_rows(tokens, cu).cpu(), ragged_vit.reference.cls_rows(ref[0], ref[1]))
 
 
 @pytest.mark.interpreter
@@ -73,7 +73,7 @@ def test_fixed_count_needs_no_total_interpreter(gen):
         keep[b, torch.randperm(19, generator=gen)[:6] + 1] = True
     keep[:, 0] = True
     got = tp.pack(x, keep, count=7)
-    ref = reference.pack(x, keep)
+    ref = ragged_vit.reference.pack(x, keep)
     assert got[2] == 7
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     with pytest.raises(ValueError, match="count"):
@@ -97,14 +97,14 @@ def _second_stage(x, keep, gen):
     tokens, cu, bound = tp.pack(x, keep)
     keep2 = torch.rand(tokens.shape[0], generator=gen) < 0.6
     keep2[cu[:-1].long().cpu()] = True
-    ref = reference.repack(tokens.cpu(), cu.cpu(), keep2)
+    ref = ragged_vit.reference.repack(tokens.cpu(), cu.cpu(), keep2)
     kept = (ref[1][1:] - ref[1][:-1]).to(device=x.device, dtype=torch.int32)
     extra = torch.randn(x.shape[0], x.shape[-1], generator=gen).to(x)
     return tokens, cu, keep2.to(x.device), bound, kept, extra
 
 
 def _reference_repack(tokens, cu, keep2, fused):
-    return reference.repack(tokens.cpu(), cu.cpu(), keep2.cpu(), None if fused is None else fused.cpu())
+    return ragged_vit.reference.repack(tokens.cpu(), cu.cpu(), keep2.cpu(), None if fused is None else fused.cpu())
 
 
 def _check_kept(x, keep, gen, forbid_launch):
@@ -200,7 +200,7 @@ def _check_cu_out(x, keep, gen, monkeypatch):
     assert bool((buf[untouched] == -7).all())
 
     # pack takes the same options.
-    ref = reference.pack(x.cpu(), keep.cpu())
+    ref = ragged_vit.reference.pack(x.cpu(), keep.cpu())
     out = torch.full((batch + 2,), -7, dtype=torch.int32, device=x.device)
     total = ref[0].shape[0]
     got = tp.pack(x, keep, capacity=total + 3, padding_images=1, padding_len=2, cu_out=out, kept=keep.sum(1).int())

@@ -1,5 +1,5 @@
-"""triton_impl.threshold_l2 against reference.pruners.ThresholdL2Pruner: a decision is a mask, so every
-comparison is exact (keep masks equal, kept counts equal).
+"""ragged_vit.triton_impl.threshold_l2 against ragged_vit.reference.pruners.ThresholdL2Pruner: a decision is a mask, so
+every comparison is exact (keep masks equal, kept counts equal).
 
 CPU runs use Triton's interpreter; the ``gpu`` cases run DeiT-sized batches (577 tokens included) on a CUDA card.
 """
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference.pruners import ThresholdL2Pruner
-from reference.segments import cu_seqlens_from_counts, segment_ids, segment_sum
-from reference.selection import PruneInput
-from triton_impl import threshold_l2 as tl2
+from ragged_vit.core.segments import cu_seqlens_from_counts, segment_ids, segment_sum
+from ragged_vit.core.selection import PruneInput
+from ragged_vit.reference.pruners import ThresholdL2Pruner
+from ragged_vit.triton_impl import threshold_l2 as tl2
 
 RATES = (0.5, 0.3, 0.7, 0.1, 1.0, 1 / 3)
 

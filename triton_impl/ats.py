@@ -16,14 +16,14 @@ Here one stage is two launches:
    the unsampled patches by (descending score, row) whose ``k``-th key is the cut. It writes every row's keep
    flag and the image's kept count.
 
-Same decisions as :func:`reference.pruners.ats.sample_keep` given the same scores, except where the CDF's fp32
-rounding decides: ``tl.cumsum`` adds in a tree, ``torch.cumsum`` in another order, and with peaked scores a target
-can sit between two CDF values that differ only in their last bits. The divisions are correctly rounded
-(``div_rn``) and the kernel is compiled without FMA contraction, so when the CDF is exact (dyadic scores: every
-order gives the same sums) the keep masks are equal bit for bit; the tests check that, and the agreement on
-random scores. The scores themselves agree with :func:`reference.pruners.ats.significance` to fp32 rounding.
+Same decisions as :func:`ragged_vit.reference.pruners.ats.sample_keep` given the same scores, except where the CDF's
+fp32 rounding decides: ``tl.cumsum`` adds in a tree, ``torch.cumsum`` in another order, and with peaked scores a target
+can sit between two CDF values that differ only in their last bits. The divisions are correctly rounded (``div_rn``) and
+the kernel is compiled without FMA contraction, so when the CDF is exact (dyadic scores: every order gives the same
+sums) the keep masks are equal bit for bit; the tests check that, and the agreement on random scores. The scores
+themselves agree with :func:`ragged_vit.reference.pruners.ats.significance` to fp32 rounding.
 
-:func:`ats_select` is the drop-in for ``ATSPruner(inp)``; ``pipelines.model.PrunedViT`` uses it on CUDA.
+:func:`ats_select` is the drop-in for ``ATSPruner(inp)``; ``ragged_vit.pipelines.model.PrunedViT`` uses it on CUDA.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import torch
 import triton
 import triton.language as tl
 
-from reference.pruners.ats import ATSPruner
-from reference.selection import TokenSelection
-from reference.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
-from triton_impl.launcher import CompiledLauncher
+from ragged_vit.core.selection import TokenSelection
+from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
+from ragged_vit.reference.pruners.ats import ATSPruner
+from ragged_vit.triton_impl.launcher import CompiledLauncher
 
 _BLOCK_T = 16  # rows per step of the logits kernel: a DeiT image spreads over 13 programs
 
@@ -253,7 +253,8 @@ def ats_scores(
 ) -> torch.Tensor:
     """ATS's normalised significance of every row from a block's qkv projection: fp32 ``[T]``, 0 on CLS rows.
 
-    The kernels' twin of ``significance(cls_attention(q, k, cu, scale), v, cu)`` (:mod:`reference.pruners.ats`).
+    The kernels' twin of ``significance(cls_attention(q, k, cu, scale), v, cu)``
+    (:mod:`ragged_vit.reference.pruners.ats`).
 
     Args:
         qkv: ``[T, 3*H*D]`` packed qkv projection (timm's layout: q heads, k heads, v heads), contiguous rows.
@@ -283,8 +284,8 @@ def ats_keep(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ATS's keep mask from normalised scores: one launch, no host synchronisation.
 
-    The kernel's twin of :func:`reference.pruners.ats.sample_keep` (see the module docstring for where the two
-    may differ).
+    The kernel's twin of :func:`ragged_vit.reference.pruners.ats.sample_keep` (see the module docstring for where the
+    two may differ).
 
     Args:
         scores: fp32 ``[T]`` non-negative patch scores (CLS rows are ignored).

@@ -33,9 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
-from reference.validation import FLOAT_DTYPES, check_cu_seqlens, check_max_seqlen, check_tensor
-from triton_impl.configs import AttentionConfig, attention_config
-from triton_impl.launcher import CompiledLauncher
+from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_max_seqlen, check_tensor
+from ragged_vit.triton_impl.configs import AttentionConfig, attention_config
+from ragged_vit.triton_impl.launcher import CompiledLauncher
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 _LOG2E = 1.4426950408889634
@@ -155,7 +155,7 @@ def _launch(
 
     ``tensors`` are the q, k, v, o base tensors, ``strides`` their (token, head, dim) strides (12 ints),
     ``offsets`` the element offsets of k and v from their base, ``shape`` is ``(T, H, D)``. ``key`` (see
-    :mod:`triton_impl.launcher`) enables the cached launch; None always goes through Triton's binder.
+    :mod:`ragged_vit.triton_impl.launcher`) enables the cached launch; None always goes through Triton's binder.
     """
     total, heads, head_dim = shape
     batch = cu_seqlens.shape[0] - 1
@@ -221,7 +221,7 @@ def ragged_attention(
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         out: optional ``[T, H, D]`` output (any strides) to write into.
         check_values: read ``cu_seqlens`` to validate its values; default only on CPU (no GPU sync).
-        config: launch configuration; ``None`` takes the tuned table's choice (``triton_impl.configs``).
+        config: launch configuration; ``None`` takes the tuned table's choice (``ragged_vit.triton_impl.configs``).
     """
     check_tensor(q, "q", ndim=3, dtypes=FLOAT_DTYPES)
     check_tensor(k, "k", ndim=3, dtypes=(q.dtype,), device=q.device)
@@ -251,7 +251,7 @@ def ragged_attention_qkv(
     """Ragged attention read straight from timm's packed qkv projection output.
 
     This is the hot path of the pipelines: no views are built (q, k and v are addressed as offsets into the qkv
-    row) and repeated calls launch the compiled kernel directly (:mod:`triton_impl.launcher`).
+    row) and repeated calls launch the compiled kernel directly (:mod:`ragged_vit.triton_impl.launcher`).
 
     Args:
         qkv: ``[T, 3*H*D]`` output of ``Attention.qkv`` on the packed tokens; rows may be strided, the last
@@ -262,7 +262,7 @@ def ragged_attention_qkv(
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         out: optional ``[T, H*D]`` output (contiguous last dimension) to write into.
         check_values: read ``cu_seqlens`` to validate its values; default only on CPU (no GPU sync).
-        config: launch configuration; ``None`` takes the tuned table's choice (``triton_impl.configs``).
+        config: launch configuration; ``None`` takes the tuned table's choice (``ragged_vit.triton_impl.configs``).
 
     Returns:
         ``[T, H*D]`` in the dtype of ``qkv``, ready for ``Attention.proj``.

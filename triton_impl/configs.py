@@ -29,7 +29,7 @@ import torch
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """One launch configuration of ``triton_impl.attention``."""
+    """One launch configuration of ``ragged_vit.triton_impl.attention``."""
 
     block_m: int
     block_n: int

@@ -1,6 +1,6 @@
 """Token packing on the GPU without host synchronisation: pack, repack, unpack, CLS rows.
 
-Mirrors ``reference.packing`` (same layout, same results) with two Triton kernels per (re)pack:
+Mirrors ``ragged_vit.reference.packing`` (same layout, same results) with two Triton kernels per (re)pack:
 
 1. ``_count_kernel`` (one program per image) counts kept rows.
 2. ``_pack_kernel`` (one program per (image, row block)) derives its image's output offset from the counts,
@@ -20,7 +20,7 @@ How many rows the output has decides whether the host must wait:
 
 ``max_seqlen`` returned is an upper bound (the input bound, or ``count``), never read from the device.
 
-Options for the CUDA-graph runner (``pipelines.graphs``), which saves small kernels per pruning stage:
+Options for the CUDA-graph runner (``ragged_vit.pipelines.graphs``), which saves small kernels per pruning stage:
 
 * ``kept=`` int32 ``[B]``: the rows each image keeps, as a decision kernel already reports them; skips
   ``_count_kernel``. Trusted as given: checked against ``keep`` only with ``check_values=True``.
@@ -39,9 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from reference.segments import segment_ids, segment_sum
-from reference.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
-from triton_impl.launcher import CompiledLauncher
+from ragged_vit.core.segments import segment_ids, segment_sum
+from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
+from ragged_vit.triton_impl.launcher import CompiledLauncher
 
 _BLOCK_R = 32
 

@@ -8,12 +8,13 @@ earlier row: the reference's tie rule; NaN beats every number, as in ``torch.sor
 and add to the image's kept count (integer atomics: order-free). ``N`` patches cost ``N^2`` comparisons in 16x64
 tiles, nothing next to a GEMM; one program per image took 14 us at B=4 on an H200, too serial.
 
-Same decisions as :class:`reference.pruners.ThresholdL2Pruner`, bit for bit: the scores come from the same
-function (:func:`reference.pruners.threshold_l2.l2_scores`), the ratio count ``ceil(rate * patches)`` is
+Same decisions as :class:`ragged_vit.reference.pruners.ThresholdL2Pruner`, bit for bit: the scores come from the same
+function (:func:`ragged_vit.reference.pruners.threshold_l2.l2_scores`), the ratio count ``ceil(rate * patches)`` is
 computed in float64 from the exact bits of ``rate``, and the threshold is compared in float32, as torch
 compares a float32 tensor with a Python float.
 
-:func:`threshold_l2_select` is the drop-in for ``pruner(inp)``; ``pipelines.model.PrunedViT`` uses it on CUDA.
+:func:`threshold_l2_select` is the drop-in for ``pruner(inp)``; ``ragged_vit.pipelines.model.PrunedViT`` uses it on
+CUDA.
 """
 
 from __future__ import annotations
@@ -24,11 +25,11 @@ import torch
 import triton
 import triton.language as tl
 
-from reference.pruners.threshold_l2 import ThresholdL2Pruner, l2_scores
-from reference.segments import uniform_length
-from reference.selection import PruneInput, TokenSelection, check_prune_input
-from reference.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
-from triton_impl.launcher import CompiledLauncher
+from ragged_vit.core.segments import uniform_length
+from ragged_vit.core.selection import PruneInput, TokenSelection, check_prune_input
+from ragged_vit.core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
+from ragged_vit.reference.pruners.threshold_l2 import ThresholdL2Pruner, l2_scores
+from ragged_vit.triton_impl.launcher import CompiledLauncher
 
 _BLOCK_I = 16  # rows ranked per step: a DeiT image spreads over 13 programs, so batch 1-4 fills the card
 _BLOCK_J = 64  # rows compared against per step

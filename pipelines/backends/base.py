@@ -1,7 +1,7 @@
 """The attention-backend interface: one call that attends a packed qkv buffer, whatever the layout inside.
 
-A backend receives exactly what :mod:`pipelines.packed_block` has after the qkv projection and returns what the
-output projection needs, so backends differ only in how they lay tokens out for attention and which kernel runs:
+A backend receives exactly what :mod:`ragged_vit.pipelines.packed_block` has after the qkv projection and returns what
+the output projection needs, so backends differ only in how they lay tokens out for attention and which kernel runs:
 
     ``attend(qkv [T, 3*H*D], cu_seqlens int32 [B+1], max_seqlen, num_heads, scale) -> [T, H*D]``
 

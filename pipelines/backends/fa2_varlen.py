@@ -2,7 +2,7 @@
 
 The same FA2 kernel PyTorch's SDPA uses, called with the packed layout and ``cu_seqlens`` directly: q, k, v are
 strided views of the qkv buffer (no ``.contiguous()`` copies), and no wrapper adds host work (the public
-``varlen_attn`` wrapper costs ~50 us per call; see ANCHORS.md). CUDA only, fp16/bf16, head_dim a multiple of 8
+``varlen_attn`` wrapper costs ~50 us per call; docs/targets.md). CUDA only, fp16/bf16, head_dim a multiple of 8
 up to 256. ``scale`` is passed by keyword: it is keyword-only in newer torch (2.14) and positional-or-keyword in
 older ones (2.11), and the keyword form works in both.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from pipelines.backends.base import AttentionBackend
-from reference.attention import split_qkv
+from ragged_vit.pipelines.backends.base import AttentionBackend
+from ragged_vit.reference.attention import split_qkv
 
 
 class FA2VarlenBackend(AttentionBackend):

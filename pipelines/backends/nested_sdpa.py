@@ -1,9 +1,10 @@
 """NestedTensor baseline: PyTorch's public ragged API, ``F.scaled_dot_product_attention`` on jagged tensors.
 
-q, k, v become jagged NestedTensors over strided views of the qkv buffer (no copies), with the offsets and a
-min/max length given at construction so that PyTorch does not compute them on the device (a sync per call), and
-the flash backend is forced (otherwise SDPA may fall back to the slow math path: ANCHORS.md measured 3.4 ms per
-call). ``min_seqlen=1`` is a valid lower bound since every image keeps its CLS token. CUDA only, fp16/bf16.
+q, k, v become jagged NestedTensors over strided views of the qkv buffer (no copies), with the offsets and a min/max
+length given at construction so that PyTorch does not compute them on the device (a sync per call), and the flash
+backend is forced (otherwise SDPA may take its math path). Even so, building the NestedTensors costs milliseconds of
+host time per call at ViT lengths (docs/targets.md, docs/results.md). ``min_seqlen=1`` is a valid lower bound since
+every image keeps its CLS token. CUDA only, fp16/bf16.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pipelines.backends.base import AttentionBackend
-from reference.attention import split_qkv
+from ragged_vit.pipelines.backends.base import AttentionBackend
+from ragged_vit.reference.attention import split_qkv
 
 
 class NestedSDPABackend(AttentionBackend):

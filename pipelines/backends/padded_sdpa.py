@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pipelines.backends.base import AttentionBackend
-from reference.segments import positions, segment_ids, seqlens
+from ragged_vit.core.segments import positions, segment_ids, seqlens
+from ragged_vit.pipelines.backends.base import AttentionBackend
 
 
 class PaddedSDPABackend(AttentionBackend):

@@ -1,4 +1,5 @@
-"""Reference backend: fp32 math, one image at a time (:func:`reference.attention.ragged_attention`); runs on CPU.
+"""Reference backend: fp32 math, one image at a time (:func:`ragged_vit.reference.attention.ragged_attention`); runs on
+CPU.
 
 The ground truth the other backends are compared with. It reads the offsets on the host (one synchronisation
 per call on a GPU) and loops over images in Python: correct and slow, never a baseline for speed.
@@ -8,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from pipelines.backends.base import AttentionBackend
-from reference.attention import ragged_attention, split_qkv
+from ragged_vit.pipelines.backends.base import AttentionBackend
+from ragged_vit.reference.attention import ragged_attention, split_qkv
 
 
 class ReferenceBackend(AttentionBackend):

@@ -1,4 +1,4 @@
-"""Our Triton ragged-attention kernel (:func:`triton_impl.attention.ragged_attention_qkv`), called directly.
+"""Our Triton ragged-attention kernel (:func:`ragged_vit.triton_impl.attention.ragged_attention_qkv`), called directly.
 
 The direct call has the lowest dispatch cost and is capturable in CUDA graphs (the custom op
 ``torch.ops.ragged_vit.ragged_attention_qkv`` is the same kernel for ``torch.compile``). It reads q, k, v through
@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from pipelines.backends.base import AttentionBackend
-from triton_impl import attention as _kernels
+from ragged_vit.pipelines.backends.base import AttentionBackend
+from ragged_vit.triton_impl import attention as _kernels
 
 
 def _is_interpreted(fn: object) -> bool:

@@ -5,11 +5,11 @@ Adding a pruner is one new file here plus one line in :data:`PRUNERS`; tests and
 
 from __future__ import annotations
 
-from reference.pruners.ats import ATSPruner
-from reference.pruners.dynamicvit import DynamicViTPruner, PredictorLG
-from reference.pruners.evit import EViTPruner
-from reference.pruners.threshold_l2 import ThresholdL2Pruner
-from reference.selection import Pruner
+from ragged_vit.core.selection import Pruner
+from ragged_vit.reference.pruners.ats import ATSPruner
+from ragged_vit.reference.pruners.dynamicvit import DynamicViTPruner, PredictorLG
+from ragged_vit.reference.pruners.evit import EViTPruner
+from ragged_vit.reference.pruners.threshold_l2 import ThresholdL2Pruner
 
 PRUNERS: dict[str, type[Pruner]] = {
     "threshold_l2": ThresholdL2Pruner,

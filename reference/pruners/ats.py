@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from reference.segments import patch_counts, positions, segment_ids, segment_rank, segment_sum, seqlens, to_padded
-from reference.selection import Placement, PruneInput, Pruner, TokenSelection, check_prune_input
-from reference.validation import check_blocks, check_int
+from ragged_vit.core.segments import patch_counts, positions, segment_ids, segment_rank, segment_sum, seqlens, to_padded
+from ragged_vit.core.selection import Placement, PruneInput, Pruner, TokenSelection, check_prune_input
+from ragged_vit.core.validation import check_blocks, check_int
 
 
 def inverse_transform_sample(
@@ -80,7 +80,7 @@ def significance(cls_attn: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tens
     float64 inputs), 0 on CLS rows and in images whose scores are all zero.
 
     Args:
-        cls_attn: ``[T, H]`` CLS-query attention (:func:`reference.cls_attention`).
+        cls_attn: ``[T, H]`` CLS-query attention (:func:`ragged_vit.reference.cls_attention`).
         v: ``[T, H*D]`` value vectors.
         cu_seqlens: int32 ``[B+1]`` offsets.
     """

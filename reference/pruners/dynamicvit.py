@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from reference.segments import positions, segment_ids, segment_rank, segment_sum, uniform_length
-from reference.selection import Placement, PruneInput, Pruner, TokenSelection, check_prune_input
-from reference.validation import check_blocks, check_int, check_rate
+from ragged_vit.core.segments import positions, segment_ids, segment_rank, segment_sum, uniform_length
+from ragged_vit.core.selection import Placement, PruneInput, Pruner, TokenSelection, check_prune_input
+from ragged_vit.core.validation import check_blocks, check_int, check_rate
 
 
 class PredictorLG(nn.Module):

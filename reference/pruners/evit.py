@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from reference.segments import (
+from ragged_vit.core.segments import (
     ceil_rate,
     patch_counts,
     positions,
@@ -26,8 +26,8 @@ from reference.segments import (
     segment_sum,
     uniform_length,
 )
-from reference.selection import Placement, PruneInput, Pruner, TokenSelection, check_prune_input
-from reference.validation import check_blocks, check_rate
+from ragged_vit.core.selection import Placement, PruneInput, Pruner, TokenSelection, check_prune_input
+from ragged_vit.core.validation import check_blocks, check_rate
 
 
 class EViTPruner(Pruner):

@@ -15,9 +15,9 @@ import math
 
 import torch
 
-from reference.segments import ceil_rate, patch_counts, positions, segment_ids, segment_rank, uniform_length
-from reference.selection import Placement, PruneInput, Pruner, TokenSelection, check_prune_input
-from reference.validation import FLOAT_DTYPES, check_int, check_rate, check_tensor
+from ragged_vit.core.segments import ceil_rate, patch_counts, positions, segment_ids, segment_rank, uniform_length
+from ragged_vit.core.selection import Placement, PruneInput, Pruner, TokenSelection, check_prune_input
+from ragged_vit.core.validation import FLOAT_DTYPES, check_int, check_rate, check_tensor
 
 _SCORE_DTYPES = (*FLOAT_DTYPES, torch.float64)
 MODES = ("threshold", "ratio", "calibrated")

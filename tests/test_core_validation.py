@@ -15,10 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from reference.attention import padded_attention, ragged_attention, split_qkv
-from reference.cls_attention import cls_attention
-from reference.packing import cls_rows, pack, repack, unpack
-from reference.validation import (
+from ragged_vit.core.validation import (
     FLOAT_DTYPES,
     check_cu_seqlens,
     check_keep_mask,
@@ -27,6 +24,9 @@ from reference.validation import (
     check_same_device,
     check_tensor,
 )
+from ragged_vit.reference.attention import padded_attention, ragged_attention, split_qkv
+from ragged_vit.reference.cls_attention import cls_attention
+from ragged_vit.reference.packing import cls_rows, pack, repack, unpack
 
 
 def _meta_available() -> bool:

@@ -1,7 +1,7 @@
 """The pruner interface: where a pruner acts, what it sees, and the one result type it returns.
 
 Every pruner works on the packed layout (``x [T, C]`` + ``cu_seqlens``); a dense batch ``[B, N, C]`` is the
-special case of equal lengths (:func:`reference.segments.uniform_cu_seqlens`), so one code path serves the
+special case of equal lengths (:func:`ragged_vit.core.segments.uniform_cu_seqlens`), so one code path serves the
 first stage (on a padded batch) and later stages (on an already packed buffer). Pruners that keep a fixed
 count per image say so, and tell the count on the host, so packing needs no device-to-host read.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from reference.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_tensor
+from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_tensor
 
 _SCORE_DTYPES = (*FLOAT_DTYPES, torch.float64)
 
@@ -36,7 +36,7 @@ class PruneInput:
         cu_seqlens: int32 ``[B+1]`` offsets of ``x``; row ``cu_seqlens[b]`` is image ``b``'s CLS token.
         stage: index of this stage in the pruner's schedule (0 for the first).
         num_patches: patches of the unpruned image (196 at 224x224), for counts defined on the original.
-        cls_attn: fp32 ``[T, H]`` CLS-query attention of this block (:func:`reference.cls_attention`);
+        cls_attn: fp32 ``[T, H]`` CLS-query attention of this block (:func:`ragged_vit.reference.cls_attention`);
             given to pruners with ``needs_attention``.
         v: ``[T, H*D]`` value vectors of this block; given to pruners with ``needs_attention``.
     """
@@ -116,7 +116,7 @@ class Pruner(nn.Module):
         """An upper bound on any image's rows after ``stage`` given at most ``current`` rows before it (CLS
         included), known on the host: :meth:`count_after` where the count is fixed, else ``current`` (nothing
         known). Variable-count pruners with a tighter bound override it (ATS keeps at most its sample count);
-        the CUDA-graph runner sizes its buffers with it (``pipelines.buckets.plan_segments``)."""
+        the CUDA-graph runner sizes its buffers with it (``ragged_vit.pipelines.buckets.plan_segments``)."""
         count = self.count_after(stage, current, num_patches)
         return current if count is None else count
 
@@ -131,7 +131,7 @@ class Pruner(nn.Module):
         ``num_patches`` defaults to ``N - 1`` (an unpruned batch). ``extra`` passes ``cls_attn`` ``[B, N, H]``
         and ``v`` ``[B, N, H*D]`` for attention-based pruners.
         """
-        from reference.segments import uniform_cu_seqlens
+        from ragged_vit.core.segments import uniform_cu_seqlens
 
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"x must be a [B, N, C] tensor, got {getattr(x, 'shape', type(x).__name__)}")

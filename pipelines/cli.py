@@ -1,11 +1,11 @@
-"""``python -m pipelines`` / ``ragged-vit``: classify real images with a token-pruned DeiT on several backends.
+"""``python -m ragged_vit`` / ``ragged-vit``: classify real images with a token-pruned DeiT on several backends.
 
 Examples::
 
-    python -m pipelines                                   # CPU: deit_tiny, 4 scikit-image photos, reference+triton
-    python -m pipelines --pruner evit --keep-rate 0.7 --fuse-token
-    python -m pipelines --model deit_base_patch16_224 --checkpoint deit_base.pth --images ~/photos
-    python -m pipelines --device cuda --backends padded_sdpa,fa2_varlen,nested_sdpa,triton --batch-repeats 16
+    python -m ragged_vit                                   # CPU: deit_tiny, 4 scikit-image photos, reference+triton
+    python -m ragged_vit --pruner evit --keep-rate 0.7 --fuse-token
+    python -m ragged_vit --model deit_base_patch16_224 --checkpoint deit_base.pth --images ~/photos
+    python -m ragged_vit --device cuda --backends padded_sdpa,fa2_varlen,nested_sdpa,triton --batch-repeats 16
 
 Only argparse, os and torch are imported before the arguments are read: on a CPU the Triton backend runs under
 Triton's interpreter, which must be switched on (``TRITON_INTERPRET=1``) before timm (which imports
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    from pipelines.demo import DemoOptions, run_demo
+    from ragged_vit.pipelines.demo import DemoOptions, run_demo
 
     options = DemoOptions(
         model=args.model or ("deit_base_patch16_224" if on_gpu else "deit_tiny_patch16_224"),
@@ -171,6 +171,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,7 @@
+"""``python -m ragged_vit``: the command-line demo (:mod:`ragged_vit.pipelines.cli`)."""
+
+import sys
+
+from ragged_vit.pipelines.cli import main
+
+sys.exit(main())
