@@ -34,8 +34,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import importlib
-import inspect
 import json
 import math
 import os
@@ -49,7 +47,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.timing import REPO_ROOT, Spread, describe, environment, gc_off, schedule, summarize
+from benchmarks.timing import REPO_ROOT, Spread, environment, gc_off, schedule, summarize
 from ragged_vit.core.selection import TokenSelection
 from ragged_vit.pipelines.backends import AttentionBackend, PaddedSDPABackend, make_backend
 from ragged_vit.pipelines.factory import build_pruner
@@ -303,7 +301,8 @@ def synthetic_selection(
     # Like a variable-count pruner (Threshold-L2 calibrated), the selection says "variable" even where the draws
     # happen to be equal (B = 1): the pipeline then reads the total back, as it would for such a pruner.
     fixed = keep_rate >= 1.0
-    return TokenSelection(keep.reshape(-1).to(device), fixed_count=fixed, count=n if fixed else None)
+    keep = keep.reshape(-1).to(device)
+    return TokenSelection(keep, counts.add(1).to(device, torch.int32), fixed_count=fixed, count=n if fixed else None)
 
 
 # --------------------------------------------------------------------------------------------------- pipelines
@@ -498,43 +497,6 @@ def logits_of(out: object) -> torch.Tensor:
 
 class Unavailable(RuntimeError):
     """A row that cannot run on this checkout or torch (reported with the reason, not timed)."""
-
-
-def make_graphed(pv: PrunedViT, example: torch.Tensor) -> tuple[Callable[[torch.Tensor], object], str]:
-    """The CUDA-graph runner of ``ragged_vit.pipelines.graphs`` around ``pv``, imported lazily: ``(forward(images),
-    note)``.
-
-    The one place that knows that runner's API: ``GraphedPrunedViT(pipeline)`` (graphs captured on first use, per
-    batch size), called as ``run(images) -> PrunedOutput``. Tolerant of small changes: options named
-    ``batch_size``/``max_batch``/``batch`` get the batch size and ``example``/``example_images``/``images`` an
-    example batch if the signature has them; ``__call__(images)`` is used if the class has no ``run`` of its own;
-    the result is logits or has ``.logits``. Raises :class:`Unavailable` with the reason.
-    """
-    try:
-        module = importlib.import_module("ragged_vit.pipelines.graphs")
-    except ImportError as exc:
-        raise Unavailable(f"ragged_vit.pipelines.graphs is not importable here ({describe(exc)})") from exc
-    cls = getattr(module, "GraphedPrunedViT", None)
-    if cls is None:
-        raise Unavailable("ragged_vit.pipelines.graphs has no GraphedPrunedViT")
-    params = inspect.signature(cls).parameters
-    kwargs: dict[str, object] = {}
-    for name in ("batch_size", "max_batch", "batch"):
-        if name in params:
-            kwargs[name] = example.shape[0]
-    for name in ("example", "example_images", "images"):
-        if name in params:
-            kwargs[name] = example
-    try:
-        graphed = cls(pv, **kwargs)
-    except Exception as exc:  # an API mismatch is a reason to report, not a crash
-        raise Unavailable(
-            f"GraphedPrunedViT{inspect.signature(cls)} refused {sorted(kwargs)}: {describe(exc)}"
-        ) from exc
-    own_run = any("run" in vars(k) for k in type(graphed).__mro__ if k not in (PrunedViT, nn.Module, object))
-    method = graphed.run if own_run else graphed
-    note = f"GraphedPrunedViT(pipeline, {', '.join(sorted(kwargs))}).{'run' if own_run else '__call__'}(images)"
-    return method, note
 
 
 # --------------------------------------------------------------------------------------------------- files

@@ -74,7 +74,6 @@ from benchmarks.e2e_common import (
     forward_times,
     gpu_slug,
     logits_of,
-    make_graphed,
     progress,
     run_environment,
     sync,
@@ -86,6 +85,7 @@ from benchmarks.e2e_stages import stage_breakdown
 from benchmarks.public_peer import PublicPrunedViT, dense_plan
 from benchmarks.timing import describe, graph_time
 from benchmarks.workloads import make_workload
+from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.model import PrunedViT
 from ragged_vit.pipelines.patch_embed import with_gemm_patch_embed
 
@@ -282,7 +282,7 @@ class Runner:
             if prep.calls is None:
                 return entry
             if task.kind == "stages" and prep.pipeline is not None:
-                stages = stage_breakdown(prep.pipeline, prep.calls, self.lab.device, iters=self.s.stage_iters)
+                stages = stage_breakdown(prep.calls, self.lab.device, iters=self.s.stage_iters)
                 entry["stages_us"] = {k: v.to_dict() for k, v in stages.items()}
             if task.row == "nested_sdpa" and task.batch > NESTED_MAX_BATCH:
                 sync(self.lab.device)
@@ -423,11 +423,12 @@ class Runner:
         pv, ref, entry, _ = self._checked_pipeline(task)
         if entry.get("status") == "failed":
             return Prepared(entry)
-        capturable = workload_kind(task.workload, task.keep_rate) == "fixed" and task.row != "nested_sdpa"
+        caps = pv.backend.capabilities
+        capturable = workload_kind(task.workload, task.keep_rate) == "fixed" and caps.capturable
         if not capturable:
             entry["graph_reason"] = (
-                "not captured: NestedTensor construction"
-                if task.row == "nested_sdpa"
+                f"not captured: {caps.not_capturable_because}"
+                if not caps.capturable
                 else "not captured: a variable-count stage reads its total on the host (one sync per stage)"
             )
         calls = forward_calls(pv, ref, WORKLOADS[task.workload].replayed)
@@ -471,7 +472,8 @@ class Runner:
         own = self._forward(pv.run, ref.images[0])
         sync(self.lab.device)
         t0 = time.perf_counter()
-        forward, note = make_graphed(pv, ref.images[0])
+        runner = GraphedPrunedViT(pv)
+        forward, note = runner.run, "GraphedPrunedViT(pipeline).run(images)"
         try:
             out = self._forward(forward, ref.images[0])
         except Exception as exc:
@@ -487,9 +489,7 @@ class Runner:
         calls = [functools.partial(forward, img) for img in ref.images]
 
         def cleanup() -> None:  # drop the graphs now: their pools would otherwise hold memory until collected
-            reset = getattr(getattr(forward, "__self__", None), "reset", None)
-            if callable(reset):
-                reset()
+            runner.reset()
             torch.cuda.empty_cache()
 
         return Prepared(entry, calls, context=torch.no_grad, cleanup=cleanup)

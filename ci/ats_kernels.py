@@ -15,6 +15,7 @@ import torch
 
 from benchmarks.timing import graph_time
 from ragged_vit.core.segments import cu_seqlens_from_counts
+from ragged_vit.core.selection import DecisionInput
 from ragged_vit.reference.pruners import ATSPruner
 from ragged_vit.triton_impl import ats
 
@@ -38,11 +39,12 @@ def measure(batch: int, n: int, gen: torch.Generator) -> tuple[float, float, flo
     logits, squares = ats._logits(qkv, cu, heads, head_dim, scale, n)
     out = torch.empty_like(scores)
     pruner = ATSPruner()
+    inp = DecisionInput(qkv[:, : heads * head_dim], cu, 0, n - 1, n, qkv, heads, scale)
     return (
         device_us(lambda: ats._logits(qkv, cu, heads, head_dim, scale, n)),
         device_us(lambda: ats._sample(logits, squares, out, cu, n, 1, 0, from_logits=True, sample=False)),
         device_us(lambda: ats.ats_keep(scores, cu, n, n - 1, 8, check_values=False)),
-        device_us(lambda: ats.ats_select(pruner, qkv, cu, n - 1, heads, scale)),
+        device_us(lambda: ats.ats_select(pruner, inp)),
     )
 
 

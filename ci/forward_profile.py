@@ -22,7 +22,7 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.e2e_common import DEIT_B, Lab, make_graphed
+from benchmarks.e2e_common import DEIT_B, Lab
 from ragged_vit.pipelines.buckets import TokenBuckets
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.patch_embed import with_gemm_patch_embed
@@ -134,14 +134,8 @@ def main() -> None:
             else:
                 pv = lab.pipeline(DEIT_B, label.split()[0], 0.5, "triton")
                 pv.compile_blocks = compiled
-                if sync_free_rows or not overlap:
-                    buckets = TokenBuckets(sync_free_rows=sync_free_rows) if sync_free_rows else None
-                    runner = GraphedPrunedViT(pv, buckets, overlap_decisions=overlap)
-
-                    def forward(x, runner=runner):
-                        return runner.run(x)
-                else:
-                    forward, _ = make_graphed(pv, images[0])
+                buckets = TokenBuckets(sync_free_rows=sync_free_rows) if sync_free_rows else None
+                forward = GraphedPrunedViT(pv, buckets, overlap_decisions=overlap).run
             forward(images[0])
             first_s = time.perf_counter() - t0
             r = profile_forward(forward, images)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ragged_vit.core.segments import cu_seqlens_from_counts
+from ragged_vit.core.selection import DecisionInput
 from ragged_vit.reference.pruners import ATSPruner
 from ragged_vit.triton_impl import ats
 from ragged_vit.triton_impl import attention as ta
@@ -29,7 +30,7 @@ def decisions(device: str, gen: torch.Generator) -> None:
     tl2.threshold_l2_keep(scores, cu, 577, rate=0.5)
     tl2.threshold_l2_keep(scores, cu, 577, threshold=float(scores.nanmedian()), min_keep=8)
     for pruner in (ATSPruner(), ATSPruner(num_samples=1000, min_keep=600)):
-        ats.ats_select(pruner, qkv, cu, 576, 12, 0.125)
+        ats.ats_select(pruner, DecisionInput(qkv[:, :768], cu, 0, 576, None, qkv, 12, 0.125))
     ats.ats_keep(ats.ats_scores(qkv, cu, 12, 0.125, 577), cu, 577, 576, 8)
 
 

@@ -1,9 +1,17 @@
-"""The pruner interface: where a pruner acts, what it sees, and the one result type it returns.
+"""The decision interface of a pruning stage: where it acts, what it sees, and the one result type it returns.
 
-Every pruner works on the packed layout (``x [T, C]`` + ``cu_seqlens``); a dense batch ``[B, N, C]`` is the
+Every decision works on the packed layout (``x [T, C]`` + ``cu_seqlens``); a dense batch ``[B, N, C]`` is the
 special case of equal lengths (:func:`ragged_vit.core.segments.uniform_cu_seqlens`), so one code path serves the
-first stage (on a padded batch) and later stages (on an already packed buffer). Pruners that keep a fixed
-count per image say so, and tell the count on the host, so packing needs no device-to-host read.
+first stage (on a dense batch) and later stages (on an already packed buffer).
+
+* :class:`DecisionInput` -- what a stage's decision sees: the packed residual stream, its offsets, a host bound on
+  an image's rows, and for pruners that score by attention the block's qkv projection (or the CLS attention
+  itself).
+* :class:`TokenSelection` -- what it returns: the keep mask over the packed rows and the rows each image keeps,
+  counted on the device (so packing needs no count of its own and no device-to-host read), plus the count itself
+  when the host knows it.
+* :class:`Pruner` -- the ground-truth decision (``forward`` checks its input, :meth:`Pruner.decide` decides);
+  faster device implementations register for a pruner type in :mod:`ragged_vit.core.decisions`.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ragged_vit.core.segments import segment_ids, segment_sum, uniform_cu_seqlens
 from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_tensor
 
 _SCORE_DTYPES = (*FLOAT_DTYPES, torch.float64)
@@ -27,26 +36,40 @@ class Placement(str, enum.Enum):
     AFTER_BLOCK = "after_block"  # on the output of block k (Threshold-L2 after block 3)
 
 
-@dataclass
-class PruneInput:
-    """What a pruner sees at one stage, always packed.
+@dataclass(frozen=True)
+class DecisionInput:
+    """What a stage's decision sees, always packed.
 
     Attributes:
         x: ``[T, C]`` residual stream at the placement point (for MID_BLOCK: after the attention residual).
         cu_seqlens: int32 ``[B+1]`` offsets of ``x``; row ``cu_seqlens[b]`` is image ``b``'s CLS token.
         stage: index of this stage in the pruner's schedule (0 for the first).
         num_patches: patches of the unpruned image (196 at 224x224), for counts defined on the original.
-        cls_attn: fp32 ``[T, H]`` CLS-query attention of this block (:func:`ragged_vit.reference.cls_attention`);
-            given to pruners with ``needs_attention``.
-        v: ``[T, H*D]`` value vectors of this block; given to pruners with ``needs_attention``.
+        max_seqlen: a host bound on every image's rows (None: ``num_patches + 1``, an unpruned image); kernels
+            size their tiles with it.
+        qkv: ``[T, 3*H*D]`` the stage block's qkv projection (timm's layout), for pruners that score by attention
+            (``Pruner.needs_attention``); the pipeline gives it at MID_BLOCK stages.
+        num_heads, scale: ``H`` and the softmax scale of that attention (with ``qkv``).
+        cls_attn: fp32 ``[T, H]`` CLS-query attention, given instead of ``qkv`` (e.g. by tests); derived from ``qkv``
+            otherwise (:func:`ragged_vit.reference.cls_attention.attention_inputs`).
+        v: ``[T, H*D]`` value vectors, given with ``cls_attn``.
     """
 
     x: torch.Tensor
     cu_seqlens: torch.Tensor
     stage: int
     num_patches: int
+    max_seqlen: int | None = None
+    qkv: torch.Tensor | None = None
+    num_heads: int | None = None
+    scale: float | None = None
     cls_attn: torch.Tensor | None = None
     v: torch.Tensor | None = None
+
+    @property
+    def row_bound(self) -> int:
+        """``max_seqlen``, or ``num_patches + 1`` when none was given."""
+        return self.num_patches + 1 if self.max_seqlen is None else self.max_seqlen
 
 
 @dataclass(frozen=True)
@@ -56,38 +79,61 @@ class TokenSelection:
     Attributes:
         keep: bool mask over the input rows: ``[T]`` for packed input (``[B, N]`` from :meth:`Pruner.select`
             on a dense batch). Each image's CLS row is always True.
+        kept: int32 ``[B]`` (contiguous, on ``keep``'s device): the rows each image keeps, CLS included, an extra
+            token excluded, counted on the device as the decision was made.
         fixed_count: True when every image keeps the same number of rows.
         count: rows per image after the stage (CLS and extra token included) when ``fixed_count``, a host
             int known without reading the device; else None.
         extra_token: ``[B, C]`` one extra token per image appended after its kept rows (EViT's fused token),
             or None.
-        kept: int ``[B]`` rows each image keeps (CLS included, extra token excluded) when the pruner counted
-            them on the device as it decided (the fused Triton Threshold-L2 does), so packing need not recount
-            them; else None.
     """
 
     keep: torch.Tensor
-    fixed_count: bool
+    kept: torch.Tensor
+    fixed_count: bool = False
     count: int | None = None
     extra_token: torch.Tensor | None = None
-    kept: torch.Tensor | None = None
 
 
-def check_prune_input(inp: object, *, attention: bool = False, values: bool = False) -> PruneInput:
-    """Checks a :class:`PruneInput` at a pruner's entry; ``attention`` / ``values`` require ``cls_attn`` / ``v``."""
-    if not isinstance(inp, PruneInput):
-        raise TypeError(f"inp must be a PruneInput, got {type(inp).__name__}")
+def kept_counts(keep: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """The rows each image keeps: bool ``[T]`` + offsets ``[B+1]`` -> int32 ``[B]`` (no host read)."""
+    batch = cu_seqlens.numel() - 1
+    return segment_sum(keep.to(torch.int32), segment_ids(cu_seqlens, keep.shape[0]), batch)
+
+
+def check_decision_input(inp: object, *, attention: bool = False, values: bool = False) -> DecisionInput:
+    """Checks a :class:`DecisionInput` at a decision's public entry.
+
+    ``attention`` requires the CLS attention (``cls_attn``, or ``qkv`` with ``num_heads`` and ``scale``); ``values``
+    requires the value vectors (``v``, or ``qkv``).
+    """
+    if not isinstance(inp, DecisionInput):
+        raise TypeError(f"inp must be a DecisionInput, got {type(inp).__name__}")
     x = check_tensor(inp.x, "inp.x", ndim=2, dtypes=_SCORE_DTYPES)
     check_cu_seqlens(inp.cu_seqlens, total=x.shape[0], device=x.device, name="inp.cu_seqlens")
     check_int(inp.stage, "inp.stage", 0)
     check_int(inp.num_patches, "inp.num_patches", 1)
+    if inp.max_seqlen is not None:
+        check_int(inp.max_seqlen, "inp.max_seqlen", 1)
+    if inp.qkv is not None:
+        qkv = check_tensor(inp.qkv, "inp.qkv", ndim=2, dtypes=_SCORE_DTYPES, device=x.device)
+        heads = check_int(inp.num_heads, "inp.num_heads", 1)
+        if qkv.shape[0] != x.shape[0] or qkv.shape[1] % (3 * heads):
+            raise ValueError(
+                f"inp.qkv must have shape [{x.shape[0]}, 3*H*D] with H = inp.num_heads = {heads}, got "
+                f"{tuple(qkv.shape)}"
+            )
+        if isinstance(inp.scale, bool) or not isinstance(inp.scale, (int, float)):
+            raise TypeError(f"inp.scale must be a float with inp.qkv, got {type(inp.scale).__name__}")
     required = {"cls_attn": attention, "v": values}
     for name, needed in required.items():
-        if not needed:
-            continue
         value = getattr(inp, name)
         if value is None:
-            raise ValueError(f"inp.{name} is required by this pruner (it scores tokens by attention), got None")
+            if needed and inp.qkv is None:
+                raise ValueError(
+                    f"inp.{name} (or inp.qkv) is required by this pruner (it scores tokens by attention), got None"
+                )
+            continue
         check_tensor(value, f"inp.{name}", ndim=2, dtypes=_SCORE_DTYPES, device=x.device)
         if value.shape[0] != x.shape[0]:
             raise ValueError(f"inp.{name} must have {x.shape[0]} rows like inp.x, got shape {tuple(value.shape)}")
@@ -95,18 +141,27 @@ def check_prune_input(inp: object, *, attention: bool = False, values: bool = Fa
 
 
 class Pruner(nn.Module):
-    """Base class of every pruner: one stage schedule, one ``forward(PruneInput) -> TokenSelection``.
+    """Base class of every pruner: one stage schedule, one ``forward(DecisionInput) -> TokenSelection``.
 
-    Subclasses set ``placement``, ``blocks`` (the timm block index of each stage), ``fixed_count`` and
-    ``needs_attention``, and implement :meth:`forward` on the packed layout. Pruners with weights
-    (DynamicViT) hold them as submodules so their state-dict keys load from official checkpoints.
+    Subclasses set ``placement``, ``blocks`` (the timm block index of each stage), ``fixed_count``,
+    ``needs_attention`` / ``needs_values``, and implement :meth:`decide` on the packed layout (``forward`` checks the
+    input first; the pipelines, which build the input themselves, call :meth:`decide`). They build themselves for a
+    model and one keep rate with :meth:`from_keep_rate`. Pruners with weights (DynamicViT) hold them as submodules
+    so their state-dict keys load from official checkpoints.
     """
 
     name: str = "pruner"
     placement: Placement
     blocks: tuple[int, ...]
     fixed_count: bool
-    needs_attention: bool = False
+    needs_attention: bool = False  # scores from the CLS attention row of its block (MID_BLOCK)
+    needs_values: bool = False  # and from the value vectors
+
+    @classmethod
+    def from_keep_rate(cls, keep_rate: float, *, embed_dim: int, num_patches: int, **options: object) -> Pruner:
+        """The pruner for a model of ``embed_dim`` channels and ``num_patches`` patches at one keep rate in
+        ``(0, 1]``, mapped onto its own parameters (the CLI and the benchmarks speak of one keep rate)."""
+        raise NotImplementedError(f"{cls.__name__} does not say how a keep rate maps onto its parameters")
 
     def count_after(self, stage: int, current: int, num_patches: int) -> int | None:
         """Rows per image after ``stage`` given ``current`` rows before it (CLS included), or None if variable."""
@@ -116,11 +171,26 @@ class Pruner(nn.Module):
         """An upper bound on any image's rows after ``stage`` given at most ``current`` rows before it (CLS
         included), known on the host: :meth:`count_after` where the count is fixed, else ``current`` (nothing
         known). Variable-count pruners with a tighter bound override it (ATS keeps at most its sample count);
-        the CUDA-graph runner sizes its buffers with it (``ragged_vit.pipelines.buckets.plan_segments``)."""
+        the plan records it (:func:`ragged_vit.pipelines.plan.build_plan`) and the CUDA-graph runner sizes its
+        buffers with it."""
         count = self.count_after(stage, current, num_patches)
         return current if count is None else count
 
-    def forward(self, inp: PruneInput) -> TokenSelection:  # pragma: no cover - abstract
+    def check_ready(self) -> None:
+        """Raises ``RuntimeError`` if the pruner cannot decide yet (Threshold-L2 ``calibrated`` before
+        ``calibrate()``); the pipelines call it once per forward, before any launch."""
+
+    def check_input(self, inp: object) -> DecisionInput:
+        """Checks ``inp`` for this pruner, and that it is ready (what :meth:`forward` does before :meth:`decide`)."""
+        self.check_ready()
+        return check_decision_input(inp, attention=self.needs_attention, values=self.needs_values)
+
+    def forward(self, inp: DecisionInput) -> TokenSelection:
+        """Checks ``inp``, then decides (:meth:`decide`)."""
+        return self.decide(self.check_input(inp))
+
+    def decide(self, inp: DecisionInput) -> TokenSelection:  # pragma: no cover - abstract
+        """The stage's decision on checked input."""
         raise NotImplementedError
 
     def select(
@@ -131,15 +201,13 @@ class Pruner(nn.Module):
         ``num_patches`` defaults to ``N - 1`` (an unpruned batch). ``extra`` passes ``cls_attn`` ``[B, N, H]``
         and ``v`` ``[B, N, H*D]`` for attention-based pruners.
         """
-        from ragged_vit.core.segments import uniform_cu_seqlens
-
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"x must be a [B, N, C] tensor, got {getattr(x, 'shape', type(x).__name__)}")
         batch, n, c = x.shape
         if batch == 0:
             raise ValueError("x must hold at least one image, got batch size 0")
         flat = {k: v.reshape(batch * n, *v.shape[2:]) for k, v in extra.items()}
-        inp = PruneInput(
+        inp = DecisionInput(
             x=x.reshape(batch * n, c),
             cu_seqlens=uniform_cu_seqlens(batch, n, x.device),
             stage=stage,
@@ -147,4 +215,4 @@ class Pruner(nn.Module):
             **flat,
         )
         sel = self(inp)
-        return TokenSelection(sel.keep.view(batch, n), sel.fixed_count, sel.count, sel.extra_token, sel.kept)
+        return TokenSelection(sel.keep.view(batch, n), sel.kept, sel.fixed_count, sel.count, sel.extra_token)

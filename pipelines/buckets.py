@@ -1,16 +1,12 @@
-"""Token-budget buckets and the segment plan of a CUDA-graphed pruned forward: pure host logic, no tensors.
+"""Token-budget buckets of a CUDA-graphed pruned forward: pure host logic, no tensors.
 
 A CUDA graph replays fixed shapes. A pruned forward has fixed shapes when every stage keeps a count known on the host
 (DynamicViT, EViT, Threshold-L2 ratio, or no pruner): it is captured whole. A variable-count stage (ATS, Threshold-L2
-threshold/calibrated) decides on the device how many rows survive; :mod:`ragged_vit.pipelines.graphs` then cuts the
-forward at each such decision into *segments*, reads the kept total once per stage, and replays the next segment as
-captured for the smallest *capacity* (rows of the packed buffer) that holds that total. The two pure pieces of that
-scheme live here and are tested on the CPU:
-
-* :class:`TokenBuckets` -- which capacities exist, which one a total gets, and the ``max_seqlen`` bound that
-  goes with it.
-* :func:`plan_segments` -- whether the forward is one graph (and the rows per image after each stage if so), or
-  else the packed steps (whole blocks, attention halves, MLP halves) of each segment.
+threshold/calibrated) decides on the device how many rows survive; the forward plan
+(:attr:`ragged_vit.pipelines.plan.ForwardPlan.segments`) cuts the forward at each such decision into *segments*, and
+:mod:`ragged_vit.pipelines.graphs` reads the kept total once per stage and replays the next segment as captured for
+the smallest *capacity* (rows of the packed buffer) that holds that total. :class:`TokenBuckets` says which capacities
+exist, which one a total gets, the ``max_seqlen`` bound that goes with it, and which stages skip their read.
 
 Rows of a capacity beyond the real total form one padding image (:mod:`ragged_vit.pipelines.graphs`). Consecutive
 capacities are at most ``min(step, N)`` rows apart (``N``: rows of an unpruned image, CLS included), so the padding
@@ -25,9 +21,7 @@ import bisect
 import functools
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
-from ragged_vit.core.selection import Placement, Pruner
 from ragged_vit.core.validation import check_int
 
 
@@ -44,14 +38,14 @@ class TokenBuckets:
             kernels only size their grid with it; ``padded_sdpa`` pads every image to it, so it is bucketed
             finely rather than fixed at ``N``.
         sync_free_rows: a stage whose input buffer has at most this many rows (``B * N`` for the first stage,
-            else the capacity it was replayed at) skips its host read: the segment after it reuses that
-            capacity (a later total can only be smaller), or ``B`` times the pruner's bound on an image's rows
-            (:attr:`SegmentPlan.row_bounds`) if smaller, and that bound as ``max_seqlen``; so do all later ones,
-            and the rest of the forward replays as one graph without waiting for the host. The padding rows grow
-            as the pruner keeps removing tokens and are split into padding images of at most that bound. With
-            ``sync_free_rows >= B * N`` the forward reads nothing at all. For small batches of multi-stage
-            pruners (ATS: 9 reads), where the GEMMs cost about the same for fewer rows. 0 (the default): every
-            stage reads its total.
+            else the capacity it was replayed at) skips its host read: the segment after it reuses that capacity (a
+            later total can only be smaller), or ``B`` times the pruner's bound on an image's rows
+            (:attr:`ragged_vit.pipelines.plan.ForwardPlan.row_bounds`) if smaller, and that bound as ``max_seqlen``; so
+            do all later ones, and the rest of the forward replays as one graph without waiting for the host. The
+            padding rows grow as the pruner keeps removing tokens and are split into padding images of at most that
+            bound. With ``sync_free_rows >= B * N`` the forward reads nothing at all. For small batches of multi-stage
+            pruners (ATS: 9 reads), where the GEMMs cost about the same for fewer rows. 0 (the default): every stage
+            reads its total.
     """
 
     step: int = 64
@@ -117,95 +111,3 @@ def _capacities(gap: int, growth: float, batch: int, tokens: int) -> tuple[int, 
     while caps[-1] < top:
         caps.append(min(top, caps[-1] + min(gap, max(1, math.ceil(caps[-1] * (growth - 1.0))))))
     return tuple(caps)
-
-
-class Step(NamedTuple):
-    """One packed step of a segment: ``kind`` is ``"block"`` (a whole timm block), ``"attention"`` (its
-    attention half, which a mid-block stage scores) or ``"mlp"`` (its MLP half); ``block`` its index."""
-
-    kind: str
-    block: int
-
-
-@dataclass(frozen=True)
-class SegmentPlan:
-    """How a pruned forward is cut into CUDA graphs.
-
-    Attributes:
-        dense_blocks: blocks run densely by timm before the first stage (``PrunedViT.num_dense_blocks``).
-        counts: rows per image after each stage (CLS and extra tokens included) when every count is known on the
-            host: the forward is one graph. None when a stage keeps a variable count.
-        segments: variable counts only (else ``()``): the packed steps of segment ``0 .. S`` for ``S`` stages.
-            Segment 0 follows the embedding and the dense blocks and ends at stage 0's decision; segment ``j``
-            starts by repacking stage ``j - 1``'s decision into its capacity and ends at stage ``j``'s decision
-            (the last one ends with the head).
-        row_bounds: variable counts only (else ``()``): for each segment, the most rows any image can have in
-            it, known on the host (``N`` for segment 0, then ``pruner.max_count_after`` stage by stage; ATS with
-            ``S`` samples: ``S + 1``). Segments that skip their read size their buffer and padding images by it.
-    """
-
-    dense_blocks: int
-    counts: tuple[int, ...] | None
-    segments: tuple[tuple[Step, ...], ...]
-    row_bounds: tuple[int, ...] = ()
-
-    @property
-    def fixed(self) -> bool:
-        """Whether the whole forward has host-known shapes (one graph per batch size)."""
-        return self.counts is not None
-
-
-def plan_segments(pruner: Pruner | None, depth: int, tokens: int) -> SegmentPlan:
-    """The segment plan of a pruned forward.
-
-    Args:
-        pruner: the pipeline's pruner (its ``blocks``, ``placement``, ``fixed_count``, ``count_after`` and
-            ``max_count_after``), or None for the unpruned model.
-        depth: number of transformer blocks.
-        tokens: rows of an unpruned image, CLS included (``N``, 197 at 224x224).
-    """
-    check_int(depth, "depth", 1)
-    check_int(tokens, "tokens", 2)
-    if pruner is None:
-        return SegmentPlan(depth, (), ())
-    # Positions count half blocks: 2k is the input of block k, 2k + 1 the point between its attention and MLP.
-    placement = Placement(pruner.placement)
-    offset = {Placement.BEFORE_BLOCK: 0, Placement.MID_BLOCK: 1, Placement.AFTER_BLOCK: 2}[placement]
-    points = [2 * b + offset for b in pruner.blocks]
-    dense = points[0] // 2
-    counts = _host_counts(pruner, tokens)
-    if counts is not None:
-        return SegmentPlan(dense, counts, ())
-    bounds = [2 * dense, *points, 2 * depth]
-    segments = tuple(_steps(a, b) for a, b in zip(bounds[:-1], bounds[1:], strict=True))
-    rows = [tokens]
-    for stage in range(len(pruner.blocks)):
-        bound = check_int(pruner.max_count_after(stage, rows[-1], tokens - 1), "pruner.max_count_after()", 1)
-        rows.append(min(rows[-1], bound))
-    return SegmentPlan(dense, None, segments, tuple(rows))
-
-
-def _host_counts(pruner: Pruner, tokens: int) -> tuple[int, ...] | None:
-    if not pruner.fixed_count:
-        return None
-    counts, current = [], tokens
-    for stage in range(len(pruner.blocks)):
-        current = pruner.count_after(stage, current, tokens - 1)
-        if current is None:
-            return None
-        counts.append(current)
-    return tuple(counts)
-
-
-def _steps(start: int, end: int) -> tuple[Step, ...]:
-    """The packed steps from half-block position ``start`` to ``end``."""
-    steps = []
-    if start % 2:
-        steps.append(Step("mlp", start // 2))
-        start += 1
-    while start + 2 <= end:
-        steps.append(Step("block", start // 2))
-        start += 2
-    if start < end:
-        steps.append(Step("attention", start // 2))
-    return tuple(steps)

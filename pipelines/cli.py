@@ -7,10 +7,12 @@ Examples::
     python -m ragged_vit --model deit_base_patch16_224 --checkpoint deit_base.pth --images ~/photos
     python -m ragged_vit --device cuda --backends padded_sdpa,fa2_varlen,nested_sdpa,triton --batch-repeats 16
 
-Only argparse, os and torch are imported before the arguments are read: on a CPU the Triton backend runs under
+The device is read first, with only argparse, os and torch imported: on a CPU the Triton kernels run under
 Triton's interpreter, which must be switched on (``TRITON_INTERPRET=1``) before timm (which imports
-``triton.language``) is imported. Errors in the arguments (unknown names, keep rate outside (0, 1], missing
-files, a backend that cannot run on the device) exit with status 2 and a one-line message.
+``triton.language``) is imported. Then the registries are imported and give the parser its choices: the attention
+backends (:data:`ragged_vit.pipelines.backends.BACKENDS`) and the pruners (:data:`ragged_vit.reference.pruners
+.PRUNERS`). Errors in the arguments (unknown names, keep rate outside (0, 1], missing files, a backend that cannot
+run on the device, an option the pruner does not take) exit with status 2 and a one-line message.
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ import sys
 
 import torch
 
-_BACKEND_NAMES = ("reference", "padded_sdpa", "fa2_varlen", "nested_sdpa", "triton")  # pipelines.backends.BACKENDS
-_PRUNER_NAMES = ("threshold_l2", "dynamicvit", "evit", "ats", "none")  # pipelines.factory.PRUNER_NAMES
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -56,7 +56,33 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _device(text: str) -> torch.device:
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text} requested but CUDA is not available")
+    return device
+
+
+def _device_of(argv: list[str] | None) -> torch.device | None:
+    """The ``--device`` of ``argv`` (None if it is malformed: the full parser then reports it)."""
+    early = argparse.ArgumentParser(add_help=False)
+    early.add_argument("--device", default="auto")
+    try:
+        return _device(early.parse_known_args(argv)[0].device)
+    except argparse.ArgumentTypeError:
+        return None
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The CLI's parser; its backend and pruner choices come from the registries (which import timm and triton)."""
+    from ragged_vit.pipelines.backends import BACKENDS
+    from ragged_vit.pipelines.factory import PRUNER_NAMES
+
     parser = argparse.ArgumentParser(
         prog="ragged-vit",
         description="Classify images with a token-pruned timm DeiT through ragged (packed) attention backends; "
@@ -65,20 +91,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model", help="timm model name (default: deit_tiny_patch16_224 on CPU, deit_base_patch16_224 on CUDA)"
     )
-    parser.add_argument("--pruner", default="threshold_l2", choices=_PRUNER_NAMES, help="pruning method")
+    parser.add_argument("--pruner", default="threshold_l2", choices=PRUNER_NAMES, help="pruning method")
     parser.add_argument("--keep-rate", type=_keep_rate, default=0.5, help="keep rate in (0, 1] (default 0.5)")
     parser.add_argument(
         "--threshold-mode",
-        default="ratio",
         choices=("ratio", "calibrated", "threshold"),
-        help="threshold_l2 mode (calibrated: on the given images)",
+        help="threshold_l2 mode (default ratio; calibrated: on the given images)",
     )
     parser.add_argument("--threshold", type=float, help="threshold_l2 norm threshold (--threshold-mode threshold)")
-    parser.add_argument("--fuse-token", action="store_true", help="evit: fuse dropped tokens into one")
+    parser.add_argument("--fuse-token", action="store_true", default=None, help="evit: fuse dropped tokens into one")
     parser.add_argument(
         "--backends",
         help="comma-separated list from: "
-        + ", ".join(_BACKEND_NAMES)
+        + ", ".join(BACKENDS)
         + " (default: reference,triton on CPU; padded_sdpa,fa2_varlen,triton on CUDA); "
         "the first one prunes, the others replay its decisions",
     )
@@ -90,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--checkpoint", help="local checkpoint file (official DeiT / DynamicViT); random weights without it"
     )
-    parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    parser.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -114,40 +139,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_PRUNER_FLAGS = {"threshold_mode": "--threshold-mode", "threshold": "--threshold", "fuse_token": "--fuse-token"}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parses ``argv`` (default ``sys.argv[1:]``), runs the demo; returns the exit status."""
+    device = _device_of(argv)
+    if device is not None and device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before timm imports triton.language (see docstring)
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        device = (
-            torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            if args.device == "auto"
-            else torch.device(args.device)
-        )
-    except RuntimeError as e:
-        parser.error(f"argument --device: {e}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"argument --device: {args.device} requested but CUDA is not available")
+    device = args.device
     on_gpu = device.type == "cuda"
+
+    from ragged_vit.pipelines.backends import BACKENDS
+    from ragged_vit.pipelines.factory import pruner_options
+
     backends = (args.backends or ("padded_sdpa,fa2_varlen,triton" if on_gpu else "reference,triton")).split(",")
     backends = [b.strip() for b in backends if b.strip()]
-    unknown = [b for b in backends if b not in _BACKEND_NAMES]
+    unknown = [b for b in backends if b not in BACKENDS]
     if unknown or not backends:
         parser.error(
             f"argument --backends: unknown {', '.join(map(repr, unknown)) or 'empty list'}; "
-            f"known: {', '.join(_BACKEND_NAMES)}"
+            f"known: {', '.join(BACKENDS)}"
         )
     if len(set(backends)) != len(backends):
         parser.error(f"argument --backends: each backend once, got {','.join(backends)}")
-    if device.type == "cpu" and "triton" in backends:
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before timm imports triton.language (see docstring)
+    options = {name: getattr(args, name) for name in _PRUNER_FLAGS if getattr(args, name) is not None}
+    for name in sorted(set(options) - set(pruner_options(args.pruner))):
+        parser.error(f"argument {_PRUNER_FLAGS[name]}: not an option of --pruner {args.pruner}")
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
     from ragged_vit.pipelines.demo import DemoOptions, run_demo
 
-    options = DemoOptions(
+    demo = DemoOptions(
         model=args.model or ("deit_base_patch16_224" if on_gpu else "deit_tiny_patch16_224"),
         pruner=args.pruner,
         keep_rate=args.keep_rate,
@@ -156,9 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=_DTYPES[args.dtype] if args.dtype != "auto" else (torch.float16 if on_gpu else torch.float32),
         images=args.images,
         checkpoint=args.checkpoint,
-        threshold_mode=args.threshold_mode,
-        threshold=args.threshold,
-        fuse_token=args.fuse_token,
+        pruner_options=options,
         batch_repeats=args.batch_repeats or (16 if on_gpu else 1),
         timed_runs=args.timed_runs or (20 if on_gpu else 3),
         warmup=args.warmup if args.warmup is not None else (3 if on_gpu else 1),
@@ -166,8 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         with torch.inference_mode():
-            return run_demo(options)
+            return run_demo(demo)
     except (ValueError, TypeError, FileNotFoundError, NotImplementedError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
-

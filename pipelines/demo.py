@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TextIO
 
 import torch
@@ -37,9 +37,7 @@ class DemoOptions:
     dtype: torch.dtype
     images: list[str] | None = None
     checkpoint: str | None = None
-    threshold_mode: str = "ratio"
-    threshold: float | None = None
-    fuse_token: bool = False
+    pruner_options: dict[str, object] = field(default_factory=dict)  # the pruner's own (factory.pruner_options)
     batch_repeats: int = 1
     timed_runs: int = 3
     warmup: int = 1
@@ -123,14 +121,7 @@ def run_demo(options: DemoOptions, out: TextIO | None = None) -> int:
     with torch.random.fork_rng():
         torch.manual_seed(options.seed)  # reproducible random weights
         model = create_model(options.model)
-        pruner = build_pruner(
-            options.pruner,
-            model,
-            options.keep_rate,
-            threshold_mode=options.threshold_mode,
-            threshold=options.threshold,
-            fuse_token=options.fuse_token,
-        )
+        pruner = build_pruner(options.pruner, model, options.keep_rate, **options.pruner_options)
     if options.checkpoint is not None:
         load_checkpoint(model, pruner, options.checkpoint)
         weights = f"weights from checkpoint {options.checkpoint}"

@@ -1,7 +1,8 @@
-"""From names to a ready pipeline: one keep rate mapped onto each pruner's own parameter, then a PrunedViT.
+"""From names to a ready pipeline: a registered pruner built for a model at one keep rate, then a PrunedViT.
 
-The CLI and the tests speak of one ``keep_rate`` in ``(0, 1]``; each method defines its schedule differently
-(see ``shared/PRUNERS.md``), so the mapping is made here, once:
+The CLI and the tests speak of one ``keep_rate`` in ``(0, 1]``; each method defines its schedule differently, so
+each pruner class maps it onto its own parameters (``Pruner.from_keep_rate``; the rules and golden counts are in
+``docs/pruners.md``):
 
 * ``threshold_l2``: one stage after block 3 (blocks 0-3 dense). ``ratio`` mode (default) keeps the top
   ``ceil(keep_rate * 196)`` patches; ``calibrated`` sets the threshold to keep ``keep_rate`` on average (call
@@ -18,7 +19,7 @@ reproduce timm's forward; ATS at 1.0 still samples adaptively.
 
 from __future__ import annotations
 
-import math
+import inspect
 import os
 
 from torch import nn
@@ -28,46 +29,41 @@ from ragged_vit.core.validation import check_rate
 from ragged_vit.pipelines.backends import AttentionBackend
 from ragged_vit.pipelines.model import PrunedViT
 from ragged_vit.pipelines.weights import create_model, load_checkpoint
-from ragged_vit.reference.pruners import PRUNERS, make_pruner
+from ragged_vit.reference.pruners import PRUNERS
 
 PRUNER_NAMES: tuple[str, ...] = (*PRUNERS, "none")
 
 
-def build_pruner(
-    name: str,
-    model: nn.Module,
-    keep_rate: float = 0.5,
-    *,
-    threshold_mode: str = "ratio",
-    threshold: float | None = None,
-    fuse_token: bool = False,
-) -> Pruner | None:
+def pruner_options(name: str) -> tuple[str, ...]:
+    """The options the pruner registered under ``name`` takes besides the keep rate (``()`` for ``"none"``)."""
+    if name == "none":
+        return ()
+    params = inspect.signature(PRUNERS[name].from_keep_rate).parameters
+    return tuple(p for p, v in params.items() if v.kind is v.KEYWORD_ONLY and p not in ("embed_dim", "num_patches"))
+
+
+def build_pruner(name: str, model: nn.Module, keep_rate: float = 0.5, **options: object) -> Pruner | None:
     """The pruner ``name`` configured for ``model`` at ``keep_rate`` (None for ``"none"``).
 
     Args:
         name: one of :data:`PRUNER_NAMES`.
         model: the timm model (its embedding width and patch count size the pruner).
         keep_rate: in ``(0, 1]``, mapped as in the module docstring.
-        threshold_mode: Threshold-L2 mode: ``"ratio"``, ``"calibrated"`` or ``"threshold"``.
-        threshold: Threshold-L2's norm threshold (mode ``"threshold"`` only).
-        fuse_token: EViT's fused token.
+        options: the pruner's own options (:func:`pruner_options`): Threshold-L2's ``threshold_mode`` and
+            ``threshold``, EViT's ``fuse_token``. An option the pruner does not take is an error.
     """
     if not isinstance(name, str) or name not in PRUNER_NAMES:
         raise ValueError(f"pruner must be one of {', '.join(PRUNER_NAMES)}, got {name!r}")
     keep_rate = check_rate(keep_rate, "keep_rate")
-    num_patches = model.patch_embed.num_patches
+    unknown = sorted(set(options) - set(pruner_options(name)))
+    if unknown:
+        takes = ", ".join(pruner_options(name)) or "none"
+        raise ValueError(f"pruner {name!r} takes no option {', '.join(map(repr, unknown))} (its options: {takes})")
     if name == "none":
         return None
-    if name == "threshold_l2":
-        if threshold_mode == "threshold":
-            return make_pruner(name, mode="threshold", threshold=threshold)
-        return make_pruner(name, mode=threshold_mode, rate=keep_rate)
-    if name == "dynamicvit":
-        return make_pruner(name, embed_dim=model.embed_dim, rate=keep_rate)
-    if name == "evit":
-        return make_pruner(name, rate=keep_rate, fuse_token=fuse_token)
-    samples = None if keep_rate == 1.0 else max(1, math.ceil(keep_rate * num_patches))
-    return make_pruner(name, num_samples=samples)
+    return PRUNERS[name].from_keep_rate(
+        keep_rate, embed_dim=model.embed_dim, num_patches=model.patch_embed.num_patches, **options
+    )
 
 
 def build_pipeline(

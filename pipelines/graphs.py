@@ -1,15 +1,15 @@
 """CUDA-graph runner of a pruned ViT: the whole pruned forward replayed without per-kernel host dispatch.
 
-:class:`GraphedPrunedViT` wraps a :class:`ragged_vit.pipelines.model.PrunedViT` and captures its forward in CUDA graphs
-on first use, per batch size. What is captured depends on the pruner
-(:func:`ragged_vit.pipelines.buckets.plan_segments`):
+:class:`GraphedPrunedViT` wraps a :class:`ragged_vit.pipelines.model.PrunedViT` and executes the pipeline's forward
+plan (:attr:`PrunedViT.plan`, :mod:`ragged_vit.pipelines.plan`) from CUDA graphs captured on first use, per batch
+size, running every step but the repack through :meth:`PrunedViT.run_step`. What is captured depends on the plan:
 
 * **Fixed counts** (DynamicViT, EViT, Threshold-L2 ratio, or no pruner): every shape is known on the host, so
   ``PrunedViT.run`` itself is captured whole, in ONE graph per batch size. A call copies the images into the
   graph's input buffer and replays it: no host synchronisation at all.
-* **Variable counts** (ATS, Threshold-L2 threshold/calibrated): the forward is cut at every stage's decision into
-  segments. Segment 0 runs the embedding, the dense blocks and the packed blocks up to stage 0's decision; segment ``j``
-  repacks stage ``j - 1``'s decision into a buffer of ``capacity`` rows
+* **Variable counts** (ATS, Threshold-L2 threshold/calibrated): the plan cuts the forward before every stage's
+  repack into segments (:attr:`ForwardPlan.segments`). Segment 0 runs the embedding, the dense blocks and the packed
+  blocks up to stage 0's decision; segment ``j`` repacks stage ``j - 1``'s decision into a buffer of ``capacity`` rows
   (``ragged_vit.triton_impl.pack.repack(capacity=...)``) and runs the blocks up to the next decision (the last one ends
   with the head). Before a segment the host may read the kept total and the longest image (one 16-byte read per stage:
   the read the eager pipeline makes too), take the smallest capacity holding that total
@@ -19,8 +19,8 @@ on first use, per batch size. What is captured depends on the pruner
   (``Pruner.max_count_after``; ATS keeps at most its sample count) if smaller, and so does every later stage. The
   segments between two reads are ONE graph, keyed by their :class:`SegmentShape` s, and hand their decisions to each
   other directly: a small ATS batch replays its whole forward as one graph. Inside such a graph a mid-block stage's MLP
-  half (per row, so it commutes with the repack) runs on every row beside the decision, which runs on a second stream:
-  the graph holds them as parallel branches.
+  half (the plan's ``StagePlan.mlp_beside``: per row, so it commutes with the repack) runs on every row beside the
+  decision, which runs on a second stream: the graph holds them as parallel branches.
 
 **Padding rows.** A capacity buffer has ``capacity - total`` rows that no image owns (the pack kernel leaves them
 unwritten). Inside a segment they form padding images after the ``B`` real ones, each at most ``max_seqlen``
@@ -66,7 +66,6 @@ that append an extra token (no registered pruner does).
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -75,23 +74,12 @@ import torch
 
 from ragged_vit.core.selection import TokenSelection
 from ragged_vit.core.validation import check_int
-from ragged_vit.pipelines.backends.triton import TritonBackend
-from ragged_vit.pipelines.buckets import SegmentPlan, TokenBuckets, padding_images, plan_segments
-from ragged_vit.pipelines.model import PrunedOutput, PrunedViT, decision_counts, kept_rows
-from ragged_vit.pipelines.packed_block import (
-    compiled_blocks,
-    compiled_halves,
-    packed_attention,
-    packed_blocks,
-    packed_mlp,
-)
+from ragged_vit.pipelines.backends import BACKENDS
+from ragged_vit.pipelines.buckets import TokenBuckets, padding_images
+from ragged_vit.pipelines.model import ForwardState, PrunedOutput, PrunedViT
+from ragged_vit.pipelines.plan import ForwardPlan, Step, StepKind
 from ragged_vit.triton_impl import pack as triton_pack
-
-# Backends whose forward cannot be captured, and why.
-_NOT_CAPTURABLE = {
-    "nested_sdpa": "building NestedTensors is not capturable in a CUDA graph",
-    "reference": "it reads cu_seqlens on the host for every call (a synchronisation)",
-}
+from ragged_vit.triton_impl.launcher import INTERPRETED
 
 AUTO_SYNC_FREE_ROWS = 1024
 """``sync_free_rows`` of the default buckets for pruners with several variable-count stages (see
@@ -258,8 +246,8 @@ class GraphedPrunedViT:
         self.clone_outputs = bool(clone_outputs)
         self.overlap_decisions = bool(overlap_decisions)
         self.counters = GraphCounters()
-        self._tokens = pipeline.model.patch_embed.num_patches + 1  # N: rows of an unpruned image
-        self._plan = plan_segments(pipeline.pruner, len(pipeline.model.blocks), self._tokens)
+        self._plan = pipeline.plan
+        self._tokens = self._plan.tokens  # N: rows of an unpruned image
         if buckets is None:
             buckets = TokenBuckets(sync_free_rows=AUTO_SYNC_FREE_ROWS if len(self._plan.segments) > 2 else 0)
         self.buckets = buckets
@@ -270,8 +258,8 @@ class GraphedPrunedViT:
         self._side_stream: torch.cuda.Stream | None = None  # where decisions run beside an MLP half
 
     @property
-    def plan(self) -> SegmentPlan:
-        """How the forward is cut into graphs."""
+    def plan(self) -> ForwardPlan:
+        """The pipeline's forward plan, which says how the forward is cut into graphs (:attr:`ForwardPlan.segments`)."""
         return self._plan
 
     def __call__(
@@ -287,7 +275,7 @@ class GraphedPrunedViT:
         pipeline = self.pipeline
         if pipeline.training:
             raise RuntimeError("GraphedPrunedViT is inference only: call .eval() on the pipeline")
-        images = pipeline._check_images(images)
+        images = pipeline.check_inputs(images)
         batch = images.shape[0]
         if self.batch_sizes is not None and batch not in self.batch_sizes:
             self.counters.eager_calls += 1
@@ -329,8 +317,7 @@ class GraphedPrunedViT:
     def _bind(self, device: torch.device) -> None:
         pipeline = self.pipeline
         _check_capturable(pipeline)
-        pipeline.backend.check(device, pipeline.model.cls_token.dtype)
-        if device.type == "cpu" and not self._plan.fixed and not TritonBackend().interpreted:
+        if device.type == "cpu" and not self._plan.fixed and not INTERPRETED:
             raise ValueError(
                 "GraphedPrunedViT on the CPU (nothing is captured there) packs variable counts with Triton's "
                 "kernels: set TRITON_INTERPRET=1 before triton (or timm) is first imported"
@@ -408,127 +395,110 @@ class GraphedPrunedViT:
             self._binding.check(self.pipeline)  # on the host, while the first graph runs
 
     def _chain(self, bufs: _Buffers, chain: tuple[SegmentShape, ...]) -> None:
-        """Consecutive segments in one graph: each hands its decision to the next directly; the last one stores
-        it in the static buffers (unless it ends with the head)."""
-        state = None
-        for position, shape in enumerate(chain):
-            state = self._segment(bufs, shape, state, store=position == len(chain) - 1)
+        """Consecutive segments of the plan in one graph: each hands its decision to the next directly; the last
+        one stores it in the static buffers (unless it ends with the head).
 
-    def _segment(
-        self, bufs: _Buffers, shape: SegmentShape, state: _Decision | None, store: bool
-    ) -> _Decision | None:
-        """Segment ``shape.index`` of a variable-count forward on the static buffers of one batch size.
-
-        Segment 0 reads the images; segment ``j > 0`` repacks stage ``j - 1``'s decision (``state``, or the
-        static buffers' side ``(j - 1) % 2``) into ``shape.capacity`` rows, whose rows past the real total form
-        ``shape.pads`` padding images of at most ``shape.max_seqlen`` rows (the pack kernel writes their offsets
-        after the real ones, into ``bufs.cu[j]``). A segment before the last ends with its stage's decision: it
-        returns it, or with ``store`` writes it to side ``j % 2`` (and, when a read follows, the total and
-        longest image to ``stats``); the last segment writes the logits and counts.
+        Segment 0 reads the images; segment ``j > 0`` starts with stage ``j - 1``'s REPACK (of the decision handed
+        over, or of the static buffers' side ``(j - 1) % 2``) into ``shape.capacity`` rows, whose rows past the real
+        total form ``shape.pads`` padding images of at most ``shape.max_seqlen`` rows (the pack kernel writes their
+        offsets after the real ones, into ``bufs.cu[j]``). Every other step is the pipeline's own
+        (:meth:`PrunedViT.run_step`).
         """
-        pipeline, tokens, batch, index = self.pipeline, self._tokens, bufs.batch, shape.index
-        if index == 0:
-            x = pipeline.front(bufs.images)  # embedding and dense blocks, [B, N, C]
-            x = x.reshape(-1, x.shape[-1])  # [B*N, C]
-            cu = attn_cu = bufs.cu[0, : batch + 1]
-        else:
-            if state is None:  # the previous segment ran in another graph
-                side = (index - 1) % 2
-                state = _Decision(bufs.x[side], bufs.keep[side], bufs.kept[side], mlp_done=False)
-            attn_cu = bufs.cu[index, : batch + 1 + shape.pads]
-            x, _, _ = triton_pack.repack(
-                state.x, bufs.cu[index - 1, : batch + 1], state.keep, self._plan.row_bounds[index - 1],
-                capacity=shape.capacity, kept=state.kept, padding_images=shape.pads, padding_len=shape.max_seqlen,
-                cu_out=attn_cu, check_values=False,
-            )  # fmt: skip  # [capacity, C]; rows from the real total on are not written
-            cu = attn_cu[: batch + 1]
-        qkv = None
-        compiled = pipeline.compile_blocks
-        run_blocks = compiled_blocks() if compiled else packed_blocks
-        attention_half, mlp_half = compiled_halves() if compiled else (packed_attention, packed_mlp)
-        blocks = pipeline.model.blocks
-        steps = self._plan.segments[index]
-        if state is not None and state.mlp_done:
-            steps = steps[1:]  # the previous segment ran this MLP half already, on every row
-        for kind, group in itertools.groupby(steps, key=lambda step: step.kind):
-            group = [blocks[step.block] for step in group]
-            if kind == "block":  # consecutive whole blocks: one run (one compiled graph with compile_blocks)
-                x = run_blocks(group, x, attn_cu, shape.max_seqlen, pipeline.backend)
-            elif kind == "attention":
-                (block,) = group
-                x, qkv = attention_half(block, x, attn_cu, shape.max_seqlen, pipeline.backend)
-            else:
-                (block,) = group
-                x = mlp_half(block, x)
-        if index == len(self._plan.segments) - 1:
-            bufs.logits.copy_(pipeline._head(x.index_select(0, cu[:-1])))
+        pipeline, batch = self.pipeline, bufs.batch
+        state = self._chain_input(bufs, chain[0])
+        mlp_done = False  # the MLP half after a repack already ran beside its decision
+        for shape in chain:
+            for step in self._plan.segments[shape.index]:
+                if step.kind is StepKind.REPACK:
+                    self._repack(bufs, shape, state)
+                elif step.kind is StepKind.MLP and mlp_done:
+                    mlp_done = False
+                elif step.kind is StepKind.DECIDE and shape is not chain[-1] and self._overlaps(step):
+                    self._decide_beside_mlp(step, state)
+                    mlp_done = True
+                else:
+                    pipeline.run_step(step, state)
+        last = chain[-1]
+        if last.index == len(self._plan.segments) - 1:
+            bufs.logits.copy_(state.logits)
             offsets = bufs.cu[1:, : batch + 1]  # every stage's real offsets
             bufs.counts.copy_((offsets[:, 1:] - offsets[:, :-1] - 1).t())  # rows after each stage, CLS excluded
-            return None
-        stage = pipeline._stages[index]
-        decide = functools.partial(pipeline.decide, stage, x, attn_cu, tokens - 1, qkv, shape.max_seqlen)
-        following = self._plan.segments[index + 1]
-        mlp_ahead = self.overlap_decisions and not store and bool(following) and following[0].kind == "mlp"
-        if mlp_ahead:  # in a chain: the next segment's leading MLP half runs now, beside the decision
-            sel, x = self._decide_beside_mlp(decide, functools.partial(mlp_half, blocks[following[0].block]), x)
         else:
-            sel = decide()
+            self._store(bufs, last, state)
+
+    def _chain_input(self, bufs: _Buffers, first: SegmentShape) -> ForwardState:
+        """The state a chain starts from: the images, or the decision the previous graph stored."""
+        batch, index = bufs.batch, first.index
+        if index == 0:
+            return ForwardState(batch, bufs.images, cu_seqlens=bufs.cu[0, : batch + 1])
+        side = (index - 1) % 2
+        selection = TokenSelection(bufs.keep[side], bufs.kept[side])
+        return ForwardState(batch, bufs.x[side], bufs.cu[index - 1, : batch + 1], selection=selection)
+
+    def _repack(self, bufs: _Buffers, shape: SegmentShape, state: ForwardState) -> None:
+        """REPACK into ``shape.capacity`` rows, padding images and offsets into ``bufs.cu[shape.index]``."""
+        batch, index, sel = bufs.batch, shape.index, state.selection
         if sel.extra_token is not None:
             raise NotImplementedError(
-                f"pruner {pipeline.pruner.name!r} appends an extra token at a variable-count stage, which "
+                f"pruner {self.pipeline.pruner.name!r} appends an extra token at a variable-count stage, which "
                 "GraphedPrunedViT does not stage between graphs"
             )
-        kept = decision_counts(sel)
-        kept = None if kept is None else kept[:batch]
-        if not store:
-            return _Decision(x, sel.keep, kept, mlp_done=mlp_ahead)
-        if self.buckets.rereads_after(shape.capacity):  # the next stage reads its total and longest image
-            lens = kept_rows(sel, attn_cu)[:batch]
-            bufs.stats.copy_(torch.stack([lens.sum(), lens.max()]))
-        side = index % 2
-        rows = x.shape[0]
-        bufs.x[side][:rows].copy_(x)
-        bufs.keep[side][:rows].copy_(sel.keep)
-        bufs.kept[side].copy_(kept if kept is not None else kept_rows(sel, attn_cu)[:batch])
-        return None
+        cu = bufs.cu[index, : batch + 1 + shape.pads]
+        state.x, _, _ = triton_pack.repack_unchecked(
+            state.x, state.cu_seqlens[: batch + 1], sel.keep, self._plan.row_bounds[index - 1],
+            capacity=shape.capacity, kept=sel.kept[:batch], padding_images=shape.pads, padding_len=shape.max_seqlen,
+            cu_out=cu,
+        )  # fmt: skip  # [capacity, C]; rows from the real total on are not written
+        state.cu_seqlens, state.max_seqlen = cu, shape.max_seqlen
+        state.selection = state.qkv = None
 
-    def _decide_beside_mlp(
-        self, decide: Callable[[], TokenSelection], mlp: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
-    ) -> tuple[TokenSelection, torch.Tensor]:
+    def _store(self, bufs: _Buffers, shape: SegmentShape, state: ForwardState) -> None:
+        """Writes a chain's last decision to the static buffers' side ``shape.index % 2`` (and, when a read follows,
+        the kept total and longest image to ``bufs.stats``)."""
+        sel, side, rows = state.selection, shape.index % 2, state.x.shape[0]
+        kept = sel.kept[: bufs.batch]
+        if self.buckets.rereads_after(shape.capacity):  # the next stage reads its total and longest image
+            lens = kept.long()
+            bufs.stats.copy_(torch.stack([lens.sum(), lens.max()]))
+        bufs.x[side][:rows].copy_(state.x)
+        bufs.keep[side][:rows].copy_(sel.keep)
+        bufs.kept[side].copy_(kept)
+
+    def _overlaps(self, step: Step) -> bool:
+        """Whether a decision inside a chain runs beside the MLP half that follows its repack."""
+        return self.overlap_decisions and self._plan.stage_at(step).mlp_beside is not None
+
+    def _decide_beside_mlp(self, step: Step, state: ForwardState) -> None:
         """A mid-block stage's decision and its block's MLP half, which acts per row and so commutes with the
         repack: the MLP runs on every row of the buffer (pruned ones too) while the decision runs on a second
         stream (on a GPU; a graph records the two as parallel branches). At small batch both are latency-bound
         and fill few SMs, so the decision's ~10 us hide behind the MLP's GEMMs."""
-        if not x.is_cuda:
-            return decide(), mlp(x)
-        main = torch.cuda.current_stream(x.device)
+        pipeline = self.pipeline
+        mlp = Step(StepKind.MLP, (self._plan.stage_at(step).mlp_beside,))
+        if not state.x.is_cuda:
+            pipeline.run_step(step, state)
+            pipeline.run_step(mlp, state)
+            return
+        main = torch.cuda.current_stream(state.x.device)
         if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(x.device)
+            self._side_stream = torch.cuda.Stream(state.x.device)
         side = self._side_stream
         side.wait_stream(main)
+        scored = state.x  # what the decision reads, kept alive until the side stream is done with it
         with torch.cuda.stream(side):
-            sel = decide()
-        x = mlp(x)
+            pipeline.run_step(step, state)
+        pipeline.run_step(mlp, state)
         main.wait_stream(side)  # the decision's tensors are used (and freed) on the main stream from here on
-        return sel, x
-
-
-class _Decision(NamedTuple):
-    """A stage's decision handed to the next segment: the packed stream, its keep mask, (if the decision counted
-    them) the rows each real image keeps, int32 ``[B]``, and whether the next segment's leading MLP half was
-    already applied to the stream."""
-
-    x: torch.Tensor
-    keep: torch.Tensor
-    kept: torch.Tensor | None
-    mlp_done: bool
+        del scored
 
 
 def _check_capturable(pipeline: PrunedViT) -> None:
     backend = pipeline.backend
+    caps = backend.capabilities
     on_cuda = pipeline.model.cls_token.is_cuda
-    if backend.name in _NOT_CAPTURABLE and (on_cuda or backend.name == "nested_sdpa"):
+    if not caps.capturable and (on_cuda or caps.devices == ("cuda",)):
+        capturable = [name for name, cls in BACKENDS.items() if cls.capabilities.capturable]
         raise ValueError(
-            f"backend {backend.name!r} cannot run in a CUDA graph: {_NOT_CAPTURABLE[backend.name]}; "
-            "use 'triton', 'fa2_varlen' or 'padded_sdpa'"
+            f"backend {backend.name!r} cannot run in a CUDA graph: {caps.not_capturable_because}; "
+            f"use one of {', '.join(map(repr, capturable))}"
         )

@@ -1,26 +1,32 @@
-"""A token-pruned timm ViT end to end: dense blocks, pruning stages, packed blocks, head.
+"""A token-pruned timm ViT, run eagerly from its forward plan: dense blocks, pruning stages, packed blocks, head.
 
 :class:`PrunedViT` wraps a timm ``VisionTransformer`` (its modules and parameter names untouched, so official
-checkpoints load) and a pruner from :mod:`ragged_vit.reference.pruners`, and runs:
+checkpoints load) and a pruner from :mod:`ragged_vit.reference.pruners`. At construction it builds the forward plan
+(:func:`ragged_vit.pipelines.plan.build_plan`) once, and :meth:`PrunedViT.run` executes it step by step:
 
-1. timm's own embedding and the blocks before the first pruning stage, on the dense ``[B, N, C]`` batch;
-2. at the first stage, the batch viewed as packed (``[B*N, C]``, uniform ``cu_seqlens``) and pruned;
-3. every later block on the packed buffer (:func:`ragged_vit.pipelines.packed_block.packed_block`), attention through
-the
-   chosen backend, later stages repacking the packed buffer directly (no detour through padding);
-4. ``model.norm``, ``fc_norm`` and ``head`` on each image's CLS row: logits ``[B, classes]`` in input order.
+1. FRONT: timm's own embedding and the blocks before the first pruning stage, on the dense ``[B, N, C]`` batch,
+   which is then viewed as packed (``[B*N, C]``, uniform ``cu_seqlens``);
+2. DECIDE / REPACK at each stage: the pruner's decision (or the fused device decision registered for it,
+   :mod:`ragged_vit.core.decisions`), then the packed buffer repacked ragged to ragged (no detour through padding);
+3. BLOCKS / ATTENTION / MLP: every later block on the packed buffer
+   (:mod:`ragged_vit.pipelines.packed_block`), attention through the chosen backend;
+4. HEAD: ``model.norm``, ``fc_norm`` and ``head`` on each image's CLS row: logits ``[B, classes]`` in input order.
 
-The stage schedule comes from the pruner: ``pruner.blocks`` and ``pruner.placement`` (before a block, between
-its attention residual and its MLP, or after it). The decisions of a run (one :class:`TokenSelection` per stage)
-are returned, and a later run may replay them (``selections=``), so two backends see exactly the same keep masks
-and differ only in layout and attention. A replayed selection is used as recorded, EViT's fused token included
-(cast to the replaying run's dtype): it is part of the decision.
+:meth:`PrunedViT.run_step` runs one step on a :class:`ForwardState`; the CUDA-graph executor
+(:class:`ragged_vit.pipelines.graphs.GraphedPrunedViT`) runs the same steps through it, with its own repack into
+fixed-capacity buffers. The decisions of a run (one :class:`TokenSelection` per stage) are returned, and a later run
+may replay them (``selections=``), so two backends see exactly the same keep masks and differ only in layout and
+attention. A replayed selection is used as recorded, EViT's fused token included (cast to the replaying run's
+dtype): it is part of the decision.
 
-Packing: on CUDA the sync-free kernels of :mod:`ragged_vit.triton_impl.pack` (fixed-count pruners pass ``count`` from
-the host, so nothing synchronises; a variable-count stage reads its total and longest image once, in one transfer, so
-that every backend gets the exact longest length). On the CPU :mod:`ragged_vit.reference.packing` is used: the CPU path
-exists to run the reference backend without a GPU, and Triton's pack kernels would only run there under the interpreter,
-slowly.
+Packing: on CUDA the sync-free kernels of :mod:`ragged_vit.triton_impl.pack` (fixed-count stages pass ``count``
+from the host, so nothing synchronises; a variable-count stage reads its total and longest image once, in one
+transfer, so that every backend gets the exact longest length). On the CPU :mod:`ragged_vit.reference.packing` is
+used: the CPU path exists to run the reference backend without a GPU, and Triton's pack kernels would only run there
+under the interpreter, slowly.
+
+Validation happens once, at :meth:`PrunedViT.run`'s entry (images, backend against the model, pruner ready,
+replayed selections); the steps call the kernels' unchecked entry points.
 
 Supported: timm ``VisionTransformer`` with a class token, no register tokens, ``global_pool='token'`` (DeiT,
 original ViT), blocks from the first stage on being timm ``Block``/``Attention``; inference only (eval mode).
@@ -31,27 +37,33 @@ model's, training.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ragged_vit.core.segments import segment_ids, segment_sum, seqlens, uniform_cu_seqlens
-from ragged_vit.core.selection import Placement, PruneInput, Pruner, TokenSelection
+from ragged_vit.core.decisions import fused_decision
+from ragged_vit.core.segments import seqlens, uniform_cu_seqlens
+from ragged_vit.core.selection import DecisionInput, Placement, Pruner, TokenSelection
 from ragged_vit.core.validation import check_tensor
 from ragged_vit.pipelines.backends import AttentionBackend, make_backend
-from ragged_vit.pipelines.packed_block import check_packable, compiled_blocks, packed_block, packed_blocks
+from ragged_vit.pipelines.packed_block import (
+    check_packable,
+    compiled_blocks,
+    compiled_halves,
+    packed_attention,
+    packed_blocks,
+    packed_mlp,
+)
 from ragged_vit.pipelines.patch_embed import patch_embed_gemm, supports_gemm
+from ragged_vit.pipelines.plan import ForwardPlan, Step, StepKind, build_plan
 from ragged_vit.reference import packing as ref_packing
-from ragged_vit.reference.attention import split_qkv
-from ragged_vit.reference.cls_attention import cls_attention
-from ragged_vit.reference.pruners.ats import ATSPruner
-from ragged_vit.reference.pruners.threshold_l2 import ThresholdL2Pruner
 from ragged_vit.triton_impl import pack as triton_pack
-from ragged_vit.triton_impl.ats import ats_select
-from ragged_vit.triton_impl.threshold_l2 import threshold_l2_select
+
+OnStep = Callable[[Step], None]
+"""``on_step(step)``: called by :meth:`PrunedViT.run` before each step (e.g. to record a CUDA event per region)."""
 
 
 @dataclass
@@ -70,20 +82,27 @@ class PrunedOutput:
     selections: list[TokenSelection] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class _Stage:
-    index: int  # position in pruner.blocks (PruneInput.stage)
-    block: int  # timm block index
-    placement: Placement
+@dataclass
+class ForwardState:
+    """What one step of a forward hands to the next (an executor's working memory).
 
-    @property
-    def boundary(self) -> int | None:
-        """Index of the block whose input this stage prunes (BEFORE k and AFTER k-1 prune the same tensor)."""
-        if self.placement == Placement.BEFORE_BLOCK:
-            return self.block
-        if self.placement == Placement.AFTER_BLOCK:
-            return self.block + 1
-        return None
+    Attributes:
+        batch: ``B``, the real images (a graph executor's padding images come after them in ``cu_seqlens``).
+        x: the images ``[B, 3, H, W]`` before FRONT; the packed residual stream ``[T, C]`` after it.
+        cu_seqlens: int32 offsets of ``x``'s images (an executor may set them before FRONT: a static buffer).
+        max_seqlen: a host bound on every image's rows in ``x``.
+        qkv: the last attention half's qkv projection ``[T, 3*H*D]`` (what a MID_BLOCK decision scores).
+        selection: the last decision, until its REPACK.
+        logits: ``[B, classes]`` after HEAD.
+    """
+
+    batch: int
+    x: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+    qkv: torch.Tensor | None = None
+    selection: TokenSelection | None = None
+    logits: torch.Tensor | None = None
 
 
 class PrunedViT(nn.Module):
@@ -96,9 +115,9 @@ class PrunedViT(nn.Module):
         backend: attention backend name (see :data:`ragged_vit.pipelines.backends.BACKENDS`) or instance.
         compile_blocks: run every block's non-attention work through ``torch.compile`` (Inductor fusions around
             the GEMMs; the attention backend stays one op). Compiles on first use of each shape.
-        gemm_patch_embed: on CUDA, compute the patch embedding as one GEMM on patch rows instead of cuDNN's
-            strided convolution (:mod:`ragged_vit.pipelines.patch_embed`; same math, rounding-level differences). The
-            CPU always runs timm's own convolution.
+        gemm_patch_embed: on CUDA, compute the patch embedding as one GEMM on patch rows instead of cuDNN's strided
+            convolution (:mod:`ragged_vit.pipelines.patch_embed`; same math, rounding-level differences). The CPU
+            always runs timm's own convolution.
 
     The module is put in eval mode; it is inference only.
     """
@@ -118,18 +137,16 @@ class PrunedViT(nn.Module):
         self.model = model
         self.pruner = _check_pruner(pruner, len(model.blocks))
         self.backend = backend
-        self._stages = (
-            ()
-            if pruner is None
-            else tuple(_Stage(i, b, Placement(pruner.placement)) for i, b in enumerate(pruner.blocks))
-        )
-        self._start = min(
-            (s.boundary if s.boundary is not None else s.block for s in self._stages), default=len(model.blocks)
-        )
-        for k in range(self._start, len(model.blocks)):
+        self._plan = build_plan(pruner, len(model.blocks), model.patch_embed.num_patches + 1)
+        for k in range(self._plan.dense_blocks, len(model.blocks)):
             check_packable(model.blocks[k], f"model.blocks[{k}]")
-        self._steps = _schedule(self._stages, self._start, len(model.blocks))
+        self._head_dims = {blk.attn.head_dim for blk in model.blocks[self._plan.dense_blocks :]}
         self.eval()
+
+    @property
+    def plan(self) -> ForwardPlan:
+        """The forward plan (steps, stages, host knowledge of counts), built once at construction."""
+        return self._plan
 
     @property
     def backend(self) -> AttentionBackend:
@@ -143,19 +160,29 @@ class PrunedViT(nn.Module):
     @property
     def num_stages(self) -> int:
         """Pruning stages per forward (0 without a pruner)."""
-        return len(self._stages)
+        return len(self._plan.stages)
 
     @property
     def num_dense_blocks(self) -> int:
         """Blocks run densely by timm before the first stage; the rest run packed."""
-        return self._start
+        return self._plan.dense_blocks
+
+    @property
+    def num_patches(self) -> int:
+        """Patches of an unpruned image (196 at 224x224 with 16x16 patches)."""
+        return self._plan.tokens - 1
 
     @property
     def image_size(self) -> tuple[int, int]:
         return tuple(self.model.patch_embed.img_size)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's parameter dtype: images are cast to it."""
+        return self.model.cls_token.dtype
+
     def extra_repr(self) -> str:
-        return f"backend={self._backend.name!r}, dense_blocks={self._start}"
+        return f"backend={self._backend.name!r}, dense_blocks={self._plan.dense_blocks}"
 
     def forward(
         self,
@@ -171,52 +198,83 @@ class PrunedViT(nn.Module):
         return (out.logits, out.counts) if return_counts else out.logits
 
     @torch.no_grad()
-    def run(self, images: torch.Tensor, selections: Sequence[TokenSelection] | None = None) -> PrunedOutput:
+    def run(
+        self,
+        images: torch.Tensor,
+        selections: Sequence[TokenSelection] | None = None,
+        on_step: OnStep | None = None,
+    ) -> PrunedOutput:
         """The full forward, returning logits, per-stage counts and the selections made (or replayed).
 
         Args:
             images: ``[B, 3, H, W]`` float images at the model's input size, normalised; cast to the model dtype.
             selections: one :class:`TokenSelection` per stage from an earlier run on the same images, to replay
-                instead of running the pruner.
+                instead of deciding.
+            on_step: called with each step of :attr:`plan` before it runs (instrumentation; see :data:`OnStep`).
         """
+        images = self.check_inputs(images)
+        selections = self._check_selections(selections)
+        state = ForwardState(images.shape[0], images.to(self.dtype))
+        made: list[TokenSelection] = []
+        offsets: list[torch.Tensor] = []
+        for step in self._plan.steps:
+            if on_step is not None:
+                on_step(step)
+            if step.kind is StepKind.DECIDE and selections is not None:
+                state.selection = selections[step.stage]
+            elif step.kind is StepKind.REPACK:
+                made.append(state.selection)
+                _repack_exact(state, step.stage)
+                offsets.append(state.cu_seqlens)
+            else:
+                self.run_step(step, state)
+        counts = [seqlens(cu) - 1 for cu in offsets]
+        counts = torch.stack(counts, dim=1) if counts else state.logits.new_zeros((state.batch, 0), dtype=torch.long)
+        return PrunedOutput(state.logits, counts, made)
+
+    def check_inputs(self, images: object) -> torch.Tensor:
+        """Everything a forward checks before its first launch: eval mode, ``images`` (returned), the backend against
+        the model's device, dtype and head dims, and the pruner's readiness."""
         if self.training:
             raise RuntimeError("PrunedViT is inference only: call .eval() before running it")
-        images = self._check_images(images)
-        dtype = self.model.cls_token.dtype
-        self._backend.check(images.device, dtype)
-        selections = self._check_selections(selections)
+        images = self.check_images(images)
+        for head_dim in self._head_dims:
+            self._backend.check(images.device, self.dtype, head_dim)
+        if self.pruner is not None:
+            self.pruner.check_ready()
+        return images
 
-        x = self.front(images.to(dtype))  # [B, N, C]
-        batch, n, channels = x.shape
-        made: list[TokenSelection] = []
-        counts: list[torch.Tensor] = []
-        if not self._stages:
-            return PrunedOutput(self._head(x[:, 0]), x.new_zeros((batch, 0), dtype=torch.long), made)
-
-        def prune(stage: _Stage, x: torch.Tensor, cu: torch.Tensor, max_seqlen: int, qkv: torch.Tensor | None = None):
-            if selections is not None:
-                sel = selections[stage.index]
-            else:
-                sel = self.decide(stage, x, cu, n - 1, qkv, max_seqlen)
-            x, cu, max_seqlen = _repack(x, cu, max_seqlen, sel, stage.index)
-            made.append(sel)
-            counts.append(seqlens(cu) - 1)
-            return x, cu, max_seqlen
-
-        x, cu, max_seqlen = x.reshape(batch * n, channels), uniform_cu_seqlens(batch, n, x.device), n
+    def run_step(self, step: Step, state: ForwardState) -> None:
+        """Runs one step of :attr:`plan` on ``state`` (in place), on checked input; REPACK is the executor's own
+        (exact sizes here in :meth:`run`; fixed capacities in the graph executor)."""
+        kind = step.kind
         blocks = self.model.blocks
-        run_blocks = compiled_blocks() if self.compile_blocks else packed_blocks
-        for step in self._steps:
-            if step.kind == "prune":
-                x, cu, max_seqlen = prune(step.stage, x, cu, max_seqlen)
-            elif step.kind == "mid":
-                hook = functools.partial(prune, step.stage)
-                block = blocks[step.blocks[0]]
-                x, cu, max_seqlen = packed_block(block, x, cu, max_seqlen, self._backend, hook, self.compile_blocks)
-            else:
-                x = run_blocks([blocks[k] for k in step.blocks], x, cu, max_seqlen, self._backend)
-        cls = x.index_select(0, cu[:-1])  # [B, C]: every image's CLS row, one gather
-        return PrunedOutput(self._head(cls), torch.stack(counts, dim=1), made)
+        if kind is StepKind.FRONT:
+            x = (_compiled_front() if self.compile_blocks else _front)(self, state.x)  # [B, N, C]
+            batch, tokens, channels = x.shape
+            state.x = x.reshape(batch * tokens, channels)
+            if state.cu_seqlens is None:
+                state.cu_seqlens = uniform_cu_seqlens(batch, tokens, x.device)
+            state.max_seqlen = tokens
+        elif kind is StepKind.BLOCKS:
+            run_blocks = compiled_blocks() if self.compile_blocks else packed_blocks
+            group = [blocks[k] for k in step.blocks]
+            state.x = run_blocks(group, state.x, state.cu_seqlens, state.max_seqlen, self._backend)
+        elif kind is StepKind.ATTENTION:
+            attention_half = compiled_halves()[0] if self.compile_blocks else packed_attention
+            (block,) = step.blocks
+            x, cu = state.x, state.cu_seqlens
+            state.x, state.qkv = attention_half(blocks[block], x, cu, state.max_seqlen, self._backend)
+        elif kind is StepKind.MLP:
+            mlp_half = compiled_halves()[1] if self.compile_blocks else packed_mlp
+            (block,) = step.blocks
+            state.x = mlp_half(blocks[block], state.x)
+        elif kind is StepKind.DECIDE:
+            state.selection = self._decide(step.stage, state)
+        elif kind is StepKind.HEAD:
+            state.logits = self._head(state.x.index_select(0, state.cu_seqlens[: state.batch]))
+        else:
+            raise ValueError(f"{step!r} is run by the executor itself (its buffers decide the repack's sizes)")
 
     @torch.no_grad()
     def calibrate(self, images: torch.Tensor) -> float:
@@ -224,68 +282,13 @@ class PrunedViT(nn.Module):
         residual stream its (single, before/after-block) stage sees for ``images``; returns its threshold."""
         if self.pruner is None or not hasattr(self.pruner, "calibrate"):
             raise ValueError(f"pruner {getattr(self.pruner, 'name', None)!r} has no calibrate() method")
-        first = self._stages[0]
-        if first.boundary is None:
+        if self._plan.stages[0].placement is Placement.MID_BLOCK:
             raise NotImplementedError("calibrate() supports before/after-block stages only")
-        x = self._embed(self._check_images(images).to(self.model.cls_token.dtype))
-        for blk in self.model.blocks[: first.boundary]:
-            x = blk(x)
-        return self.pruner.calibrate(x)
+        return self.pruner.calibrate(_front(self, self.check_images(images).to(self.dtype)))
 
-    def front(self, images: torch.Tensor) -> torch.Tensor:
-        """Embedding and the dense blocks before the first stage, on checked images in the model dtype:
-        ``[B, 3, H, W]`` -> ``[B, N, C]`` (one compiled graph with ``compile_blocks``)."""
-        return (_compiled_front() if self.compile_blocks else _front)(self, images)
-
-    def decide(
-        self,
-        stage: _Stage,
-        x: torch.Tensor,
-        cu: torch.Tensor,
-        num_patches: int,
-        qkv: torch.Tensor | None = None,
-        max_seqlen: int | None = None,
-    ) -> TokenSelection:
-        """One stage's decision on the packed stream ``x`` (and its block's ``qkv`` for attention-based pruners);
-        ``max_seqlen`` bounds the images' rows (None: ``num_patches + 1``).
-
-        ``pruner(inp)``, except on CUDA: Threshold-L2 runs its fused Triton twin
-        (:mod:`ragged_vit.triton_impl.threshold_l2`: the same keep masks bit for bit, one kernel instead of ~40), ATS
-        its two-kernel twin (:mod:`ragged_vit.triton_impl.ats`: the same decisions up to the CDF's fp32 rounding, 2
-        kernels instead of ~250), and with ``compile_blocks`` the other pruners run under ``torch.compile`` together
-        with their CLS-attention scores (Inductor fuses their segment operations; its reductions may round differently,
-        like the compiled blocks).
-        """
-        if x.is_cuda and type(self.pruner) is ThresholdL2Pruner:
-            return threshold_l2_select(self.pruner, self._prune_input(stage, x, cu, num_patches, qkv))
-        if x.is_cuda and type(self.pruner) is ATSPruner:
-            attn = self.model.blocks[stage.block].attn
-            return ats_select(self.pruner, qkv, cu, num_patches, attn.num_heads, attn.scale, max_seqlen)
-        if x.is_cuda and self.compile_blocks:
-            attn = self.model.blocks[stage.block].attn
-            return _compiled_decision()(self.pruner, x, cu, stage.index, num_patches, qkv, attn.num_heads, attn.scale)
-        return self.pruner(self._prune_input(stage, x, cu, num_patches, qkv))
-
-    def _embed(self, images: torch.Tensor) -> torch.Tensor:
-        m = self.model
-        if self.gemm_patch_embed and images.is_cuda and supports_gemm(m.patch_embed):
-            x = patch_embed_gemm(m.patch_embed, images)  # the image size was checked by the caller
-        else:
-            x = m.patch_embed(images)
-        return m.norm_pre(m.patch_drop(m._pos_embed(x)))
-
-    def _head(self, cls: torch.Tensor) -> torch.Tensor:
-        # timm: norm on every token, then 'token' pooling picks CLS; per-token norms commute with that choice.
-        m = self.model
-        return m.head(m.head_drop(m.fc_norm(m.norm(cls))))
-
-    def _prune_input(
-        self, stage: _Stage, x: torch.Tensor, cu: torch.Tensor, num_patches: int, qkv: torch.Tensor | None
-    ) -> PruneInput:
-        attn = self.model.blocks[stage.block].attn
-        return prune_input(self.pruner, x, cu, stage.index, num_patches, qkv, attn.num_heads, attn.scale)
-
-    def _check_images(self, images: object) -> torch.Tensor:
+    def check_images(self, images: object) -> torch.Tensor:
+        """Checks a batch of images for this model (float ``[B, C, H, W]`` at its input size, on its device);
+        returns it."""
         images = check_tensor(images, "images", ndim=4)
         if not images.is_floating_point():
             raise TypeError(f"images must be a floating-point tensor, got {images.dtype}")
@@ -303,13 +306,38 @@ class PrunedViT(nn.Module):
             raise ValueError(f"images must be on the model's device {device}, got {images.device}")
         return images
 
+    def embed(self, images: torch.Tensor) -> torch.Tensor:
+        """The patch embedding with the class token and position embeddings: ``[B, 3, H, W]`` -> ``[B, N, C]``."""
+        m = self.model
+        if self.gemm_patch_embed and images.is_cuda and supports_gemm(m.patch_embed):
+            x = patch_embed_gemm(m.patch_embed, images)  # the image size was checked by the caller
+        else:
+            x = m.patch_embed(images)
+        return m.norm_pre(m.patch_drop(m._pos_embed(x)))
+
+    def _head(self, cls: torch.Tensor) -> torch.Tensor:
+        # timm: norm on every token, then 'token' pooling picks CLS; per-token norms commute with that choice.
+        m = self.model
+        return m.head(m.head_drop(m.fc_norm(m.norm(cls))))
+
+    def _decide(self, index: int, state: ForwardState) -> TokenSelection:
+        stage = self._plan.stages[index]
+        attn = self.model.blocks[stage.block].attn
+        mid = stage.placement is Placement.MID_BLOCK  # only a MID_BLOCK stage has its own block's qkv
+        inp = DecisionInput(
+            x=state.x, cu_seqlens=state.cu_seqlens, stage=index, num_patches=self.num_patches,
+            max_seqlen=state.max_seqlen, qkv=state.qkv if mid else None, num_heads=attn.num_heads if mid else None,
+            scale=attn.scale if mid else None,
+        )  # fmt: skip
+        return decide(self.pruner, inp, compiled=self.compile_blocks)
+
     def _check_selections(self, selections: Sequence[TokenSelection] | None) -> list[TokenSelection] | None:
         if selections is None:
             return None
         selections = list(selections)
-        if len(selections) != len(self._stages):
+        if len(selections) != self.num_stages:
             raise ValueError(
-                f"selections must hold one TokenSelection per stage ({len(self._stages)}), got {len(selections)}"
+                f"selections must hold one TokenSelection per stage ({self.num_stages}), got {len(selections)}"
             )
         for i, sel in enumerate(selections):
             if not isinstance(sel, TokenSelection):
@@ -317,46 +345,32 @@ class PrunedViT(nn.Module):
         return selections
 
 
-@dataclass(frozen=True)
-class _Step:
-    """One step of the packed part of a forward: a pruning stage at a block boundary (``prune``), a block with
-    a stage between its halves (``mid``), or a run of consecutive blocks with no stage (``blocks``)."""
+def decide(pruner: Pruner, inp: DecisionInput, compiled: bool = False) -> TokenSelection:
+    """One stage's decision on checked input: the fused decision registered for the pruner on ``inp``'s device
+    (:mod:`ragged_vit.core.decisions`), else the pruner itself; with ``compiled`` on CUDA the pruner runs under
+    ``torch.compile`` together with its CLS-attention scores (Inductor fuses their segment operations; its reductions
+    may round differently, like the compiled blocks)."""
+    fused = fused_decision(pruner, inp.x.device)
+    if fused is not None:
+        return fused(pruner, inp)
+    if compiled and inp.x.is_cuda:  # the bound is left out: reference decisions do not read it (no recompiles)
+        return _compiled_decision()(pruner, inp.x, inp.cu_seqlens, inp.stage, inp.num_patches, inp.qkv,
+                                    inp.num_heads, inp.scale)  # fmt: skip
+    return pruner.decide(inp)
 
-    kind: str  # "prune" | "mid" | "blocks"
-    blocks: tuple[int, ...] = ()
-    stage: _Stage | None = None
+
+def _decision(pruner: Pruner, x, cu, stage, num_patches, qkv, num_heads, scale) -> TokenSelection:
+    return pruner.decide(DecisionInput(x, cu, stage, num_patches, None, qkv, num_heads, scale))
 
 
-def _schedule(stages: tuple[_Stage, ...], start: int, depth: int) -> tuple[_Step, ...]:
-    """The steps from block ``start`` to the head, runs of stage-free blocks grouped (one compiled graph each)."""
-    steps: list[_Step] = []
-    run: list[int] = []
-
-    def flush() -> None:
-        if run:
-            steps.append(_Step("blocks", tuple(run)))
-            run.clear()
-
-    for k in range(start, depth + 1):
-        at_boundary = [s for s in stages if s.boundary == k]
-        if at_boundary:
-            flush()
-            steps.extend(_Step("prune", stage=s) for s in at_boundary)
-        if k == depth:
-            break
-        mid = next((s for s in stages if s.placement == Placement.MID_BLOCK and s.block == k), None)
-        if mid is None:
-            run.append(k)
-        else:
-            flush()
-            steps.append(_Step("mid", (k,), mid))
-    flush()
-    return tuple(steps)
+@functools.cache
+def _compiled_decision():
+    return torch.compile(_decision)
 
 
 def _front(pipeline: PrunedViT, images: torch.Tensor) -> torch.Tensor:
     """Embedding and the dense blocks before the first stage: ``[B, 3, H, W]`` -> ``[B, N, C]``."""
-    x = pipeline._embed(images)
+    x = pipeline.embed(images)
     for block in pipeline.model.blocks[: pipeline.num_dense_blocks]:
         x = block(x)
     return x
@@ -367,73 +381,31 @@ def _compiled_front():
     return torch.compile(_front)
 
 
-def prune_input(
-    pruner: Pruner,
-    x: torch.Tensor,
-    cu: torch.Tensor,
-    stage: int,
-    num_patches: int,
-    qkv: torch.Tensor | None,
-    num_heads: int,
-    scale: float,
-) -> PruneInput:
-    """What ``pruner`` sees at a stage; attention-based pruners also get the CLS-attention row and the values."""
-    cls_attn = v = None
-    if pruner.needs_attention:
-        q, k, v = split_qkv(qkv, num_heads)
-        cls_attn = cls_attention(q, k, cu, scale)  # fp32 [T, H]
-        v = v.flatten(1)  # [T, H*D]
-    return PruneInput(x=x, cu_seqlens=cu, stage=stage, num_patches=num_patches, cls_attn=cls_attn, v=v)
-
-
-def _decision(pruner: Pruner, *args: object) -> TokenSelection:
-    return pruner(prune_input(pruner, *args))
-
-
-@functools.cache
-def _compiled_decision():
-    return torch.compile(_decision)
-
-
-def _repack(
-    x: torch.Tensor, cu: torch.Tensor, max_seqlen: int, sel: TokenSelection, index: int
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Applies one stage's selection to the packed buffer: ``(x', cu', exact longest length)``."""
-    keep = sel.keep
-    if keep.dim() != 1 or keep.shape[0] != x.shape[0] or keep.device != x.device:
+def _repack_exact(state: ForwardState, index: int) -> None:
+    """Applies stage ``index``'s selection to the packed buffer at its exact size (eager REPACK)."""
+    sel, x, cu = state.selection, state.x, state.cu_seqlens
+    keep, kept = sel.keep, sel.kept
+    if keep.dim() != 1 or keep.shape[0] != x.shape[0] or keep.device != x.device or kept.shape != (state.batch,):
         raise ValueError(
-            f"selections[{index}].keep must be a [{x.shape[0]}] mask on {x.device} (this batch's "
-            f"packed rows), got shape {tuple(keep.shape)} on {keep.device}: "
+            f"selections[{index}].keep must be a [{x.shape[0]}] mask and .kept [{state.batch}] counts on {x.device} "
+            f"(this batch's packed rows), got {tuple(keep.shape)} and {tuple(kept.shape)} on {keep.device}: "
             "replay selections only on the images they were made for"
         )
     extra = None if sel.extra_token is None else sel.extra_token.to(x.dtype)
     if x.device.type != "cuda":
-        return ref_packing.repack(x, cu, keep, extra)
-    if sel.fixed_count and sel.count is not None:
-        tokens, new_cu, _ = triton_pack.repack(
-            x, cu, keep, max_seqlen, count=sel.count, extra_token=extra, kept=decision_counts(sel)
+        state.x, state.cu_seqlens, state.max_seqlen = ref_packing.repack(x, cu, keep, extra)
+    elif sel.fixed_count and sel.count is not None:
+        state.x, state.cu_seqlens, state.max_seqlen = triton_pack.repack_unchecked(
+            x, cu, keep, state.max_seqlen, count=sel.count, extra_token=extra, kept=kept
         )
-        return tokens, new_cu, sel.count
-    lens = kept_rows(sel, cu) + (extra is not None)
-    total, longest = torch.stack([lens.sum(), lens.max()]).tolist()  # the one sync of a variable-count stage
-    tokens, new_cu, _ = triton_pack.repack(
-        x, cu, keep, max_seqlen, capacity=total, extra_token=extra, kept=decision_counts(sel)
-    )
-    return tokens, new_cu, longest
-
-
-def decision_counts(sel: TokenSelection) -> torch.Tensor | None:
-    """``sel.kept`` when a decision kernel counted the rows (int32 ``[B]``), for the repack to skip its own count;
-    else None."""
-    kept = sel.kept
-    return kept if kept is not None and kept.dtype == torch.int32 and kept.is_contiguous() else None
-
-
-def kept_rows(sel: TokenSelection, cu: torch.Tensor) -> torch.Tensor:
-    """int64 ``[B]``: the rows each image of ``cu``'s batch keeps (CLS included, an extra token excluded)."""
-    if sel.kept is not None:
-        return sel.kept.long()
-    return segment_sum(sel.keep.long(), segment_ids(cu, sel.keep.shape[0]), cu.numel() - 1)
+    else:
+        lens = kept.long() + (extra is not None)
+        total, longest = torch.stack([lens.sum(), lens.max()]).tolist()  # the one sync of a variable-count stage
+        state.x, state.cu_seqlens, _ = triton_pack.repack_unchecked(
+            x, cu, keep, state.max_seqlen, capacity=total, extra_token=extra, kept=kept
+        )
+        state.max_seqlen = longest
+    state.selection = state.qkv = None
 
 
 def _check_model(model: object) -> None:

@@ -5,10 +5,9 @@ the attention core acts on each token independently (LayerNorm, the Linear layer
 dropouts), so it runs unchanged on the flat ``[T, C]`` buffer; only ``softmax(q k^T) v`` must respect image
 boundaries, and that is the backend's job. The same modules and parameters are used: no copy, no fork of timm.
 
-Between the attention residual and the MLP an optional ``mid_hook`` may replace the buffer (a MID_BLOCK pruning stage:
-EViT, ATS); it sees the block's qkv projection too, for the CLS-attention scores. The two halves are also callable on
-their own (:func:`packed_attention`, :func:`packed_mlp`): :mod:`ragged_vit.pipelines.graphs` ends a CUDA graph between
-them when a mid-block stage reads its kept total on the host.
+A MID_BLOCK pruning stage (EViT, ATS) sits between the attention residual and the MLP, so the two halves are also
+callable on their own: :func:`packed_attention` (which returns the block's qkv projection too, for the stage's
+CLS-attention scores) and :func:`packed_mlp`; the forward plan (:mod:`ragged_vit.pipelines.plan`) says where.
 
 Supported: ``timm.models.vision_transformer.Block`` with ``timm.layers.Attention`` (qk_norm, scale_norm and the
 gated variant of newer timm included), in eval mode. Not supported: other block types (ResPostBlock,
@@ -26,9 +25,6 @@ from torch import nn
 
 from ragged_vit.pipelines.backends.base import AttentionBackend
 from ragged_vit.reference.attention import split_qkv
-
-#: ``mid_hook(x [T, C], cu_seqlens, max_seqlen, qkv [T, 3*H*D]) -> (x', cu_seqlens', max_seqlen')``
-MidHook = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor], tuple[torch.Tensor, torch.Tensor, int]]
 
 
 def check_packable(block: nn.Module, name: str = "block") -> None:
@@ -88,7 +84,7 @@ def packed_blocks(
 ) -> torch.Tensor:
     """Consecutive blocks with no pruning stage among them, on one packed buffer: ``[T, C]`` -> ``[T, C]``."""
     for block in blocks:
-        x = packed_block(block, x, cu_seqlens, max_seqlen, backend)[0]
+        x = packed_block(block, x, cu_seqlens, max_seqlen, backend)
     return x
 
 
@@ -107,15 +103,9 @@ def compiled_blocks() -> Callable:
 
 
 def packed_block(
-    block: Block,
-    x: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    max_seqlen: int,
-    backend: AttentionBackend,
-    mid_hook: MidHook | None = None,
-    compiled: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """Runs ``block`` on packed tokens: :func:`packed_attention`, the optional hook, :func:`packed_mlp`.
+    block: Block, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, backend: AttentionBackend
+) -> torch.Tensor:
+    """Runs ``block`` on packed tokens: :func:`packed_attention`, then :func:`packed_mlp`.
 
     Args:
         block: a timm ``Block`` (see :func:`check_packable`).
@@ -123,15 +113,8 @@ def packed_block(
         cu_seqlens: int32 ``[B+1]`` offsets of ``x``.
         max_seqlen: host int bounding every image's length.
         backend: the attention backend.
-        mid_hook: optional stage between the attention residual and the MLP, which may prune the buffer.
-        compiled: run the two halves through :func:`compiled_halves`.
 
     Returns:
-        The block's output ``[T', C]`` and its ``cu_seqlens`` and ``max_seqlen`` (those of the input unless the
-        hook changed them).
+        The block's output ``[T, C]``.
     """
-    attention_half, mlp_half = compiled_halves() if compiled else (packed_attention, packed_mlp)
-    x, qkv = attention_half(block, x, cu_seqlens, max_seqlen, backend)
-    if mid_hook is not None:
-        x, cu_seqlens, max_seqlen = mid_hook(x, cu_seqlens, max_seqlen, qkv)
-    return mlp_half(block, x), cu_seqlens, max_seqlen
+    return packed_mlp(block, packed_attention(block, x, cu_seqlens, max_seqlen, backend)[0])

@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 
 from ragged_vit.core.segments import segment_ids, segment_softmax
+from ragged_vit.core.selection import DecisionInput
 from ragged_vit.core.validation import check_cu_seqlens, check_same_device, check_tensor
+from ragged_vit.reference.attention import split_qkv
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -43,3 +45,16 @@ def cls_attention(
     q_cls = q[cu_seqlens[:-1].long().clamp(max=max(total - 1, 0))].to(dt)  # [B, H, D]
     logits = (q_cls[seg] * k.to(dt)).sum(-1) * scale  # [T, H]
     return segment_softmax(logits, seg, batch)
+
+
+def attention_inputs(inp: DecisionInput) -> tuple[torch.Tensor, torch.Tensor]:
+    """What an attention-scoring pruner reads at a stage: fp32 ``[T, H]`` CLS attention and ``[T, H*D]`` values,
+    as given in ``inp`` (``cls_attn``, ``v``) or else derived from its block's ``qkv`` (the one definition of both)."""
+    cls_attn, v = inp.cls_attn, inp.v
+    if inp.qkv is not None and (cls_attn is None or v is None):
+        q, k, values = split_qkv(inp.qkv, inp.num_heads)
+        if cls_attn is None:
+            cls_attn = cls_attention(q, k, inp.cu_seqlens, inp.scale)
+        if v is None:
+            v = values.flatten(1)
+    return cls_attn, v

@@ -11,24 +11,23 @@ the same fp32 math in another order, so they agree to 1e-5.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from pathlib import Path
 
 import pytest
 import torch
 
-import ragged_vit.pipelines.model as pm
 from benchmarks import e2e_tables, make_results, report_e2e, run_bench
 from benchmarks.e2e_common import (
     WORKLOADS,
     Lab,
     gpu_slug,
-    make_graphed,
     synthetic_images,
     synthetic_selection,
     workload_kind,
 )
-from benchmarks.e2e_stages import REGIONS, stage_timer
+from benchmarks.e2e_stages import REGIONS, Marks, stage_breakdown
 from ragged_vit.pipelines.backends import PaddedSDPABackend, ReferenceBackend
 
 TINY = "deit_tiny_patch16_224"
@@ -52,6 +51,7 @@ def test_synthetic_selection_is_ragged_around_the_rate(keep_rate: float) -> None
     assert keep.dtype == torch.bool and bool(keep[:, 0].all()), "every CLS row is kept"
     kept = keep[:, 1:].sum(1).float()
     assert not sel.fixed_count and sel.count is None
+    assert sel.kept.dtype == torch.int32 and torch.equal(sel.kept, keep.sum(1).int()), "kept rows, CLS included"
     assert kept.min() >= 1 and kept.max() <= patches
     lo, hi = max(1, (keep_rate - 0.2) * patches - 1), min(patches, (keep_rate + 0.2) * patches + 1)
     assert bool(((kept >= lo) & (kept <= hi)).all())
@@ -103,15 +103,15 @@ def test_stage_timer_leaves_the_forward_unchanged(lab: Lab, workload: str) -> No
     pv = lab.pipeline(TINY, workload, 0.5, "reference")
     images = synthetic_images(2, 224, seed=5)
     plain = pv.run(images)
-    with stage_timer(pv, CPU) as marks:
-        marks.start()
-        timed = pv.run(images)
-        spent = marks.stop()
+    marks = Marks(CPU)
+    marks.start()
+    timed = pv.run(images, on_step=marks.on_step)
+    spent = marks.stop()
     assert torch.equal(plain.logits, timed.logits) and torch.equal(plain.counts, timed.counts)
     assert set(spent) == set(REGIONS) and all(spent[r] > 0 for r in REGIONS), spent
     # ATS prunes inside blocks 3-11: its pack time is summed over nine stages, front is embed + blocks 0-2.
-    assert pm._repack.__name__ == "_repack" and pm.packed_block.__name__ == "packed_block"
-    assert "_prune_input" not in vars(pv) and "_head" not in vars(pv)
+    stages = stage_breakdown([functools.partial(pv.run, images)], CPU, iters=2, warmup=0)
+    assert set(stages) == {*REGIONS, "total"} and all(stages[r].median > 0 for r in REGIONS)
 
 
 # --------------------------------------------------------------------------------------------------- dry run
@@ -156,16 +156,6 @@ def test_report_e2e_dry_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture
     assert numerics and all(r["vs_fp32"]["padded"]["max"] < 1e-3 for r in numerics)
     printed = capsys.readouterr().out
     assert "## table3" in printed and "padded (fair)" in printed
-
-
-def test_make_graphed_adapter_fits_the_runner(lab: Lab) -> None:
-    pytest.importorskip("ragged_vit.pipelines.graphs")
-    pv = lab.pipeline(TINY, "l2_ratio", 0.5, "reference")
-    images = synthetic_images(2, 224, seed=6)
-    forward, note = make_graphed(pv, images)
-    out = forward(images)
-    assert "GraphedPrunedViT" in note
-    torch.testing.assert_close(getattr(out, "logits", out), pv.run(images).logits, atol=1e-5, rtol=0)
 
 
 # --------------------------------------------------------------------------------------------------- report

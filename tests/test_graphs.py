@@ -1,6 +1,6 @@
-"""CPU tests of the CUDA-graph runner: token buckets, the segment plan, and the segmented forward with its padding
-image (nothing is captured on a CPU: :class:`GraphedPrunedViT` runs every segment eagerly, on the same static
-buffers and through the same code a graph records).
+"""CPU tests of the CUDA-graph runner: token buckets and the segmented forward with its padding image (nothing is
+captured on a CPU: :class:`GraphedPrunedViT` runs every segment eagerly, on the same static buffers and through the same
+code a graph records).
 
 Models: a tiny timm ViT (32x32 images, 8x8 patches: N = 17 rows, six blocks, two heads of 32) so that Triton's
 interpreter stays fast, plus DeiT-Tiny for the default schedules. fp32 throughout.
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from ragged_vit import PrunedViT, build_pipeline
-from ragged_vit.pipelines.buckets import Step, TokenBuckets, padding_images, plan_segments
+from ragged_vit.pipelines.buckets import TokenBuckets, padding_images
 from ragged_vit.pipelines.graphs import AUTO_SYNC_FREE_ROWS, GraphedPrunedViT
 from ragged_vit.reference.pruners import make_pruner
 from ragged_vit.triton_impl import pack as triton_pack
@@ -52,7 +52,7 @@ def calibrated(pv: PrunedViT) -> PrunedViT:
 @pytest.fixture
 def poisoned(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """Fills the rows no image owns of every capacity-mode repack with NaN; records ``(capacity, total)``."""
-    real = triton_pack.repack
+    real = triton_pack.repack_unchecked
     seen: list[tuple[int, int]] = []
 
     def repack(*args: object, capacity: int | None = None, padding_images: int = 0, **kwargs: object):
@@ -62,7 +62,7 @@ def poisoned(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
         seen.append((out.shape[0], total))
         return out, cu, bound
 
-    monkeypatch.setattr(triton_pack, "repack", repack)
+    monkeypatch.setattr(triton_pack, "repack_unchecked", repack)
     return seen
 
 
@@ -154,75 +154,6 @@ def test_sync_free_rows_and_padding_images():
 def test_capacity_rejects_impossible_totals(total):
     with pytest.raises(ValueError, match="total"):
         TokenBuckets().capacity(total, 4, 197)
-
-
-# --- segment plan ----------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    "name,kwargs,counts",
-    [
-        ("dynamicvit", {"embed_dim": 192, "rate": 0.7}, (138, 97, 68)),  # golden 137/96/67 patches + CLS
-        ("evit", {"rate": 0.7, "fuse_token": True}, (140, 100, 72)),  # golden 139/99/71 + CLS
-        ("evit", {"rate": 0.7}, (139, 98, 69)),
-        ("threshold_l2", {"mode": "ratio", "rate": 0.7}, (139,)),
-    ],
-)
-def test_fixed_count_pruners_are_one_graph(name, kwargs, counts):
-    plan = plan_segments(make_pruner(name, **kwargs), 12, 197)
-    assert plan.fixed and plan.counts == counts and plan.segments == ()
-
-
-def test_unpruned_model_is_one_graph():
-    plan = plan_segments(None, 12, 197)
-    assert plan.fixed and plan.counts == () and plan.dense_blocks == 12
-
-
-def test_ats_splits_inside_every_block_from_3():
-    plan = plan_segments(make_pruner("ats"), 12, 197)
-    assert not plan.fixed and plan.dense_blocks == 3 and len(plan.segments) == 10
-    assert plan.segments[0] == (Step("attention", 3),)
-    for j in range(1, 9):
-        assert plan.segments[j] == (Step("mlp", 2 + j), Step("attention", 3 + j))
-    assert plan.segments[9] == (Step("mlp", 11),)
-
-
-def test_row_bounds_follow_the_pruner():
-    """Bounds on an image's rows per segment: ATS keeps at most its samples (+ CLS) or its floor; no bound for
-    Threshold-L2's threshold mode; fixed plans need none."""
-    assert plan_segments(make_pruner("ats", num_samples=98), 12, 197).row_bounds == (197, *[99] * 9)
-    assert plan_segments(make_pruner("ats", num_samples=4, min_keep=8), 12, 197).row_bounds == (197, *[9] * 9)
-    assert plan_segments(make_pruner("ats"), 12, 197).row_bounds == (197,) * 10  # 196 samples: no bound
-    assert plan_segments(make_pruner("threshold_l2", threshold=1.0), 12, 197).row_bounds == (197, 197)
-    assert plan_segments(make_pruner("evit", rate=0.7), 12, 197).row_bounds == ()
-
-
-def test_threshold_after_block_3_splits_once():
-    plan = plan_segments(make_pruner("threshold_l2", threshold=1.0), 12, 197)
-    assert plan.dense_blocks == 4 and plan.segments == ((), tuple(Step("block", k) for k in range(4, 12)))
-
-
-def test_variable_before_block_stages_and_a_last_block_stage():
-    pruner = make_pruner("dynamicvit", embed_dim=64, blocks=(3, 6, 9))
-    pruner.fixed_count = False  # as if its counts were decided on the device
-    plan = plan_segments(pruner, 12, 197)
-    assert plan.segments == ((), *(tuple(Step("block", k) for k in range(s, s + 3)) for s in (3, 6, 9)))
-    last = plan_segments(make_pruner("threshold_l2", threshold=1.0, block=11), 12, 197)
-    assert last.dense_blocks == 12 and last.segments == ((), ())
-
-
-@pytest.mark.parametrize("blocks", [(0,), (2, 3), (1, 5, 11), tuple(range(12))])
-@pytest.mark.parametrize("placement", ["before_block", "mid_block", "after_block"])
-def test_segments_run_every_packed_block_once_in_order(blocks, placement):
-    pruner = make_pruner("ats", blocks=blocks)
-    pruner.placement = placement
-    plan = plan_segments(pruner, 12, 197)
-    halves = []
-    for steps in plan.segments:
-        for step in steps:
-            halves += [("attention", step.block), ("mlp", step.block)] if step.kind == "block" else [step]
-    assert halves == [(kind, k) for k in range(plan.dense_blocks, 12) for kind in ("attention", "mlp")]
-    assert len(plan.segments) == len(blocks) + 1
 
 
 # --- the segmented forward: padding image, buckets, batch sizes ------------------------------------------------
@@ -318,9 +249,9 @@ def test_chained_segments_equal_separate_ones():
     beside = []
     real_beside = chained._decide_beside_mlp
 
-    def spy(decide, mlp, x):
-        beside.append(x.shape[0])
-        return real_beside(decide, mlp, x)
+    def spy(step, state):
+        beside.append(state.x.shape[0])
+        return real_beside(step, state)
 
     chained._decide_beside_mlp = spy
     out = chained.run(images)

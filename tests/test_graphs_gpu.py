@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from ragged_vit import PrunedViT
+from ragged_vit.pipelines.backends import BACKENDS as REGISTRY
 from ragged_vit.pipelines.buckets import TokenBuckets
 from ragged_vit.pipelines.factory import build_pruner
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
@@ -44,7 +45,10 @@ CASES = {
 }
 FIXED = ["dynamicvit", "evit", "evit_fused", "threshold_ratio"]
 VARIABLE = ["ats", "threshold"]
-BACKENDS = ["triton", "fa2_varlen", "padded_sdpa"]
+# Every backend a CUDA graph can capture (from the registry's capabilities), and those it cannot.
+CAPTURABLE = [name for name, cls in REGISTRY.items() if cls.capabilities.capturable]
+NOT_CAPTURABLE = [name for name in REGISTRY if name not in CAPTURABLE]
+BACKENDS = CAPTURABLE
 BATCHES = [1, 4, 64, 4, 1, 64]  # one runner, mixed batch sizes, a fresh batch of images every call
 KEEP_RATE = 0.5
 
@@ -329,7 +333,7 @@ def test_changed_weights_are_detected(lab):
     _assert_bitwise(runner.run(images), pv.run(images), "after the second reset")
 
 
-@pytest.mark.parametrize("backend", ["nested_sdpa", "reference"])
+@pytest.mark.parametrize("backend", NOT_CAPTURABLE)
 def test_capture_unsafe_backends_are_refused(lab, backend):
     with pytest.raises(ValueError, match="CUDA graph"):
         GraphedPrunedViT(lab.pipeline(SMALL, "dynamicvit", backend))

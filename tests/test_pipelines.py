@@ -287,33 +287,6 @@ def test_calibrated_threshold_keeps_about_the_rate(gen):
     assert build_pruner("none", pv.model, 0.5) is None
 
 
-DYNAMICVIT_STEPS = [
-    ("prune", 0), ("blocks", (3, 4, 5)), ("prune", 1), ("blocks", (6, 7, 8)), ("prune", 2), ("blocks", (9, 10, 11)),
-]  # fmt: skip
-EVIT_STEPS = [("mid", (3,)), ("blocks", (4, 5)), ("mid", (6,)), ("blocks", (7, 8)), ("mid", (9,)), ("blocks", (10, 11))]
-
-
-@pytest.mark.parametrize(
-    "pruner,expected",
-    [
-        (None, []),
-        (make_pruner("threshold_l2", mode="ratio", rate=0.5, block=3), [("prune", 0), ("blocks", tuple(range(4, 12)))]),
-        (make_pruner("dynamicvit", embed_dim=64, rate=0.7, blocks=(3, 6, 9)), DYNAMICVIT_STEPS),
-        (make_pruner("evit", rate=0.6, blocks=(3, 6, 9)), EVIT_STEPS),
-        (make_pruner("threshold_l2", mode="ratio", rate=0.5, block=11), [("prune", 0)]),
-    ],
-    ids=["none", "threshold", "dynamicvit", "evit", "after-last-block"],
-)
-def test_schedule_groups_stage_free_blocks(pruner, expected):
-    """The packed part of a forward: runs of consecutive stage-free blocks form one step (one compiled graph
-    with ``compile_blocks``); every block from the first stage on appears exactly once, in order."""
-    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=12, num_heads=2, num_classes=10)
-    pv = PrunedViT(model, pruner)
-    got = [(s.kind, s.stage.index if s.kind == "prune" else s.blocks) for s in pv._steps]
-    assert got == expected
-    assert [b for s in pv._steps for b in s.blocks] == list(range(pv.num_dense_blocks, 12))
-
-
 @pytest.mark.parametrize("case", ["dynamicvit", "evit", "evit_fused", "ats"])
 def test_compiled_decisions_trace_and_agree(case):
     """``compile_blocks`` on CUDA runs the pruners without a fused kernel through ``torch.compile`` (with their

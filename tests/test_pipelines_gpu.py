@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from ragged_vit import PrunedViT
+from ragged_vit.pipelines.backends import BACKENDS as REGISTRY
 from ragged_vit.pipelines.factory import build_pruner
 from ragged_vit.pipelines.model import PrunedOutput
 from ragged_vit.pipelines.weights import create_model, load_checkpoint
@@ -38,7 +39,7 @@ pytestmark = pytest.mark.gpu
 
 MODELS = ["deit_tiny_patch16_224", "deit_small_patch16_224", "deit_base_patch16_224", "deit_base_patch16_384"]
 FIXED_COUNT = ["threshold_l2", "dynamicvit", "evit", "evit_fused"]
-BACKENDS = ["padded_sdpa", "fa2_varlen", "nested_sdpa", "triton"]
+BACKENDS = [name for name in REGISTRY if name != "reference"]  # every registered backend but the ground truth
 BATCHES = [1, 4, 64]
 DTYPES = [torch.float16, torch.bfloat16]
 KEEP_RATE = 0.5

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ragged_vit.core.segments import cu_seqlens_from_counts, seqlens, uniform_cu_seqlens
-from ragged_vit.core.selection import Placement, PruneInput, Pruner
+from ragged_vit.core.selection import DecisionInput, Placement, Pruner
 from ragged_vit.reference.cls_attention import cls_attention
 from ragged_vit.reference.packing import pack, repack
 from ragged_vit.reference.pruners import (
@@ -58,20 +58,22 @@ def build(name: str, gen: torch.Generator, channels: int = C) -> Pruner:
 
 def packed_input(
     gen: torch.Generator, lengths: list[int], channels: int = C, heads: int = H, stage: int = 0
-) -> PruneInput:
+) -> DecisionInput:
     """A random packed stage input with CLS attention from random q, k and random values."""
     cu = cu_seqlens_from_counts(torch.tensor(lengths))
     total = int(cu[-1])
     x = torch.randn(total, channels, generator=gen) * (1 + torch.rand(total, 1, generator=gen))
-    return with_attention(gen, PruneInput(x, cu, stage, NUM_PATCHES), heads)
+    return with_attention(gen, DecisionInput(x, cu, stage, NUM_PATCHES), heads)
 
 
-def with_attention(gen: torch.Generator, inp: PruneInput, heads: int) -> PruneInput:
+def with_attention(gen: torch.Generator, inp: DecisionInput, heads: int) -> DecisionInput:
     """``inp`` with fresh ``cls_attn`` (via :func:`cls_attention` on random q, k) and ``v`` for its rows."""
     total, channels = inp.x.shape
     q, k = torch.randn(2, total, heads, channels // heads, generator=gen).unbind(0)
     v = torch.randn(total, channels, generator=gen)
-    return PruneInput(inp.x, inp.cu_seqlens, inp.stage, inp.num_patches, cls_attention(q, k, inp.cu_seqlens), v)
+    return DecisionInput(
+        inp.x, inp.cu_seqlens, inp.stage, inp.num_patches, cls_attn=cls_attention(q, k, inp.cu_seqlens), v=v
+    )
 
 
 def image_rows(cu: torch.Tensor, b: int) -> slice:
@@ -95,7 +97,7 @@ def test_golden_counts_deit_s(gen: torch.Generator, name: str, batch: int) -> No
     x, cu = inp.x, inp.cu_seqlens
     for stage, expected in enumerate(GOLDEN[name]):
         current = x.shape[0] // batch
-        inp = with_attention(gen, PruneInput(x, cu, stage, NUM_PATCHES), heads=6)
+        inp = with_attention(gen, DecisionInput(x, cu, stage, NUM_PATCHES), heads=6)
         sel = pruner(inp)
         x, cu, max_seqlen = repack(x, cu, sel.keep, sel.extra_token)
         assert seqlens(cu).tolist() == [expected + 1] * batch
@@ -138,7 +140,7 @@ def test_isolation_between_images(gen: torch.Generator, name: str) -> None:
             t = getattr(base, field).clone()
             t[rows] = getattr(other, field)[rows]
             mixed[field] = t
-        changed = pruner(PruneInput(cu_seqlens=cu, stage=0, num_patches=NUM_PATCHES, **mixed)).keep
+        changed = pruner(DecisionInput(cu_seqlens=cu, stage=0, num_patches=NUM_PATCHES, **mixed)).keep
         outside = torch.ones_like(keep)
         outside[rows] = False
         assert torch.equal(changed[outside], keep[outside]), f"image {j} changed another image's decision"
@@ -153,7 +155,7 @@ def test_dense_select_equals_packed_forward(gen: torch.Generator, name: str) -> 
     x_dense = dense.pop("x")
     sel_dense = pruner.select(x_dense, **dense)
     tokens, cu, _ = pack(x_dense, torch.ones(batch, n, dtype=torch.bool))
-    sel = pruner(PruneInput(tokens, cu, 0, NUM_PATCHES, inp.cls_attn, inp.v))
+    sel = pruner(DecisionInput(tokens, cu, 0, NUM_PATCHES, cls_attn=inp.cls_attn, v=inp.v))
     assert sel_dense.keep.shape == (batch, n)
     assert torch.equal(sel_dense.keep.flatten(), sel.keep)
     assert (sel_dense.fixed_count, sel_dense.count) == (sel.fixed_count, sel.count)
@@ -196,7 +198,7 @@ def test_evit_matches_per_image_top_k(gen: torch.Generator) -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_evit_fused_token_is_weighted_sum_of_dropped(gen: torch.Generator, dtype: torch.dtype) -> None:
     inp = packed_input(gen, [197, 197, 197])
-    inp = PruneInput(inp.x.to(dtype), inp.cu_seqlens, 0, NUM_PATCHES, inp.cls_attn, inp.v)
+    inp = DecisionInput(inp.x.to(dtype), inp.cu_seqlens, 0, NUM_PATCHES, cls_attn=inp.cls_attn, v=inp.v)
     sel = EViTPruner(rate=0.7, fuse_token=True)(inp)
     assert sel.extra_token.dtype == dtype and sel.extra_token.shape == (3, C)
     for b in range(3):
@@ -273,7 +275,7 @@ def ats_oracle(score: torch.Tensor, num_samples: int, min_keep: int) -> torch.Te
     return torch.tensor(sorted(kept))
 
 
-def ats_scores(inp: PruneInput, rows: slice) -> torch.Tensor:
+def ats_scores(inp: DecisionInput, rows: slice) -> torch.Tensor:
     raw = (inp.cls_attn[rows].sum(-1) * inp.v[rows].norm(dim=-1))[1:]
     return raw / raw.sum() if raw.sum() > 0 else raw
 
@@ -362,7 +364,7 @@ def test_threshold_calibrated_keeps_rate_on_average(gen: torch.Generator, rate: 
     pruner = ThresholdL2Pruner("calibrated", rate=rate, min_keep=0)  # the floor would raise dim images' share
     tau = pruner.calibrate(x)
     tokens, cu, _ = pack(x, torch.ones(8, 197, dtype=torch.bool))
-    assert ThresholdL2Pruner("calibrated", rate=rate).calibrate(PruneInput(tokens, cu, 0, NUM_PATCHES)) == tau
+    assert ThresholdL2Pruner("calibrated", rate=rate).calibrate(DecisionInput(tokens, cu, 0, NUM_PATCHES)) == tau
     keep = pruner.select(x).keep
     assert keep[:, 0].all()
     assert abs(float(keep[:, 1:].float().mean()) - rate) < 0.01
@@ -448,9 +450,9 @@ def test_unknown_name_lists_known_pruners() -> None:
         make_pruner("tome")
 
 
-def _strip(inp: PruneInput, **changes: object) -> PruneInput:
+def _strip(inp: DecisionInput, **changes: object) -> DecisionInput:
     fields = {"x": inp.x, "cu_seqlens": inp.cu_seqlens, "stage": 0, "num_patches": NUM_PATCHES, **changes}
-    return PruneInput(**fields)
+    return DecisionInput(**fields)
 
 
 # (argument named in the message, pruner, how to spoil a valid input, error)
@@ -462,13 +464,13 @@ BAD_INPUTS = [
     ("inp.stage", "dynamicvit", lambda inp: _strip(inp, stage=3), ValueError),
     ("inp.x", "threshold", lambda inp: _strip(inp, x=inp.x[None]), ValueError),
     ("inp.cu_seqlens", "ratio", lambda inp: _strip(inp, cu_seqlens=inp.cu_seqlens.long()), TypeError),
-    ("inp must be a PruneInput", "evit", lambda inp: inp.x, TypeError),
+    ("inp must be a DecisionInput", "evit", lambda inp: inp.x, TypeError),
 ]
 
 
 @pytest.mark.parametrize("arg, name, spoil, error", BAD_INPUTS, ids=[f"{a[1]}-{a[0]}" for a in BAD_INPUTS])
 def test_bad_inputs_name_the_argument(
-    gen: torch.Generator, arg: str, name: str, spoil: Callable[[PruneInput], object], error: type[Exception]
+    gen: torch.Generator, arg: str, name: str, spoil: Callable[[DecisionInput], object], error: type[Exception]
 ) -> None:
     pruner = build(name, gen)
     with pytest.raises(error, match=arg):
@@ -490,7 +492,7 @@ def test_uniform_batch_reports_its_host_count(gen: torch.Generator, name: str) -
     """A dense batch viewed as packed is uniform: a fixed-count pruner reports count_after as its count."""
     pruner = build(name, gen)
     cu = uniform_cu_seqlens(2, 197)
-    inp = with_attention(gen, PruneInput(torch.randn(394, C, generator=gen), cu, 1, NUM_PATCHES), H)
+    inp = with_attention(gen, DecisionInput(torch.randn(394, C, generator=gen), cu, 1, NUM_PATCHES), H)
     sel = pruner(inp)
     assert sel.fixed_count and sel.count == pruner.count_after(1, 197, NUM_PATCHES)
     fused = int(sel.extra_token is not None)

@@ -48,11 +48,12 @@ def test_public_peer_matches_the_pipeline_on_its_decisions(name):
 
 def test_dense_plan_refuses_what_it_cannot_express():
     keep = torch.tensor([True, True, False, True, True, True])
+    kept = torch.tensor([2, 3], dtype=torch.int32)
     with pytest.raises(ValueError, match="extra token"):
-        dense_plan([TokenSelection(keep, True, 2, extra_token=torch.zeros(2, 4))], 2, 3, True)
+        dense_plan([TokenSelection(keep, kept, True, 2, extra_token=torch.zeros(2, 4))], 2, 3, True)
     with pytest.raises(ValueError, match="different counts"):
-        dense_plan([TokenSelection(keep, False)], 2, 3, True)
+        dense_plan([TokenSelection(keep, kept)], 2, 3, True)
     with pytest.raises(ValueError, match="rows"):
-        dense_plan([TokenSelection(keep, False)], 2, 4, False)
+        dense_plan([TokenSelection(keep, kept)], 2, 4, False)
     with pytest.raises(ValueError, match="none"):
         dense_plan([], 2, 3, False)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ragged_vit.core.segments import cu_seqlens_from_counts, segment_ids, segment_sum
-from ragged_vit.core.selection import PruneInput
+from ragged_vit.core.selection import DecisionInput
 from ragged_vit.reference.attention import split_qkv
 from ragged_vit.reference.cls_attention import cls_attention
 from ragged_vit.reference.pruners import ATSPruner
@@ -67,6 +67,11 @@ def _qkv(lengths, heads, head_dim, device, gen, dtype=torch.float32):
     return qkv.to(device=device, dtype=dtype), cu.to(device)
 
 
+def _inp(qkv, cu, num_patches, heads, scale, max_seqlen=None):
+    """A stage's :class:`DecisionInput` from a qkv projection (``x`` is any ``[T, C]``: ATS does not read it)."""
+    return DecisionInput(qkv[:, : qkv.shape[1] // 3], cu, 0, num_patches, max_seqlen, qkv, heads, scale)
+
+
 def _reference_scores(qkv, cu, heads, scale):
     q, k, v = split_qkv(qkv.float(), heads)
     return significance(cls_attention(q, k, cu, scale), v.flatten(1), cu)
@@ -110,9 +115,11 @@ def test_select_matches_pruner_interpreter(gen):
     for pruner in (ATSPruner(), ATSPruner(num_samples=20, min_keep=12)):
         q, k, v = split_qkv(qkv, heads)
         x = torch.randn(qkv.shape[0], heads * head_dim, generator=gen)
-        inp = PruneInput(x, cu, 0, 196, cls_attention(q, k, cu, scale), v.flatten(1))
+        inp = DecisionInput(x, cu, 0, 196, cls_attn=cls_attention(q, k, cu, scale), v=v.flatten(1))
         ref = pruner(inp)
-        got = ats.ats_select(pruner, qkv, cu, 196, heads, scale)
+        # The pruner derives the same CLS attention and values from the qkv projection itself.
+        assert torch.equal(pruner(DecisionInput(x, cu, 0, 196, qkv=qkv, num_heads=heads, scale=scale)).keep, ref.keep)
+        got = ats.ats_select(pruner, _inp(qkv, cu, 196, heads, scale))
         assert not got.fixed_count and got.count is None and got.extra_token is None
         assert torch.equal(got.kept.long(), _kept_counts(got.keep, cu))
         # Scores equal to fp32 rounding: the masks agree but for CDF near-ties (none expected at this size).
@@ -129,8 +136,8 @@ def test_tighter_row_bound_changes_the_tile_not_the_result_interpreter(gen):
     heads, head_dim = 2, 16
     qkv, cu = _qkv((99, 60, 2, 1, 90), heads, head_dim, "cpu", gen)
     pruner = ATSPruner(num_samples=98)
-    wide = ats.ats_select(pruner, qkv, cu, 196, heads, head_dim**-0.5)
-    tight = ats.ats_select(pruner, qkv, cu, 196, heads, head_dim**-0.5, max_seqlen=99)
+    wide = ats.ats_select(pruner, _inp(qkv, cu, 196, heads, head_dim**-0.5))
+    tight = ats.ats_select(pruner, _inp(qkv, cu, 196, heads, head_dim**-0.5, max_seqlen=99))
     assert torch.equal(tight.keep, wide.keep) and torch.equal(tight.kept, wide.kept)
     assert ats._sample_shape(99)[0] < ats._sample_shape(197)[0]  # the narrower tile really is narrower
 
@@ -182,9 +189,12 @@ def _bad_calls():
         (lambda: ats.ats_scores(qkv.int(), cu, 2, 0.5, 10), "qkv"),
         (lambda: ats.ats_scores(qkv[:, ::2], cu, 1, 0.5, 10), "qkv"),
         (lambda: ats.ats_scores(qkv, cu, 2, "0.5", 10), "scale"),
-        (lambda: ats.ats_select(ATSPruner, qkv, cu, 9, 2, 0.5), "pruner"),
-        (lambda: ats.ats_select(ATSPruner(), qkv, cu, 0, 2, 0.5), "num_patches"),
-        (lambda: ats.ats_select(ATSPruner(), qkv, cu, 9, 2, 0.5, max_seqlen=0), "max_seqlen"),
+        (lambda: ats.ats_select(ATSPruner, _inp(qkv, cu, 9, 2, 0.5)), "pruner"),
+        (lambda: ats.ats_select(ATSPruner(), _inp(qkv, cu, 0, 2, 0.5)), "num_patches"),
+        (lambda: ats.ats_select(ATSPruner(), _inp(qkv, cu, 9, 2, 0.5, max_seqlen=0)), "max_seqlen"),
+        (lambda: ats.ats_select(ATSPruner(), _inp(qkv, cu, 9, 5, 0.5)), "num_heads"),
+        (lambda: ats.ats_select(ATSPruner(), _inp(qkv, cu, 9, 2, "0.5")), "scale"),
+        (lambda: ats.ats_select(ATSPruner(), DecisionInput(qkv, cu, 0, 9, cls_attn=qkv[:, :2], v=qkv)), "inp.qkv"),
     ]
 
 
@@ -223,10 +233,9 @@ def test_select_agrees_with_pruner_gpu(shape, dtype, gen):
     scores = ats.ats_scores(qkv, cu, heads, scale, n)
     torch.testing.assert_close(scores, _reference_scores(qkv, cu, heads, scale), rtol=2e-5, atol=1e-7)
     pruner = ATSPruner()
-    got = ats.ats_select(pruner, qkv, cu, n - 1, heads, scale)
+    got = ats.ats_select(pruner, _inp(qkv, cu, n - 1, heads, scale))
     assert torch.equal(got.kept.long(), _kept_counts(got.keep, cu))
-    q, k, v = split_qkv(qkv, heads)
-    ref = pruner(PruneInput(qkv[:, : heads * head_dim], cu, 0, n - 1, cls_attention(q, k, cu, scale), v.flatten(1)))
+    ref = pruner(_inp(qkv, cu, n - 1, heads, scale))
     differ = (got.keep != ref.keep).sum().item()
     assert differ <= max(2, qkv.shape[0] // 500), f"{differ} of {qkv.shape[0]} rows decided differently"
 
@@ -235,13 +244,13 @@ def test_select_agrees_with_pruner_gpu(shape, dtype, gen):
 def test_select_is_sync_free_and_capturable_gpu(gen):
     heads, head_dim = 12, 64
     qkv, cu = _qkv((197, 120, 5), heads, head_dim, "cuda", gen, torch.float16)
-    ref = ats.ats_select(ATSPruner(), qkv, cu, 196, heads, 0.125)
+    ref = ats.ats_select(ATSPruner(), _inp(qkv, cu, 196, heads, 0.125))
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            sel = ats.ats_select(ATSPruner(), qkv, cu, 196, heads, 0.125)
+            sel = ats.ats_select(ATSPruner(), _inp(qkv, cu, 196, heads, 0.125))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     sel.keep.fill_(False)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ragged_vit.core.segments import cu_seqlens_from_counts, segment_ids, segment_sum
-from ragged_vit.core.selection import PruneInput
+from ragged_vit.core.selection import DecisionInput
 from ragged_vit.reference.pruners import ThresholdL2Pruner
 from ragged_vit.triton_impl import threshold_l2 as tl2
 
@@ -36,7 +36,7 @@ def _check_against_reference(x, cu, num_patches=196):
     quantiles = [0.0, 1.0] if positive.numel() == 0 else torch.quantile(positive.cpu(), torch.tensor([0.3, 0.6]))
     pruners += [ThresholdL2Pruner("threshold", threshold=float(t), min_keep=m) for t in quantiles for m in (0, 3)]
     for pruner in pruners:
-        inp = PruneInput(x=x, cu_seqlens=cu, stage=0, num_patches=num_patches)
+        inp = DecisionInput(x=x, cu_seqlens=cu, stage=0, num_patches=num_patches)
         ref = pruner(inp)
         got = tl2.threshold_l2_select(pruner, inp)
         assert torch.equal(got.keep, ref.keep), pruner.extra_repr()
@@ -119,8 +119,8 @@ def _bad_calls():
         (lambda: tl2.threshold_l2_keep(s, cu, 10, threshold=1.0, min_keep=-1), "min_keep"),
         (lambda: tl2.threshold_l2_keep(torch.rand(20)[::2], cu, 10, rate=0.5), "scores"),
         (lambda: tl2.threshold_l2_keep(s, cu, 0, rate=0.5), "max_seqlen"),
-        (lambda: tl2.threshold_l2_select(ThresholdL2Pruner("calibrated", rate=0.5), PruneInput(s[:, None], cu, 0, 9)),
-         "calibrate"),
+        (lambda: tl2.threshold_l2_select(ThresholdL2Pruner("calibrated", rate=0.5),
+                                         DecisionInput(s[:, None], cu, 0, 9)), "calibrate"),
     ]  # fmt: skip
 
 

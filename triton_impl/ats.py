@@ -23,7 +23,8 @@ the kernel is compiled without FMA contraction, so when the CDF is exact (dyadic
 sums) the keep masks are equal bit for bit; the tests check that, and the agreement on random scores. The scores
 themselves agree with :func:`ragged_vit.reference.pruners.ats.significance` to fp32 rounding.
 
-:func:`ats_select` is the drop-in for ``ATSPruner(inp)``; ``ragged_vit.pipelines.model.PrunedViT`` uses it on CUDA.
+:func:`ats_select` is the drop-in for ``ATSPruner(inp)``; it is registered as the pruner's fused decision on CUDA
+(:mod:`ragged_vit.core.decisions`), which the pipelines use.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ragged_vit.core.selection import TokenSelection
+from ragged_vit.core.decisions import register_decision
+from ragged_vit.core.selection import DecisionInput, TokenSelection
 from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
 from ragged_vit.reference.pruners.ats import ATSPruner
 from ragged_vit.triton_impl.launcher import CompiledLauncher
@@ -307,37 +309,30 @@ def ats_keep(
     return _sample(none, scores, scores, cu, max_seqlen, num_samples, min_keep, from_logits=False, sample=True)
 
 
-def ats_select(
-    pruner: ATSPruner,
-    qkv: torch.Tensor,
-    cu_seqlens: torch.Tensor,
-    num_patches: int,
-    num_heads: int,
-    scale: float,
-    max_seqlen: int | None = None,
-) -> TokenSelection:
-    """``pruner(inp)`` from the stage block's qkv projection, in two launches: the same :class:`TokenSelection`
-    (up to the CDF rounding described above), plus ``kept``.
+def ats_select(pruner: ATSPruner, inp: DecisionInput) -> TokenSelection:
+    """``pruner(inp)`` from the stage block's qkv projection (``inp.qkv``, contiguous rows), in two launches: the
+    same :class:`TokenSelection` (up to the CDF rounding described above), kept counts included.
 
-    Args:
-        pruner: the :class:`ATSPruner` (its ``num_samples`` and ``min_keep``).
-        qkv: ``[T, 3*H*D]`` qkv projection of the stage's block, contiguous rows.
-        cu_seqlens: int32 ``[B+1]`` offsets of the rows (not read on the GPU).
-        num_patches: patches of the unpruned image (the sample count when ``pruner.num_samples`` is None).
-        num_heads: ``H``.
-        scale: softmax scale of the attention logits.
-        max_seqlen: a bound on every image's rows (rows past it are never kept); None: ``num_patches + 1``. A
-            tighter bound (e.g. after an earlier ATS stage: :meth:`ATSPruner.max_count_after`) narrows the
-            sampling kernel's tile.
+    ``inp.row_bound`` bounds every image's rows (rows past it are never kept); a tighter bound than an unpruned
+    image (e.g. after an earlier ATS stage: :meth:`ATSPruner.max_count_after`) narrows the sampling kernel's tile.
     """
     if not isinstance(pruner, ATSPruner):
         raise TypeError(f"pruner must be an ATSPruner, got {type(pruner).__name__}")
-    heads, head_dim = _check_qkv(qkv, num_heads, scale)
-    check_int(num_patches, "num_patches", 1)
-    samples = num_patches if pruner.num_samples is None else pruner.num_samples
-    bound = num_patches + 1 if max_seqlen is None else max_seqlen
-    cu = _check_sampling(cu_seqlens, qkv.shape[0], qkv.device, bound, samples, pruner.min_keep, None)
-    logits, squares = _logits(qkv, cu, heads, head_dim, scale, bound)
+    inp = pruner.check_input(inp)
+    if inp.qkv is None:
+        raise ValueError("inp.qkv is required: the fused ATS decision scores from the block's qkv projection")
+    _check_qkv(inp.qkv, inp.num_heads, inp.scale)
+    check_max_seqlen(inp.row_bound, "inp.max_seqlen")
+    return _select(pruner, inp)
+
+
+@register_decision(ATSPruner)
+def _select(pruner: ATSPruner, inp: DecisionInput) -> TokenSelection:
+    """:func:`ats_select` on checked input: the fused decision the pipelines look up."""
+    qkv, cu, bound = inp.qkv, inp.cu_seqlens, inp.row_bound
+    head_dim = qkv.shape[1] // (3 * inp.num_heads)
+    samples = inp.num_patches if pruner.num_samples is None else pruner.num_samples
+    logits, squares = _logits(qkv, cu, inp.num_heads, head_dim, inp.scale, bound)
     scores = torch.empty(qkv.shape[0], dtype=torch.float32, device=qkv.device)
     keep, kept = _sample(logits, squares, scores, cu, bound, samples, pruner.min_keep, from_logits=True, sample=True)
-    return TokenSelection(keep, fixed_count=False, kept=kept)
+    return TokenSelection(keep, kept)

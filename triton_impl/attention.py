@@ -280,6 +280,25 @@ def ragged_attention_qkv(
     if qkv.stride(1) != 1 or o.stride(1) != 1:
         name = "qkv" if qkv.stride(1) != 1 else "out"
         raise ValueError(f"{name} must have a contiguous last dimension (stride 1)")
+    return ragged_attention_qkv_unchecked(qkv, cu_seqlens, max_seqlen, num_heads, scale, o, config)
+
+
+def ragged_attention_qkv_unchecked(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    num_heads: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+    config: AttentionConfig | None = None,
+) -> torch.Tensor:
+    """:func:`ragged_attention_qkv` without its checks (``scale`` required), for callers that validated their
+    input once at their own entry: the pipelines' attention backend, called once per block. Wrong arguments here
+    give wrong results, not errors."""
+    total, width = qkv.shape
+    head_dim = width // (3 * num_heads)
+    inner = num_heads * head_dim
+    o = qkv.new_empty((total, inner)) if out is None else out
     config = config or attention_config(qkv.device, head_dim, total / (cu_seqlens.shape[0] - 1))
     row, out_row = qkv.stride(0), o.stride(0)
     strides = (row, head_dim, 1, row, head_dim, 1, row, head_dim, 1, out_row, head_dim, 1)

@@ -23,7 +23,9 @@ try:
 except ImportError:  # triton < 3.4 has no knobs module: always take Triton's own path
     _knobs = None
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+"""Whether this process builds its kernels for Triton's interpreter (CPU tensors): decided when the kernel modules
+are first imported, as Triton itself decides it."""
 # The raw handle of the current stream without building a torch.cuda.Stream object (what Inductor's generated
 # launchers use); the public API is the fallback.
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -73,10 +75,10 @@ class CompiledLauncher:
             gx, gy, gz = (*grid, 1, 1)[:3]
             compiled.run(gx, gy, gz, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
             return
-        if _INTERPRETED:
+        if INTERPRETED:
             options = {}  # the interpreter computes in numpy: no compile options, no FMA contraction
         compiled = self._kernel[grid](*args, num_warps=num_warps, num_stages=num_stages, **options)
-        if key is not None and not _INTERPRETED and hasattr(compiled, "packed_metadata"):
+        if key is not None and not INTERPRETED and hasattr(compiled, "packed_metadata"):
             self._compiled[(device, key)] = compiled  # a compiled handle belongs to one device
 
     def cache_size(self) -> int:

@@ -382,8 +382,30 @@ def repack(
         _check_cls_kept(keep[cu_seqlens[:-1].long()[lens > 0]], "keep")
         if kept is not None:
             _check_kept_values(kept, segment_sum(keep.long(), segment_ids(cu_seqlens, total), batch))
+    return repack_unchecked(
+        tokens, cu_seqlens, keep, max_seqlen, count=count, capacity=capacity, extra_token=extra_token,
+        kept=kept, padding_images=padding_images, padding_len=padding_len, cu_out=cu_out,
+    )  # fmt: skip
+
+
+def repack_unchecked(
+    tokens: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    keep: torch.Tensor,
+    max_seqlen: int,
+    *,
+    count: int | None = None,
+    capacity: int | None = None,
+    extra_token: torch.Tensor | None = None,
+    kept: torch.Tensor | None = None,
+    padding_images: int = 0,
+    padding_len: int | None = None,
+    cu_out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """:func:`repack` without its checks, for callers that built (and so validated) every argument themselves:
+    the pipelines' hot path. Wrong arguments here give wrong results, not errors."""
     return _repack(
-        tokens, keep, cu_seqlens, batch, max_seqlen, extra_token, count, capacity,
+        tokens, keep, cu_seqlens, cu_seqlens.shape[0] - 1, max_seqlen, extra_token, count, capacity,
         kept=kept, padding_images=padding_images, padding_len=padding_len, cu_out=cu_out,
     )  # fmt: skip
 

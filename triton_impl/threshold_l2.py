@@ -13,8 +13,8 @@ function (:func:`ragged_vit.reference.pruners.threshold_l2.l2_scores`), the rati
 computed in float64 from the exact bits of ``rate``, and the threshold is compared in float32, as torch
 compares a float32 tensor with a Python float.
 
-:func:`threshold_l2_select` is the drop-in for ``pruner(inp)``; ``ragged_vit.pipelines.model.PrunedViT`` uses it on
-CUDA.
+:func:`threshold_l2_select` is the drop-in for ``pruner(inp)``; it is registered as the pruner's fused decision on
+CUDA (:mod:`ragged_vit.core.decisions`), which the pipelines use.
 """
 
 from __future__ import annotations
@@ -25,8 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ragged_vit.core.decisions import register_decision
 from ragged_vit.core.segments import uniform_length
-from ragged_vit.core.selection import PruneInput, TokenSelection, check_prune_input
+from ragged_vit.core.selection import DecisionInput, TokenSelection
 from ragged_vit.core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
 from ragged_vit.reference.pruners.threshold_l2 import ThresholdL2Pruner, l2_scores
 from ragged_vit.triton_impl.launcher import CompiledLauncher
@@ -120,8 +121,7 @@ def threshold_l2_keep(
         image keeps (CLS included).
     """
     check_tensor(scores, "scores", ndim=1, dtypes=(torch.float32,))
-    total = scores.shape[0]
-    cu = check_cu_seqlens(cu_seqlens, total=total, device=scores.device, check_values=check_values)
+    check_cu_seqlens(cu_seqlens, total=scores.shape[0], device=scores.device, check_values=check_values)
     if (rate is None) == (threshold is None):
         raise ValueError(f"give exactly one of rate and threshold, got rate={rate!r}, threshold={threshold!r}")
     if rate is not None and not (isinstance(rate, float) and 0.0 < rate <= 1.0):
@@ -132,7 +132,14 @@ def threshold_l2_keep(
     check_max_seqlen(max_seqlen)
     if not scores.is_contiguous():
         raise ValueError(f"scores must be contiguous, got strides {scores.stride()}")
-    batch = cu.shape[0] - 1
+    return _keep(scores, cu_seqlens, max_seqlen, rate, threshold, min_keep)
+
+
+def _keep(
+    scores: torch.Tensor, cu: torch.Tensor, max_seqlen: int, rate: float | None, threshold: float | None, min_keep: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`threshold_l2_keep` on checked arguments."""
+    total, batch = scores.shape[0], cu.shape[0] - 1
     keep = torch.empty(total, dtype=torch.bool, device=scores.device)
     kept = torch.zeros(batch, dtype=torch.int32, device=scores.device)
     ratio = rate is not None
@@ -146,21 +153,24 @@ def threshold_l2_keep(
     return keep, kept
 
 
-def threshold_l2_select(pruner: ThresholdL2Pruner, inp: PruneInput) -> TokenSelection:
-    """``pruner(inp)`` through :func:`threshold_l2_keep`: the same :class:`TokenSelection`, plus ``kept``."""
+def threshold_l2_select(pruner: ThresholdL2Pruner, inp: DecisionInput) -> TokenSelection:
+    """``pruner(inp)`` through :func:`threshold_l2_keep`: the same :class:`TokenSelection`, kept counts included."""
     if not isinstance(pruner, ThresholdL2Pruner):
         raise TypeError(f"pruner must be a ThresholdL2Pruner, got {type(pruner).__name__}")
-    check_prune_input(inp)
-    if pruner.threshold is None and pruner.mode == "calibrated":
-        raise RuntimeError("ThresholdL2Pruner(mode='calibrated') has no threshold yet: call calibrate() first")
+    return _select(pruner, pruner.check_input(inp))
+
+
+@register_decision(ThresholdL2Pruner)
+def _select(pruner: ThresholdL2Pruner, inp: DecisionInput) -> TokenSelection:
+    """:func:`threshold_l2_select` on checked input: the fused decision the pipelines look up."""
     scores = l2_scores(inp.x)
-    bound = inp.num_patches + 1  # an unpruned image: Threshold-L2's single stage sees nothing longer
+    # Rows past the bound are never ranked, so the bound is that of an unpruned image: Threshold-L2's one stage sees
+    # nothing longer, whatever inp.max_seqlen says.
+    bound = inp.num_patches + 1
     if pruner.mode == "ratio":
-        keep, kept = threshold_l2_keep(scores, inp.cu_seqlens, bound, rate=pruner.rate, check_values=False)
+        keep, kept = _keep(scores, inp.cu_seqlens, bound, pruner.rate, None, 0)
         current = uniform_length(inp.cu_seqlens, inp.x.shape[0])
         count = None if current is None else pruner.count_after(inp.stage, current, inp.num_patches)
-        return TokenSelection(keep, fixed_count=count is not None, count=count, kept=kept)
-    keep, kept = threshold_l2_keep(
-        scores, inp.cu_seqlens, bound, threshold=pruner.threshold, min_keep=pruner.min_keep, check_values=False
-    )
-    return TokenSelection(keep, fixed_count=False, kept=kept)
+        return TokenSelection(keep, kept, fixed_count=count is not None, count=count)
+    keep, kept = _keep(scores, inp.cu_seqlens, bound, None, pruner.threshold, pruner.min_keep)
+    return TokenSelection(keep, kept)

@@ -6,43 +6,72 @@ the output projection needs, so backends differ only in how they lay tokens out 
     ``attend(qkv [T, 3*H*D], cu_seqlens int32 [B+1], max_seqlen, num_heads, scale) -> [T, H*D]``
 
 ``qkv`` is in timm's layout (q heads, then k heads, then v heads along the last dimension) and may be a strided
-view; ``max_seqlen`` is a host int that bounds every image's length (the pipeline passes the exact longest);
-the output is in ``qkv``'s dtype. Backends are stateless and hold no weights. Each declares the devices and
-dtypes it runs on; :meth:`AttentionBackend.check` is called once per forward, at the pipeline's entry, and raises
-a ``ValueError`` naming the backend when they do not fit. Inference only: no dropout, no causal mask.
+view; ``max_seqlen`` is a host int that bounds every image's length; the output is in ``qkv``'s dtype. Backends are
+stateless and hold no weights.
+
+Each backend declares what it can do in :attr:`AttentionBackend.capabilities` (:class:`Capabilities`: devices,
+dtypes, head dims, whether a CUDA graph can capture it, whether ``torch.compile`` sees it as one op); the graph
+runner, the CLI, the tests and the benchmarks read them from the registry (:data:`ragged_vit.pipelines.backends
+.BACKENDS`). :meth:`AttentionBackend.check` is called once per forward, at the pipeline's entry, and raises a
+``ValueError`` naming the backend when the model does not fit; ``attend`` itself then trusts its input. Inference
+only: no dropout, no causal mask.
 """
 
 from __future__ import annotations
 
 import abc
+from dataclasses import dataclass
 
 import torch
 
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
-class AttentionBackend(abc.ABC):
-    """Base class of every attention backend; subclasses set the class attributes and implement :meth:`attend`.
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an attention backend can do.
 
     Attributes:
-        name: the registry name (``make_backend(name)``).
-        cuda_only: True when the backend runs only on CUDA tensors.
-        dtypes: the activation dtypes it accepts.
+        devices: device types it runs on (``"cpu"``, ``"cuda"``).
+        dtypes: activation dtypes it accepts.
+        head_dims: the head dims it supports, or None for any.
+        capturable: whether its ``attend`` can be captured in a CUDA graph (no host synchronisation, nothing built
+            on the host per call).
+        not_capturable_because: why not, when ``capturable`` is False.
+        custom_op: whether ``torch.compile`` sees its attention as one opaque op (so compiled blocks fuse around it).
+        key_bias: whether it takes a per-key additive bias (none does yet).
     """
 
-    name: str = "backend"
-    cuda_only: bool = False
-    dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16, torch.float32)
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    dtypes: tuple[torch.dtype, ...] = _FLOATS
+    head_dims: tuple[int, ...] | None = None
+    capturable: bool = True
+    not_capturable_because: str = ""
+    custom_op: bool = False
+    key_bias: bool = False
 
-    def check(self, device: torch.device, dtype: torch.dtype) -> None:
-        """Raises ``ValueError`` if this backend cannot attend ``dtype`` activations on ``device``."""
-        if self.cuda_only and device.type != "cuda":
-            raise ValueError(
-                f"backend {self.name!r} needs a CUDA device, got {device}; "
-                "use backend='reference' (or 'triton' under TRITON_INTERPRET=1) on the CPU"
-            )
-        if dtype not in self.dtypes:
-            allowed = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+
+class AttentionBackend(abc.ABC):
+    """Base class of every attention backend; subclasses set ``name`` and ``capabilities`` and implement
+    :meth:`attend`."""
+
+    name: str = "backend"
+    capabilities: Capabilities = Capabilities()
+
+    def check(self, device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> None:
+        """Raises ``ValueError`` if this backend cannot attend ``dtype`` activations of ``head_dim`` on ``device``."""
+        caps = self.capabilities
+        if device.type not in caps.devices:
+            needs = " or ".join(d.upper() for d in caps.devices)
+            hint = "; use backend='reference' (or 'triton' under TRITON_INTERPRET=1) on the CPU"
+            hint = hint if device.type == "cpu" else ""
+            raise ValueError(f"backend {self.name!r} needs a {needs} device, got {device}{hint}")
+        if dtype not in caps.dtypes:
+            allowed = ", ".join(str(d).removeprefix("torch.") for d in caps.dtypes)
             got = str(dtype).removeprefix("torch.")
             raise ValueError(f"backend {self.name!r} supports dtypes ({allowed}), got {got}")
+        if head_dim is not None and caps.head_dims is not None and head_dim not in caps.head_dims:
+            raise ValueError(f"backend {self.name!r} supports head dims {caps.head_dims}, got {head_dim}")
 
     @abc.abstractmethod
     def attend(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ragged_vit.pipelines.backends.base import AttentionBackend
+from ragged_vit.pipelines.backends.base import AttentionBackend, Capabilities
 from ragged_vit.reference.attention import split_qkv
 
 
@@ -19,8 +19,9 @@ class FA2VarlenBackend(AttentionBackend):
     """FA2 varlen forward on the packed qkv views."""
 
     name = "fa2_varlen"
-    cuda_only = True
-    dtypes = (torch.float16, torch.bfloat16)
+    capabilities = Capabilities(
+        devices=("cuda",), dtypes=(torch.float16, torch.bfloat16), head_dims=tuple(range(8, 257, 8)), custom_op=True
+    )
 
     def attend(
         self, qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ragged_vit.pipelines.backends.base import AttentionBackend
+from ragged_vit.pipelines.backends.base import AttentionBackend, Capabilities
 from ragged_vit.reference.attention import split_qkv
 
 
@@ -21,8 +21,12 @@ class NestedSDPABackend(AttentionBackend):
     """Jagged NestedTensor SDPA, flash forced."""
 
     name = "nested_sdpa"
-    cuda_only = True
-    dtypes = (torch.float16, torch.bfloat16)
+    capabilities = Capabilities(
+        devices=("cuda",),
+        dtypes=(torch.float16, torch.bfloat16),
+        capturable=False,
+        not_capturable_because="building NestedTensors is not capturable in a CUDA graph",
+    )
     sdpa_backends: tuple[SDPBackend, ...] = (SDPBackend.FLASH_ATTENTION,)
 
     def attend(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ragged_vit.pipelines.backends.base import AttentionBackend
+from ragged_vit.pipelines.backends.base import AttentionBackend, Capabilities
 from ragged_vit.reference.attention import ragged_attention, split_qkv
 
 
@@ -17,7 +17,11 @@ class ReferenceBackend(AttentionBackend):
     """fp32 (fp64 for fp64) attention, cast back to the input dtype."""
 
     name = "reference"
-    dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    capabilities = Capabilities(
+        dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
+        capturable=False,
+        not_capturable_because="it reads cu_seqlens on the host for every call (a synchronisation)",
+    )
 
     def attend(
         self, qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float

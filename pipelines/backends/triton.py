@@ -15,28 +15,30 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ragged_vit.pipelines.backends.base import AttentionBackend
-from ragged_vit.triton_impl import attention as _kernels
-
-
-def _is_interpreted(fn: object) -> bool:
-    return type(fn).__name__ == "InterpretedFunction"
+from ragged_vit.pipelines.backends.base import AttentionBackend, Capabilities
+from ragged_vit.triton_impl.attention import (
+    SUPPORTED_HEAD_DIMS,
+    ragged_attention_qkv_op,
+    ragged_attention_qkv_unchecked,
+)
+from ragged_vit.triton_impl.launcher import INTERPRETED
 
 
 class TritonBackend(AttentionBackend):
     """Ragged attention straight from the packed qkv buffer (CUDA, or CPU under the interpreter)."""
 
     name = "triton"
+    capabilities = Capabilities(head_dims=SUPPORTED_HEAD_DIMS, custom_op=True)
 
     @property
     def interpreted(self) -> bool:
-        """Whether the kernel was built for Triton's interpreter (CPU tensors) rather than a GPU."""
-        return _is_interpreted(_kernels._ragged_attention_kernel)
+        """Whether the kernels were built for Triton's interpreter (CPU tensors) rather than a GPU."""
+        return INTERPRETED
 
-    def check(self, device: torch.device, dtype: torch.dtype) -> None:
-        super().check(device, dtype)
+    def check(self, device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> None:
+        super().check(device, dtype, head_dim)
         if device.type == "cpu":
-            if not (self.interpreted and _is_interpreted(tl.cdiv)):
+            if not (self.interpreted and type(tl.cdiv).__name__ == "InterpretedFunction"):
                 raise ValueError(
                     "backend 'triton' on the CPU needs Triton's interpreter: set TRITON_INTERPRET=1 "
                     "before triton (or timm, which imports it) is first imported"
@@ -53,5 +55,5 @@ class TritonBackend(AttentionBackend):
         self, qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float
     ) -> torch.Tensor:
         if torch.compiler.is_compiling():  # one opaque op in a compiled graph (it has a fake implementation)
-            return torch.ops.ragged_vit.ragged_attention_qkv(qkv, cu_seqlens, max_seqlen, num_heads, scale)
-        return _kernels.ragged_attention_qkv(qkv, cu_seqlens, max_seqlen, num_heads, scale)
+            return ragged_attention_qkv_op(qkv, cu_seqlens, max_seqlen, num_heads, scale)
+        return ragged_attention_qkv_unchecked(qkv, cu_seqlens, max_seqlen, num_heads, scale)

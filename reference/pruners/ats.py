@@ -16,11 +16,14 @@ Not supported: the official code's padding-and-masking of the pruned batch (pack
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ragged_vit.core.segments import patch_counts, positions, segment_ids, segment_rank, segment_sum, seqlens, to_padded
-from ragged_vit.core.selection import Placement, PruneInput, Pruner, TokenSelection, check_prune_input
+from ragged_vit.core.selection import DecisionInput, Placement, Pruner, TokenSelection, kept_counts
 from ragged_vit.core.validation import check_blocks, check_int
+from ragged_vit.reference.cls_attention import attention_inputs
 
 
 def inverse_transform_sample(
@@ -123,6 +126,7 @@ class ATSPruner(Pruner):
     blocks = tuple(range(3, 12))
     fixed_count = False
     needs_attention = True
+    needs_values = True
 
     def __init__(
         self, blocks: tuple[int, ...] = tuple(range(3, 12)), num_samples: int | None = None, min_keep: int = 8
@@ -131,6 +135,12 @@ class ATSPruner(Pruner):
         self.blocks = check_blocks(blocks)
         self.num_samples = None if num_samples is None else check_int(num_samples, "num_samples", 1)
         self.min_keep = check_int(min_keep, "min_keep", 0)
+
+    @classmethod
+    def from_keep_rate(cls, keep_rate: float, *, embed_dim: int, num_patches: int) -> ATSPruner:
+        """Inside blocks 3-11, ``ceil(keep_rate * num_patches)`` CDF samples: an upper bound on the patches kept (ATS
+        keeps fewer where its scores are peaked); 1.0 is the method's default, ``num_patches`` samples."""
+        return cls(num_samples=None if keep_rate == 1.0 else max(1, math.ceil(keep_rate * num_patches)))
 
     def extra_repr(self) -> str:
         return f"blocks={self.blocks}, num_samples={self.num_samples}, min_keep={self.min_keep}"
@@ -142,16 +152,19 @@ class ATSPruner(Pruner):
         samples = num_patches if self.num_samples is None else self.num_samples
         return 1 + min(current - 1, max(samples, self.min_keep))
 
-    def forward(self, inp: PruneInput) -> TokenSelection:
-        check_prune_input(inp, attention=True, values=True)
-        cu = inp.cu_seqlens
-        width = inp.num_patches + 1
+    def check_input(self, inp: object) -> DecisionInput:
+        inp = super().check_input(inp)
+        cu, width = inp.cu_seqlens, inp.num_patches + 1
         if cu.device.type == "cpu" and bool((seqlens(cu) > width).any()):
             raise ValueError(
                 f"inp.num_patches ({inp.num_patches}) must count the patches of the unpruned image: "
                 f"an image has more than {width} rows"
             )
-        score = significance(inp.cls_attn, inp.v, cu)
+        return inp
+
+    def decide(self, inp: DecisionInput) -> TokenSelection:
+        cu = inp.cu_seqlens
+        score = significance(*attention_inputs(inp), cu)
         samples = inp.num_patches if self.num_samples is None else self.num_samples
-        keep = sample_keep(score, cu, width, samples, self.min_keep)
-        return TokenSelection(keep, fixed_count=False)
+        keep = sample_keep(score, cu, inp.num_patches + 1, samples, self.min_keep)
+        return TokenSelection(keep, kept_counts(keep, cu))

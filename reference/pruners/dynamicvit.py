@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ragged_vit.core.segments import positions, segment_ids, segment_rank, segment_sum, uniform_length
-from ragged_vit.core.selection import Placement, PruneInput, Pruner, TokenSelection, check_prune_input
+from ragged_vit.core.selection import DecisionInput, Placement, Pruner, TokenSelection, kept_counts
 from ragged_vit.core.validation import check_blocks, check_int, check_rate
 
 
@@ -78,6 +78,11 @@ class DynamicViTPruner(Pruner):
         self.blocks = check_blocks(blocks)
         self.score_predictor = nn.ModuleList(PredictorLG(embed_dim) for _ in self.blocks)
 
+    @classmethod
+    def from_keep_rate(cls, keep_rate: float, *, embed_dim: int, num_patches: int) -> DynamicViTPruner:
+        """Before blocks 3, 6, 9, ``int(num_patches * keep_rate ** s)`` patches at stage ``s`` (0.7 -> 137/96/67)."""
+        return cls(embed_dim, rate=keep_rate)
+
     def extra_repr(self) -> str:
         return f"rate={self.rate}, blocks={self.blocks}"
 
@@ -88,12 +93,15 @@ class DynamicViTPruner(Pruner):
     def count_after(self, stage: int, current: int, num_patches: int) -> int | None:
         return 1 + min(self.keep_patches(stage, num_patches), current - 1)
 
-    def forward(self, inp: PruneInput) -> TokenSelection:
-        check_prune_input(inp)
+    def check_input(self, inp: object) -> DecisionInput:
+        inp = super().check_input(inp)
         if inp.stage >= len(self.blocks):
             raise ValueError(
                 f"inp.stage must be < {len(self.blocks)} (one predictor per block in {self.blocks}), got {inp.stage}"
             )
+        return inp
+
+    def decide(self, inp: DecisionInput) -> TokenSelection:
         x, cu = inp.x, inp.cu_seqlens
         total = x.shape[0]
         is_cls = positions(cu, total) == 0
@@ -101,4 +109,4 @@ class DynamicViTPruner(Pruner):
         keep = is_cls | (segment_rank(score, cu) < self.keep_patches(inp.stage, inp.num_patches))
         current = uniform_length(cu, total)
         count = None if current is None else self.count_after(inp.stage, current, inp.num_patches)
-        return TokenSelection(keep, fixed_count=count is not None, count=count)
+        return TokenSelection(keep, kept_counts(keep, cu), fixed_count=count is not None, count=count)

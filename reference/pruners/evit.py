@@ -26,8 +26,9 @@ from ragged_vit.core.segments import (
     segment_sum,
     uniform_length,
 )
-from ragged_vit.core.selection import Placement, PruneInput, Pruner, TokenSelection, check_prune_input
+from ragged_vit.core.selection import DecisionInput, Placement, Pruner, TokenSelection, kept_counts
 from ragged_vit.core.validation import check_blocks, check_rate
+from ragged_vit.reference.cls_attention import attention_inputs
 
 
 class EViTPruner(Pruner):
@@ -53,6 +54,14 @@ class EViTPruner(Pruner):
             raise TypeError(f"fuse_token must be a bool, got {type(fuse_token).__name__}")
         self.fuse_token = fuse_token
 
+    @classmethod
+    def from_keep_rate(
+        cls, keep_rate: float, *, embed_dim: int, num_patches: int, fuse_token: bool = False
+    ) -> EViTPruner:
+        """Inside blocks 3, 6, 9, ``ceil(keep_rate * current)`` patches at each stage; ``fuse_token`` adds EViT's
+        fused token."""
+        return cls(rate=keep_rate, fuse_token=fuse_token)
+
     def extra_repr(self) -> str:
         return f"rate={self.rate}, blocks={self.blocks}, fuse_token={self.fuse_token}"
 
@@ -71,15 +80,14 @@ class EViTPruner(Pruner):
     def count_after(self, stage: int, current: int, num_patches: int) -> int | None:
         return 1 + math.ceil(self.rate * (current - 1)) + int(self.fuses(current))
 
-    def forward(self, inp: PruneInput) -> TokenSelection:
-        check_prune_input(inp, attention=True)
+    def decide(self, inp: DecisionInput) -> TokenSelection:
         x, cu = inp.x, inp.cu_seqlens
         total = x.shape[0]
         batch = cu.numel() - 1
         seg = segment_ids(cu, total)
         is_cls = positions(cu, total) == 0
         acc = torch.promote_types(x.dtype, torch.float32)  # fp32 math, fp64 stays fp64
-        score = inp.cls_attn.to(acc).mean(dim=-1)  # [T]
+        score = attention_inputs(inp)[0].to(acc).mean(dim=-1)  # [T]
         keep = is_cls | (segment_rank(score, cu) < ceil_rate(self.rate, patch_counts(cu))[seg])
         current = uniform_length(cu, total)
         extra = None
@@ -87,4 +95,4 @@ class EViTPruner(Pruner):
             weight = score.masked_fill(keep, 0.0)[:, None]  # raw weights of the dropped patches only
             extra = segment_sum(weight * x.to(acc), seg, batch).to(x.dtype)  # [B, C]
         count = None if current is None else self.count_after(inp.stage, current, inp.num_patches)
-        return TokenSelection(keep, fixed_count=count is not None, count=count, extra_token=extra)
+        return TokenSelection(keep, kept_counts(keep, cu), count is not None, count, extra)

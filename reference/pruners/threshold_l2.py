@@ -16,7 +16,14 @@ import math
 import torch
 
 from ragged_vit.core.segments import ceil_rate, patch_counts, positions, segment_ids, segment_rank, uniform_length
-from ragged_vit.core.selection import Placement, PruneInput, Pruner, TokenSelection, check_prune_input
+from ragged_vit.core.selection import (
+    DecisionInput,
+    Placement,
+    Pruner,
+    TokenSelection,
+    check_decision_input,
+    kept_counts,
+)
 from ragged_vit.core.validation import FLOAT_DTYPES, check_int, check_rate, check_tensor
 
 _SCORE_DTYPES = (*FLOAT_DTYPES, torch.float64)
@@ -85,6 +92,23 @@ class ThresholdL2Pruner(Pruner):
         self.blocks = (check_int(block, "block", 0),)
         self.fixed_count = mode == "ratio"
 
+    @classmethod
+    def from_keep_rate(
+        cls,
+        keep_rate: float,
+        *,
+        embed_dim: int,
+        num_patches: int,
+        threshold_mode: str = "ratio",
+        threshold: float | None = None,
+    ) -> ThresholdL2Pruner:
+        """One stage after block 3. ``ratio`` keeps the top ``ceil(keep_rate * patches)``; ``calibrated`` keeps
+        ``keep_rate`` on average once :meth:`calibrate` set the threshold; ``threshold`` keeps ``||x|| >= threshold``
+        (``keep_rate`` unused)."""
+        if threshold_mode == "threshold":
+            return cls(mode="threshold", threshold=threshold)
+        return cls(mode=threshold_mode, threshold=threshold, rate=keep_rate)
+
     def extra_repr(self) -> str:
         return f"mode={self.mode!r}, threshold={self.threshold}, rate={self.rate}, min_keep={self.min_keep}"
 
@@ -94,19 +118,19 @@ class ThresholdL2Pruner(Pruner):
         return 1 + math.ceil(self.rate * (current - 1))
 
     @torch.no_grad()
-    def calibrate(self, x: torch.Tensor | PruneInput) -> float:
+    def calibrate(self, x: torch.Tensor | DecisionInput) -> float:
         """Sets ``threshold`` to the ``(1 - rate)`` quantile of the patch scores of a calibration batch.
 
         Args:
-            x: a dense batch ``[B, N, C]`` (CLS at index 0) or a packed :class:`PruneInput`.
+            x: a dense batch ``[B, N, C]`` (CLS at index 0) or a packed :class:`DecisionInput`.
 
         Returns:
             The threshold, also stored in ``self.threshold``.
         """
         if self.mode != "calibrated":
             raise ValueError(f"calibrate() needs mode='calibrated', this pruner has mode={self.mode!r}")
-        if isinstance(x, PruneInput):
-            check_prune_input(x)
+        if isinstance(x, DecisionInput):
+            check_decision_input(x)
             is_patch = positions(x.cu_seqlens, x.x.shape[0]) > 0
             scores = l2_scores(x.x[is_patch])
         else:
@@ -117,10 +141,11 @@ class ThresholdL2Pruner(Pruner):
         self.threshold = float(torch.quantile(scores, 1.0 - self.rate))
         return self.threshold
 
-    def forward(self, inp: PruneInput) -> TokenSelection:
-        check_prune_input(inp)
+    def check_ready(self) -> None:
         if self.threshold is None and self.mode == "calibrated":
             raise RuntimeError("ThresholdL2Pruner(mode='calibrated') has no threshold yet: call calibrate() first")
+
+    def decide(self, inp: DecisionInput) -> TokenSelection:
         x, cu = inp.x, inp.cu_seqlens
         total = x.shape[0]
         seg = segment_ids(cu, total)
@@ -131,7 +156,7 @@ class ThresholdL2Pruner(Pruner):
             keep = is_cls | (rank < ceil_rate(self.rate, patch_counts(cu))[seg])
             current = uniform_length(cu, total)
             count = None if current is None else self.count_after(inp.stage, current, inp.num_patches)
-            return TokenSelection(keep, fixed_count=count is not None, count=count)
+            return TokenSelection(keep, kept_counts(keep, cu), fixed_count=count is not None, count=count)
         # The floor adds the best-scoring patches, a superset of those passing the threshold.
         keep = is_cls | (score >= self.threshold) | (rank < self.min_keep)
-        return TokenSelection(keep, fixed_count=False)
+        return TokenSelection(keep, kept_counts(keep, cu))
