@@ -76,8 +76,3 @@ def attention_config(device: torch.device, head_dim: int, mean_seqlen: float = _
 def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
-
-def override(capability: tuple[int, int], head_dim: int, config: AttentionConfig) -> None:
-    """Replaces one table entry by a single config for every length (for experiments; not needed normally)."""
-    _TABLE.setdefault(capability, {})[head_dim] = ((_OPEN, config),)
-    _bands.cache_clear()
