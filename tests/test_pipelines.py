@@ -21,7 +21,7 @@ from timm.models.vision_transformer import ResPostBlock, VisionTransformer
 
 from ragged_vit import PrunedViT, build_pipeline
 from ragged_vit.core.selection import TokenSelection
-from ragged_vit.pipelines.factory import build_pruner
+from ragged_vit.pipelines.factory import build_pruner, pruner_options
 from ragged_vit.reference.pruners import make_pruner
 from tests.helpers import PRUNER_CASES as CASES
 
@@ -285,6 +285,21 @@ def test_calibrated_threshold_keeps_about_the_rate(gen):
     counts = pv.run(x).counts
     assert abs(counts.float().mean().item() - 98) <= 2  # the (1 - rate) quantile over these very images
     assert build_pruner("none", pv.model, 0.5) is None
+
+
+def test_pruner_options_come_from_each_pruner():
+    """Each pruner maps the keep rate and its own options (``from_keep_rate``); another pruner's option is an error
+    naming it, never silently ignored."""
+    assert pruner_options("threshold_l2") == ("threshold_mode", "threshold")
+    assert pruner_options("evit") == ("fuse_token",)
+    assert pruner_options("ats") == pruner_options("dynamicvit") == pruner_options("none") == ()
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=12, num_heads=2)
+    assert build_pruner("evit", model, 0.7, fuse_token=True).fuse_token
+    assert build_pruner("ats", model, 0.5).num_samples == 8  # ceil(0.5 * 16) CDF samples
+    with pytest.raises(ValueError, match=r"pruner 'threshold_l2' takes no option 'fuse_token' \(its options: "):
+        build_pruner("threshold_l2", model, 0.5, fuse_token=True)
+    with pytest.raises(ValueError, match="pruner 'none' takes no option 'threshold'"):
+        build_pruner("none", model, 0.5, threshold=1.0)
 
 
 @pytest.mark.parametrize("case", ["dynamicvit", "evit", "evit_fused", "ats"])

@@ -14,6 +14,7 @@ import torch
 
 from ragged_vit.core.segments import cu_seqlens_from_counts
 from ragged_vit.pipelines.backends import BACKENDS, AttentionBackend, make_backend
+from ragged_vit.pipelines.backends.base import Capabilities
 
 LENGTHS = [1, 63, 65, 97, 197]
 
@@ -85,7 +86,26 @@ def test_triton_matches_reference(dtype, gen):
         assert (got.float() - ref).abs().max() <= 2 * floor + torch.finfo(dtype).eps * ref.abs().max()
 
 
-@pytest.mark.parametrize("name", ["fa2_varlen", "nested_sdpa"])
+def test_every_backend_declares_its_capabilities():
+    """What the graph runner, the CLI, the tests and the benchmarks read instead of lists of names."""
+    caps = {name: cls.capabilities for name, cls in BACKENDS.items()}
+    for name, cap in caps.items():
+        assert isinstance(cap, Capabilities) and cap.devices and cap.dtypes, name
+        assert cap.capturable or cap.not_capturable_because, f"{name}: say why it cannot be captured"
+        assert not cap.key_bias, f"{name}: no backend takes a key bias yet"
+    assert {n for n, c in caps.items() if not c.capturable} == {"reference", "nested_sdpa"}
+    assert {n for n, c in caps.items() if c.custom_op} == {"triton", "fa2_varlen"}
+    assert {n for n, c in caps.items() if c.devices == ("cuda",)} == {"fa2_varlen", "nested_sdpa"}
+
+
+@pytest.mark.parametrize("name,head_dim", [("triton", 80), ("triton", 256), ("fa2_varlen", 264)])
+def test_head_dim_checks_name_the_backend(name, head_dim):
+    device = torch.device("cuda" if name == "fa2_varlen" else "cpu")
+    with pytest.raises(ValueError, match=rf"backend '{name}' supports head dims .*got {head_dim}"):
+        make_backend(name).check(device, torch.float16, head_dim)
+
+
+@pytest.mark.parametrize("name", [n for n, cls in BACKENDS.items() if cls.capabilities.devices == ("cuda",)])
 def test_cuda_only_backends_refuse_the_cpu(name):
     with pytest.raises(ValueError, match=f"backend '{name}' needs a CUDA device, got cpu"):
         make_backend(name).check(torch.device("cpu"), torch.float16)

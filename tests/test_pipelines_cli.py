@@ -98,6 +98,10 @@ def test_cli_with_files_folder_and_checkpoint(tmp_path, capsys):
         (["--pruner", "tome"], "argument --pruner: invalid choice"),
         (["--batch-repeats", "0"], "argument --batch-repeats: must be a positive integer"),
         (["--warmup", "-1"], "argument --warmup: must be a non-negative integer"),
+        (["--pruner", "threshold_l2", "--fuse-token"], "argument --fuse-token: not an option of --pruner threshold_l2"),
+        (["--pruner", "evit", "--threshold-mode", "ratio"], "--threshold-mode: not an option of --pruner evit"),
+        (["--pruner", "ats", "--threshold", "3"], "argument --threshold: not an option of --pruner ats"),
+        (["--device", "cuda:x"], "argument --device:"),
     ],
 )
 def test_cli_rejects_bad_arguments(argv, match, capsys):
