@@ -46,6 +46,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from benchmarks.timing import REPO_ROOT, Spread, environment, gc_off, schedule, summarize
 from ragged_vit.core.selection import TokenSelection
@@ -520,33 +521,8 @@ def write_json(path: Path, payload: dict) -> None:
     tmp.replace(path)
 
 
-class _NoBar:
-    """Stands in for tqdm where it is not installed."""
-
-    def __init__(self, total: int = 0, **_: object) -> None:
-        self.total = total
-        self.n = 0
-
-    def __enter__(self) -> _NoBar:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        pass
-
-    def update(self, n: int = 1) -> None:
-        self.n += n
-        print(f"[{self.n}/{self.total}]", file=sys.stderr, end="\r", flush=True)
-
-    def set_postfix_str(self, s: str) -> None:
-        pass
-
-
-def progress(total: int, desc: str):
-    """A tqdm bar on stderr (a plain counter without tqdm)."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar(total=total)
+def progress(total: int, desc: str) -> tqdm:
+    """A tqdm bar on stderr."""
     return tqdm(total=total, desc=desc, unit="row", file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
 
 
