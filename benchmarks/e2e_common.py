@@ -37,10 +37,8 @@ import functools
 import json
 import math
 import os
-import re
 import sys
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,7 +46,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from benchmarks.timing import REPO_ROOT, Spread, environment, gc_off, schedule, summarize
+from benchmarks.timing import REPO_ROOT, Spread, environment
 from ragged_vit.core.selection import TokenSelection
 from ragged_vit.pipelines.backends import AttentionBackend, PaddedSDPABackend, make_backend
 from ragged_vit.pipelines.factory import build_pruner
@@ -171,11 +169,6 @@ def backend_for(row: str, num_tokens: int) -> AttentionBackend:
 # --------------------------------------------------------------------------------------------------- devices
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class no_tf32(contextlib.ContextDecorator):
     """fp32 on the GPU must mean fp32: cuDNN convolutions (the patch embedding) and matmuls default to TF32."""
 
@@ -187,86 +180,13 @@ class no_tf32(contextlib.ContextDecorator):
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = self.saved
 
 
-def gpu_slug(name: str | None = None) -> str:
-    """A directory name for a card (``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"``), ``"cpu"`` without."""
-    if name is None:
-        name = torch.cuda.get_device_name(torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-    return slug or "unknown"
-
-
 def run_environment() -> dict[str, object]:
-    """:func:`benchmarks.timing.environment` plus timm, Python, the weights in use and the date."""
+    """:func:`benchmarks.timing.environment` plus timm and the weights in use."""
     import timm
 
-    info = environment()
-    info.update(
-        timm=timm.__version__,
-        python=sys.version.split()[0],
-        gpu_slug=gpu_slug(info["card"]) if info["card"] else "cpu",
-        weights=f"checkpoint {os.environ[CHECKPOINT_ENV]} (DeiT-B-224 only)"
-        if os.environ.get(CHECKPOINT_ENV)
-        else "random (seeded)",
-        date=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    )
-    return info
-
-
-# --------------------------------------------------------------------------------------------------- timing
-
-
-@dataclass(frozen=True)
-class ForwardTimes:
-    """Per-forward clocks of one row: host wall time with a synchronize around every forward, and the CUDA-event
-    time of the same forwards (None on a CPU), in microseconds."""
-
-    wall: Spread
-    events: Spread | None
-    iters: int
-
-
-def forward_times(
-    calls: Sequence[Call],
-    device: torch.device,
-    *,
-    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-    warmup: int = 3,
-    target_s: float = 0.3,
-    min_iters: int = 10,
-    max_iters: int = 60,
-) -> ForwardTimes:
-    """Warms up, then times ``iters`` forwards one at a time, rotating through ``calls`` (one per input batch).
-
-    Each forward: synchronize, host clock, start event, forward, end event, synchronize, host clock. The number of
-    forwards fills about ``target_s`` (clamped to ``[min_iters, max_iters]``), sized from the warm-up.
-    """
-    cuda = device.type == "cuda"
-    with context(), gc_off():
-        warm = schedule(calls, max(warmup, len(calls)))
-        sync(device)
-        t0 = time.perf_counter()
-        for call in warm:
-            call()
-        sync(device)
-        per_call = (time.perf_counter() - t0) / len(warm)
-        iters = max(min_iters, min(max_iters, round(target_s / max(per_call, 1e-6))))
-        walls: list[float] = []
-        pairs = []
-        for call in schedule(calls, iters):
-            start = torch.cuda.Event(enable_timing=True) if cuda else None
-            end = torch.cuda.Event(enable_timing=True) if cuda else None
-            sync(device)
-            t0 = time.perf_counter()
-            if start is not None:
-                start.record()
-            call()
-            if end is not None:
-                end.record()
-            sync(device)
-            walls.append((time.perf_counter() - t0) * 1e6)
-            pairs.append((start, end))
-    events = summarize([s.elapsed_time(e) * 1e3 for s, e in pairs]) if cuda else None
-    return ForwardTimes(summarize(walls), events, iters)
+    checkpoint = os.environ.get(CHECKPOINT_ENV)
+    weights = f"checkpoint {checkpoint} (DeiT-B-224 only)" if checkpoint else "random (seeded)"
+    return {**environment(), "timm": timm.__version__, "weights": weights}
 
 
 # --------------------------------------------------------------------------------------------------- inputs

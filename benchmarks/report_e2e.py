@@ -71,19 +71,15 @@ from benchmarks.e2e_common import (
     check_logits,
     error_bound,
     forward_calls,
-    forward_times,
-    gpu_slug,
     logits_of,
     progress,
     run_environment,
-    sync,
     torch_threads,
     workload_kind,
     write_json,
 )
-from benchmarks.e2e_stages import stage_breakdown
 from benchmarks.public_peer import PublicPrunedViT, dense_plan
-from benchmarks.timing import describe, graph_time
+from benchmarks.timing import describe, forward_times, gpu_slug, graph_time, once, stage_breakdown
 from benchmarks.workloads import make_workload
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.model import PrunedViT
@@ -285,11 +281,7 @@ class Runner:
                 stages = stage_breakdown(prep.calls, self.lab.device, iters=self.s.stage_iters)
                 entry["stages_us"] = {k: v.to_dict() for k, v in stages.items()}
             if task.row == "nested_sdpa" and task.batch > NESTED_MAX_BATCH:
-                sync(self.lab.device)
-                t0 = time.perf_counter()
-                prep.calls[0]()
-                sync(self.lab.device)
-                single = time.perf_counter() - t0
+                single = once(prep.calls[0], self.lab.device)
                 entry.update(
                     status="skipped",
                     single_forward_ms=single * 1e3,
@@ -355,14 +347,8 @@ class Runner:
         skips_before = _cudagraph_skips()
         try:
             compiled = torch.compile(module, mode="reduce-overhead", dynamic=False)
-            firsts = []
-            for args in inputs:  # compile; record the CUDA graph; first replays
-                sync(device)
-                t0 = time.perf_counter()
-                with torch.no_grad():
-                    compiled(*args)
-                sync(device)
-                firsts.append(round(time.perf_counter() - t0, 3))
+            with torch.no_grad():  # compile; record the CUDA graph; first replays
+                firsts = [round(once(functools.partial(compiled, *args), device), 3) for args in inputs]
             entry.update(compile_s=firsts[0], first_calls_s=firsts)
             entry["cudagraph_skips"] = _cudagraph_skips() - skips_before  # > 0: it ran without CUDA graphs
             built = f"{task.row} {task.model} B={task.batch}: {firsts[0]:.1f} s"
@@ -470,17 +456,14 @@ class Runner:
         pv.compile_blocks = compiled
         # The graphed runner makes its own decisions: compare with the eager pipeline's own decisions.
         own = self._forward(pv.run, ref.images[0])
-        sync(self.lab.device)
-        t0 = time.perf_counter()
         runner = GraphedPrunedViT(pv)
-        forward, note = runner.run, "GraphedPrunedViT(pipeline).run(images)"
-        try:
-            out = self._forward(forward, ref.images[0])
+        forward, note, outs = runner.run, "GraphedPrunedViT(pipeline).run(images)", []
+        try:  # the first forward captures the graphs
+            capture_s = once(lambda: outs.append(self._forward(forward, ref.images[0])), self.lab.device)
         except Exception as exc:
             raise Unavailable(f"graphed forward raised {describe(exc)} ({note})") from exc
-        sync(self.lab.device)
-        entry.update(capture_s=round(time.perf_counter() - t0, 3), graphed_api=note)
-        check = check_logits(out, own, bound)
+        entry.update(capture_s=round(capture_s, 3), graphed_api=note)
+        check = check_logits(outs[0], own, bound)
         entry["check"] = {**check.to_dict(), "vs": "eager pipeline, same backend, own decisions"}
         if not check.ok:
             entry.update(status="failed", reason=check.reason)
@@ -550,7 +533,7 @@ class Runner:
             "graph_us": None,
         }
         if prep.capturable and device.type == "cuda":
-            graph = graph_time(prep.calls, prep.context, calls_per_graph=s.graph_calls, replays=s.graph_replays)
+            graph = graph_time(prep.calls, s.graph_calls, s.graph_replays, prep.context)
             entry["graph_us"] = graph.spread.to_dict() if graph.spread else None
             if graph.reason:
                 entry["graph_reason"] = graph.reason

@@ -78,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from pytest_benchmark.utils import get_machine_id
 
-    from benchmarks.e2e_common import gpu_slug
-    from benchmarks.timing import git_commit
+    from benchmarks.timing import git_commit, gpu_slug
 
     slug = gpu_slug()
     storage = storage_dir(slug, args.quick, args.storage_root)

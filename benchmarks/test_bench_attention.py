@@ -85,8 +85,8 @@ def test_attention(benchmark, bench_env: dict, cells: _Cells, batch: int, pruned
     with peer.context(), gc_off():
         benchmark.pedantic(SyncEvery(peer.calls, n), iterations=n, rounds=ROUNDS, warmup_rounds=1)
     torch.cuda.synchronize()
-    events = event_time(peer.calls, peer.context, EVENT_ITERS)
-    graph = graph_time(peer.calls, peer.context, replays=REPLAYS)
+    events = event_time(peer.calls, EVENT_ITERS, peer.context)
+    graph = graph_time(peer.calls, replays=REPLAYS, context=peer.context)
 
     roofline_us = attention_bytes(wl.total) / (bench_env["copy_bandwidth_gbps"] * 1e9) * 1e6
     benchmark.extra_info.update(

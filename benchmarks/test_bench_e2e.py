@@ -25,9 +25,9 @@ import pytest
 import timm
 import torch
 
-from benchmarks.e2e_common import DEIT_B, Lab, Unavailable, forward_times, sync
+from benchmarks.e2e_common import DEIT_B, Lab, Unavailable
 from benchmarks.report_e2e import Runner, Settings, Task
-from benchmarks.timing import gc_off
+from benchmarks.timing import SyncEvery, forward_times, gc_off, warmup
 
 QUICK = os.environ.get("RAGGED_BENCH_QUICK", "") not in ("", "0")
 BATCHES = (1, 64) if QUICK else (1, 4, 64)
@@ -52,21 +52,6 @@ CASES = [
 ]
 
 
-class PerForward:
-    """One forward per call, rotating through the input batches, then a synchronize: the ``wall`` clock of
-    ``report_e2e`` as a pytest-benchmark target."""
-
-    def __init__(self, calls: list, device: torch.device) -> None:
-        self._calls = calls
-        self._device = device
-        self._i = 0
-
-    def __call__(self) -> None:
-        self._calls[self._i % len(self._calls)]()
-        self._i += 1
-        sync(self._device)
-
-
 @pytest.fixture(scope="session")
 def runner() -> Runner:
     return Runner(Lab(torch.device("cuda"), torch.float16), Settings.make(quick=True))
@@ -84,12 +69,10 @@ def test_e2e(benchmark, bench_env: dict, runner: Runner, batch: int, workload: s
         if prep.calls is None:
             pytest.fail(f"{task.key} is not timed: {prep.entry.get('reason')}")
         device = runner.lab.device
-        with prep.context():
-            for call in prep.calls:  # warm-up (prepare already ran each pipeline once)
-                call()
-        sync(device)
+        warmup(prep.calls, prep.context)  # prepare already ran each pipeline once
+        # One forward, then a synchronize, per round: the wall clock of report_e2e as a pytest-benchmark target.
         with prep.context(), gc_off():
-            benchmark.pedantic(PerForward(prep.calls, device), rounds=ROUNDS, iterations=1, warmup_rounds=2)
+            benchmark.pedantic(SyncEvery(prep.calls, 1), rounds=ROUNDS, iterations=1, warmup_rounds=2)
         events = forward_times(prep.calls, device, context=prep.context, warmup=1, min_iters=ROUNDS, max_iters=ROUNDS)
         info = runner.describe_task(task)
         benchmark.extra_info.update(

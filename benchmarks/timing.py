@@ -1,19 +1,18 @@
-"""Timing helpers shared by every benchmark: three clocks, one summary format, the card's facts.
+"""Every clock of the benchmarks and of the ci/ tools, and the facts of the card a result was measured on.
 
-A benchmark times a *peer*: a list of zero-argument callables, one per input copy (they are cycled so that the
-inputs do not stay in L2), plus a context-manager factory entered once around all of its calls (an SDPA backend
-choice, say: a pipeline sets it once per forward, not once per call). Three clocks, all reported in microseconds
-per call as medians with their spread:
+The method -- warm-up, rotated input copies, one torch thread, the garbage collector off inside timed loops,
+medians with quartiles -- is docs/measuring.md's. A clock times a *peer*: a list of zero-argument callables, one
+per input copy (cycled so that the inputs do not stay in L2), plus a context-manager factory entered once around
+all of its calls (an SDPA backend choice, say). Times are in microseconds per call:
 
-* ``wall``   -- host wall time of back-to-back calls: synchronize, N calls, synchronize, divided by N; median over
-  rounds. What a Python pipeline pays per call: dispatch when the host is the bottleneck, device time when not.
-* ``events`` -- CUDA events recorded around each call issued to an idle device (synchronize before each start
-  event), median over calls: the paper's method. Dispatch latency up to the first kernel plus the device time.
-* ``graph``  -- device time alone: K calls captured in one CUDA graph, each replay timed with events, divided by
-  K. A peer that cannot be captured reports ``None`` and the reason.
+* :func:`wall_time`  -- synchronize, N back-to-back calls, synchronize, divided by N; median over rounds.
+* :func:`event_time` -- CUDA events around each call issued to an idle device: the paper's method.
+* :func:`graph_time` -- device time alone: K calls captured in one CUDA graph, each replay timed with events.
+* :func:`span_time`  -- CUDA events around N back-to-back calls: device time plus the gaps between launches.
+* :func:`forward_times` -- ``report_e2e``'s per-forward clock: host clock and CUDA events around each forward.
+* :func:`stage_breakdown` -- the paper's Table IV: the regions of one pruned forward, marked by CUDA events.
 
-Keep the host quiet while timing: one CPU thread for torch (``torch.set_num_threads(1)``), the garbage collector
-off inside the timed loops. Nothing here asserts a time.
+Nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -21,8 +20,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import re
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -31,7 +32,9 @@ from pathlib import Path
 import torch
 import triton
 
-Call = Callable[[], object]
+from ragged_vit.pipelines.plan import Step, StepKind
+
+Call = Callable[..., object]
 ContextFactory = Callable[[], contextlib.AbstractContextManager]
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -73,17 +76,42 @@ def gc_off() -> Iterator[None]:
             gc.enable()
 
 
+def sync(device: torch.device) -> None:
+    """Waits for ``device`` (nothing to wait for on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def describe(exc: BaseException) -> str:
+    """``Type: first line of the message``, at most 300 characters: an exception as a reported reason."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+# --------------------------------------------------------------------------------------------------- clocks
+
+
 def schedule(calls: Sequence[Call], n: int) -> list[Call]:
     """``n`` calls cycling through the input copies, precomputed so the timed loop only calls."""
     return [calls[i % len(calls)] for i in range(n)]
 
 
-def warmup(calls: Sequence[Call], context: ContextFactory, n: int | None = None) -> None:
-    """Runs every input copy at least once (JIT compilation, handles, allocator pools), then synchronizes."""
+def warmup(calls: Sequence[Call], context: ContextFactory = contextlib.nullcontext, n: int = 0) -> None:
+    """Runs every input copy at least once, ``n`` calls at least (JIT compilation, handles, allocator pools), then
+    synchronizes."""
     with context():
-        for call in schedule(calls, max(n or 0, len(calls))):
+        for call in schedule(calls, max(n, len(calls))):
             call()
     torch.cuda.synchronize()
+
+
+def once(call: Call, device: torch.device) -> float:
+    """Seconds of one call from an idle device to an idle device (a first call: compilation, capture)."""
+    sync(device)
+    t0 = time.perf_counter()
+    call()
+    sync(device)
+    return time.perf_counter() - t0
 
 
 def _wall_once(plan: Sequence[Call]) -> float:
@@ -95,27 +123,24 @@ def _wall_once(plan: Sequence[Call]) -> float:
     return time.perf_counter() - t0
 
 
-def calls_per_round(
-    calls: Sequence[Call], context: ContextFactory, target_s: float = 0.02, lo: int = 20, hi: int = 2000
-) -> int:
-    """How many back-to-back calls fill about ``target_s`` of wall time (clamped to ``[lo, hi]``)."""
+def calls_per_round(calls: Sequence[Call], context: ContextFactory = contextlib.nullcontext) -> int:
+    """How many back-to-back calls fill about 20 ms of wall time (20 to 2000)."""
     probe = schedule(calls, 10)
     with context(), gc_off():
         per_call = _wall_once(probe) / len(probe)
-    return max(lo, min(hi, round(target_s / max(per_call, 1e-7))))
+    return max(20, min(2000, round(0.02 / max(per_call, 1e-7))))
 
 
-def wall_time(calls: Sequence[Call], context: ContextFactory, n: int, rounds: int = 7) -> Spread:
+def wall_time(
+    calls: Sequence[Call], n: int, rounds: int = 7, context: ContextFactory = contextlib.nullcontext
+) -> Spread:
     """Host wall time per call of ``n`` back-to-back calls and one synchronize; median over ``rounds``."""
     plan = schedule(calls, n)
-    samples = []
     with context(), gc_off():
-        for _ in range(rounds):
-            samples.append(_wall_once(plan) / n * 1e6)
-    return summarize(samples)
+        return summarize([_wall_once(plan) / n * 1e6 for _ in range(rounds)])
 
 
-def event_time(calls: Sequence[Call], context: ContextFactory, iters: int = 100) -> Spread:
+def event_time(calls: Sequence[Call], iters: int = 100, context: ContextFactory = contextlib.nullcontext) -> Spread:
     """CUDA-event time of each call issued to an idle device (the paper's method), over ``iters`` calls."""
     plan = schedule(calls, iters)
     starts = [torch.cuda.Event(enable_timing=True) for _ in plan]
@@ -130,6 +155,19 @@ def event_time(calls: Sequence[Call], context: ContextFactory, iters: int = 100)
     return summarize([s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends, strict=True)])
 
 
+def span_time(calls: Sequence[Call], n: int, context: ContextFactory = contextlib.nullcontext) -> float:
+    """CUDA-event time of ``n`` back-to-back calls divided by ``n`` (one event pair around all of them)."""
+    plan = schedule(calls, n)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with context(), gc_off():
+        start.record()
+        for call in plan:
+            call()
+        end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / n
+
+
 @dataclass(frozen=True)
 class GraphResult:
     """Per-call device time under graph replay, or why the peer could not be captured."""
@@ -138,14 +176,11 @@ class GraphResult:
     reason: str | None = None
 
 
-def describe(exc: BaseException) -> str:
-    """``Type: first line of the message``, at most 300 characters: an exception as a reported reason."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
-
-
 def graph_time(
-    calls: Sequence[Call], context: ContextFactory, calls_per_graph: int | None = None, replays: int = 10
+    calls: Sequence[Call],
+    calls_per_graph: int | None = None,
+    replays: int = 10,
+    context: ContextFactory = contextlib.nullcontext,
 ) -> GraphResult:
     """Captures ``calls_per_graph`` calls (default: one per input copy, at least 20) in one CUDA graph and times
     ``replays`` replays with events; per-call time = replay time / calls per graph."""
@@ -186,36 +221,30 @@ def graph_time(
     return GraphResult(summarize(samples))
 
 
-@dataclass(frozen=True)
-class Timings:
-    """The three clocks of one peer on one workload."""
-
-    wall: Spread
-    events: Spread
-    graph: Spread | None
-    graph_reason: str | None
-    calls_per_round: int
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "wall_us": self.wall.to_dict(),
-            "events_us": self.events.to_dict(),
-            "graph_us": self.graph.to_dict() if self.graph else None,
-            "graph_reason": self.graph_reason,
-            "calls_per_round": self.calls_per_round,
-        }
+def device_us(call: Call, calls_per_graph: int = 20, replays: int = 20) -> float:
+    """Median device time of ``call()`` under graph replay (:func:`graph_time`); raises if it cannot be captured."""
+    result = graph_time([call], calls_per_graph, replays)
+    if result.spread is None:
+        raise RuntimeError(result.reason)
+    return result.spread.median
 
 
 def measure(
     calls: Sequence[Call], context: ContextFactory, *, rounds: int = 7, event_iters: int = 100, replays: int = 10
-) -> Timings:
-    """Warms up, then takes all three clocks."""
+) -> dict[str, object]:
+    """Warms up, then takes the wall, event and graph clocks (``*_us`` spreads as dicts, ``graph_reason``)."""
     warmup(calls, context)
     n = calls_per_round(calls, context)
-    wall = wall_time(calls, context, n, rounds)
-    events = event_time(calls, context, event_iters)
-    graph = graph_time(calls, context, replays=replays)
-    return Timings(wall, events, graph.spread, graph.reason, n)
+    wall = wall_time(calls, n, rounds, context)
+    events = event_time(calls, event_iters, context)
+    graph = graph_time(calls, replays=replays, context=context)
+    return {
+        "wall_us": wall.to_dict(),
+        "events_us": events.to_dict(),
+        "graph_us": graph.spread.to_dict() if graph.spread else None,
+        "graph_reason": graph.reason,
+        "calls_per_round": n,
+    }
 
 
 class SyncEvery:
@@ -236,6 +265,143 @@ class SyncEvery:
         self._i += 1
         if self._i % self._n == 0:
             torch.cuda.synchronize()
+
+
+# --------------------------------------------------------------------------------------------------- forwards
+
+
+@dataclass(frozen=True)
+class ForwardTimes:
+    """Per-forward clocks of one row: host wall time with a synchronize around every forward, and the CUDA-event
+    time of the same forwards (None on a CPU), in microseconds."""
+
+    wall: Spread
+    events: Spread | None
+    iters: int
+
+
+def forward_times(
+    calls: Sequence[Call],
+    device: torch.device,
+    *,
+    context: ContextFactory = contextlib.nullcontext,
+    warmup: int = 3,
+    target_s: float = 0.3,
+    min_iters: int = 10,
+    max_iters: int = 60,
+) -> ForwardTimes:
+    """Warms up, then times ``iters`` forwards one at a time, rotating through ``calls`` (one per input batch).
+
+    Each forward: synchronize, host clock, start event, forward, end event, synchronize, host clock. The number of
+    forwards fills about ``target_s`` (clamped to ``[min_iters, max_iters]``), sized from the warm-up.
+    """
+    cuda = device.type == "cuda"
+    with context(), gc_off():
+        warm = schedule(calls, max(warmup, len(calls)))
+        sync(device)
+        t0 = time.perf_counter()
+        for call in warm:
+            call()
+        sync(device)
+        per_call = (time.perf_counter() - t0) / len(warm)
+        iters = max(min_iters, min(max_iters, round(target_s / max(per_call, 1e-6))))
+        walls: list[float] = []
+        pairs = []
+        for call in schedule(calls, iters):
+            start = torch.cuda.Event(enable_timing=True) if cuda else None
+            end = torch.cuda.Event(enable_timing=True) if cuda else None
+            sync(device)
+            t0 = time.perf_counter()
+            if start is not None:
+                start.record()
+            call()
+            if end is not None:
+                end.record()
+            sync(device)
+            walls.append((time.perf_counter() - t0) * 1e6)
+            pairs.append((start, end))
+    events = summarize([s.elapsed_time(e) * 1e3 for s, e in pairs]) if cuda else None
+    return ForwardTimes(summarize(walls), events, iters)
+
+
+# Table IV's regions of a pruned forward, by the plan's step kinds. front: patch embedding and the dense blocks
+# before the first stage (with the input checks); pack: every stage's decision and repack (with the one host read
+# of a variable-count stage); late: the packed blocks (the padded backends pad inside each block, so their per-layer
+# gather is here); head: CLS gather, norms, classifier.
+REGIONS = ("front", "pack", "late", "head")
+REGION_OF = {
+    StepKind.FRONT: "front",
+    StepKind.DECIDE: "pack",
+    StepKind.REPACK: "pack",
+    StepKind.BLOCKS: "late",
+    StepKind.ATTENTION: "late",
+    StepKind.MLP: "late",
+    StepKind.HEAD: "head",
+}
+
+
+class Marks:
+    """The region transitions of forwards: ``on_step`` (a ``PrunedViT.run`` hook, called before every step of the
+    plan) records a CUDA event (on a CPU: the host clock) whenever the region changes."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.current: str | None = None
+        self._marks: list[tuple[str, object]] = []
+
+    def mark(self, region: str) -> None:
+        if region == self.current:
+            return
+        self.current = region
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append((region, event))
+        else:
+            self._marks.append((region, time.perf_counter()))
+
+    def on_step(self, step: Step) -> None:
+        self.mark(REGION_OF[step.kind])
+
+    def start(self) -> None:
+        self.current = None
+        self._marks = []
+        self.mark("front")
+
+    def stop(self) -> dict[str, float]:
+        """Ends a forward; returns microseconds per region (after synchronizing on a GPU)."""
+        self.mark("end")
+        if self.cuda:
+            torch.cuda.synchronize()
+        spent = dict.fromkeys(REGIONS, 0.0)
+        for (region, a), (_, b) in zip(self._marks[:-1], self._marks[1:], strict=True):
+            spent[region] += a.elapsed_time(b) * 1e3 if self.cuda else (b - a) * 1e6
+        self.current = None
+        return spent
+
+
+def stage_breakdown(calls: Sequence[Call], device: torch.device, iters: int = 20, warmup: int = 2) -> dict[str, Spread]:
+    """Median and spread per region (and ``total``, their sum per forward) over ``iters`` instrumented forwards,
+    each started on an idle device; ``calls`` are forwards of one pipeline (``PrunedViT.run`` with its images bound,
+    rotated) that take the ``on_step`` hook. The marks cost a few microseconds of host time each: compare the total
+    with the uninstrumented forward. Not for the CUDA-graph runner (nothing can be timed inside a replay)."""
+    samples: dict[str, list[float]] = {r: [] for r in (*REGIONS, "total")}
+    marks = Marks(device)
+    with gc_off():
+        for i in range(warmup + iters):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            marks.start()
+            calls[i % len(calls)](on_step=marks.on_step)
+            spent = marks.stop()
+            if i >= warmup:
+                for region in REGIONS:
+                    samples[region].append(spent[region])
+                samples["total"].append(sum(spent.values()))
+    return {region: summarize(values) for region, values in samples.items()}
+
+
+# --------------------------------------------------------------------------------------------------- the card
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
@@ -263,34 +429,41 @@ def git_commit() -> str:
     overrides it where the copy carries no ``.git``."""
     if os.environ.get("RAGGED_BENCH_COMMIT"):
         return os.environ["RAGGED_BENCH_COMMIT"]
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
+
     try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, check=True, timeout=10
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=10,
-        ).stdout.strip()
+        sha, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return sha + ("+dirty" if dirty else "")
 
 
+def gpu_slug(name: str | None = None) -> str:
+    """A directory name for a card (``"NVIDIA H100 80GB HBM3"`` -> ``"nvidia-h100-80gb-hbm3"``), ``"cpu"`` without."""
+    if name is None:
+        name = torch.cuda.get_device_name(torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+    return slug or "unknown"
+
+
 def environment() -> dict[str, object]:
-    """Versions and commit: what every result must carry. Works without a GPU (card fields are then None)."""
+    """Versions, commit, date and card: what every result must carry. Without a GPU the card fields are None."""
     info: dict[str, object] = {
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
         "commit": git_commit(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "card": None,
         "capability": None,
         "sm_count": None,
         "l2_bytes": None,
+        "gpu_slug": "cpu",
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -299,6 +472,7 @@ def environment() -> dict[str, object]:
             capability=f"{props.major}.{props.minor}",
             sm_count=props.multi_processor_count,
             l2_bytes=getattr(props, "L2_cache_size", None),
+            gpu_slug=gpu_slug(props.name),
         )
     return info
 

@@ -2,30 +2,22 @@
 
 DeiT-B shapes (12 heads of 64, 197 rows per image), fp16 qkv. For each batch size: the logits kernel, the sample
 kernel computing only the scores, the sample kernel sampling from given scores, and the whole ``ats_select``;
-each captured 50 times into one CUDA graph and replayed (``benchmarks.timing.graph_time``), so launch overhead is
-not counted. Prints a table.
+each captured 50 times into one CUDA graph and replayed 20 times (``benchmarks.timing.device_us``), so launch
+overhead is not counted. Prints a table.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import functools
 
 import torch
 
-from benchmarks.timing import graph_time
+from benchmarks.timing import device_us
 from ragged_vit.core.segments import cu_seqlens_from_counts
 from ragged_vit.core.selection import DecisionInput
 from ragged_vit.reference.pruners import ATSPruner
 from ragged_vit.triton_impl import ats
-
-
-def device_us(fn) -> float:
-    """Median device time of ``fn()`` in microseconds: 50 calls in one CUDA graph, replayed 20 times."""
-    result = graph_time([fn], contextlib.nullcontext, calls_per_graph=50, replays=20)
-    if result.spread is None:
-        raise RuntimeError(result.reason)
-    return result.spread.median
 
 
 def measure(batch: int, n: int, gen: torch.Generator) -> tuple[float, float, float, float]:
@@ -40,11 +32,12 @@ def measure(batch: int, n: int, gen: torch.Generator) -> tuple[float, float, flo
     out = torch.empty_like(scores)
     pruner = ATSPruner()
     inp = DecisionInput(qkv[:, : heads * head_dim], cu, 0, n - 1, n, qkv, heads, scale)
+    us = functools.partial(device_us, calls_per_graph=50)
     return (
-        device_us(lambda: ats._logits(qkv, cu, heads, head_dim, scale, n)),
-        device_us(lambda: ats._sample(logits, squares, out, cu, n, 1, 0, from_logits=True, sample=False)),
-        device_us(lambda: ats.ats_keep(scores, cu, n, n - 1, 8, check_values=False)),
-        device_us(lambda: ats.ats_select(pruner, inp)),
+        us(lambda: ats._logits(qkv, cu, heads, head_dim, scale, n)),
+        us(lambda: ats._sample(logits, squares, out, cu, n, 1, 0, from_logits=True, sample=False)),
+        us(lambda: ats.ats_keep(scores, cu, n, n - 1, 8, check_values=False)),
+        us(lambda: ats.ats_select(pruner, inp)),
     )
 
 

@@ -1,19 +1,20 @@
 """Where the host time of one attention call goes (GPU machine): ``python -m ci.dispatch_profile``.
 
-Times back-to-back calls (host clock, synchronize once per 200 calls) of: the public entry, the launcher on
-prepared views, Triton's ``kernel[grid]`` on prepared arguments, the compiled kernel's own ``run``, an empty
-Triton kernel, and FA2 through ``aten._flash_attention_forward``. Small B=1 workload: device time is ~4 us.
+Times back-to-back calls (``benchmarks.timing.wall_time``: host clock, synchronize once per 200 calls, median of
+15 rounds, after 20 warm-up calls) of: the public entry, the launcher on prepared views, Triton's ``kernel[grid]``
+on prepared arguments, the compiled kernel's own ``run``, an empty Triton kernel, and FA2 through
+``aten._flash_attention_forward``. Small B=1 workload: device time is ~4 us.
 """
 
 from __future__ import annotations
 
 import cProfile
 import pstats
-import time
 
 import torch
 import triton
 
+from benchmarks.timing import wall_time, warmup
 from ragged_vit.core.segments import cu_seqlens_from_counts
 from ragged_vit.reference.attention import split_qkv
 from ragged_vit.triton_impl import attention as ta
@@ -25,18 +26,9 @@ def _empty(X):
     pass
 
 
-def _per_call_us(fn, n: int = 200, rounds: int = 15) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        samples.append((time.perf_counter() - t0) * 1e6 / n)
-    return sorted(samples)[len(samples) // 2]
+def _per_call_us(fn) -> float:
+    warmup([fn], n=20)
+    return wall_time([fn], 200, rounds=15).median
 
 
 def main() -> None:

@@ -14,15 +14,16 @@ and host waits) and the per-kind split. ``--compile-blocks`` adds the pipelines 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
-import time
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.e2e_common import DEIT_B, Lab
+from benchmarks.timing import once, schedule, span_time, warmup
 from ragged_vit.pipelines.buckets import TokenBuckets
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.patch_embed import with_gemm_patch_embed
@@ -49,19 +50,12 @@ def kind_of(name: str) -> str:
 
 
 def profile_forward(forward, images: list[torch.Tensor], replays: int = 20) -> dict[str, object]:
-    for i in range(6):
-        forward(images[i % len(images)])
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for i in range(replays):
-        forward(images[i % len(images)])
-    end.record()
-    torch.cuda.synchronize()
-    span_us = start.elapsed_time(end) * 1e3 / replays
+    calls = [functools.partial(forward, img) for img in images]
+    warmup(calls, n=6)
+    span_us = span_time(calls, replays)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for i in range(replays):
-            forward(images[i % len(images)])
+        for call in schedule(calls, replays):
+            call()
         torch.cuda.synchronize()
     per_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
@@ -95,9 +89,7 @@ def main() -> None:
     parser.add_argument(
         "--sync-free-rows", type=int, default=0, help="also the runner with TokenBuckets(sync_free_rows=R)"
     )
-    parser.add_argument(
-        "--serial-decisions", action="store_true", help="also the runners with overlap_decisions=False"
-    )
+    parser.add_argument("--serial-decisions", action="store_true", help="also the runners with overlap_decisions=False")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -121,7 +113,6 @@ def main() -> None:
                 if args.serial_decisions:
                     configs.append((w + (" +compile" if compiled else "") + " +serial", compiled, 0, False))
         for label, compiled, sync_free_rows, overlap in configs:
-            t0 = time.perf_counter()
             if compiled is None:
                 model = lab.model(DEIT_B)
                 if "gemm" in label:  # the same embedding as the pipelines, so its gain is not credited to pruning
@@ -136,8 +127,7 @@ def main() -> None:
                 pv.compile_blocks = compiled
                 buckets = TokenBuckets(sync_free_rows=sync_free_rows) if sync_free_rows else None
                 forward = GraphedPrunedViT(pv, buckets, overlap_decisions=overlap).run
-            forward(images[0])
-            first_s = time.perf_counter() - t0
+            first_s = once(functools.partial(forward, images[0]), lab.device)
             r = profile_forward(forward, images)
             r.update(batch=batch, pipeline=label, img_per_s=batch / r["span_us"] * 1e6, first_call_s=first_s)
             results["rows"].append(r)

@@ -10,7 +10,6 @@ configuration with the best geometric-mean ratio to FA2 over all cells. The chos
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import itertools
 import json
@@ -18,33 +17,24 @@ import math
 
 import torch
 
-from benchmarks.timing import graph_time
-from benchmarks.workloads import HEAD_DIM, MAX_SEQLEN, NUM_HEADS, make_qkv_sets, make_workload
+from benchmarks.timing import device_us
+from benchmarks.workloads import HEAD_DIM, MAX_SEQLEN, NUM_HEADS, grid, make_qkv_sets, make_workload
 from ragged_vit.reference.attention import split_qkv
 from ragged_vit.triton_impl import attention as ta
 from ragged_vit.triton_impl.configs import AttentionConfig
 
-CELLS = [(b, p) for b in (1, 4, 32, 64, 128) for p in (0, 50, 80)]
 QUICK_CELLS = [(1, 80), (32, 50), (64, 0), (128, 0)]
 
 
-def _configs(space: str) -> list[AttentionConfig]:
-    """``full``: tiles x warps x stages x grid; ``quick``: a subset."""
+def _configs(quick: bool) -> list[AttentionConfig]:
+    """Tiles x warps x stages x grid (``quick``: a subset)."""
     configs = [AttentionConfig(32, n, 2, s, g) for n in (32, 64) for s in (1, 3) for g in (True, False)]
     for m, n, w, s, g in itertools.product((64, 128), (32, 64, 128), (4, 8), (1, 2, 3), (True, False)):
         if not (m == 128 and n == 128):
             configs.append(AttentionConfig(m, n, w, s, g))
-    if space == "quick":
+    if quick:
         configs = [c for c in configs if c.num_stages in (1, 3) and c.num_warps == max(2, 4 * c.block_m // 64)]
     return configs
-
-
-def _device_us(call) -> float:
-    """Median per-call device time under CUDA-graph replay (the benchmarks' clock)."""
-    result = graph_time([call], contextlib.nullcontext, calls_per_graph=20, replays=20)
-    if result.spread is None:
-        raise RuntimeError(result.reason)
-    return result.spread.median
 
 
 def _fa2(q, k, v, cu, max_len):
@@ -54,11 +44,10 @@ def _fa2(q, k, v, cu, max_len):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer cells and configurations")
-    parser.add_argument("--space", choices=("full", "quick"), default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    cells = QUICK_CELLS if args.quick else CELLS
-    configs = _configs(args.space or ("quick" if args.quick else "full"))
+    cells = QUICK_CELLS if args.quick else grid()
+    configs = _configs(quick=args.quick)
     results: dict[str, dict[str, float]] = {}
     card = torch.cuda.get_device_name()
     print(f"card: {card}  torch {torch.__version__}  configs: {len(configs)}  cells: {len(cells)}", flush=True)
@@ -69,11 +58,11 @@ def main() -> None:
         q, k, v = split_qkv(qkv, NUM_HEADS)
         out = torch.empty(wl.total, NUM_HEADS * HEAD_DIM, dtype=qkv.dtype, device="cuda")
         cell = f"B{batch}_p{pruned}"
-        results[cell] = {"fa2": _device_us(functools.partial(_fa2, q, k, v, cu, wl.max_len))}
+        results[cell] = {"fa2": device_us(functools.partial(_fa2, q, k, v, cu, wl.max_len))}
         for cfg in configs:
             call = functools.partial(ta.ragged_attention_qkv, qkv, cu, MAX_SEQLEN, NUM_HEADS, out=out, config=cfg)
             try:
-                results[cell][repr(cfg)] = _device_us(call)
+                results[cell][repr(cfg)] = device_us(call)
             except Exception as exc:  # a config the compiler rejects (e.g. out of shared memory)
                 results[cell][repr(cfg)] = float("nan")
                 print(f"  {cfg}: failed: {type(exc).__name__}: {str(exc)[:120]}")

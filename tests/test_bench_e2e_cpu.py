@@ -19,15 +19,8 @@ import pytest
 import torch
 
 from benchmarks import e2e_tables, make_results, report_e2e, run_bench
-from benchmarks.e2e_common import (
-    WORKLOADS,
-    Lab,
-    gpu_slug,
-    synthetic_images,
-    synthetic_selection,
-    workload_kind,
-)
-from benchmarks.e2e_stages import REGIONS, Marks, stage_breakdown
+from benchmarks.e2e_common import WORKLOADS, Lab, synthetic_images, synthetic_selection, workload_kind
+from benchmarks.timing import REGIONS, Marks, gpu_slug, stage_breakdown
 from ragged_vit.pipelines.backends import PaddedSDPABackend, ReferenceBackend
 
 TINY = "deit_tiny_patch16_224"
