@@ -1,32 +1,17 @@
-"""The end-to-end benchmark's building blocks: workloads, pipelines, the per-forward clock, checks, files.
+"""The end-to-end benchmark's lab: models, pruners, pipelines, fp32 reference runs, checks and result files.
 
-Shared by ``report_e2e`` (the paper's Tables III-VI, Figure 1 and Section V-D on this card) and the
-pytest-benchmark suite ``test_bench_e2e``. Everything device-specific goes through ``device``, so the same code
-runs (slowly, fp32, reference backend only) on a CPU, which is how the CPU tests exercise it.
+Shared by ``report_e2e`` (the paper's Tables III-VI, Figure 1 and Section V-D on this card), the pytest-benchmark
+suite ``test_bench_e2e`` and ``ci/forward_profile.py``. Everything device-specific goes through ``device``, so the
+same code runs (slowly, fp32, reference backend only) on a CPU, which is how the CPU tests exercise it.
 
-Workloads (the pruning that produces the per-image token counts; "kind" is said in every table):
+The timed forward of a pruner workload (``benchmarks.workloads.WORKLOADS``) is ``PrunedViT.run(images)``: the
+pipeline makes its own decisions, as a user's forward does. Before timing, every pipeline replays the decisions of
+one fp32 reference run (reference backend, TF32 off) and is checked against its logits: ``max |diff| <= 2 * floor
++ 16 eps(dtype) max |ref|``, where ``floor`` is the error of the reference backend in the benchmark's dtype (a
+looser form of tests/test_pipelines_gpu.py's rule: here it only keeps broken pipelines out of the tables).
 
-* ``l2_ratio`` -- Threshold-L2 ratio mode after block 3: the top ``ceil(k * 196)`` patches, the same count for
-  every image (the paper's setting). kind ``fixed``.
-* ``l2_calibrated`` -- Threshold-L2 calibrated: a norm threshold set to keep ``k`` on average over a seeded
-  calibration batch; each image keeps what passes it. kind ``ragged``.
-* ``dynamicvit`` / ``evit`` -- three stages (blocks 3, 6, 9), fixed counts (DynamicViT with random predictor
-  weights: random pruning, same cost). kind ``fixed``.
-* ``ats`` -- ATS in blocks 3-11, ``ceil(k * 196)`` CDF samples (an upper bound: fewer patches survive where the
-  scores are peaked), nine variable-count stages. kind ``ragged``.
-* ``synthetic`` -- one stage after block 3 whose keep masks are drawn, not computed: each image keeps its own
-  rate ``U(k - 0.2, k + 0.2)`` (clipped to [1, 196] patches) of random patches; the masks are replayed with
-  ``PrunedViT.run(images, selections)``, so the timed forward has no scoring cost. kind ``ragged``.
-
-The timed forward of a pruner workload is ``PrunedViT.run(images)``: the pipeline makes its own decisions, as a
-user's forward does. Before timing, every pipeline replays the decisions of one fp32 reference run (reference
-backend, TF32 off) and is checked against its logits: ``max |diff| <= 2 * floor + 16 eps(dtype) max |ref|``,
-where ``floor`` is the error of the reference backend in the benchmark's dtype (a looser form of
-tests/test_pipelines_gpu.py's rule: here it only keeps broken pipelines out of the tables).
-
-Images are seeded smooth blobs plus texture of per-image strength (so ATS and the calibrated threshold keep
-different counts per image); never zeros. Weights are random (seeded) unless ``RAGGED_VIT_DEIT_B_CHECKPOINT``
-names a local DeiT-B-224 checkpoint: speed does not depend on the weights, top-1 agreement does.
+Weights are random (seeded) unless ``RAGGED_VIT_DEIT_B_CHECKPOINT`` names a local DeiT-B-224 checkpoint: speed
+does not depend on the weights, top-1 agreement does.
 """
 
 from __future__ import annotations
@@ -47,6 +32,7 @@ from torch import nn
 from tqdm import tqdm
 
 from benchmarks.timing import REPO_ROOT, Spread, environment
+from benchmarks.workloads import WORKLOADS, synthetic_images, synthetic_selection
 from ragged_vit.core.selection import TokenSelection
 from ragged_vit.pipelines.backends import AttentionBackend, PaddedSDPABackend, make_backend
 from ragged_vit.pipelines.factory import build_pruner
@@ -61,66 +47,8 @@ DEIT_S = "deit_small_patch16_224"
 DEIT_T = "deit_tiny_patch16_224"
 CHECKPOINT_ENV = "RAGGED_VIT_DEIT_B_CHECKPOINT"
 BASELINES = REPO_ROOT / "benchmarks" / "baselines"
-SYNTHETIC_SPREAD = 0.2  # half-width of the per-image keep-rate distribution of the synthetic workload
 INPUT_SETS = 3  # input batches the timed loops rotate through
 
-
-@dataclass(frozen=True)
-class WorkloadSpec:
-    """How one workload prunes (see the module docstring)."""
-
-    name: str
-    pruner: str
-    kind: str  # "fixed" | "ragged"
-    options: tuple[tuple[str, object], ...]
-    description: str
-    replayed: bool = False  # the masks are drawn and replayed, not computed by the pruner
-
-
-WORKLOADS: dict[str, WorkloadSpec] = {
-    w.name: w
-    for w in (
-        WorkloadSpec(
-            "l2_ratio",
-            "threshold_l2",
-            "fixed",
-            (("threshold_mode", "ratio"),),
-            "Threshold-L2 ratio, after block 3: top ceil(k*196) patches, equal counts (the paper's setting)",
-        ),
-        WorkloadSpec(
-            "l2_calibrated",
-            "threshold_l2",
-            "ragged",
-            (("threshold_mode", "calibrated"),),
-            "Threshold-L2 calibrated, after block 3: norm threshold keeping k on average; per-image counts vary",
-        ),
-        WorkloadSpec(
-            "dynamicvit",
-            "dynamicvit",
-            "fixed",
-            (),
-            "DynamicViT before blocks 3/6/9: int(196*k^s) patches, equal counts (random predictor weights)",
-        ),
-        WorkloadSpec(
-            "evit", "evit", "fixed", (), "EViT in blocks 3/6/9: ceil(k*current) patches, equal counts, no fused token"
-        ),
-        WorkloadSpec(
-            "ats",
-            "ats",
-            "ragged",
-            (),
-            "ATS in blocks 3-11: ceil(k*196) CDF samples (upper bound), per-image counts vary, 9 stages",
-        ),
-        WorkloadSpec(
-            "synthetic",
-            "threshold_l2",
-            "ragged",
-            (("threshold_mode", "ratio"),),
-            f"drawn masks after block 3: per-image keep rate U(k-{SYNTHETIC_SPREAD}, k+{SYNTHETIC_SPREAD}), replayed",
-            replayed=True,
-        ),
-    )
-}
 
 # Rows: what a user could run. The pruned rows are one pipeline with different attention backends.
 ROW_LABELS: dict[str, str] = {
@@ -147,13 +75,6 @@ GRAPHED_ROWS = ("triton_graphed", "fa2_varlen_graphed", "padded_graphed", "trito
 PUBLIC_ROWS = ("public_compiled",)  # benchmarks.public_peer
 COMPILED_ROWS = ("timm_compiled", "timm_compiled_gemm", "triton_graphed_compiled", "public_compiled")  # slow to build
 ALL_ROWS = (*UNPRUNED_ROWS, *EAGER_ROWS, *GRAPHED_ROWS, *PUBLIC_ROWS)
-
-
-def workload_kind(workload: str, keep_rate: float) -> str:
-    """``dense`` for the unpruned rows, ``fixed`` when nothing is pruned (every image keeps all), else the spec's."""
-    if workload == "none":
-        return "dense"
-    return "fixed" if keep_rate >= 1.0 else WORKLOADS[workload].kind
 
 
 def backend_for(row: str, num_tokens: int) -> AttentionBackend:
@@ -187,43 +108,6 @@ def run_environment() -> dict[str, object]:
     checkpoint = os.environ.get(CHECKPOINT_ENV)
     weights = f"checkpoint {checkpoint} (DeiT-B-224 only)" if checkpoint else "random (seeded)"
     return {**environment(), "timm": timm.__version__, "weights": weights}
-
-
-# --------------------------------------------------------------------------------------------------- inputs
-
-
-def synthetic_images(count: int, size: int, seed: int) -> torch.Tensor:
-    """``[count, 3, size, size]`` fp32 CPU images: smooth blobs + texture whose strength grows over the batch."""
-    g = torch.Generator().manual_seed(seed)
-    smooth = torch.nn.functional.interpolate(
-        torch.randn(count, 3, 7, 7, generator=g), size=(size, size), mode="bicubic", align_corners=False
-    )
-    strength = torch.linspace(0.0, 1.5, count) if count > 1 else torch.tensor([0.75])
-    return smooth + torch.randn(count, 3, size, size, generator=g) * strength[:, None, None, None]
-
-
-def synthetic_selection(
-    batch: int, num_patches: int, keep_rate: float, device: torch.device, seed: int, spread: float = SYNTHETIC_SPREAD
-) -> TokenSelection:
-    """A one-stage :class:`TokenSelection` over an unpruned packed batch ``[B * (num_patches + 1)]``: image ``b``
-    keeps its CLS row and ``round(num_patches * r_b)`` random patches, ``r_b ~ U(k - spread, k + spread)``
-    (clipped to [1, num_patches] patches; every image keeps all at ``k = 1``)."""
-    g = torch.Generator().manual_seed(seed)
-    n = num_patches + 1
-    if keep_rate >= 1.0:
-        counts = torch.full((batch,), num_patches, dtype=torch.long)
-    else:
-        rates = keep_rate + spread * (2 * torch.rand(batch, generator=g, dtype=torch.float64) - 1)
-        counts = (rates * num_patches).round().long().clamp(1, num_patches)
-    order = torch.rand(batch, num_patches, generator=g).argsort(dim=1)  # a random permutation per image
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(num_patches).expand(batch, -1))
-    keep = torch.ones(batch, n, dtype=torch.bool)
-    keep[:, 1:] = rank < counts[:, None]
-    # Like a variable-count pruner (Threshold-L2 calibrated), the selection says "variable" even where the draws
-    # happen to be equal (B = 1): the pipeline then reads the total back, as it would for such a pruner.
-    fixed = keep_rate >= 1.0
-    keep = keep.reshape(-1).to(device)
-    return TokenSelection(keep, counts.add(1).to(device, torch.int32), fixed_count=fixed, count=n if fixed else None)
 
 
 # --------------------------------------------------------------------------------------------------- pipelines

@@ -63,7 +63,6 @@ from benchmarks.e2e_common import (
     EAGER_ROWS,
     GRAPHED_ROWS,
     ROW_LABELS,
-    WORKLOADS,
     Lab,
     Reference,
     Unavailable,
@@ -75,12 +74,11 @@ from benchmarks.e2e_common import (
     progress,
     run_environment,
     torch_threads,
-    workload_kind,
     write_json,
 )
 from benchmarks.public_peer import PublicPrunedViT, dense_plan
 from benchmarks.timing import describe, forward_times, gpu_slug, graph_time, once, stage_breakdown
-from benchmarks.workloads import make_workload
+from benchmarks.workloads import WORKLOADS, make_workload, workload_kind
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.model import PrunedViT
 from ragged_vit.pipelines.patch_embed import with_gemm_patch_embed

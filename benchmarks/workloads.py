@@ -1,17 +1,22 @@
-"""Synthetic attention workloads in DeiT-B geometry for the kernel benchmark (the paper's Tables I and II).
+"""What the benchmarks run on: the kernel benchmark's packed batches and the end-to-end benchmark's workloads.
 
-A workload is a batch of ``B`` images of 196 patches + CLS from which ``pruned_pct`` percent of the patches were
-dropped. With ``variable=True`` (the default, and the case the paper never measured) each image keeps its own
-count, drawn uniformly within +-15% of ``196 * (1 - pruned)`` and clipped to ``[1, 196]``; with ``variable=False``
-every image keeps ``round(196 * (1 - pruned))`` patches (the paper's 197 / 99 / 40 tokens). ``pruned_pct = 0``
-keeps every token in both modes: there is nothing to vary. Counts are seeded per (B, pruned, mode), so every
-run and every peer sees the same batch.
+**Kernel** (the paper's Tables I and II, DeiT-B geometry): a :class:`Workload` is a batch of ``B`` images of 196
+patches + CLS from which ``pruned_pct`` percent of the patches were dropped. With ``variable=True`` (the default,
+and the case the paper never measured) each image keeps its own count, drawn uniformly within +-15% of
+``196 * (1 - pruned)`` and clipped to ``[1, 196]``; with ``variable=False`` every image keeps
+``round(196 * (1 - pruned))`` patches (the paper's 197 / 99 / 40 tokens). ``pruned_pct = 0`` keeps every token in
+both modes. Counts are seeded per (B, pruned, mode), so every run and every peer sees the same batch. Inputs are
+packed like the pipeline's: one ``qkv [T, 3*H*D]`` buffer of the kept tokens, random normal (never zeros), plus
+int32 ``cu_seqlens [B+1]``; several independent copies are drawn so that the timed loops can rotate among them
+and the inputs do not stay resident in L2.
 
-Inputs are packed like the pipeline's: one ``qkv [T, 3*H*D]`` buffer (the ``Attention.qkv`` output of the kept
-tokens), random normal (never zeros), plus int32 ``cu_seqlens [B+1]``. Several independent copies are drawn so
-the timing loops can rotate among them and the inputs do not stay resident in L2.
-
-Not covered: other resolutions (577 tokens), other models, bf16. Those are parameters, not new code.
+**End to end** (Tables III-VI, Figure 1): :data:`WORKLOADS`, the pruning that produces the per-image counts, each
+described in its ``description`` and of kind ``fixed`` (every image keeps the same count) or ``ragged``.
+Threshold-L2 calibrated sets its threshold on a seeded calibration batch; ATS's ``ceil(k * 196)`` CDF samples
+are an upper bound (fewer patches survive where the scores are peaked); ``synthetic`` draws its keep masks
+(:func:`synthetic_selection`) and replays them with ``PrunedViT.run(images, selections)``, so the timed forward
+has no scoring cost. Images (:func:`synthetic_images`) are seeded smooth blobs plus texture of per-image strength,
+so that ATS and the calibrated threshold keep different counts per image; never zeros.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import zlib
 from dataclasses import dataclass
 
 import torch
+
+from ragged_vit.core.selection import TokenSelection
 
 NUM_PATCHES = 196  # 224 / 16 squared
 NUM_HEADS = 12  # DeiT-B
@@ -127,3 +134,107 @@ def sets_to_rotate(set_bytes: int, l2_bytes: int, lo: int = 4, hi: int = 256) ->
     """
     need = -(-int(2.5 * l2_bytes) // max(1, set_bytes))
     return max(lo, min(hi, need))
+
+
+# --------------------------------------------------------------------------------------------------- end to end
+
+SYNTHETIC_SPREAD = 0.2  # half-width of the per-image keep-rate distribution of the synthetic workload
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """How one workload prunes (see the module docstring)."""
+
+    name: str
+    pruner: str
+    kind: str  # "fixed" | "ragged"
+    options: tuple[tuple[str, object], ...]
+    description: str
+    replayed: bool = False  # the masks are drawn and replayed, not computed by the pruner
+
+
+WORKLOADS: dict[str, WorkloadSpec] = {
+    w.name: w
+    for w in (
+        WorkloadSpec(
+            "l2_ratio",
+            "threshold_l2",
+            "fixed",
+            (("threshold_mode", "ratio"),),
+            "Threshold-L2 ratio, after block 3: top ceil(k*196) patches, equal counts (the paper's setting)",
+        ),
+        WorkloadSpec(
+            "l2_calibrated",
+            "threshold_l2",
+            "ragged",
+            (("threshold_mode", "calibrated"),),
+            "Threshold-L2 calibrated, after block 3: norm threshold keeping k on average; per-image counts vary",
+        ),
+        WorkloadSpec(
+            "dynamicvit",
+            "dynamicvit",
+            "fixed",
+            (),
+            "DynamicViT before blocks 3/6/9: int(196*k^s) patches, equal counts (random predictor weights)",
+        ),
+        WorkloadSpec(
+            "evit", "evit", "fixed", (), "EViT in blocks 3/6/9: ceil(k*current) patches, equal counts, no fused token"
+        ),
+        WorkloadSpec(
+            "ats",
+            "ats",
+            "ragged",
+            (),
+            "ATS in blocks 3-11: ceil(k*196) CDF samples (upper bound), per-image counts vary, 9 stages",
+        ),
+        WorkloadSpec(
+            "synthetic",
+            "threshold_l2",
+            "ragged",
+            (("threshold_mode", "ratio"),),
+            f"drawn masks after block 3: per-image keep rate U(k-{SYNTHETIC_SPREAD}, k+{SYNTHETIC_SPREAD}), replayed",
+            replayed=True,
+        ),
+    )
+}
+
+
+def workload_kind(workload: str, keep_rate: float) -> str:
+    """``dense`` for the unpruned rows, ``fixed`` when nothing is pruned (every image keeps all), else the spec's."""
+    if workload == "none":
+        return "dense"
+    return "fixed" if keep_rate >= 1.0 else WORKLOADS[workload].kind
+
+
+def synthetic_images(count: int, size: int, seed: int) -> torch.Tensor:
+    """``[count, 3, size, size]`` fp32 CPU images: smooth blobs + texture whose strength grows over the batch."""
+    g = torch.Generator().manual_seed(seed)
+    smooth = torch.nn.functional.interpolate(
+        torch.randn(count, 3, 7, 7, generator=g), size=(size, size), mode="bicubic", align_corners=False
+    )
+    strength = torch.linspace(0.0, 1.5, count) if count > 1 else torch.tensor([0.75])
+    return smooth + torch.randn(count, 3, size, size, generator=g) * strength[:, None, None, None]
+
+
+def synthetic_selection(
+    batch: int, num_patches: int, keep_rate: float, device: torch.device, seed: int, spread: float = SYNTHETIC_SPREAD
+) -> TokenSelection:
+    """A one-stage :class:`TokenSelection` over an unpruned packed batch ``[B * (num_patches + 1)]``: image ``b``
+    keeps its CLS row and ``round(num_patches * r_b)`` random patches, ``r_b ~ U(k - spread, k + spread)``
+    (clipped to [1, num_patches] patches; every image keeps all at ``k = 1``)."""
+    g = torch.Generator().manual_seed(seed)
+    n = num_patches + 1
+    if keep_rate >= 1.0:
+        counts = torch.full((batch,), num_patches, dtype=torch.long)
+    else:
+        rates = keep_rate + spread * (2 * torch.rand(batch, generator=g, dtype=torch.float64) - 1)
+        counts = (rates * num_patches).round().long().clamp(1, num_patches)
+    order = torch.rand(batch, num_patches, generator=g).argsort(dim=1)  # a random permutation per image
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(num_patches).expand(batch, -1))
+    keep = torch.ones(batch, n, dtype=torch.bool)
+    keep[:, 1:] = rank < counts[:, None]
+    # Like a variable-count pruner (Threshold-L2 calibrated), the selection says "variable" even where the draws
+    # happen to be equal (B = 1): the pipeline then reads the total back, as it would for such a pruner.
+    fixed = keep_rate >= 1.0
+    keep = keep.reshape(-1).to(device)
+    return TokenSelection(keep, counts.add(1).to(device, torch.int32), fixed_count=fixed, count=n if fixed else None)

@@ -10,7 +10,7 @@ import argparse
 
 import torch
 
-from ragged_vit.core.segments import cu_seqlens_from_counts
+from benchmarks.workloads import MAX_SEQLEN, NUM_HEADS, make_qkv_sets, make_workload
 from ragged_vit.triton_impl.attention import ragged_attention_qkv
 
 
@@ -19,14 +19,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--pruned", type=int, default=0)
     args = parser.parse_args()
-    gen = torch.Generator().manual_seed(0)
-    target = 196 * (100 - args.pruned) / 100
-    lo, hi = max(1, round(target * 0.85)), min(196, round(target * 1.15))
-    counts = torch.randint(lo, hi + 1, (args.batch,), generator=gen) + 1
-    cu = cu_seqlens_from_counts(counts).cuda()
-    qkv = torch.randn(int(counts.sum()), 3 * 768, generator=gen).half().cuda()
+    workload = make_workload(args.batch, args.pruned)  # the kernel benchmark's cell: counts within +-15%
+    qkv, cu = make_qkv_sets(workload, 1, "cuda")[0], workload.cu_seqlens("cuda")
     for _ in range(3):
-        ragged_attention_qkv(qkv, cu, 197, 12)
+        ragged_attention_qkv(qkv, cu, MAX_SEQLEN, NUM_HEADS)
     torch.cuda.synchronize()
 
 

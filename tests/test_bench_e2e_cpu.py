@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from benchmarks import e2e_tables, make_results, report_e2e, run_bench
-from benchmarks.e2e_common import WORKLOADS, Lab, synthetic_images, synthetic_selection, workload_kind
+from benchmarks.e2e_common import Lab
 from benchmarks.timing import REGIONS, Marks, gpu_slug, stage_breakdown
+from benchmarks.workloads import WORKLOADS, synthetic_images, synthetic_selection, workload_kind
 from ragged_vit.pipelines.backends import PaddedSDPABackend, ReferenceBackend
 
 TINY = "deit_tiny_patch16_224"
