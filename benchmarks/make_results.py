@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks import e2e_tables as T
+from benchmarks import tables as T
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PART_TITLES = {

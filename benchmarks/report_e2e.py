@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import e2e_tables
+from benchmarks import tables as e2e_tables
 from benchmarks.attention_peers import build_peer, make_problem, reference_output
 from benchmarks.e2e_common import (
     ALL_ROWS,

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import e2e_tables, make_results, report_e2e, run_bench
+from benchmarks import make_results, report_e2e, run_bench
+from benchmarks import tables as e2e_tables
 from benchmarks.e2e_common import Lab
 from benchmarks.timing import REGIONS, Marks, gpu_slug, stage_breakdown
 from benchmarks.workloads import WORKLOADS, synthetic_images, synthetic_selection, workload_kind
