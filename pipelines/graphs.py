@@ -275,13 +275,13 @@ class GraphedPrunedViT:
         pipeline = self.pipeline
         if pipeline.training:
             raise RuntimeError("GraphedPrunedViT is inference only: call .eval() on the pipeline")
-        images = pipeline.check_inputs(images)
+        images = pipeline.check_images(images)  # the rest of pipeline.check_inputs runs at binding
         batch = images.shape[0]
         if self.batch_sizes is not None and batch not in self.batch_sizes:
             self.counters.eager_calls += 1
             return pipeline.run(images)
         if self._binding is None:
-            self._bind(images.device)
+            self._bind(images)
         bufs = self._buffers.get(batch) or self._allocate(batch)
         bufs.images.copy_(images)
         if self._plan.fixed:
@@ -314,8 +314,9 @@ class GraphedPrunedViT:
 
     # -- internals --------------------------------------------------------------------------------------------
 
-    def _bind(self, device: torch.device) -> None:
-        pipeline = self.pipeline
+    def _bind(self, images: torch.Tensor) -> None:
+        pipeline, device = self.pipeline, images.device
+        pipeline.check_inputs(images)  # the backend against the model, the pruner ready
         _check_capturable(pipeline)
         if device.type == "cpu" and not self._plan.fixed and not INTERPRETED:
             raise ValueError(

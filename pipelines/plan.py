@@ -26,6 +26,7 @@ decision (the last ends with the head). The graph executor may still chain segme
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 from ragged_vit.core.selection import Placement, Pruner
@@ -108,12 +109,12 @@ class ForwardPlan:
     stages: tuple[StagePlan, ...]
     steps: tuple[Step, ...]
 
-    @property
+    @functools.cached_property
     def fixed(self) -> bool:
         """Whether every count is known on the host: the forward has host-known shapes throughout."""
         return all(stage.counts is Counts.FIXED for stage in self.stages)
 
-    @property
+    @functools.cached_property  # the executors read it on every call: computed once
     def segments(self) -> tuple[tuple[Step, ...], ...]:
         """The steps cut where a host read may happen: the whole forward when :attr:`fixed`, else before every
         stage's REPACK (``len(stages) + 1`` segments)."""
@@ -126,7 +127,7 @@ class ForwardPlan:
             out[-1].append(step)
         return tuple(tuple(segment) for segment in out)
 
-    @property
+    @functools.cached_property
     def row_bounds(self) -> tuple[int, ...]:
         """The most rows an image can have in each segment of :attr:`segments` (a variable plan: ``N``, then each
         stage's ``rows_after``); ``(N,)`` for a fixed plan."""
