@@ -50,25 +50,7 @@ BASELINES = REPO_ROOT / "benchmarks" / "baselines"
 INPUT_SETS = 3  # input batches the timed loops rotate through
 
 
-# Rows: what a user could run. The pruned rows are one pipeline with different attention backends.
-ROW_LABELS: dict[str, str] = {
-    "timm_eager": "unpruned timm, eager",
-    "timm_compiled": 'unpruned timm, torch.compile(mode="reduce-overhead")',
-    "timm_compiled_gemm": 'unpruned timm + our GEMM patch embedding, torch.compile(mode="reduce-overhead")',
-    "padded": "padded (fair): pad to the batch's longest survivor, SDPA + key mask",
-    "padded_full": "padded-full (the paper's): pad back to all N tokens, SDPA + key mask",
-    "fa2_varlen": "FA2 varlen (aten._flash_attention_forward)",
-    "nested_sdpa": "NestedTensor SDPA (flash forced)",
-    "triton": "ours: Triton ragged",
-    "triton_graphed": "ours: Triton ragged + CUDA graphs (ragged_vit.pipelines.graphs)",
-    "fa2_varlen_graphed": "FA2 varlen + CUDA graphs (ragged_vit.pipelines.graphs)",
-    "padded_graphed": "padded (fair) + CUDA graphs (ragged_vit.pipelines.graphs)",
-    "triton_graphed_compiled": "ours: Triton ragged + CUDA graphs + torch.compile of the blocks (compile_blocks)",
-    "public_compiled": (
-        'public APIs only: timm blocks on gathered tokens (fixed counts) or on all N with a key mask (variable), '
-        'decisions replayed, torch.compile(mode="reduce-overhead")'
-    ),
-}
+# The rows (labels: benchmarks.tables.ROW_LABELS), by how report_e2e builds them.
 UNPRUNED_ROWS = ("timm_eager", "timm_compiled", "timm_compiled_gemm")
 EAGER_ROWS = ("padded", "padded_full", "fa2_varlen", "nested_sdpa", "triton")
 GRAPHED_ROWS = ("triton_graphed", "fa2_varlen_graphed", "padded_graphed", "triton_graphed_compiled")

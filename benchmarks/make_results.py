@@ -72,35 +72,6 @@ def card_dirs(baselines: Path) -> list[Path]:
     )
 
 
-# --------------------------------------------------------------------------------------------------- kernel
-
-
-def kernel_section(kernel: dict) -> str:
-    """Tables I and II (and every cell with its three clocks) from ``report_attention``'s JSON."""
-    from benchmarks import report_attention as RA  # imports torch/triton; only needed when the file exists
-
-    meta, cells = kernel["meta"], kernel["cells"]
-    peers = list(meta.get("args", {}).get("peers") or sorted({p for c in cells for p in c["peers"]}))
-    mode = "fixed" if meta.get("args", {}).get("fixed") else "ragged (+-15% around the target)"
-    head = (
-        f"- {meta.get('card')} (SM {meta.get('capability')}), torch {meta.get('torch')}, triton {meta.get('triton')}, "
-        f"CUDA {meta.get('cuda')}, commit {meta.get('commit')}, {meta.get('date')}; per-image counts **{mode}**; "
-        f"copy bandwidth {meta.get('copy_bandwidth_gbps', 0):.0f} GB/s"
-    )
-    return "\n\n".join(
-        [
-            head,
-            "Table I layout (ms, CUDA events per call; the paper: RTX 4000 Ada, fixed counts, FA2 = flash_attn "
-            "varlen wrapper):\n\n" + RA.paper_table_i(cells),
-            "Table II layout (B = 32; overhead % = latency at 80% pruned / total, CUDA events):\n\n"
-            + RA.paper_table_ii(cells),
-            "<details><summary>Every cell, three clocks (us): wall / CUDA events / graph replay</summary>\n\n"
-            + RA.main_table(cells, peers)
-            + "\n\n</details>",
-        ]
-    )
-
-
 # --------------------------------------------------------------------------------------------------- targets
 
 
@@ -452,7 +423,7 @@ def card_section(card_dir: Path, parts: dict[str, dict], kernel: dict | None, fi
     out.append(
         "### Tables I and II -- attention kernel\n\n"
         + (
-            kernel_section(kernel)
+            T.kernel_section(kernel)
             if kernel
             else "(not measured: `python -m benchmarks.report_attention --out "
             f"benchmarks/baselines/{slug}/attention.json`)"

@@ -32,20 +32,9 @@ from benchmarks.attention_peers import (
     make_problem,
     reference_output,
 )
+from benchmarks.tables import kernel_median, kernel_section
 from benchmarks.timing import copy_bandwidth, environment, l2_bytes, measure
-from benchmarks.workloads import HEAD_DIM, NUM_HEADS, attention_bytes, grid, make_workload, sets_to_rotate
-
-# The paper's Table I (RTX 4000 Ada, fixed counts, CUDA events, ms): (B, pruned %) -> (padded SDPA, FA2, Triton).
-PAPER_TABLE_I = {
-    (32, 0): (2.067, 0.112, 0.136),
-    (32, 50): (1.913, 0.050, 0.042),
-    (32, 80): (1.907, 0.051, 0.024),
-    (64, 0): (4.099, 0.265, 0.346),
-    (64, 50): (3.839, 0.072, 0.080),
-    (64, 80): (3.722, 0.060, 0.028),
-}
-# The paper's Table II (BS=32): pruned % -> (FA2 overhead %, Triton overhead %).
-PAPER_TABLE_II = {0: (46, 18), 50: (100, 57), 80: (100, 100)}
+from benchmarks.workloads import attention_bytes, grid, make_workload, sets_to_rotate
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -109,93 +98,12 @@ def run_cell(batch: int, pruned: int, args: argparse.Namespace, bandwidth: float
     return cell
 
 
-def _median(cell: dict, peer: str, clock: str) -> float | None:
-    entry = cell["peers"].get(peer, {})
-    value = entry.get(f"{clock}_us") if entry.get("status") == "ok" else None
-    return value["median"] if value else None
-
-
 def _ratios(cell: dict) -> dict[str, float | None]:
-    ours, fa2 = _median(cell, "ours", "graph"), _median(cell, "fa2_aten", "graph")
+    ours, fa2 = kernel_median(cell, "ours", "graph"), kernel_median(cell, "fa2_aten", "graph")
     return {
         "ours_over_fa2_aten_graph": ours / fa2 if ours and fa2 else None,
         "ours_over_roofline_graph": ours / cell["roofline_us"] if ours else None,
     }
-
-
-def _fmt(value: float | None, digits: int = 1) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.0f}" if value >= 1000 else f"{value:.{digits}f}"
-
-
-def main_table(cells: list[dict], peers: list[str]) -> str:
-    """Every cell, every peer: wall / events / graph medians in microseconds."""
-    head = ["B", "pruned %", "T (max len)"] + [f"{p} wall / ev / graph" for p in peers]
-    head += ["ours / FA2-aten (graph)", "ours / roofline (graph)", "roofline us"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for cell in cells:
-        row = [str(cell["batch"]), str(cell["pruned_pct"]), f"{cell['tokens']} ({cell['max_len']})"]
-        for p in peers:
-            entry = cell["peers"].get(p, {})
-            status = entry.get("status")
-            if status == "ok":
-                clocks = [_median(cell, p, c) for c in ("wall", "events", "graph")]
-                row.append(" / ".join(_fmt(c) for c in clocks))
-            else:
-                row.append({"failed": "FAILED", "unavailable": "n/a"}.get(status, "-"))
-        ratios = cell["ratios"]
-        row += [
-            _fmt(ratios["ours_over_fa2_aten_graph"], 2),
-            _fmt(ratios["ours_over_roofline_graph"], 2),
-            _fmt(cell["roofline_us"], 2),
-        ]
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
-
-
-def paper_table_i(cells: list[dict]) -> str:
-    """The paper's Table I layout (ms, CUDA events, B = 32 and 64), this card's numbers next to the paper's."""
-    by_key = {(c["batch"], c["pruned_pct"]): c for c in cells}
-    head = [
-        "BS", "Prune", "Tok/img (mean)", "SDPA padded", "varlen_attn", "FA2-aten", "Ours",
-        "paper SDPA / FA2 varlen / Ours",
-    ]  # fmt: skip
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for key, paper in PAPER_TABLE_I.items():
-        cell = by_key.get(key)
-        if cell is None:
-            continue
-        ms = [_median(cell, p, "events") for p in ("padded_sdpa", "varlen_attn", "fa2_aten", "ours")]
-        row = [str(key[0]), f"{key[1]}%", f"{cell['mean_len']:.0f}"]
-        row += [_fmt(m / 1e3, 3) if m is not None else "-" for m in ms]
-        row.append(" / ".join(f"{x:.3f}" for x in paper))
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines) if len(lines) > 2 else "(no B=32/64 cells: run without --quick)"
-
-
-def paper_table_ii(cells: list[dict]) -> str:
-    """Table II at B=32: overhead = the floor (latency at 80% pruned) over the total, CUDA events."""
-    by_pct = {c["pruned_pct"]: c for c in cells if c["batch"] == 32}
-    if 80 not in by_pct:
-        return "(no B=32, 80% cell: run without --quick)"
-    peers = ("varlen_attn", "fa2_aten", "ours")
-    head = ["Prune"] + [f"{p} total ms / overhead %" for p in peers] + ["paper FA2 / Triton overhead %"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    floors = {p: _median(by_pct[80], p, "events") for p in peers}
-    for pct in (0, 50, 80):
-        if pct not in by_pct:
-            continue
-        row = [f"{pct}%"]
-        for p in peers:
-            total, floor = _median(by_pct[pct], p, "events"), floors[p]
-            if total is None or floor is None:
-                row.append("-")
-            else:
-                row.append(f"{total / 1e3:.3f} / {min(100.0, 100 * floor / total):.0f}")
-        row.append("{} / {}".format(*PAPER_TABLE_II[pct]))
-        lines.append("| " + " | ".join(row) + " |")
-    return "\n".join(lines)
 
 
 def notes(cells: list[dict], peers: list[str]) -> str:
@@ -223,28 +131,6 @@ def notes(cells: list[dict], peers: list[str]) -> str:
     return "\n".join(out)
 
 
-def render(meta: dict, cells: list[dict], peers: list[str]) -> str:
-    mode = "fixed" if meta["args"]["fixed"] else "variable (+-15%)"
-    header = (
-        f"Attention kernel benchmark -- {meta['card']} (SM {meta['capability']}), torch {meta['torch']}, "
-        f"triton {meta['triton']}, CUDA {meta['cuda']}, commit {meta['commit']}\n"
-        f"DeiT-B H={NUM_HEADS} D={HEAD_DIM} fp16, per-image counts {mode}; copy bandwidth "
-        f"{meta['copy_bandwidth_gbps']:.0f} GB/s (read+write); times in us unless marked; medians. "
-        "wall = back-to-back calls / host clock; ev = CUDA events per call on an idle device (paper's method); "
-        "graph = CUDA-graph replay per call (device only). roofline = q,k,v,o bytes / copy bandwidth."
-    )
-    return "\n\n".join(
-        [
-            header,
-            main_table(cells, peers),
-            "Table I layout (ms, CUDA events; paper: RTX 4000 Ada, fixed counts):\n\n" + paper_table_i(cells),
-            "Table II layout (B=32; overhead % = latency at 80% pruned / total, CUDA events):\n\n"
-            + paper_table_ii(cells),
-            "Notes:\n" + notes(cells, peers),
-        ]
-    )
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -267,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         meta["elapsed_s"] = time.perf_counter() - started
         args.out.write_text(json.dumps({"meta": meta, "cells": cells}, indent=1))
         print(f"[B={batch:>3} pruned={pruned:>2}%] {time.perf_counter() - t0:5.1f} s", file=sys.stderr, flush=True)
-    print(render(meta, cells, args.peers))
+    print(kernel_section({"meta": meta, "cells": cells}) + "\n\nNotes:\n" + notes(cells, args.peers))
     print(f"\n{len(cells)} cells in {meta['elapsed_s']:.0f} s; JSON: {args.out}")
     return 0
 

@@ -50,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import tables as e2e_tables
+from benchmarks import tables
 from benchmarks.attention_peers import build_peer, make_problem, reference_output
 from benchmarks.e2e_common import (
     ALL_ROWS,
@@ -62,7 +62,6 @@ from benchmarks.e2e_common import (
     DEIT_T,
     EAGER_ROWS,
     GRAPHED_ROWS,
-    ROW_LABELS,
     Lab,
     Reference,
     Unavailable,
@@ -77,6 +76,7 @@ from benchmarks.e2e_common import (
     write_json,
 )
 from benchmarks.public_peer import PublicPrunedViT, dense_plan
+from benchmarks.tables import ROW_LABELS
 from benchmarks.timing import describe, forward_times, gpu_slug, graph_time, once, stage_breakdown
 from benchmarks.workloads import WORKLOADS, make_workload, workload_kind
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
@@ -702,7 +702,7 @@ def main(argv: list[str] | None = None) -> int:
             lab.clear()
     for part, path, payload in written:
         print(f"\n## {part} ({path})\n")
-        print(e2e_tables.render_part(payload))
+        print(tables.render_part(payload))
     print(f"\n{total} rows in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     return 0
 

@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import make_results, report_e2e, run_bench
-from benchmarks import tables as e2e_tables
-from benchmarks.e2e_common import Lab
+from benchmarks import make_results, report_e2e, run_bench, tables
+from benchmarks.e2e_common import ALL_ROWS, Lab
 from benchmarks.timing import REGIONS, Marks, gpu_slug, stage_breakdown
 from benchmarks.workloads import WORKLOADS, synthetic_images, synthetic_selection, workload_kind
 from ragged_vit.pipelines.backends import PaddedSDPABackend, ReferenceBackend
@@ -66,6 +65,10 @@ def test_workload_kinds() -> None:
     assert workload_kind("ats", 0.5) == "ragged" and workload_kind("l2_calibrated", 0.5) == "ragged"
     assert workload_kind("synthetic", 0.5) == "ragged" and workload_kind("synthetic", 1.0) == "fixed"
     assert {w.kind for w in WORKLOADS.values()} == {"fixed", "ragged"}
+
+
+def test_rows_have_labels_in_table_order() -> None:
+    assert ALL_ROWS == tuple(tables.ROW_LABELS) == tables.ROW_ORDER
 
 
 def test_padded_full_matches_fair_padding_and_reference() -> None:
@@ -265,7 +268,7 @@ def _write_fixtures(root: Path) -> Path:
         "fig1": {"part": "fig1", "quick": False, "meta": _meta(False, "d"), "rows": fig1_rows},
         "table4": {"part": "table4", "quick": False, "meta": _meta(False, "d"), "rows": stages},
         "table5": {"part": "table5", "quick": False, "meta": _meta(False, "d"),
-                   "rows": _throughput_rows(list(e2e_tables.PAPER_TABLE_V), ["l2_ratio"], [4, 64])},
+                   "rows": _throughput_rows(list(tables.PAPER_TABLE_V), ["l2_ratio"], [4, 64])},
         "res384": {"part": "res384", "quick": False, "meta": _meta(False, "d"),
                    "rows": _throughput_rows([B224, B384], ["l2_ratio", "synthetic"], [1, 4, 32])},
         "table6": {"part": "table6", "quick": False, "meta": _meta(False, "d"), "rows": numerics,
@@ -320,8 +323,8 @@ def test_merge_prefers_full_and_later_runs() -> None:
     later = copy.deepcopy(full)
     later["meta"]["date"] = "2026-11-28"
     later["rows"][0]["img_per_s"] = 30.0
-    assert e2e_tables.merge_payloads([quick, full])["rows"][0]["img_per_s"] == 20.0
-    merged = e2e_tables.merge_payloads([later, quick, full])
+    assert tables.merge_payloads([quick, full])["rows"][0]["img_per_s"] == 20.0
+    merged = tables.merge_payloads([later, quick, full])
     assert merged["rows"][0]["img_per_s"] == 30.0 and len(merged["metas"]) == 3 and not merged["quick"]
 
 
@@ -370,7 +373,7 @@ def test_tables_have_consistent_columns(tmp_path: Path) -> None:
     card = _write_fixtures(tmp_path)
     parts, _ = make_results.load_card(card)
     for part, payload in parts.items():
-        text = e2e_tables.render_part(payload)
+        text = tables.render_part(payload)
         for block in text.split("\n\n"):
             lines = [ln for ln in block.splitlines() if ln.startswith("|")]
             if lines:
