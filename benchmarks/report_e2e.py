@@ -6,16 +6,14 @@ Usage (on a CUDA machine, from the repository root)::
     python -m benchmarks.report_e2e --part table3 --batches 1,4,8,16 --tag b1-16 --out DIR
     python -m benchmarks.report_e2e --part res384 --out DIR      # one part per device call (each < 8 min)
 
-Options: ``--batches``, ``--workloads``, ``--rows`` select subsets; ``--no-compile`` / ``--compile-batches 1,64``
-limit the torch.compile rows (tens of seconds of compilation each); ``--no-graphed`` drops the CUDA-graph rows;
-``--max-minutes M`` skips (and records as skipped) the rows not started after M minutes (default 3.75 with
-``--quick``, 9 without; 0 = no limit). Within a part the torch.compile rows run last, so a run cut short by the
-budget loses those first.
+``--batches``, ``--workloads``, ``--rows`` select subsets; ``--no-compile`` / ``--compile-batches`` limit the
+torch.compile rows (tens of seconds of compilation each); ``--max-minutes`` skips, and records as skipped, the rows
+not started in time. Within a part the torch.compile rows run last, so a run cut short loses those first.
 
 Parts (one JSON each, ``DIR/<part>[-<tag>].json``; DIR defaults to ``benchmarks/baselines/<gpu-slug>/e2e``):
 
-* ``table3`` -- throughput (img/s) vs batch size, DeiT-B 224, 50% pruning, every workload (see
-  ``benchmarks.e2e_common``: fixed and ragged) x every row: unpruned timm eager and under
+* ``table3`` -- throughput (img/s) vs batch size, DeiT-B 224, 50% pruning, every workload
+  (``benchmarks.workloads.WORKLOADS``: fixed and ragged) x every row: unpruned timm eager and under
   ``torch.compile(mode="reduce-overhead")`` (compiled once per batch size, compile time reported), padded (fair),
   padded-full (the paper's), FA2 varlen, NestedTensor SDPA (timed at B <= 4 only, otherwise one forward is
   reported as too slow), Triton, and the CUDA-graph rows of ``ragged_vit.pipelines.graphs`` when it exists.
@@ -27,58 +25,62 @@ Parts (one JSON each, ``DIR/<part>[-<tag>].json``; DIR defaults to ``benchmarks/
 * ``table6`` -- numerics: max / mean |logit diff| of Triton and FA2 against the padded (fair) pipeline, fp16,
   same decisions, B = 1, 4, 16 (64), and the paper's kernel rows (B = 32, 0/50/80% pruned).
 
-Method (``docs/measuring.md``): fp16, ``torch.no_grad``, images already on the GPU, three input
-batches rotated; per row a warm-up, then forwards timed one at a time (synchronize, host clock and CUDA events
-around each forward); medians with quartiles. Throughput = B / median wall time per forward. Where a pipeline has
-no host synchronisation (fixed counts) its device-only time under CUDA-graph replay is measured too. One torch
-thread. Every pipeline is checked against the fp32 reference run on the same decisions before it is timed; a
-failing one is reported, not timed. Each JSON is rewritten after every row (an interrupted run keeps its rows)
-and holds the card, torch, triton, timm, CUDA, commit and the workload descriptions. Nothing asserts a time.
+Method (``docs/measuring.md``): fp16, ``torch.no_grad``, three input batches rotated, every pipeline checked
+against the fp32 reference (``benchmarks.e2e_common``) before it is timed with ``benchmarks.timing.forward_times``
+(and ``graph_time`` where it has no host synchronisation); throughput = B / median wall time per forward. Each JSON
+is rewritten after every row (an interrupted run keeps its rows) and holds the card, the versions, the commit and
+the workload descriptions. Nothing asserts a time.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
+import json
+import os
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import timm
 import torch
+from tqdm import tqdm
 
 from benchmarks import tables
 from benchmarks.attention_peers import build_peer, make_problem, reference_output
 from benchmarks.e2e_common import (
-    ALL_ROWS,
-    BASELINES,
-    COMPILED_ROWS,
+    CHECKPOINT_ENV,
     DEIT_B,
     DEIT_B_384,
     DEIT_S,
     DEIT_T,
-    EAGER_ROWS,
-    GRAPHED_ROWS,
     Lab,
     Reference,
-    Unavailable,
-    backend_for,
     check_logits,
     error_bound,
     forward_calls,
+    logit_diff,
     logits_of,
-    progress,
-    run_environment,
-    torch_threads,
-    write_json,
 )
 from benchmarks.public_peer import PublicPrunedViT, dense_plan
 from benchmarks.tables import ROW_LABELS
-from benchmarks.timing import describe, forward_times, gpu_slug, graph_time, once, stage_breakdown
+from benchmarks.timing import (
+    REPO_ROOT,
+    describe,
+    environment,
+    forward_times,
+    gpu_slug,
+    graph_time,
+    once,
+    stage_breakdown,
+)
 from benchmarks.workloads import WORKLOADS, make_workload, workload_kind
+from ragged_vit.pipelines.backends import AttentionBackend, PaddedSDPABackend, make_backend
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.model import PrunedViT
 from ragged_vit.pipelines.patch_embed import with_gemm_patch_embed
@@ -89,6 +91,27 @@ QUICK_PARTS = ("table6", "table4", "table3", "fig1")
 QUICK_MINUTES, FULL_MINUTES = 3.75, 9.0  # default --max-minutes: rows not started by then are skipped
 NESTED_MAX_BATCH = 4  # NestedTensor SDPA costs milliseconds per call: timed only up to this batch size
 UNPRUNED_FIG1 = ("timm_eager", "timm_compiled")
+# The rows (labels: benchmarks.tables.ROW_LABELS), by how they are built.
+UNPRUNED_ROWS = ("timm_eager", "timm_compiled", "timm_compiled_gemm")
+EAGER_ROWS = ("padded", "padded_full", "fa2_varlen", "nested_sdpa", "triton")
+GRAPHED_ROWS = ("triton_graphed", "fa2_varlen_graphed", "padded_graphed", "triton_graphed_compiled")
+PUBLIC_ROWS = ("public_compiled",)  # benchmarks.public_peer
+COMPILED_ROWS = ("timm_compiled", "timm_compiled_gemm", "triton_graphed_compiled", "public_compiled")  # slow to build
+ALL_ROWS = (*UNPRUNED_ROWS, *EAGER_ROWS, *GRAPHED_ROWS, *PUBLIC_ROWS)
+
+
+class Unavailable(RuntimeError):
+    """A row that cannot run on this checkout or torch (reported with the reason, not timed)."""
+
+
+def backend_for(row: str, num_tokens: int) -> AttentionBackend:
+    """The attention backend of an eager (or graphed) pruned row; ``num_tokens`` is the unpruned N (CLS included)."""
+    base = row.removesuffix("_compiled").removesuffix("_graphed")
+    if base == "padded":
+        return PaddedSDPABackend()
+    if base == "padded_full":
+        return PaddedSDPABackend(pad_to=num_tokens)
+    return make_backend(base)
 
 
 @dataclass(frozen=True)
@@ -113,8 +136,6 @@ class Settings:
     """Iteration counts and switches of one run."""
 
     quick: bool
-    compile: bool
-    graphed: bool
     warmup: int
     target_s: float
     min_iters: int
@@ -122,22 +143,16 @@ class Settings:
     stage_iters: int
     graph_calls: int = 2
     graph_replays: int = 5
+    compile: bool = True
     compile_batches: tuple[int, ...] | None = None  # None: compile at every batch size of the part
     deadline: float | None = None  # time.perf_counter() after which no row starts (skipped with the reason)
 
     @classmethod
-    def make(
-        cls,
-        quick: bool,
-        compile: bool = True,
-        graphed: bool = True,
-        compile_batches: tuple[int, ...] | None = None,
-        deadline: float | None = None,
-    ) -> Settings:
-        common = dict(compile=compile, graphed=graphed, compile_batches=compile_batches, deadline=deadline)
+    def make(cls, quick: bool, **switches: object) -> Settings:
+        """The quick or full iteration counts (``forward_times``' warm-up and iteration rules) with ``switches``."""
         if quick:
-            return cls(quick, warmup=3, target_s=0.25, min_iters=10, max_iters=40, stage_iters=10, **common)
-        return cls(quick, warmup=5, target_s=0.6, min_iters=20, max_iters=120, stage_iters=30, **common)
+            return cls(quick, warmup=3, target_s=0.25, min_iters=10, max_iters=40, stage_iters=10, **switches)
+        return cls(quick, warmup=5, target_s=0.6, min_iters=20, max_iters=120, stage_iters=30, **switches)
 
 
 # --------------------------------------------------------------------------------------------------- plans
@@ -441,8 +456,6 @@ class Runner:
         return self._reduce_overhead(task, peer, inputs, ref.logits, bound, entry)
 
     def _prepare_graphed(self, task: Task) -> Prepared:
-        if not self.s.graphed:
-            raise Unavailable("graphed rows switched off (--no-graphed)")
         if self.lab.device.type != "cuda":
             raise Unavailable("CUDA graphs need a CUDA device")
         compiled = task.row.endswith("_compiled")
@@ -502,9 +515,9 @@ class Runner:
             if isinstance(out, str):
                 entry["vs_fp32"][name] = {"reason": out}
                 continue
-            entry["vs_fp32"][name] = _diff(out, ref.logits)
+            entry["vs_fp32"][name] = logit_diff(out, ref.logits)
             if name != "padded" and not isinstance(base, str):
-                entry["vs_padded"][name] = _diff(out, base)
+                entry["vs_padded"][name] = logit_diff(out, base)
         if isinstance(base, str):
             entry.update(status="failed", reason=f"padded pipeline {base}")
         return entry
@@ -547,23 +560,6 @@ def _cudagraph_skips() -> int:
     return int(counters["inductor"].get("cudagraph_skips", 0))
 
 
-def _diff(out: torch.Tensor, ref: torch.Tensor) -> dict:
-    """Max / mean |logit diff| and top-1 agreement; for every disagreement, the reference's own margin between
-    its top-1 and top-2 logits (random weights give near-ties that any rounding flips: a margin below the
-    logit noise is a tie, not an error)."""
-    out, ref = out.float(), ref.float()
-    d = (out - ref).abs()
-    agree = out.argmax(-1) == ref.argmax(-1)
-    top2 = ref.topk(min(2, ref.shape[-1]), dim=-1).values
-    margins = (top2[:, 0] - top2[:, -1])[~agree]
-    return {
-        "max": d.max().item(),
-        "mean": d.mean().item(),
-        "top1_agree": agree.float().mean().item(),
-        "disagree_ref_margins": [round(m, 6) for m in margins.tolist()],
-    }
-
-
 def kernel_numerics(device: torch.device) -> list[dict]:
     """The paper's kernel rows of Table VI: ours vs padded SDPA, B = 32, 0/50/80% pruned, fp16, fixed counts
     (the paper's) and variable counts; plus each against the fp32 reference."""
@@ -594,11 +590,24 @@ def kernel_numerics(device: torch.device) -> list[dict]:
 # --------------------------------------------------------------------------------------------------- main
 
 
+def _csv(text: str | None, kind: type = str, choices: Sequence[str] | None = None) -> tuple | None:
+    """A comma-separated option as a tuple (None when not given); names must be among ``choices``."""
+    if not text:
+        return None
+    values = tuple(kind(v.strip()) for v in text.split(","))
+    unknown = sorted(set(values) - set(choices)) if choices else []
+    if unknown:
+        raise ValueError(f"unknown {unknown}; choose from {list(choices)}")
+    return values
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.report_e2e", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="directory (default benchmarks/baselines/<gpu>/e2e)")
     parser.add_argument("--quick", action="store_true", help="the quick subset (< 4 min on an H200)")
-    parser.add_argument("--part", default=None, help=f"one of {', '.join(PARTS)}, or all (default: quick parts)")
+    parser.add_argument(
+        "--part", default="all", choices=(*PARTS, "all"), help="one part (default: all, or the quick ones)"
+    )
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (overrides the part's)")
     parser.add_argument("--workloads", default=None, help="comma-separated workloads: " + ",".join(WORKLOADS))
     parser.add_argument("--rows", default=None, help="comma-separated subset of rows: " + ",".join(ALL_ROWS))
@@ -612,28 +621,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help=f"rows not started after this many minutes are skipped (default {QUICK_MINUTES} with --quick, "
         f"{FULL_MINUTES} without; 0: no limit)",
     )
-    parser.add_argument("--no-graphed", action="store_true", help="skip the ragged_vit.pipelines.graphs rows")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the CPU tests' dry run
     parser.add_argument("--model", default=None, help=argparse.SUPPRESS)  # replaces every model (CPU tests)
     args = parser.parse_args(argv)
-    if args.part is None:
-        args.parts = QUICK_PARTS if args.quick else PARTS
-    elif args.part == "all":
-        args.parts = QUICK_PARTS if args.quick else PARTS
-    elif args.part in PARTS:
-        args.parts = (args.part,)
-    else:
-        parser.error(f"--part must be one of {', '.join(PARTS)} or all, got {args.part!r}")
-    args.batches = tuple(int(b) for b in args.batches.split(",")) if args.batches else None
-    args.compile_batches = tuple(int(b) for b in args.compile_batches.split(",")) if args.compile_batches else None
-    args.workloads = tuple(w.strip() for w in args.workloads.split(",")) if args.workloads else None
-    unknown = sorted(set(args.workloads or ()) - set(WORKLOADS))
-    if unknown:
-        parser.error(f"unknown workloads {unknown}; choose from {list(WORKLOADS)}")
-    args.rows = tuple(r.strip() for r in args.rows.split(",")) if args.rows else None
-    unknown = sorted(set(args.rows or ()) - set(ALL_ROWS))
-    if unknown:
-        parser.error(f"unknown rows {unknown}; choose from {list(ALL_ROWS)}")
+    args.parts = (args.part,) if args.part != "all" else QUICK_PARTS if args.quick else PARTS
+    for name, kind, choices in (
+        ("batches", int, None), ("compile_batches", int, None), ("workloads", str, WORKLOADS), ("rows", str, ALL_ROWS)
+    ):  # fmt: skip
+        try:
+            setattr(args, name, _csv(getattr(args, name), kind, choices))
+        except ValueError as exc:
+            parser.error(f"--{name.replace('_', '-')}: {exc}")
     if args.tag is None and args.quick:
         args.tag = "quick"
     return args
@@ -646,32 +644,33 @@ def main(argv: list[str] | None = None) -> int:
         print("report_e2e needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    out_dir = args.out or BASELINES / gpu_slug() / "e2e"
+    out_dir = args.out or REPO_ROOT / "benchmarks" / "baselines" / gpu_slug() / "e2e"
     minutes = args.max_minutes if args.max_minutes is not None else (QUICK_MINUTES if args.quick else FULL_MINUTES)
     settings = Settings.make(
         args.quick,
         compile=not args.no_compile,
-        graphed=not args.no_graphed,
         compile_batches=args.compile_batches,
         deadline=time.perf_counter() + 60 * minutes if minutes > 0 else None,
     )
     lab = Lab(device, dtype)
     runner = Runner(lab, settings)
-    env = run_environment()
+    checkpoint = os.environ.get(CHECKPOINT_ENV)
+    weights = f"checkpoint {checkpoint} (DeiT-B-224 only)" if checkpoint else "random (seeded)"
+    env = {**environment(), "timm": timm.__version__, "weights": weights}
     started = time.perf_counter()
     plans = {p: plan_part(p, args.quick, args.batches, args.workloads) for p in args.parts}
     if args.rows:  # Table VI compares fixed backends: not filtered
         plans = {p: [t for t in ts if t.kind == "numerics" or t.row in args.rows] for p, ts in plans.items()}
     if args.model:
-        plans = {p: [_with_model(t, args.model) for t in ts] for p, ts in plans.items()}
+        plans = {p: [dataclasses.replace(t, model=args.model) for t in ts] for p, ts in plans.items()}
     total = sum(len(ts) for ts in plans.values())
     print(
         f"report_e2e on {env['card'] or 'cpu'}: parts {', '.join(args.parts)}, {total} rows -> {out_dir}",
         file=sys.stderr,
-        flush=True,
     )
     written = []
-    with torch_threads(1), progress(total, "e2e") as bar:
+    bar = tqdm(total=total, desc="e2e", unit="row", file=sys.stderr, dynamic_ncols=True, mininterval=1.0)
+    with torch_threads(1), bar:
         for part, tasks in plans.items():
             path = out_dir / (f"{part}-{args.tag}.json" if args.tag else f"{part}.json")
             payload = {
@@ -707,8 +706,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _with_model(task: Task, model: str) -> Task:
-    return Task(task.part, model, task.workload, task.keep_rate, task.batch, task.row, task.kind)
+def write_json(path: Path, payload: dict) -> None:
+    """Writes ``payload`` atomically (a partial file never replaces a complete one)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    tmp.replace(path)
+
+
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """``n`` CPU threads for torch while timing (the host side must not compete with itself)."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
 
 
 if __name__ == "__main__":

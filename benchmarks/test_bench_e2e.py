@@ -25,8 +25,8 @@ import pytest
 import timm
 import torch
 
-from benchmarks.e2e_common import DEIT_B, Lab, Unavailable
-from benchmarks.report_e2e import Runner, Settings, Task
+from benchmarks.e2e_common import DEIT_B, Lab
+from benchmarks.report_e2e import Runner, Settings, Task, Unavailable
 from benchmarks.timing import SyncEvery, forward_times, gc_off, warmup
 
 QUICK = os.environ.get("RAGGED_BENCH_QUICK", "") not in ("", "0")

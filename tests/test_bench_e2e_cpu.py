@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from benchmarks import make_results, report_e2e, run_bench, tables
-from benchmarks.e2e_common import ALL_ROWS, Lab
+from benchmarks.e2e_common import Lab
 from benchmarks.timing import REGIONS, Marks, gpu_slug, stage_breakdown
 from benchmarks.workloads import WORKLOADS, synthetic_images, synthetic_selection, workload_kind
 from ragged_vit.pipelines.backends import PaddedSDPABackend, ReferenceBackend
@@ -68,7 +68,7 @@ def test_workload_kinds() -> None:
 
 
 def test_rows_have_labels_in_table_order() -> None:
-    assert ALL_ROWS == tuple(tables.ROW_LABELS) == tables.ROW_ORDER
+    assert report_e2e.ALL_ROWS == tuple(tables.ROW_LABELS) == tables.ROW_ORDER
 
 
 def test_padded_full_matches_fair_padding_and_reference() -> None:
