@@ -82,3 +82,23 @@ def test_public_api_from_a_project_with_its_own_pipelines_and_reference(tmp_path
     assert version == ragged_vit.__version__
     assert shape == [2, 5]
     assert counts == [[8, 4, 2]] * 2  # EViT at 0.5 in blocks 3, 6, 9: half of the 16, 8, 4 patches
+
+
+LAYERS = ["core", "reference", "triton_impl", "pipelines"]  # bottom up: each imports only itself and those below
+
+
+def test_dependencies_point_down_the_layers():
+    import ast
+
+    offenders = []
+    for rank, folder in enumerate(LAYERS):
+        allowed = {f"ragged_vit.{layer}" for layer in LAYERS[: rank + 1]}
+        for path in (REPO / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                names += [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+                for name in names:
+                    top = ".".join(name.split(".")[:2])
+                    if name.startswith("ragged_vit.") and top not in allowed:
+                        offenders.append(f"{path.relative_to(REPO)} imports {name}")
+    assert not offenders, "\n".join(offenders)
