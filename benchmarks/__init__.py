@@ -2,3 +2,8 @@
 
 Nothing here asserts a time. Every result carries the card, torch, triton and git commit it was measured on.
 """
+
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BASELINES = REPO_ROOT / "benchmarks" / "baselines"  # stored results, one directory per card model

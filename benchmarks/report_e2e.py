@@ -51,7 +51,7 @@ import timm
 import torch
 from tqdm import tqdm
 
-from benchmarks import tables
+from benchmarks import BASELINES, tables
 from benchmarks.attention_peers import build_peer, make_problem, reference_output
 from benchmarks.e2e_common import (
     CHECKPOINT_ENV,
@@ -70,7 +70,6 @@ from benchmarks.e2e_common import (
 from benchmarks.public_peer import PublicPrunedViT, dense_plan
 from benchmarks.tables import ROW_LABELS
 from benchmarks.timing import (
-    REPO_ROOT,
     describe,
     environment,
     forward_times,
@@ -644,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         print("report_e2e needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2
     dtype = torch.float16 if device.type == "cuda" else torch.float32
-    out_dir = args.out or REPO_ROOT / "benchmarks" / "baselines" / gpu_slug() / "e2e"
+    out_dir = args.out or BASELINES / gpu_slug() / "e2e"
     minutes = args.max_minutes if args.max_minutes is not None else (QUICK_MINUTES if args.quick else FULL_MINUTES)
     settings = Settings.make(
         args.quick,

@@ -30,13 +30,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import BASELINES, REPO_ROOT
+
 DEFAULT_THRESHOLD = 25.0
 
 
 def storage_dir(slug: str, quick: bool, root: Path | None = None) -> Path:
     """Where the runs of one card and mode are stored."""
-    return (root or REPO_ROOT / "benchmarks" / "baselines") / slug / ("bench-quick" if quick else "bench-full")
+    return (root or BASELINES) / slug / ("bench-quick" if quick else "bench-full")
 
 
 def stored_runs(storage: Path, machine_id: str) -> list[Path]:
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"run_bench: {slug}, {mode}; storage {storage}; {plan}", file=sys.stderr, flush=True)
     rc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=False).returncode
     if args.export is not None:
-        root = args.storage_root or REPO_ROOT / "benchmarks" / "baselines"
+        root = args.storage_root or BASELINES
         for path in sorted(set(stored_runs(storage, machine_id)) - before):
             dest = args.export / path.relative_to(root)
             dest.parent.mkdir(parents=True, exist_ok=True)

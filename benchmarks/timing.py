@@ -27,17 +27,15 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 import triton
 
+from benchmarks import REPO_ROOT
 from ragged_vit.pipelines.plan import Step, StepKind
 
 Call = Callable[..., object]
 ContextFactory = Callable[[], contextlib.AbstractContextManager]
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
