@@ -78,6 +78,7 @@ def _device_of(argv: list[str] | None) -> torch.device | None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's parser; its backend and pruner choices come from the registries (which import timm and triton)."""
+    import ragged_vit
     from ragged_vit.pipelines.backends import BACKENDS
     from ragged_vit.pipelines.factory import PRUNER_NAMES
 
@@ -86,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Classify images with a token-pruned timm DeiT through ragged (packed) attention backends; "
         "print top-5 predictions, kept tokens, backend agreement and throughput.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {ragged_vit.__version__}")
     parser.add_argument(
         "--model", help="timm model name (default: deit_tiny_patch16_224 on CPU, deit_base_patch16_224 on CUDA)"
     )

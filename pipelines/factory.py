@@ -42,6 +42,15 @@ def pruner_options(name: str) -> tuple[str, ...]:
     return tuple(p for p, v in params.items() if v.kind is v.KEYWORD_ONLY and p not in ("embed_dim", "num_patches"))
 
 
+def _check_options(name: str, options: dict[str, object], hint: str = "") -> None:
+    unknown = sorted(set(options) - set(pruner_options(name)))
+    if unknown:
+        takes = ", ".join(pruner_options(name)) or "none"
+        raise ValueError(
+            f"pruner {name!r} takes no option {', '.join(map(repr, unknown))} (its options: {takes}){hint}"
+        )
+
+
 def build_pruner(name: str, model: nn.Module, keep_rate: float = 0.5, **options: object) -> Pruner | None:
     """The pruner ``name`` configured for ``model`` at ``keep_rate`` (None for ``"none"``).
 
@@ -55,15 +64,42 @@ def build_pruner(name: str, model: nn.Module, keep_rate: float = 0.5, **options:
     if not isinstance(name, str) or name not in PRUNER_NAMES:
         raise ValueError(f"pruner must be one of {', '.join(PRUNER_NAMES)}, got {name!r}")
     keep_rate = check_rate(keep_rate, "keep_rate")
-    unknown = sorted(set(options) - set(pruner_options(name)))
-    if unknown:
-        takes = ", ".join(pruner_options(name)) or "none"
-        raise ValueError(f"pruner {name!r} takes no option {', '.join(map(repr, unknown))} (its options: {takes})")
+    _check_options(name, options)
     if name == "none":
         return None
     return PRUNERS[name].from_keep_rate(
         keep_rate, embed_dim=model.embed_dim, num_patches=model.patch_embed.num_patches, **options
     )
+
+
+def prune(
+    model: nn.Module,
+    pruner: str = "threshold_l2",
+    keep_rate: float = 0.5,
+    backend: str | AttentionBackend = "triton",
+    **options: object,
+) -> PrunedViT:
+    """Wraps a timm ViT the caller already has (built, loaded, moved) into a pruned pipeline, in one line.
+
+    The :class:`PrunedViT` shares ``model``'s modules and parameters and leaves them as they are (it puts the model
+    in eval mode: inference only); a checkpoint can still be loaded afterwards, into ``pipeline.model`` (and, for
+    DynamicViT, ``pipeline.pruner``: :func:`ragged_vit.pipelines.weights.load_checkpoint`). The pruner is built on
+    ``model``'s device and dtype.
+
+    Args:
+        model: a timm ``VisionTransformer`` instance.
+        pruner: one of :data:`PRUNER_NAMES`.
+        keep_rate: in ``(0, 1]``, mapped onto the pruner's own parameters (module docstring).
+        backend: the attention backend (``"triton"``: ours, on CUDA; ``"reference"`` on a CPU without Triton's
+            interpreter).
+        options: the pruner's own options (:func:`pruner_options`).
+    """
+    pruner_module = build_pruner(pruner, model, keep_rate, **options)
+    if pruner_module is not None:
+        parameter = next(model.parameters(), None)
+        if parameter is not None:
+            pruner_module = pruner_module.to(device=parameter.device, dtype=parameter.dtype)
+    return PrunedViT(model, pruner_module, backend)
 
 
 def build_pipeline(
@@ -73,14 +109,24 @@ def build_pipeline(
     backend: str | AttentionBackend = "reference",
     *,
     checkpoint: str | os.PathLike | None = None,
-    **pruner_options: object,
+    model_kwargs: dict[str, object] | None = None,
+    **options: object,
 ) -> PrunedViT:
     """``create_model`` + :func:`build_pruner` + optional local checkpoint -> :class:`PrunedViT` (on the CPU).
 
-    Random weights unless ``checkpoint`` is given. ``pruner_options`` go to :func:`build_pruner`.
+    Random weights unless ``checkpoint`` is given (or timm's own local-file loading: ``model_kwargs=dict(
+    pretrained=True, pretrained_cfg_overlay=dict(file=PATH))``). ``model_kwargs`` go to ``timm.create_model``
+    (:func:`ragged_vit.pipelines.weights.create_model`: e.g. ``num_classes``, ``img_size``); ``options`` (the pruner's
+    own) go to :func:`build_pruner`.
     """
-    model = create_model(model_name)
-    pruner_module = build_pruner(pruner, model, keep_rate, **pruner_options)
+    if model_kwargs is not None and not isinstance(model_kwargs, dict):
+        raise TypeError(
+            f"model_kwargs must be a dict of timm.create_model arguments, got {type(model_kwargs).__name__}"
+        )
+    if pruner in PRUNER_NAMES:  # before the model is built; other names fail in build_pruner
+        _check_options(pruner, options, "; timm.create_model arguments go in model_kwargs=dict(...)")
+    model = create_model(model_name, **(model_kwargs or {}))
+    pruner_module = build_pruner(pruner, model, keep_rate, **options)
     if checkpoint is not None:
         load_checkpoint(model, pruner_module, checkpoint)
     return PrunedViT(model, pruner_module, backend)

@@ -22,22 +22,32 @@ _LISTED = 8  # keys shown per error message
 
 
 def create_model(name: str, **kwargs: object) -> nn.Module:
-    """``timm.create_model(name, pretrained=False, **kwargs)``: random weights, never a download.
+    """``timm.create_model(name, **kwargs)`` that never downloads: random weights, or (``pretrained=True``) timm's
+    own loading of a LOCAL file given as ``pretrained_cfg_overlay=dict(file=PATH)``.
 
     Raises:
         TypeError: ``name`` is not a string.
-        ValueError: timm has no model called ``name`` (the message lists similar names).
+        ValueError: timm has no model called ``name`` (the message lists similar names), or ``pretrained=True``
+            without a local file.
+        FileNotFoundError: the ``pretrained_cfg_overlay`` file does not exist.
     """
     if not isinstance(name, str):
         raise TypeError(f"model name must be a str, got {type(name).__name__}")
     if kwargs.get("pretrained"):
-        raise ValueError("pretrained=True would download weights: pass a local checkpoint file instead")
-    kwargs.pop("pretrained", None)
+        overlay = kwargs.get("pretrained_cfg_overlay")
+        file = overlay.get("file") if isinstance(overlay, dict) else None
+        if file is None:
+            raise ValueError(
+                "pretrained=True would download weights: pass a local checkpoint file (checkpoint=PATH, or "
+                "pretrained_cfg_overlay=dict(file=PATH))"
+            )
+        if not Path(file).is_file():
+            raise FileNotFoundError(f"pretrained_cfg_overlay file not found: {file} (weights are never downloaded)")
     if not timm.is_model(name):
         family = name.split("_")[0] + "*"
         similar = timm.list_models(family)[:12] or timm.list_models("deit*")
         raise ValueError(f"model {name!r} is not a timm model; similar names: {', '.join(similar)}")
-    return timm.create_model(name, pretrained=False, **kwargs)
+    return timm.create_model(name, **{"pretrained": False, **kwargs})
 
 
 def _state_dict_of(obj: object, path: Path) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ _EXPORTS = {
     "PRUNER_NAMES": "ragged_vit.pipelines.factory",
     "build_pruner": "ragged_vit.pipelines.factory",
     "build_pipeline": "ragged_vit.pipelines.factory",
+    "prune": "ragged_vit.pipelines.factory",
     "create_model": "ragged_vit.pipelines.weights",
     "load_checkpoint": "ragged_vit.pipelines.weights",
 }

@@ -186,3 +186,12 @@ def test_preprocess_matches_the_model_config():
     assert pixels.min() >= -1e-6 and pixels.max() <= 1 + 1e-6
     torch.testing.assert_close(pixels[1, 0], pixels[1, 1], atol=1e-5, rtol=0)  # gray: equal channels
     torch.testing.assert_close(pixels[1, 1], pixels[1, 2], atol=1e-5, rtol=0)
+
+
+def test_version(capsys):
+    import ragged_vit
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"ragged-vit {ragged_vit.__version__}"

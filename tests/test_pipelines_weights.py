@@ -103,3 +103,22 @@ def test_create_model_never_downloads():
         create_model(MODEL, pretrained=True)
     with pytest.raises(TypeError, match="model name must be a str"):
         create_model(None)
+
+
+def test_timm_arguments_and_local_pretrained_files(tmp_path):
+    """``model_kwargs`` reach ``timm.create_model``; a local file through timm's own ``pretrained_cfg_overlay`` loads
+    without a download; timm arguments given as pruner options get a clear error."""
+    pv = build_pipeline(MODEL, "evit", 0.7, model_kwargs=dict(num_classes=10, img_size=160))
+    assert pv.model.num_classes == 10 and pv.image_size == (160, 160) and pv.num_patches == 100
+    with pytest.raises(ValueError, match=r"takes no option 'num_classes' .*go in model_kwargs"):
+        build_pipeline(MODEL, "evit", 0.7, num_classes=10)
+    with pytest.raises(TypeError, match="model_kwargs must be a dict"):
+        build_pipeline(MODEL, "evit", 0.7, model_kwargs=[("num_classes", 10)])
+    source = create_model(MODEL)
+    path = tmp_path / "weights.pth"
+    torch.save(source.state_dict(), path)
+    loaded = create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)))
+    pairs = zip(source.state_dict().values(), loaded.state_dict().values(), strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    with pytest.raises(FileNotFoundError, match="pretrained_cfg_overlay file not found"):
+        create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "none.pth")))
