@@ -38,7 +38,15 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from benchmarks.timing import Call, ContextFactory, describe
-from benchmarks.workloads import HEAD_DIM, MAX_SEQLEN, NUM_HEADS, Workload, make_qkv_sets
+from benchmarks.workloads import (
+    HEAD_DIM,
+    MAX_SEQLEN,
+    NUM_HEADS,
+    Workload,
+    attention_bytes,
+    make_qkv_sets,
+    sets_to_rotate,
+)
 from ragged_vit.reference.attention import ragged_attention, split_qkv
 from ragged_vit.triton_impl.attention import ragged_attention_qkv
 
@@ -78,6 +86,14 @@ def make_problem(
         qkv_sets=make_qkv_sets(workload, n_sets, device, dtype, seed),
         cu_seqlens=workload.cu_seqlens(device),
     )
+
+
+def cell_problem(workload: Workload, l2_bytes: int, seed: int = 0) -> tuple[Problem, torch.Tensor]:
+    """A benchmark cell on the GPU in fp16, with enough input copies to cover 2.5x the L2 (``sets_to_rotate``: one
+    copy touches the q, k, v, o bytes), and the fp32 reference of its first copy."""
+    copies = sets_to_rotate(attention_bytes(workload.total), l2_bytes)
+    problem = make_problem(workload, copies, "cuda", torch.float16, seed)
+    return problem, reference_output(problem)
 
 
 @dataclass
@@ -293,6 +309,20 @@ def reference_output(problem: Problem, set_index: int = 0) -> torch.Tensor:
     """fp32 ``[T, H, D]`` ground truth for input copy ``set_index``."""
     q, k, v = split_qkv(problem.qkv_sets[set_index], problem.num_heads)
     return ragged_attention(q, k, v, problem.cu_seqlens, scale=problem.scale)
+
+
+def checked_peer(name: str, problem: Problem, reference: torch.Tensor) -> tuple[BuiltPeer | None, dict]:
+    """Builds peer ``name`` and checks it: the peer (None where it may not be timed) and its result entry (``note``,
+    ``max_abs_err``; ``status`` and ``reason`` where the peer is unavailable or wrong)."""
+    try:
+        peer = build_peer(name, problem)
+    except PeerUnavailable as exc:
+        return None, {"status": "unavailable", "reason": str(exc)}
+    check = check_peer(peer, problem, reference)
+    entry = {"note": peer.note, "max_abs_err": check.max_abs_err}
+    if not check.ok:
+        return None, {**entry, "status": "failed", "reason": check.reason}
+    return peer, entry
 
 
 @dataclass(frozen=True)

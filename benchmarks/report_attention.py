@@ -24,17 +24,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.attention_peers import (
-    PEER_NAMES,
-    PeerUnavailable,
-    build_peer,
-    check_peer,
-    make_problem,
-    reference_output,
-)
+from benchmarks.attention_peers import PEER_NAMES, cell_problem, checked_peer
 from benchmarks.tables import kernel_median, kernel_section
 from benchmarks.timing import copy_bandwidth, environment, l2_bytes, measure
-from benchmarks.workloads import attention_bytes, grid, make_workload, sets_to_rotate
+from benchmarks.workloads import attention_bytes, grid, make_workload
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -57,9 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run_cell(batch: int, pruned: int, args: argparse.Namespace, bandwidth: float, l2: int) -> dict:
     """Checks and times every requested peer on one (B, pruned %) cell."""
     wl = make_workload(batch, pruned, variable=not args.fixed, seed=args.seed)
-    n_sets = sets_to_rotate(attention_bytes(wl.total), l2)  # one copy = qkv + output = the q, k, v, o bytes
-    problem = make_problem(wl, n_sets, "cuda", torch.float16, seed=args.seed)
-    reference = reference_output(problem)
+    problem, reference = cell_problem(wl, l2, seed=args.seed)
     roofline_us = attention_bytes(wl.total) / bandwidth * 1e6
     cell: dict = {
         "batch": batch,
@@ -70,23 +61,14 @@ def run_cell(batch: int, pruned: int, args: argparse.Namespace, bandwidth: float
         "min_len": wl.min_len,
         "mean_len": wl.total / wl.batch,
         "lengths": list(wl.lengths),
-        "input_sets": n_sets,
+        "input_sets": len(problem.qkv_sets),
         "roofline_us": roofline_us,
         "peers": {},
     }
     for name in args.peers:
-        entry: dict = {}
+        peer, entry = checked_peer(name, problem, reference)
         cell["peers"][name] = entry
-        try:
-            peer = build_peer(name, problem)
-        except PeerUnavailable as exc:
-            entry.update(status="unavailable", reason=str(exc))
-            continue
-        entry["note"] = peer.note
-        check = check_peer(peer, problem, reference)
-        entry["max_abs_err"] = check.max_abs_err
-        if not check.ok:
-            entry.update(status="failed", reason=check.reason)
+        if peer is None:
             continue
         entry.update(status="ok", **measure(peer.calls, peer.context))
         if entry["graph_us"] is not None:

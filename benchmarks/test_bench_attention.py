@@ -18,17 +18,9 @@ import os
 import pytest
 import torch
 
-from benchmarks.attention_peers import (
-    PEER_NAMES,
-    PeerUnavailable,
-    Problem,
-    build_peer,
-    check_peer,
-    make_problem,
-    reference_output,
-)
+from benchmarks.attention_peers import PEER_NAMES, Problem, cell_problem, checked_peer
 from benchmarks.timing import SyncEvery, calls_per_round, event_time, gc_off, graph_time, l2_bytes, warmup
-from benchmarks.workloads import attention_bytes, grid, make_workload, sets_to_rotate
+from benchmarks.workloads import attention_bytes, grid, make_workload
 
 QUICK = os.environ.get("RAGGED_BENCH_QUICK", "") not in ("", "0")
 VARIABLE = os.environ.get("RAGGED_BENCH_FIXED", "") in ("", "0")
@@ -56,9 +48,7 @@ class _Cells:
         if self._key != (batch, pruned) or self._value is None:
             self._value = None
             torch.cuda.empty_cache()
-            wl = make_workload(batch, pruned, variable=VARIABLE)
-            problem = make_problem(wl, sets_to_rotate(attention_bytes(wl.total), l2_bytes()), "cuda")
-            self._key, self._value = (batch, pruned), (problem, reference_output(problem))
+            self._key, self._value = (batch, pruned), cell_problem(make_workload(batch, pruned, VARIABLE), l2_bytes())
         return self._value
 
 
@@ -71,13 +61,11 @@ def cells() -> _Cells:
 def test_attention(benchmark, bench_env: dict, cells: _Cells, batch: int, pruned: int, peer_name: str) -> None:
     problem, reference = cells.get(batch, pruned)
     wl = problem.workload
-    try:
-        peer = build_peer(peer_name, problem)
-    except PeerUnavailable as exc:
-        pytest.skip(str(exc))
-    check = check_peer(peer, problem, reference)
-    if not check.ok:
-        pytest.fail(f"{peer_name} is wrong on {wl.label}, not timed: {check.reason}")
+    peer, entry = checked_peer(peer_name, problem, reference)
+    if entry.get("status") == "unavailable":
+        pytest.skip(entry["reason"])
+    if peer is None:
+        pytest.fail(f"{peer_name} is wrong on {wl.label}, not timed: {entry['reason']}")
 
     warmup(peer.calls, peer.context)
     n = calls_per_round(peer.calls, peer.context)
@@ -96,7 +84,7 @@ def test_attention(benchmark, bench_env: dict, cells: _Cells, batch: int, pruned
         mean_len=wl.total / wl.batch,
         input_sets=len(problem.qkv_sets),
         peer_note=peer.note,
-        max_abs_err=check.max_abs_err,
+        max_abs_err=entry["max_abs_err"],
         calls_per_round=n,
         events_us=events.to_dict(),
         graph_us=graph.spread.to_dict() if graph.spread else None,
