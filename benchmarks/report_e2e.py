@@ -71,11 +71,11 @@ from benchmarks.public_peer import PublicPrunedViT, dense_plan
 from benchmarks.tables import ROW_LABELS
 from benchmarks.timing import (
     describe,
+    elapsed,
     environment,
     forward_times,
     gpu_slug,
     graph_time,
-    once,
     stage_breakdown,
 )
 from benchmarks.workloads import WORKLOADS, make_workload, workload_kind
@@ -293,7 +293,7 @@ class Runner:
                 stages = stage_breakdown(prep.calls, self.lab.device, iters=self.s.stage_iters)
                 entry["stages_us"] = {k: v.to_dict() for k, v in stages.items()}
             if task.row == "nested_sdpa" and task.batch > NESTED_MAX_BATCH:
-                single = once(prep.calls[0], self.lab.device)
+                single = elapsed(prep.calls[:1], self.lab.device)
                 entry.update(
                     status="skipped",
                     single_forward_ms=single * 1e3,
@@ -360,7 +360,7 @@ class Runner:
         try:
             compiled = torch.compile(module, mode="reduce-overhead", dynamic=False)
             with torch.no_grad():  # compile; record the CUDA graph; first replays
-                firsts = [round(once(functools.partial(compiled, *args), device), 3) for args in inputs]
+                firsts = [round(elapsed([functools.partial(compiled, *args)], device), 3) for args in inputs]
             entry.update(compile_s=firsts[0], first_calls_s=firsts)
             entry["cudagraph_skips"] = _cudagraph_skips() - skips_before  # > 0: it ran without CUDA graphs
             built = f"{task.row} {task.model} B={task.batch}: {firsts[0]:.1f} s"
@@ -469,7 +469,7 @@ class Runner:
         runner = GraphedPrunedViT(pv)
         forward, note, outs = runner.run, "GraphedPrunedViT(pipeline).run(images)", []
         try:  # the first forward captures the graphs
-            capture_s = once(lambda: outs.append(self._forward(forward, ref.images[0])), self.lab.device)
+            capture_s = elapsed([lambda: outs.append(self._forward(forward, ref.images[0]))], self.lab.device)
         except Exception as exc:
             raise Unavailable(f"graphed forward raised {describe(exc)} ({note})") from exc
         entry.update(capture_s=round(capture_s, 3), graphed_api=note)

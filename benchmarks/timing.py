@@ -36,6 +36,7 @@ from ragged_vit.pipelines.plan import Step, StepKind
 
 Call = Callable[..., object]
 ContextFactory = Callable[[], contextlib.AbstractContextManager]
+CUDA = torch.device("cuda")
 
 
 @dataclass(frozen=True)
@@ -103,21 +104,14 @@ def warmup(calls: Sequence[Call], context: ContextFactory = contextlib.nullconte
     torch.cuda.synchronize()
 
 
-def once(call: Call, device: torch.device) -> float:
-    """Seconds of one call from an idle device to an idle device (a first call: compilation, capture)."""
+def elapsed(plan: Sequence[Call], device: torch.device = CUDA) -> float:
+    """Seconds of the calls of ``plan`` back to back, from an idle device to an idle device (a single first call:
+    its compilation or capture)."""
     sync(device)
-    t0 = time.perf_counter()
-    call()
-    sync(device)
-    return time.perf_counter() - t0
-
-
-def _wall_once(plan: Sequence[Call]) -> float:
-    torch.cuda.synchronize()
     t0 = time.perf_counter()
     for call in plan:
         call()
-    torch.cuda.synchronize()
+    sync(device)
     return time.perf_counter() - t0
 
 
@@ -125,7 +119,7 @@ def calls_per_round(calls: Sequence[Call], context: ContextFactory = contextlib.
     """How many back-to-back calls fill about 20 ms of wall time (20 to 2000)."""
     probe = schedule(calls, 10)
     with context(), gc_off():
-        per_call = _wall_once(probe) / len(probe)
+        per_call = elapsed(probe) / len(probe)
     return max(20, min(2000, round(0.02 / max(per_call, 1e-7))))
 
 
@@ -135,7 +129,7 @@ def wall_time(
     """Host wall time per call of ``n`` back-to-back calls and one synchronize; median over ``rounds``."""
     plan = schedule(calls, n)
     with context(), gc_off():
-        return summarize([_wall_once(plan) / n * 1e6 for _ in range(rounds)])
+        return summarize([elapsed(plan) / n * 1e6 for _ in range(rounds)])
 
 
 def event_time(calls: Sequence[Call], iters: int = 100, context: ContextFactory = contextlib.nullcontext) -> Spread:
@@ -296,12 +290,7 @@ def forward_times(
     cuda = device.type == "cuda"
     with context(), gc_off():
         warm = schedule(calls, max(warmup, len(calls)))
-        sync(device)
-        t0 = time.perf_counter()
-        for call in warm:
-            call()
-        sync(device)
-        per_call = (time.perf_counter() - t0) / len(warm)
+        per_call = elapsed(warm, device) / len(warm)
         iters = max(min_iters, min(max_iters, round(target_s / max(per_call, 1e-6))))
         walls: list[float] = []
         pairs = []
