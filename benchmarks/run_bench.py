@@ -6,8 +6,8 @@ Runs ``python -m pytest benchmarks --benchmark-only`` (the kernel and end-to-end
 with ``--quick``) with
 
 * ``--benchmark-storage=benchmarks/baselines/<gpu-slug>/bench-<quick|full>`` -- one directory per card model
-  (``NVIDIA H100 80GB HBM3`` -> ``nvidia-h100-80gb-hbm3``) and mode, so a run is only ever compared with the
-  same card and the same grid; pytest-benchmark files them under its machine id (OS, Python);
+  and mode, so a run is only ever compared with the same card and the same grid (pytest-benchmark files the runs
+  under its machine id: OS, Python);
 * ``--benchmark-save=<mode>-<commit>`` -- every run is stored (``NNNN_<mode>-<commit>.json``, with the card,
   torch, triton, CUDA and commit in ``machine_info.ragged_vit`` and in each benchmark's ``extra_info``);
 * ``--benchmark-compare --benchmark-compare-fail=median:<threshold>%`` when a stored run exists for this card and

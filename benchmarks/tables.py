@@ -421,10 +421,8 @@ def models_table(payload: dict) -> str:
         models = sorted({r["model"] for r in grp}, key=lambda m: order.index(m) if m in order else 9)
         cols = present_rows([r for r in rows if r["workload"] in (workload, "none")])
         head = ["model", "B", *[ROW_SHORT[c] for c in cols], "T/Pad", BEST, "paper Pad / FA2 / T"]
-        body = rates_body(
-            idx, grp, models, cols, ("T/Pad", BEST), lambda m, b: [MODEL_SHORT.get(m, m), str(b)],
-            lambda m, _: PAPER_TABLE_V.get(m),
-        )  # fmt: skip
+        lead = lambda m, b: [MODEL_SHORT.get(m, m), str(b)]
+        body = rates_body(idx, grp, models, cols, ("T/Pad", BEST), lead, lambda m, _: PAPER_TABLE_V.get(m))
         out.append(titled(workload_line(grp), head, body))
     return sections(out)
 

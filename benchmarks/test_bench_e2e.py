@@ -1,20 +1,14 @@
 """pytest-benchmark suite of the end-to-end pipelines: a small representative grid of ``report_e2e``'s Table III.
 
-One benchmark per (batch size, workload, row), DeiT-B 224, fp16, 50% pruning. pytest-benchmark stores and compares the
-wall time of one forward (synchronize after each, the device idle at each start; three input batches rotated); the
-CUDA-event time of the same forwards, img/s, the workload kind and its kept counts, the correctness check, the card and
-the versions go into ``extra_info``. A row that cannot run here (no ``ragged_vit.pipelines.graphs``, a backend missing
-from this torch) is skipped with the reason; a pipeline that computes wrong logits fails and is not timed. Times are
-never asserted: regressions are pytest-benchmark's ``--benchmark-compare-fail`` against a stored baseline (``python -m
-benchmarks.run_bench``).
+One benchmark per (batch size, workload, row) of the grid below, DeiT-B 224, fp16, 50% pruning, built and checked by
+``report_e2e.Runner``. pytest-benchmark stores and compares the wall time of one forward (a synchronize after each,
+three input batches rotated); the per-forward clock of ``report_e2e`` (``timing.forward_times``), img/s, the
+workload kind and its kept counts, the check, the card and the versions go into ``extra_info``. A row that cannot
+run here is skipped with the reason; a pipeline that computes wrong logits fails and is not timed. Times are never
+asserted: regressions are ``--benchmark-compare-fail`` against a stored baseline (``python -m benchmarks.run_bench``).
 
     RAGGED_BENCH_QUICK=1 python -m pytest benchmarks/test_bench_e2e.py --benchmark-only   # B 1, 64; 14 rows
-    python -m pytest benchmarks/test_bench_e2e.py --benchmark-only                        # B 1, 4, 64; + ATS, compile
-
-Quick grid: B in {1, 64} x {l2_ratio (fixed), synthetic (ragged)} x {padded (fair), FA2 varlen, Triton,
-Triton + graphs} plus unpruned timm eager. Full grid: B in {1, 4, 64}, ATS (ragged) too, padded-full, FA2 +
-graphs, and unpruned timm under torch.compile(mode="reduce-overhead") (about half a minute of compilation per
-batch size).
+    python -m pytest benchmarks/test_bench_e2e.py --benchmark-only      # B 1, 4, 64; ATS, torch.compile rows too
 """
 
 from __future__ import annotations

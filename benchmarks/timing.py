@@ -11,6 +11,7 @@ all of its calls (an SDPA backend choice, say). Times are in microseconds per ca
 * :func:`span_time`  -- CUDA events around N back-to-back calls: device time plus the gaps between launches.
 * :func:`forward_times` -- ``report_e2e``'s per-forward clock: host clock and CUDA events around each forward.
 * :func:`stage_breakdown` -- the paper's Table IV: the regions of one pruned forward, marked by CUDA events.
+* :func:`elapsed` -- seconds from an idle device to an idle device (first calls, sizing the rounds).
 
 Nothing here asserts a time.
 """
