@@ -2,7 +2,7 @@
 
 Usage (GPU machine, repo root): ``python -m ci.tune_attention [--quick] [--out results.json]``.
 Prints, per workload cell (DeiT-B geometry, H=12, D=64, fp16, per-image counts varying around the pruning
-ratio), the device time of every configuration and of FA2 (``aten._flash_attention_forward``), then the
+ratio), the device time of every configuration and of FA2 (the kernel benchmark's ``fa2_aten`` peer), then the
 configuration with the best geometric-mean ratio to FA2 over all cells. The chosen entry goes into
 ``triton_impl/configs.py`` by hand, with the run's card named in ``docs/kernel_tuning.md``.
 """
@@ -17,9 +17,9 @@ import math
 
 import torch
 
+from benchmarks.attention_peers import build_peer, make_problem
 from benchmarks.timing import device_us
-from benchmarks.workloads import HEAD_DIM, MAX_SEQLEN, NUM_HEADS, grid, make_qkv_sets, make_workload
-from ragged_vit.reference.attention import split_qkv
+from benchmarks.workloads import HEAD_DIM, MAX_SEQLEN, NUM_HEADS, grid, make_workload
 from ragged_vit.triton_impl import attention as ta
 from ragged_vit.triton_impl.configs import AttentionConfig
 
@@ -37,10 +37,6 @@ def _configs(quick: bool) -> list[AttentionConfig]:
     return configs
 
 
-def _fa2(q, k, v, cu, max_len):
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, max_len, max_len, 0.0, False, False)[0]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer cells and configurations")
@@ -53,12 +49,11 @@ def main() -> None:
     print(f"card: {card}  torch {torch.__version__}  configs: {len(configs)}  cells: {len(cells)}", flush=True)
     for batch, pruned in cells:
         wl = make_workload(batch, pruned)
-        cu = wl.cu_seqlens("cuda")
-        qkv = make_qkv_sets(wl, 1, "cuda")[0]
-        q, k, v = split_qkv(qkv, NUM_HEADS)
+        problem = make_problem(wl, 1, "cuda")
+        qkv, cu = problem.qkv_sets[0], problem.cu_seqlens
         out = torch.empty(wl.total, NUM_HEADS * HEAD_DIM, dtype=qkv.dtype, device="cuda")
         cell = f"B{batch}_p{pruned}"
-        results[cell] = {"fa2": device_us(functools.partial(_fa2, q, k, v, cu, wl.max_len))}
+        results[cell] = {"fa2": device_us(build_peer("fa2_aten", problem).calls[0])}
         for cfg in configs:
             call = functools.partial(ta.ragged_attention_qkv, qkv, cu, MAX_SEQLEN, NUM_HEADS, out=out, config=cfg)
             try:
