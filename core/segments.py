@@ -73,27 +73,34 @@ def to_padded(values: torch.Tensor, cu_seqlens: torch.Tensor, length: int, fill:
     return out
 
 
-def segment_rank(scores: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+def segment_rank(scores: torch.Tensor, cu_seqlens: torch.Tensor, num_prefix: int = 1) -> torch.Tensor:
     """Rank of every patch row by descending score inside its own image (0 = best): ``[T]`` -> int64 ``[T]``.
 
-    Ties go to the earlier row, so a rank depends on the image's own scores only. Each image's CLS row ranks after
-    all its patches, hence ``rank < k`` marks exactly ``min(k, patches)`` patches (plus CLS when ``k > patches``).
-    Sorting the packed rows by (image, CLS last, score) needs no padding and no device-to-host read.
+    Ties go to the earlier row, so a rank depends on the image's own scores only. Each image's ``num_prefix`` first
+    rows (class, distillation, register tokens) rank after all its patches, hence ``rank < k`` marks exactly
+    ``min(k, patches)`` patches (plus prefix rows when ``k > patches``). Sorting the packed rows by (image, prefix
+    last, score) needs no padding and no device-to-host read.
     """
     total = scores.shape[0]
     seg = segment_ids(cu_seqlens, total)
-    is_cls = positions(cu_seqlens, total) == 0
+    prefix = positions(cu_seqlens, total) < num_prefix
     by_score = torch.argsort(scores, descending=True, stable=True)
-    group = 2 * seg + is_cls.long()
+    group = 2 * seg + prefix.long()
     order = by_score[torch.argsort(group[by_score], stable=True)]
     rank = torch.empty_like(order)
     rank[order] = torch.arange(total, device=scores.device) - cu_seqlens.long()[seg[order]]
     return rank
 
 
-def patch_counts(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Patches (rows after CLS) per image ``[B]`` (int64); an empty image has none."""
-    return (seqlens(cu_seqlens) - 1).clamp_min(0)
+def patch_counts(cu_seqlens: torch.Tensor, num_prefix: int = 1) -> torch.Tensor:
+    """Patches (rows after the ``num_prefix`` prefix rows) per image ``[B]`` (int64); an empty image has none."""
+    return (seqlens(cu_seqlens) - num_prefix).clamp_min(0)
+
+
+def prefix_rows(cu_seqlens: torch.Tensor, total: int, num_prefix: int = 1) -> torch.Tensor:
+    """bool ``[T]``: whether each row is one of its image's ``num_prefix`` prefix rows (class, distillation,
+    register tokens), which every pruner keeps and never scores."""
+    return positions(cu_seqlens, total) < num_prefix
 
 
 def ceil_rate(rate: float, patches: torch.Tensor) -> torch.Tensor:

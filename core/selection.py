@@ -42,17 +42,21 @@ class DecisionInput:
 
     Attributes:
         x: ``[T, C]`` residual stream at the placement point (for MID_BLOCK: after the attention residual).
-        cu_seqlens: int32 ``[B+1]`` offsets of ``x``; row ``cu_seqlens[b]`` is image ``b``'s CLS token.
+        cu_seqlens: int32 ``[B+1]`` offsets of ``x``; image ``b``'s rows start at ``cu_seqlens[b]`` with its
+            ``num_prefix`` prefix rows (the class token first, where the model has one).
         stage: index of this stage in the pruner's schedule (0 for the first).
         num_patches: patches of the unpruned image (196 at 224x224), for counts defined on the original.
-        max_seqlen: a host bound on every image's rows (None: ``num_patches + 1``, an unpruned image); kernels
-            size their tiles with it.
+        max_seqlen: a host bound on every image's rows (None: ``num_patches + num_prefix``, an unpruned image);
+            kernels size their tiles with it.
         qkv: ``[T, 3*H*D]`` the stage block's qkv projection (timm's layout), for pruners that score by attention
             (``Pruner.needs_attention``); the pipeline gives it at MID_BLOCK stages.
         num_heads, scale: ``H`` and the softmax scale of that attention (with ``qkv``).
         cls_attn: fp32 ``[T, H]`` CLS-query attention, given instead of ``qkv`` (e.g. by tests); derived from ``qkv``
             otherwise (:func:`ragged_vit.reference.cls_attention.attention_inputs`).
         v: ``[T, H*D]`` value vectors, given with ``cls_attn``.
+        num_prefix: prefix rows at the start of every image (class, distillation, register tokens: 1 for DeiT, 0
+            for a model without any): always kept, never scored. A model without prefix rows keeps at least one
+            row (its best-scoring patch) of every image.
     """
 
     x: torch.Tensor
@@ -65,11 +69,18 @@ class DecisionInput:
     scale: float | None = None
     cls_attn: torch.Tensor | None = None
     v: torch.Tensor | None = None
+    num_prefix: int = 1
 
     @property
     def row_bound(self) -> int:
-        """``max_seqlen``, or ``num_patches + 1`` when none was given."""
-        return self.num_patches + 1 if self.max_seqlen is None else self.max_seqlen
+        """``max_seqlen``, or ``num_patches + num_prefix`` (an unpruned image) when none was given."""
+        return self.num_patches + self.num_prefix if self.max_seqlen is None else self.max_seqlen
+
+    @property
+    def min_patches(self) -> int:
+        """Patches every image keeps at the least whatever the rule: 1 without prefix rows (no image may end up
+        empty), else 0."""
+        return int(self.num_prefix == 0)
 
 
 @dataclass(frozen=True)
@@ -78,11 +89,11 @@ class TokenSelection:
 
     Attributes:
         keep: bool mask over the input rows: ``[T]`` for packed input (``[B, N]`` from :meth:`Pruner.select`
-            on a dense batch). Each image's CLS row is always True.
-        kept: int32 ``[B]`` (contiguous, on ``keep``'s device): the rows each image keeps, CLS included, an extra
-            token excluded, counted on the device as the decision was made.
+            on a dense batch). Each image's prefix rows are always True.
+        kept: int32 ``[B]`` (contiguous, on ``keep``'s device): the rows each image keeps, prefix rows included, an
+            extra token excluded, counted on the device as the decision was made.
         fixed_count: True when every image keeps the same number of rows.
-        count: rows per image after the stage (CLS and extra token included) when ``fixed_count``, a host
+        count: rows per image after the stage (prefix rows and extra token included) when ``fixed_count``, a host
             int known without reading the device; else None.
         extra_token: ``[B, C]`` one extra token per image appended after its kept rows (EViT's fused token),
             or None.
@@ -113,6 +124,7 @@ def check_decision_input(inp: object, *, attention: bool = False, values: bool =
     check_cu_seqlens(inp.cu_seqlens, total=x.shape[0], device=x.device, name="inp.cu_seqlens")
     check_int(inp.stage, "inp.stage", 0)
     check_int(inp.num_patches, "inp.num_patches", 1)
+    check_int(inp.num_prefix, "inp.num_prefix", 0)
     if inp.max_seqlen is not None:
         check_int(inp.max_seqlen, "inp.max_seqlen", 1)
     if inp.qkv is not None:
@@ -137,6 +149,8 @@ def check_decision_input(inp: object, *, attention: bool = False, values: bool =
         check_tensor(value, f"inp.{name}", ndim=2, dtypes=_SCORE_DTYPES, device=x.device)
         if value.shape[0] != x.shape[0]:
             raise ValueError(f"inp.{name} must have {x.shape[0]} rows like inp.x, got shape {tuple(value.shape)}")
+    if attention and inp.num_prefix < 1:
+        raise ValueError("inp.num_prefix must be >= 1 for a pruner that scores by the class token's attention, got 0")
     return inp
 
 
@@ -154,7 +168,7 @@ class Pruner(nn.Module):
     placement: Placement
     blocks: tuple[int, ...]
     fixed_count: bool
-    needs_attention: bool = False  # scores from the CLS attention row of its block (MID_BLOCK)
+    needs_attention: bool = False  # scores from the class token's attention row of its block (MID_BLOCK)
     needs_values: bool = False  # and from the value vectors
 
     @classmethod
@@ -163,18 +177,18 @@ class Pruner(nn.Module):
         ``(0, 1]``, mapped onto its own parameters (the CLI and the benchmarks speak of one keep rate)."""
         raise NotImplementedError(f"{cls.__name__} does not say how a keep rate maps onto its parameters")
 
-    def count_after(self, stage: int, current: int, num_patches: int) -> int | None:
-        """Rows per image after ``stage`` given ``current`` rows before it (CLS included), or None if variable."""
+    def count_after(self, stage: int, patches: int, num_patches: int) -> int | None:
+        """Patches per image after ``stage`` (an extra token counted) given ``patches`` before it, or None if the
+        count varies per image. Prefix rows are not counted: they are always kept."""
         return None
 
-    def max_count_after(self, stage: int, current: int, num_patches: int) -> int:
-        """An upper bound on any image's rows after ``stage`` given at most ``current`` rows before it (CLS
-        included), known on the host: :meth:`count_after` where the count is fixed, else ``current`` (nothing
-        known). Variable-count pruners with a tighter bound override it (ATS keeps at most its sample count);
-        the plan records it (:func:`ragged_vit.pipelines.plan.build_plan`) and the CUDA-graph runner sizes its
-        buffers with it."""
-        count = self.count_after(stage, current, num_patches)
-        return current if count is None else count
+    def max_count_after(self, stage: int, patches: int, num_patches: int) -> int:
+        """An upper bound on any image's patches after ``stage`` given at most ``patches`` before it, known on the
+        host: :meth:`count_after` where the count is fixed, else ``patches`` (nothing known). Variable-count
+        pruners with a tighter bound override it (ATS keeps at most its sample count); the plan records it
+        (:func:`ragged_vit.pipelines.plan.build_plan`) and the CUDA-graph runner sizes its buffers with it."""
+        count = self.count_after(stage, patches, num_patches)
+        return patches if count is None else count
 
     def check_ready(self) -> None:
         """Raises ``RuntimeError`` if the pruner cannot decide yet (Threshold-L2 ``calibrated`` before
@@ -194,12 +208,17 @@ class Pruner(nn.Module):
         raise NotImplementedError
 
     def select(
-        self, x: torch.Tensor, stage: int = 0, num_patches: int | None = None, **extra: torch.Tensor
+        self,
+        x: torch.Tensor,
+        stage: int = 0,
+        num_patches: int | None = None,
+        num_prefix: int = 1,
+        **extra: torch.Tensor,
     ) -> TokenSelection:
         """Convenience entry on a dense batch ``[B, N, C]``: returns a selection whose ``keep`` is ``[B, N]``.
 
-        ``num_patches`` defaults to ``N - 1`` (an unpruned batch). ``extra`` passes ``cls_attn`` ``[B, N, H]``
-        and ``v`` ``[B, N, H*D]`` for attention-based pruners.
+        ``num_patches`` defaults to ``N - num_prefix`` (an unpruned batch). ``extra`` passes ``cls_attn``
+        ``[B, N, H]`` and ``v`` ``[B, N, H*D]`` for attention-based pruners.
         """
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"x must be a [B, N, C] tensor, got {getattr(x, 'shape', type(x).__name__)}")
@@ -211,7 +230,8 @@ class Pruner(nn.Module):
             x=x.reshape(batch * n, c),
             cu_seqlens=uniform_cu_seqlens(batch, n, x.device),
             stage=stage,
-            num_patches=n - 1 if num_patches is None else num_patches,
+            num_patches=n - num_prefix if num_patches is None else num_patches,
+            num_prefix=num_prefix,
             **flat,
         )
         sel = self(inp)

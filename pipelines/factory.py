@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import os
 
+from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from ragged_vit.core.selection import Pruner
@@ -64,6 +65,8 @@ def build_pruner(name: str, model: nn.Module, keep_rate: float = 0.5, **options:
     if not isinstance(name, str) or name not in PRUNER_NAMES:
         raise ValueError(f"pruner must be one of {', '.join(PRUNER_NAMES)}, got {name!r}")
     keep_rate = check_rate(keep_rate, "keep_rate")
+    if not isinstance(model, VisionTransformer):
+        raise TypeError(f"model must be a timm VisionTransformer, got {type(model).__name__}")
     _check_options(name, options)
     if name == "none":
         return None

@@ -133,7 +133,7 @@ class _Buffers:
 
     def __init__(self, pipeline: PrunedViT, batch: int, tokens: int, variable: bool) -> None:
         model = pipeline.model
-        dtype, device = model.cls_token.dtype, model.cls_token.device
+        dtype, device = pipeline.dtype, pipeline.device
         channels = model.patch_embed.proj.in_channels
         width = model.num_classes if model.num_classes > 0 else model.embed_dim
         self.batch = batch
@@ -307,7 +307,7 @@ class GraphedPrunedViT:
     def reset(self) -> None:
         """Drops every graph and buffer and unbinds: the next call re-binds to the pipeline and captures anew."""
         if self._graphs:
-            torch.cuda.synchronize(self.pipeline.model.cls_token.device)  # no replay in flight on what is freed
+            torch.cuda.synchronize(self.pipeline.device)  # no replay in flight on what is freed
         self._graphs.clear()
         self._buffers.clear()
         self._binding = None
@@ -343,11 +343,11 @@ class GraphedPrunedViT:
             self.counters.replays += 1
 
     def _may_capture(self) -> bool:
-        on_cuda = self.pipeline.model.cls_token.is_cuda
+        on_cuda = self.pipeline.device.type == "cuda"
         return on_cuda and (self.max_graphs is None or len(self._graphs) < self.max_graphs)
 
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
-        device = self.pipeline.model.cls_token.device
+        device = self.pipeline.device
         with torch.cuda.device(device):
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
@@ -496,7 +496,7 @@ class GraphedPrunedViT:
 def _check_capturable(pipeline: PrunedViT) -> None:
     backend = pipeline.backend
     caps = backend.capabilities
-    on_cuda = pipeline.model.cls_token.is_cuda
+    on_cuda = pipeline.device.type == "cuda"
     if not caps.capturable and (on_cuda or caps.devices == ("cuda",)):
         capturable = [name for name, cls in BACKENDS.items() if cls.capabilities.capturable]
         raise ValueError(

@@ -49,6 +49,7 @@ from ragged_vit.core.segments import seqlens, uniform_cu_seqlens
 from ragged_vit.core.selection import DecisionInput, Placement, Pruner, TokenSelection
 from ragged_vit.core.validation import check_tensor
 from ragged_vit.pipelines.backends import AttentionBackend, make_backend
+from ragged_vit.pipelines.heads import head_logits, pool_of
 from ragged_vit.pipelines.packed_block import (
     check_packable,
     compiled_blocks,
@@ -137,7 +138,9 @@ class PrunedViT(nn.Module):
         self.model = model
         self.pruner = _check_pruner(pruner, len(model.blocks))
         self.backend = backend
-        self._plan = build_plan(pruner, len(model.blocks), model.patch_embed.num_patches + 1)
+        prefix = model.num_prefix_tokens
+        self._plan = build_plan(pruner, len(model.blocks), model.patch_embed.num_patches + prefix, prefix)
+        _check_stages(self._plan, self.pruner, model)
         for k in range(self._plan.dense_blocks, len(model.blocks)):
             check_packable(model.blocks[k], f"model.blocks[{k}]")
         self._head_dims = {blk.attn.head_dim for blk in model.blocks[self._plan.dense_blocks :]}
@@ -170,7 +173,7 @@ class PrunedViT(nn.Module):
     @property
     def num_patches(self) -> int:
         """Patches of an unpruned image (196 at 224x224 with 16x16 patches)."""
-        return self._plan.tokens - 1
+        return self._plan.tokens - self._plan.num_prefix
 
     @property
     def image_size(self) -> tuple[int, int]:
@@ -179,7 +182,12 @@ class PrunedViT(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         """The model's parameter dtype: images are cast to it."""
-        return self.model.cls_token.dtype
+        return self.model.patch_embed.proj.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The model's device: images must be on it."""
+        return self.model.patch_embed.proj.weight.device
 
     def extra_repr(self) -> str:
         return f"backend={self._backend.name!r}, dense_blocks={self._plan.dense_blocks}"
@@ -224,7 +232,7 @@ class PrunedViT(nn.Module):
                 state.selection = selections[step.stage]
             elif step.kind is StepKind.REPACK:
                 made.append(state.selection)
-                _repack_exact(state, step.stage)
+                _repack_exact(state, step.stage, self._plan.num_prefix)
                 offsets.append(state.cu_seqlens)
             else:
                 self.run_step(step, state)
@@ -272,7 +280,7 @@ class PrunedViT(nn.Module):
         elif kind is StepKind.DECIDE:
             state.selection = self._decide(step.stage, state)
         elif kind is StepKind.HEAD:
-            state.logits = self._head(state.x.index_select(0, state.cu_seqlens[: state.batch]))
+            state.logits = head_logits(self.model, state.x, state.cu_seqlens, state.batch)
         else:
             raise ValueError(f"{step!r} is run by the executor itself (its buffers decide the repack's sizes)")
 
@@ -284,7 +292,8 @@ class PrunedViT(nn.Module):
             raise ValueError(f"pruner {getattr(self.pruner, 'name', None)!r} has no calibrate() method")
         if self._plan.stages[0].placement is Placement.MID_BLOCK:
             raise NotImplementedError("calibrate() supports before/after-block stages only")
-        return self.pruner.calibrate(_front(self, self.check_images(images).to(self.dtype)))
+        x = _front(self, self.check_images(images).to(self.dtype))
+        return self.pruner.calibrate(x, num_prefix=self._plan.num_prefix)
 
     def check_images(self, images: object) -> torch.Tensor:
         """Checks a batch of images for this model (float ``[B, C, H, W]`` at its input size, on its device);
@@ -301,7 +310,7 @@ class PrunedViT(nn.Module):
             )
         if images.shape[0] == 0:
             raise ValueError("images must hold at least one image, got batch size 0")
-        device = self.model.cls_token.device
+        device = self.device
         if images.device != device:
             raise ValueError(f"images must be on the model's device {device}, got {images.device}")
         return images
@@ -315,11 +324,6 @@ class PrunedViT(nn.Module):
             x = m.patch_embed(images)
         return m.norm_pre(m.patch_drop(m._pos_embed(x)))
 
-    def _head(self, cls: torch.Tensor) -> torch.Tensor:
-        # timm: norm on every token, then 'token' pooling picks CLS; per-token norms commute with that choice.
-        m = self.model
-        return m.head(m.head_drop(m.fc_norm(m.norm(cls))))
-
     def _decide(self, index: int, state: ForwardState) -> TokenSelection:
         stage = self._plan.stages[index]
         attn = self.model.blocks[stage.block].attn
@@ -327,7 +331,7 @@ class PrunedViT(nn.Module):
         inp = DecisionInput(
             x=state.x, cu_seqlens=state.cu_seqlens, stage=index, num_patches=self.num_patches,
             max_seqlen=state.max_seqlen, qkv=state.qkv if mid else None, num_heads=attn.num_heads if mid else None,
-            scale=attn.scale if mid else None,
+            scale=attn.scale if mid else None, num_prefix=self._plan.num_prefix,
         )  # fmt: skip
         return decide(self.pruner, inp, compiled=self.compile_blocks)
 
@@ -355,12 +359,12 @@ def decide(pruner: Pruner, inp: DecisionInput, compiled: bool = False) -> TokenS
         return fused(pruner, inp)
     if compiled and inp.x.is_cuda:  # the bound is left out: reference decisions do not read it (no recompiles)
         return _compiled_decision()(pruner, inp.x, inp.cu_seqlens, inp.stage, inp.num_patches, inp.qkv,
-                                    inp.num_heads, inp.scale)  # fmt: skip
+                                    inp.num_heads, inp.scale, inp.num_prefix)  # fmt: skip
     return pruner.decide(inp)
 
 
-def _decision(pruner: Pruner, x, cu, stage, num_patches, qkv, num_heads, scale) -> TokenSelection:
-    return pruner.decide(DecisionInput(x, cu, stage, num_patches, None, qkv, num_heads, scale))
+def _decision(pruner: Pruner, x, cu, stage, num_patches, qkv, num_heads, scale, num_prefix) -> TokenSelection:
+    return pruner.decide(DecisionInput(x, cu, stage, num_patches, None, qkv, num_heads, scale, num_prefix=num_prefix))
 
 
 @functools.cache
@@ -381,7 +385,7 @@ def _compiled_front():
     return torch.compile(_front)
 
 
-def _repack_exact(state: ForwardState, index: int) -> None:
+def _repack_exact(state: ForwardState, index: int, num_prefix: int) -> None:
     """Applies stage ``index``'s selection to the packed buffer at its exact size (eager REPACK)."""
     sel, x, cu = state.selection, state.x, state.cu_seqlens
     keep, kept = sel.keep, sel.kept
@@ -393,7 +397,7 @@ def _repack_exact(state: ForwardState, index: int) -> None:
         )
     extra = None if sel.extra_token is None else sel.extra_token.to(x.dtype)
     if x.device.type != "cuda":
-        state.x, state.cu_seqlens, state.max_seqlen = ref_packing.repack(x, cu, keep, extra)
+        state.x, state.cu_seqlens, state.max_seqlen = ref_packing.repack(x, cu, keep, extra, num_prefix)
     elif sel.fixed_count and sel.count is not None:
         state.x, state.cu_seqlens, state.max_seqlen = triton_pack.repack_unchecked(
             x, cu, keep, state.max_seqlen, count=sel.count, extra_token=extra, kept=kept
@@ -411,17 +415,26 @@ def _repack_exact(state: ForwardState, index: int) -> None:
 def _check_model(model: object) -> None:
     if not isinstance(model, VisionTransformer):
         raise TypeError(f"model must be a timm VisionTransformer, got {type(model).__name__}")
-    if model.cls_token is None or model.num_prefix_tokens != 1:
-        raise NotImplementedError(
-            "model must have exactly one prefix token (a class token, no register or "
-            f"distillation tokens), got num_prefix_tokens={model.num_prefix_tokens}"
-        )
-    if model.global_pool != "token" or getattr(model, "attn_pool", None) is not None:
-        raise NotImplementedError(
-            f"model must pool with its class token (global_pool='token'), got global_pool={model.global_pool!r}"
-        )
+    pool_of(model)  # a pooling the head supports
     if getattr(model, "dynamic_img_size", False):
         raise NotImplementedError("model must have a fixed input size (dynamic_img_size=False)")
+
+
+def _check_stages(plan: ForwardPlan, pruner: Pruner | None, model: VisionTransformer) -> None:
+    """What a model's prefix rows allow: a class token for pruners that score by its attention, and at least one
+    row per image after every stage."""
+    if pruner is None:
+        return
+    if pruner.needs_attention and model.cls_token is None:
+        raise ValueError(
+            f"pruner {pruner.name!r} scores patches by the class token's attention row, and the model has no class "
+            "token (class_token=False): use a pruner that scores the tokens themselves (threshold_l2, dynamicvit)"
+        )
+    if plan.num_prefix == 0 and any(s.rows_after == 0 for s in plan.stages):
+        raise ValueError(
+            f"pruner {pruner.name!r} would leave images without a single row on this model (no prefix tokens): "
+            f"rows after each stage {[s.rows_after for s in plan.stages]}"
+        )
 
 
 def _check_pruner(pruner: object, depth: int) -> Pruner | None:

@@ -97,7 +97,8 @@ class ForwardPlan:
 
     Attributes:
         depth: transformer blocks of the model.
-        tokens: rows of an unpruned image, CLS included (``N``; 197 at 224x224 with 16x16 patches).
+        tokens: rows of an unpruned image, prefix rows included (``N``; 197 for DeiT at 224x224 with 16x16 patches).
+        num_prefix: prefix rows of every image (class, distillation, register tokens), always kept.
         dense_blocks: blocks the FRONT step runs densely (all of them without a pruner).
         stages: one :class:`StagePlan` per stage, in forward order.
         steps: every step, in forward order.
@@ -105,6 +106,7 @@ class ForwardPlan:
 
     depth: int
     tokens: int
+    num_prefix: int
     dense_blocks: int
     stages: tuple[StagePlan, ...]
     steps: tuple[Step, ...]
@@ -146,13 +148,16 @@ class ForwardPlan:
 _OFFSET = {Placement.BEFORE_BLOCK: 0, Placement.MID_BLOCK: 1, Placement.AFTER_BLOCK: 2}
 
 
-def build_plan(pruner: Pruner | None, depth: int, tokens: int) -> ForwardPlan:
-    """The plan of a forward of a ``depth``-block model on images of ``tokens`` rows (CLS included) with ``pruner``
-    (its ``blocks``, ``placement``, ``fixed_count``, ``count_after`` and ``max_count_after``; None: unpruned)."""
+def build_plan(pruner: Pruner | None, depth: int, tokens: int, num_prefix: int = 1) -> ForwardPlan:
+    """The plan of a forward of a ``depth``-block model on images of ``tokens`` rows, the first ``num_prefix`` of
+    them prefix rows, with ``pruner`` (its ``blocks``, ``placement``, ``fixed_count``, ``count_after`` and
+    ``max_count_after``; None: unpruned)."""
     check_int(depth, "depth", 1)
-    check_int(tokens, "tokens", 2)
+    check_int(num_prefix, "num_prefix", 0)
+    check_int(tokens, "tokens", num_prefix + 1)
     if pruner is None:
-        return ForwardPlan(depth, tokens, depth, (), (Step(StepKind.FRONT, tuple(range(depth))), Step(StepKind.HEAD)))
+        steps = (Step(StepKind.FRONT, tuple(range(depth))), Step(StepKind.HEAD))
+        return ForwardPlan(depth, tokens, num_prefix, depth, (), steps)
     placement = Placement(pruner.placement)
     points = [2 * b + _OFFSET[placement] for b in pruner.blocks]
     dense = points[0] // 2
@@ -161,20 +166,21 @@ def build_plan(pruner: Pruner | None, depth: int, tokens: int) -> ForwardPlan:
     for index, (block, point) in enumerate(zip(pruner.blocks, points, strict=True)):
         steps += _halves(position, point)
         steps += [Step(StepKind.DECIDE, stage=index), Step(StepKind.REPACK, stage=index)]
-        counts, after = _counts(pruner, index, rows, tokens - 1)
+        counts, patches = _counts(pruner, index, rows - num_prefix, tokens - num_prefix)
         mlp_beside = block if placement is Placement.MID_BLOCK else None
-        stages.append(StagePlan(index, block, placement, counts, rows, after, mlp_beside))
-        rows, position = after, point
+        stages.append(StagePlan(index, block, placement, counts, rows, num_prefix + patches, mlp_beside))
+        rows, position = num_prefix + patches, point
     steps += [*_halves(position, 2 * depth), Step(StepKind.HEAD)]
-    return ForwardPlan(depth, tokens, dense, tuple(stages), tuple(steps))
+    return ForwardPlan(depth, tokens, num_prefix, dense, tuple(stages), tuple(steps))
 
 
-def _counts(pruner: Pruner, stage: int, rows: int, num_patches: int) -> tuple[Counts, int]:
-    count = pruner.count_after(stage, rows, num_patches) if pruner.fixed_count else None
+def _counts(pruner: Pruner, stage: int, patches: int, num_patches: int) -> tuple[Counts, int]:
+    """What the host knows of a stage's patches after it: the count, or a bound."""
+    count = pruner.count_after(stage, patches, num_patches) if pruner.fixed_count else None
     if count is not None:
-        return Counts.FIXED, check_int(count, "pruner.count_after()", 1)
-    bound = min(rows, check_int(pruner.max_count_after(stage, rows, num_patches), "pruner.max_count_after()", 1))
-    return (Counts.BOUNDED if bound < num_patches + 1 else Counts.VARIABLE), bound
+        return Counts.FIXED, check_int(count, "pruner.count_after()", 0)
+    bound = min(patches, check_int(pruner.max_count_after(stage, patches, num_patches), "pruner.max_count_after()", 0))
+    return (Counts.BOUNDED if bound < num_patches else Counts.VARIABLE), bound
 
 
 def _halves(start: int, end: int) -> list[Step]:

@@ -12,8 +12,15 @@ from __future__ import annotations
 
 import torch
 
-from ragged_vit.core.segments import cu_seqlens_from_counts, segment_ids, seqlens
-from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_keep_mask, check_max_seqlen, check_tensor
+from ragged_vit.core.segments import cu_seqlens_from_counts, positions, segment_ids, seqlens
+from ragged_vit.core.validation import (
+    FLOAT_DTYPES,
+    check_cu_seqlens,
+    check_int,
+    check_keep_mask,
+    check_max_seqlen,
+    check_tensor,
+)
 
 
 def pack(x: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -70,14 +77,17 @@ def repack(
     cu_seqlens: torch.Tensor,
     keep: torch.Tensor,
     extra_token: torch.Tensor | None = None,
+    num_prefix: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Second pruning stage on a packed buffer: keeps the rows where ``keep`` is True, ragged to ragged.
 
     Args:
         tokens: ``[T, C]`` packed features.
         cu_seqlens: int32 ``[B+1]`` offsets.
-        keep: bool ``[T]``; the first row of every image (CLS) must be kept.
+        keep: bool ``[T]``; the first ``num_prefix`` rows of every image (CLS first) must be kept.
         extra_token: optional ``[B, C]``, one token appended after each image's kept rows (EViT fusion).
+        num_prefix: prefix rows at the start of every image (class, distillation, register tokens; 0 for a model
+            without any).
 
     Returns:
         ``tokens [T', C]``, ``cu_seqlens`` int32 ``[B+1]`` and ``max_seqlen`` like :func:`pack`.
@@ -89,10 +99,10 @@ def repack(
     check_tensor(keep, "keep", ndim=1, dtypes=(torch.bool,), device=tokens.device)
     if keep.shape[0] != total:
         raise ValueError(f"keep must have shape ({total},) to match tokens, got {tuple(keep.shape)}")
-    starts = cu_seqlens[:-1].long()
-    nonempty = seqlens(cu_seqlens) > 0
-    if not bool(keep[starts[nonempty]].all()):
-        raise ValueError("keep must be True at every image's first row (CLS, at cu_seqlens[b])")
+    check_int(num_prefix, "num_prefix", 0)
+    if not bool(keep[positions(cu_seqlens, total) < num_prefix].all()):
+        rows = "first row (CLS, at cu_seqlens[b])" if num_prefix == 1 else f"first {num_prefix} rows (its prefix)"
+        raise ValueError(f"keep must be True at every image's {rows}")
     seg = segment_ids(cu_seqlens, total)
     counts = torch.zeros(batch, dtype=torch.long, device=tokens.device).index_add_(0, seg, keep.long())
     if extra_token is None:

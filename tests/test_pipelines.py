@@ -256,10 +256,13 @@ def test_selections_must_fit_the_run(gen):
 def test_unsupported_models_and_modes():
     with torch.random.fork_rng():
         tiny = dict(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2)
-        with pytest.raises(NotImplementedError, match="global_pool='token'"):
-            PrunedViT(VisionTransformer(**tiny, global_pool="avg"))
-        with pytest.raises(NotImplementedError, match="exactly one prefix token"):
-            PrunedViT(VisionTransformer(**tiny, reg_tokens=2))
+        no_class = VisionTransformer(**tiny, class_token=False, global_pool="avg")
+        with pytest.raises(ValueError, match="pruner 'evit' scores patches by the class token's attention row"):
+            PrunedViT(no_class, make_pruner("evit", blocks=(1,)))
+        with pytest.raises(ValueError, match="would leave images without a single row"):
+            PrunedViT(no_class, make_pruner("dynamicvit", embed_dim=64, rate=0.01, blocks=(1,)))
+        with pytest.raises(NotImplementedError, match="dynamic_img_size=False"):
+            PrunedViT(VisionTransformer(**tiny, dynamic_img_size=True))
         with pytest.raises(NotImplementedError, match=r"model.blocks\[1\] must be a timm vision_transformer.Block"):
             PrunedViT(VisionTransformer(**tiny, block_fn=ResPostBlock), make_pruner("evit", blocks=(1,)))
         model = VisionTransformer(**tiny)
@@ -315,7 +318,7 @@ def test_compiled_decisions_trace_and_agree(case):
     g = torch.Generator().manual_seed(1)
     cu = torch.tensor([0, 197, 394], dtype=torch.int32)
     x, qkv = torch.randn(394, 64, generator=g), torch.randn(394, 3 * 64, generator=g) * 3
-    args = (x, cu, 0, 196, qkv, 2, 32**-0.5)  # stage 0, 196 patches, 2 heads of 32 channels
+    args = (x, cu, 0, 196, qkv, 2, 32**-0.5, 1)  # stage 0, 196 patches, 2 heads of 32 channels, one prefix row
     ref, got = _decision(pruner, *args), _compiled_decision()(pruner, *args)
     assert torch.equal(got.keep, ref.keep)
     assert (got.fixed_count, got.count) == (ref.fixed_count, ref.count)

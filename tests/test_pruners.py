@@ -102,7 +102,7 @@ def test_golden_counts_deit_s(gen: torch.Generator, name: str, batch: int) -> No
         x, cu, max_seqlen = repack(x, cu, sel.keep, sel.extra_token)
         assert seqlens(cu).tolist() == [expected + 1] * batch
         assert sel.fixed_count and sel.count == expected + 1 == max_seqlen
-        assert pruner.count_after(stage, current, NUM_PATCHES) == expected + 1
+        assert pruner.count_after(stage, current - 1, NUM_PATCHES) == expected  # counts patches, not the CLS row
 
 
 @pytest.mark.parametrize("rate", [0.5, 0.7, 0.999, 1.0])
@@ -111,7 +111,7 @@ def test_evit_fuses_only_when_it_drops(gen: torch.Generator, rate: float) -> Non
     sel = pruner(packed_input(gen, [197, 197]))
     kept = math.ceil(rate * 196)
     assert (sel.extra_token is not None) == (kept < 196)
-    assert sel.count == pruner.count_after(0, 197, NUM_PATCHES) == 1 + kept + int(kept < 196)
+    assert sel.count == 1 + pruner.count_after(0, 196, NUM_PATCHES) == 1 + kept + int(kept < 196)
 
 
 @pytest.mark.parametrize("name", list(FACTORIES))
@@ -330,13 +330,13 @@ def test_ats_max_count_after_bounds_every_image(gen: torch.Generator, num_sample
     sel = pruner(inp)
     for b, length in enumerate(lengths):
         kept = int(sel.keep[image_rows(inp.cu_seqlens, b)].sum())
-        bound = pruner.max_count_after(0, length, NUM_PATCHES)
+        bound = 1 + pruner.max_count_after(0, length - 1, NUM_PATCHES)  # patches, plus the CLS row
         assert kept <= bound == 1 + min(length - 1, max(num_samples, min_keep)), (b, kept, bound)
-    assert int(sel.keep[flat].sum()) == pruner.max_count_after(0, 197, NUM_PATCHES) or num_samples == 196
-    assert ATSPruner().max_count_after(0, 197, NUM_PATCHES) == 197  # one target per patch: no bound
+    assert int(sel.keep[flat].sum()) == 1 + pruner.max_count_after(0, 196, NUM_PATCHES) or num_samples == 196
+    assert ATSPruner().max_count_after(0, 196, NUM_PATCHES) == 196  # one target per patch: no bound
     ratio = ThresholdL2Pruner("ratio", rate=0.5)  # the base class: the fixed count, else no bound
-    assert ratio.max_count_after(0, 197, NUM_PATCHES) == 1 + math.ceil(0.5 * 196)
-    assert ThresholdL2Pruner("threshold", threshold=1.0).max_count_after(0, 150, NUM_PATCHES) == 150
+    assert ratio.max_count_after(0, 196, NUM_PATCHES) == math.ceil(0.5 * 196)
+    assert ThresholdL2Pruner("threshold", threshold=1.0).max_count_after(0, 149, NUM_PATCHES) == 149
 
 
 def test_threshold_counts_vary_and_respect_the_floor(gen: torch.Generator) -> None:
@@ -378,7 +378,7 @@ def test_threshold_ratio_is_fixed(gen: torch.Generator, rate: float) -> None:
     sel = pruner(packed_input(gen, [197] * 3))
     kept = 1 + math.ceil(rate * 196)
     assert sel.keep.view(3, 197).sum(1).tolist() == [kept] * 3
-    assert sel.fixed_count and sel.count == kept == pruner.count_after(0, 197, NUM_PATCHES)
+    assert sel.fixed_count and sel.count == kept == 1 + pruner.count_after(0, 196, NUM_PATCHES)
     inp = packed_input(gen, [197, 60, 2])
     sel = pruner(inp)  # ragged: each image keeps its own share, reported as variable
     assert [int(sel.keep[image_rows(inp.cu_seqlens, b)].sum()) for b in range(3)] == [
@@ -494,6 +494,6 @@ def test_uniform_batch_reports_its_host_count(gen: torch.Generator, name: str) -
     cu = uniform_cu_seqlens(2, 197)
     inp = with_attention(gen, DecisionInput(torch.randn(394, C, generator=gen), cu, 1, NUM_PATCHES), H)
     sel = pruner(inp)
-    assert sel.fixed_count and sel.count == pruner.count_after(1, 197, NUM_PATCHES)
+    assert sel.fixed_count and sel.count == 1 + pruner.count_after(1, 196, NUM_PATCHES)
     fused = int(sel.extra_token is not None)
     assert (sel.keep.view(2, 197).sum(1) + fused).tolist() == [sel.count] * 2

@@ -100,9 +100,9 @@ def _first_as_near(CDF, t, below, near, LOG_W: tl.constexpr):
     return count
 
 
-@triton.jit(do_not_specialize=["total", "num_samples", "min_keep"])
+@triton.jit(do_not_specialize=["total", "num_samples", "min_keep", "num_prefix"])
 def _sample_kernel(
-    LOGITS, SQUARES, SCORES, WORK, CU, KEEP, KEPT, total, num_samples, min_keep,
+    LOGITS, SQUARES, SCORES, WORK, CU, KEEP, KEPT, total, num_samples, min_keep, num_prefix,
     H: tl.constexpr, FROM_LOGITS: tl.constexpr, SAMPLE: tl.constexpr, BLOCK_W: tl.constexpr,
     BLOCK_H: tl.constexpr, LOG_W: tl.constexpr,
 ):  # fmt: skip
@@ -111,7 +111,7 @@ def _sample_kernel(
     length = tl.minimum(end - start, BLOCK_W)  # rows past the bound are never kept (zeroed at the end)
     offs = tl.arange(0, BLOCK_W)
     in_image = offs < length
-    is_patch = in_image & (offs > 0)
+    is_patch = in_image & (offs >= num_prefix)
     if FROM_LOGITS:  # S_j = sum_h softmax_h(logits)[j] * ||V_j||, normalised over the image's patches
         offs_h = tl.arange(0, BLOCK_H)
         cells = (start + offs)[:, None] * H + offs_h[None, :]
@@ -129,8 +129,8 @@ def _sample_kernel(
             return
         tl.debug_barrier()  # the sampling below reads the scores back as ats_keep does
     score = tl.load(SCORES + start + offs, mask=is_patch, other=0.0)
-    patches = tl.maximum(length - 1, 0)
-    # Ascending by (score, row), CLS and rows outside the image last; the low 32 bits keep the row.
+    patches = tl.maximum(length - num_prefix, 0)
+    # Ascending by (score, row), prefix rows and rows outside the image last; the low 32 bits keep the row.
     bits = score.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
     row = offs.to(tl.int64)
     keys = tl.sort(tl.where(is_patch, (bits << 32) | row, (0x7FFFFFFF << 32) | row))
@@ -174,10 +174,10 @@ def _sample_kernel(
         top = tl.where(valid & ~chosen, ((0x7FFFFFFF - sorted_bits) << 32) | pos.to(tl.int64), 0x7FFFFFFFFFFFFFFF)
         cut = tl.sum(tl.where(offs == extra - 1, tl.sort(top), 0), 0)
         keep = keep | (top <= cut)
-    tl.store(KEEP + start + pos, (keep | (pos == 0)).to(tl.int8), mask=pos < length)
+    tl.store(KEEP + start + pos, (keep | (pos < num_prefix)).to(tl.int8), mask=pos < length)
     for r in range(start + BLOCK_W, end, BLOCK_W):  # an image longer than the bound: its tail is dropped
         tl.store(KEEP + r + offs, tl.zeros([BLOCK_W], dtype=tl.int8), mask=r + offs < end)
-    tl.store(KEPT + b, tl.where(length > 0, 1 + sampled + tl.maximum(extra, 0), 0))
+    tl.store(KEPT + b, tl.minimum(num_prefix, length) + sampled + tl.maximum(extra, 0))
 
 
 _logits_launcher = CompiledLauncher(_logits_kernel)
@@ -218,7 +218,7 @@ def _logits(qkv: torch.Tensor, cu: torch.Tensor, heads: int, head_dim: int, scal
     return logits, squares
 
 
-def _sample(logits, squares, scores, cu, max_seqlen, num_samples, min_keep, *, from_logits: bool, sample: bool):
+def _sample(logits, squares, scores, cu, max_seqlen, num_samples, min_keep, num_prefix, *, from_logits, sample):
     total = scores.shape[0]
     batch = cu.shape[0] - 1
     device = scores.device
@@ -229,18 +229,19 @@ def _sample(logits, squares, scores, cu, max_seqlen, num_samples, min_keep, *, f
     heads = logits.shape[1]
     args = (
         logits, squares, scores, work, cu, keep.view(torch.int8) if sample else keep, kept, total, num_samples,
-        min_keep, heads, from_logits, sample, width, triton.next_power_of_2(heads), log_w,
+        min_keep, num_prefix, heads, from_logits, sample, width, triton.next_power_of_2(heads), log_w,
     )  # fmt: skip
     key = (heads, from_logits, sample, width) if _aligned(logits, squares, scores, work, cu, keep, kept) else None
     _sample_launcher(key, scores.get_device(), (batch, 1), args, num_warps=8, num_stages=1, enable_fp_fusion=False)
     return keep, kept
 
 
-def _check_sampling(cu_seqlens, total, device, max_seqlen, num_samples, min_keep, check_values):
+def _check_sampling(cu_seqlens, total, device, max_seqlen, num_samples, min_keep, num_prefix, check_values):
     cu = check_cu_seqlens(cu_seqlens, total=total, device=device, check_values=check_values)
     check_max_seqlen(max_seqlen)
     check_int(num_samples, "num_samples", 1)
     check_int(min_keep, "min_keep", 0)
+    check_int(num_prefix, "num_prefix", 1)  # the class token's row is the query
     return cu
 
 
@@ -251,9 +252,10 @@ def ats_scores(
     scale: float,
     max_seqlen: int,
     *,
+    num_prefix: int = 1,
     check_values: bool | None = None,
 ) -> torch.Tensor:
-    """ATS's normalised significance of every row from a block's qkv projection: fp32 ``[T]``, 0 on CLS rows.
+    """ATS's normalised significance of every row from a block's qkv projection: fp32 ``[T]``, 0 on prefix rows.
 
     The kernels' twin of ``significance(cls_attention(q, k, cu, scale), v, cu)``
     (:mod:`ragged_vit.reference.pruners.ats`).
@@ -264,14 +266,15 @@ def ats_scores(
         num_heads: ``H``.
         scale: softmax scale of the attention logits.
         max_seqlen: a bound on the image lengths (an image longer than it is scored on its first rows only).
+        num_prefix: prefix rows of every image (the class token first: its row is the query), never scored.
         check_values: read ``cu_seqlens`` to validate it (default: only on the CPU).
     """
     heads, head_dim = _check_qkv(qkv, num_heads, scale)
     total = qkv.shape[0]
-    cu = _check_sampling(cu_seqlens, total, qkv.device, max_seqlen, 1, 0, check_values)
+    cu = _check_sampling(cu_seqlens, total, qkv.device, max_seqlen, 1, 0, num_prefix, check_values)
     logits, squares = _logits(qkv, cu, heads, head_dim, scale, max_seqlen)
     scores = torch.empty(total, dtype=torch.float32, device=qkv.device)
-    _sample(logits, squares, scores, cu, max_seqlen, 1, 0, from_logits=True, sample=False)
+    _sample(logits, squares, scores, cu, max_seqlen, 1, 0, num_prefix, from_logits=True, sample=False)
     return scores
 
 
@@ -282,6 +285,7 @@ def ats_keep(
     num_samples: int,
     min_keep: int = 8,
     *,
+    num_prefix: int = 1,
     check_values: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ATS's keep mask from normalised scores: one launch, no host synchronisation.
@@ -290,23 +294,27 @@ def ats_keep(
     two may differ).
 
     Args:
-        scores: fp32 ``[T]`` non-negative patch scores (CLS rows are ignored).
+        scores: fp32 ``[T]`` non-negative patch scores (prefix rows are ignored).
         cu_seqlens: int32 ``[B+1]`` offsets of the rows.
         max_seqlen: a bound on the image lengths: rows of an image past it are never kept.
         num_samples: CDF targets per image.
         min_keep: patches every image keeps at least (or all it has).
+        num_prefix: prefix rows of every image (at least the class token), always kept.
         check_values: read ``cu_seqlens`` to validate it (default: only on the CPU).
 
     Returns:
-        ``keep`` bool ``[T]`` (every non-empty image's CLS row True) and ``kept`` int32 ``[B]``, the rows each image
-        keeps (CLS included).
+        ``keep`` bool ``[T]`` (every image's prefix rows True) and ``kept`` int32 ``[B]``, the rows each image keeps
+        (prefix rows included).
     """
     check_tensor(scores, "scores", ndim=1, dtypes=(torch.float32,))
     if not scores.is_contiguous():
         raise ValueError(f"scores must be contiguous, got strides {scores.stride()}")
-    cu = _check_sampling(cu_seqlens, scores.shape[0], scores.device, max_seqlen, num_samples, min_keep, check_values)
+    cu = _check_sampling(
+        cu_seqlens, scores.shape[0], scores.device, max_seqlen, num_samples, min_keep, num_prefix, check_values
+    )
     none = scores.new_empty(0, 1)  # no logits, no squares of values: the kernel reads the scores
-    return _sample(none, scores, scores, cu, max_seqlen, num_samples, min_keep, from_logits=False, sample=True)
+    return _sample(none, scores, scores, cu, max_seqlen, num_samples, min_keep, num_prefix, from_logits=False,
+                   sample=True)  # fmt: skip
 
 
 def ats_select(pruner: ATSPruner, inp: DecisionInput) -> TokenSelection:
@@ -334,5 +342,6 @@ def _select(pruner: ATSPruner, inp: DecisionInput) -> TokenSelection:
     samples = inp.num_patches if pruner.num_samples is None else pruner.num_samples
     logits, squares = _logits(qkv, cu, inp.num_heads, head_dim, inp.scale, bound)
     scores = torch.empty(qkv.shape[0], dtype=torch.float32, device=qkv.device)
-    keep, kept = _sample(logits, squares, scores, cu, bound, samples, pruner.min_keep, from_logits=True, sample=True)
+    keep, kept = _sample(logits, squares, scores, cu, bound, samples, pruner.min_keep, inp.num_prefix,
+                         from_logits=True, sample=True)  # fmt: skip
     return TokenSelection(keep, kept)

@@ -46,16 +46,17 @@ def _beats(s_j, s_i, j, i):
     return greater | (same & (j < i))
 
 
-@triton.jit(do_not_specialize=["total", "rate_bits", "threshold", "min_keep"])
+@triton.jit(do_not_specialize=["total", "rate_bits", "threshold", "min_keep", "num_prefix"])
 def _keep_kernel(
-    SCORES, CU, KEEP, KEPT, total, rate_bits, threshold, min_keep,
+    SCORES, CU, KEEP, KEPT, total, rate_bits, threshold, min_keep, num_prefix,
     RATIO: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     # Offsets clamped to [0, total]: malformed cu_seqlens cannot read or write out of bounds.
     start = tl.minimum(tl.maximum(tl.load(CU + b), 0), total)
     end = tl.minimum(tl.maximum(tl.load(CU + b + 1), start), total)
-    patches = tl.maximum(end - start - 1, 0)
+    first = tl.minimum(start + num_prefix, end)  # the image's first patch row, after its prefix rows
+    patches = end - first
     if RATIO:
         rate = rate_bits.to(tl.float64, bitcast=True)
         k = tl.math.ceil(patches.to(tl.float64) * rate).to(tl.int32)
@@ -63,14 +64,14 @@ def _keep_kernel(
         k = min_keep
     offs_i = tl.arange(0, BLOCK_I)
     offs_j = tl.arange(0, BLOCK_J)
-    kept = ((tl.program_id(1) == 0) & (end > start)).to(tl.int32)  # the CLS row, counted once
+    kept = tl.where(tl.program_id(1) == 0, first - start, 0)  # the prefix rows, counted once
     # Grid-stride loop over this image's row blocks: the grid's second axis is only a bound on the work.
-    for i0 in range(start + 1 + tl.program_id(1) * BLOCK_I, end, tl.num_programs(1) * BLOCK_I):
+    for i0 in range(first + tl.program_id(1) * BLOCK_I, end, tl.num_programs(1) * BLOCK_I):
         i = i0 + offs_i
         in_i = i < end
         s_i = tl.load(SCORES + i, mask=in_i, other=0.0)
         rank = tl.zeros([BLOCK_I], dtype=tl.int32)
-        for j0 in range(start + 1, end, BLOCK_J):
+        for j0 in range(first, end, BLOCK_J):
             j = j0 + offs_j
             in_j = j < end
             s_j = tl.load(SCORES + j, mask=in_j, other=0.0)
@@ -81,8 +82,9 @@ def _keep_kernel(
             keep = keep | (s_i >= threshold)
         tl.store(KEEP + i, keep.to(tl.int8), mask=in_i)
         kept += tl.sum((keep & in_i).to(tl.int32), 0)
-    if (tl.program_id(1) == 0) & (end > start):
-        tl.store(KEEP + start, tl.full([], 1, tl.int8))
+    if tl.program_id(1) == 0:
+        for r0 in range(start, first, BLOCK_I):
+            tl.store(KEEP + r0 + offs_i, tl.full([BLOCK_I], 1, tl.int8), mask=r0 + offs_i < first)
     tl.atomic_add(KEPT + b, kept)  # integer adds: the same total in any order
 
 
@@ -102,23 +104,25 @@ def threshold_l2_keep(
     rate: float | None = None,
     threshold: float | None = None,
     min_keep: int = 0,
+    num_prefix: int = 1,
     check_values: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep mask of Threshold-L2 from per-row scores: one launch, no host synchronisation.
 
     Args:
-        scores: fp32 ``[T]`` patch scores (CLS rows are never scored: their values are ignored).
+        scores: fp32 ``[T]`` patch scores (prefix rows are never scored: their values are ignored).
         cu_seqlens: int32 ``[B+1]`` offsets of the rows.
         max_seqlen: a bound on the image lengths that sizes the grid (an underestimate is slower, never wrong).
         rate: ``ratio`` mode: keep the top ``ceil(rate * patches)`` patches of each image.
         threshold: ``threshold`` mode: keep patches with ``score >= threshold``, and at least the ``min_keep``
             best (give exactly one of ``rate`` and ``threshold``).
         min_keep: the floor of ``threshold`` mode.
+        num_prefix: prefix rows at the start of every image (class, distillation, register tokens), always kept.
         check_values: read ``cu_seqlens`` to validate it (default: only on the CPU).
 
     Returns:
-        ``keep`` bool ``[T]`` (every non-empty image's CLS row True) and ``kept`` int32 ``[B]``, the rows each
-        image keeps (CLS included).
+        ``keep`` bool ``[T]`` (every image's prefix rows True) and ``kept`` int32 ``[B]``, the rows each image keeps
+        (prefix rows included).
     """
     check_tensor(scores, "scores", ndim=1, dtypes=(torch.float32,))
     check_cu_seqlens(cu_seqlens, total=scores.shape[0], device=scores.device, check_values=check_values)
@@ -129,14 +133,21 @@ def threshold_l2_keep(
     if threshold is not None and not isinstance(threshold, float):
         raise TypeError(f"threshold must be a float, got {type(threshold).__name__}")
     check_int(min_keep, "min_keep", 0)
+    check_int(num_prefix, "num_prefix", 0)
     check_max_seqlen(max_seqlen)
     if not scores.is_contiguous():
         raise ValueError(f"scores must be contiguous, got strides {scores.stride()}")
-    return _keep(scores, cu_seqlens, max_seqlen, rate, threshold, min_keep)
+    return _keep(scores, cu_seqlens, max_seqlen, rate, threshold, min_keep, num_prefix)
 
 
 def _keep(
-    scores: torch.Tensor, cu: torch.Tensor, max_seqlen: int, rate: float | None, threshold: float | None, min_keep: int
+    scores: torch.Tensor,
+    cu: torch.Tensor,
+    max_seqlen: int,
+    rate: float | None,
+    threshold: float | None,
+    min_keep: int,
+    num_prefix: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`threshold_l2_keep` on checked arguments."""
     total, batch = scores.shape[0], cu.shape[0] - 1
@@ -145,10 +156,11 @@ def _keep(
     ratio = rate is not None
     args = (
         scores, cu, keep.view(torch.int8), kept, total,
-        _float_bits(rate) if ratio else 0, 0.0 if ratio else threshold, min_keep, ratio, _BLOCK_I, _BLOCK_J,
+        _float_bits(rate) if ratio else 0, 0.0 if ratio else threshold, min_keep, num_prefix, ratio, _BLOCK_I,
+        _BLOCK_J,
     )  # fmt: skip
     aligned = scores.is_cuda and all(t.data_ptr() % 16 == 0 for t in (scores, cu, keep, kept))
-    grid = (batch, triton.cdiv(max(max_seqlen - 1, 1), _BLOCK_I))
+    grid = (batch, triton.cdiv(max(max_seqlen - num_prefix, 1), _BLOCK_I))
     _launcher((ratio,) if aligned else None, scores.get_device(), grid, args, num_warps=4, num_stages=1)
     return keep, kept
 
@@ -163,14 +175,12 @@ def threshold_l2_select(pruner: ThresholdL2Pruner, inp: DecisionInput) -> TokenS
 @register_decision(ThresholdL2Pruner)
 def _select(pruner: ThresholdL2Pruner, inp: DecisionInput) -> TokenSelection:
     """:func:`threshold_l2_select` on checked input: the fused decision the pipelines look up."""
-    scores = l2_scores(inp.x)
-    # Rows past the bound are never ranked, so the bound is that of an unpruned image: Threshold-L2's one stage sees
-    # nothing longer, whatever inp.max_seqlen says.
-    bound = inp.num_patches + 1
+    scores, cu, prefix = l2_scores(inp.x), inp.cu_seqlens, inp.num_prefix
     if pruner.mode == "ratio":
-        keep, kept = _keep(scores, inp.cu_seqlens, bound, pruner.rate, None, 0)
-        current = uniform_length(inp.cu_seqlens, inp.x.shape[0])
-        count = None if current is None else pruner.count_after(inp.stage, current, inp.num_patches)
+        keep, kept = _keep(scores, cu, inp.row_bound, pruner.rate, None, 0, prefix)
+        current = uniform_length(cu, inp.x.shape[0])
+        count = None if current is None else prefix + pruner.count_after(inp.stage, current - prefix, inp.num_patches)
         return TokenSelection(keep, kept, fixed_count=count is not None, count=count)
-    keep, kept = _keep(scores, inp.cu_seqlens, bound, None, pruner.threshold, pruner.min_keep)
+    floor = max(pruner.min_keep, inp.min_patches)
+    keep, kept = _keep(scores, cu, inp.row_bound, None, pruner.threshold, floor, prefix)
     return TokenSelection(keep, kept)

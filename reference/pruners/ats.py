@@ -20,32 +20,42 @@ import math
 
 import torch
 
-from ragged_vit.core.segments import patch_counts, positions, segment_ids, segment_rank, segment_sum, seqlens, to_padded
+from ragged_vit.core.segments import (
+    patch_counts,
+    positions,
+    prefix_rows,
+    segment_ids,
+    segment_rank,
+    segment_sum,
+    seqlens,
+    to_padded,
+)
 from ragged_vit.core.selection import DecisionInput, Placement, Pruner, TokenSelection, kept_counts
 from ragged_vit.core.validation import check_blocks, check_int
 from ragged_vit.reference.cls_attention import attention_inputs
 
 
 def inverse_transform_sample(
-    scores: torch.Tensor, cu_seqlens: torch.Tensor, width: int, num_samples: int
+    scores: torch.Tensor, cu_seqlens: torch.Tensor, width: int, num_samples: int, num_prefix: int = 1
 ) -> torch.Tensor:
     """ATS's deterministic inverse-transform sampling of every image's patches: ``[T]`` scores -> bool ``[T]``.
 
     Args:
-        scores: ``[T]`` non-negative patch scores (CLS rows are ignored).
+        scores: ``[T]`` non-negative patch scores (prefix rows are ignored).
         cu_seqlens: int32 ``[B+1]`` offsets.
         width: an upper bound on the rows of every image (the padded view's width).
         num_samples: number of evenly spaced CDF targets.
+        num_prefix: prefix rows at the start of every image (the class token first).
 
     Returns:
-        bool ``[T]``: the patches some target picked (never a CLS row).
+        bool ``[T]``: the patches some target picked (never a prefix row).
     """
     total = scores.shape[0]
-    patches = patch_counts(cu_seqlens)[:, None]  # [B, 1]
-    is_cls = positions(cu_seqlens, total) == 0
+    patches = patch_counts(cu_seqlens, num_prefix)[:, None]  # [B, 1]
+    prefix = prefix_rows(cu_seqlens, total, num_prefix)
     inf = float("inf")
-    # CLS and padding (+inf) sort after the patches: each sorted row starts with its own image's patches.
-    padded = to_padded(scores.masked_fill(is_cls, inf), cu_seqlens, width, inf)  # [B, W]
+    # Prefix rows and padding (+inf) sort after the patches: each sorted row starts with its own image's patches.
+    padded = to_padded(scores.masked_fill(prefix, inf), cu_seqlens, width, inf)  # [B, W]
     ascending, order = padded.sort(dim=1, stable=True)
     valid = torch.arange(width, device=scores.device) < patches  # [B, W]
     cdf = ascending.masked_fill(~valid, 0.0).cumsum(dim=1)
@@ -65,7 +75,7 @@ def inverse_transform_sample(
     picked = (targets[:, :, None] - cdf[:, None, :]).abs().argmin(dim=2)
     cols = order.gather(1, picked)  # positions inside each image
     chosen = torch.zeros_like(valid).scatter_(1, cols, (patches > 0).expand_as(cols))
-    return chosen[segment_ids(cu_seqlens, total), positions(cu_seqlens, total)] & ~is_cls
+    return chosen[segment_ids(cu_seqlens, total), positions(cu_seqlens, total)] & ~prefix
 
 
 def sample_ramp(
@@ -78,38 +88,43 @@ def sample_ramp(
     return (torch.arange(num_samples, device=device, dtype=torch.float64) / last).to(dtype)
 
 
-def significance(cls_attn: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+def significance(
+    cls_attn: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, num_prefix: int = 1
+) -> torch.Tensor:
     """ATS's normalised patch scores ``S_j = sum_h A_h[0, j] * ||V_j||_2 / sum_j (...)``: fp32 ``[T]`` (float64 for
-    float64 inputs), 0 on CLS rows and in images whose scores are all zero.
+    float64 inputs), 0 on prefix rows and in images whose scores are all zero.
 
     Args:
         cls_attn: ``[T, H]`` CLS-query attention (:func:`ragged_vit.reference.cls_attention`).
         v: ``[T, H*D]`` value vectors.
         cu_seqlens: int32 ``[B+1]`` offsets.
+        num_prefix: prefix rows at the start of every image (never scored).
     """
     total = v.shape[0]
     batch = cu_seqlens.numel() - 1
     seg = segment_ids(cu_seqlens, total)
     acc = torch.promote_types(v.dtype, torch.float32)
     raw = cls_attn.to(acc).sum(dim=-1) * v.to(acc).norm(dim=-1)  # [T]
-    raw = raw.masked_fill(positions(cu_seqlens, total) == 0, 0.0)
+    raw = raw.masked_fill(prefix_rows(cu_seqlens, total, num_prefix), 0.0)
     mass = segment_sum(raw, seg, batch)[seg]
     return torch.where(mass > 0, raw / mass, torch.zeros_like(raw))
 
 
 def sample_keep(
-    score: torch.Tensor, cu_seqlens: torch.Tensor, width: int, num_samples: int, min_keep: int
+    score: torch.Tensor, cu_seqlens: torch.Tensor, width: int, num_samples: int, min_keep: int, num_prefix: int = 1
 ) -> torch.Tensor:
     """ATS's keep mask from normalised scores ``[T]`` (:func:`significance`): the sampled patches, topped up to
-    ``min(min_keep, patches)`` per image with the best-scoring others (ties: the earlier row), and every CLS row."""
+    ``min(min_keep, patches)`` per image with the best-scoring others (ties: the earlier row), and every prefix
+    row."""
     total = score.shape[0]
     batch = cu_seqlens.numel() - 1
     seg = segment_ids(cu_seqlens, total)
-    chosen = inverse_transform_sample(score, cu_seqlens, width, num_samples)
+    chosen = inverse_transform_sample(score, cu_seqlens, width, num_samples, num_prefix)
     # The floor adds the best-scoring patches not sampled yet: sampled ones rank first.
-    target = torch.maximum(segment_sum(chosen.long(), seg, batch), patch_counts(cu_seqlens).clamp(max=min_keep))
-    rank = segment_rank(score.masked_fill(chosen, float("inf")), cu_seqlens)
-    return (positions(cu_seqlens, total) == 0) | (rank < target[seg])
+    floor = patch_counts(cu_seqlens, num_prefix).clamp(max=min_keep)
+    target = torch.maximum(segment_sum(chosen.long(), seg, batch), floor)
+    rank = segment_rank(score.masked_fill(chosen, float("inf")), cu_seqlens, num_prefix)
+    return prefix_rows(cu_seqlens, total, num_prefix) | (rank < target[seg])
 
 
 class ATSPruner(Pruner):
@@ -145,16 +160,15 @@ class ATSPruner(Pruner):
     def extra_repr(self) -> str:
         return f"blocks={self.blocks}, num_samples={self.num_samples}, min_keep={self.min_keep}"
 
-    def max_count_after(self, stage: int, current: int, num_patches: int) -> int:
+    def max_count_after(self, stage: int, patches: int, num_patches: int) -> int:
         """At most ``max(samples, min_keep)`` patches survive (each target picks one, duplicates collapse; the
-        floor tops up to ``min_keep``), and never more than the image had: ``1 + min(current - 1, max(samples,
-        min_keep))`` rows, CLS included."""
+        floor tops up to ``min_keep``), and never more than the image had."""
         samples = num_patches if self.num_samples is None else self.num_samples
-        return 1 + min(current - 1, max(samples, self.min_keep))
+        return min(patches, max(samples, self.min_keep))
 
     def check_input(self, inp: object) -> DecisionInput:
         inp = super().check_input(inp)
-        cu, width = inp.cu_seqlens, inp.num_patches + 1
+        cu, width = inp.cu_seqlens, inp.num_patches + inp.num_prefix
         if cu.device.type == "cpu" and bool((seqlens(cu) > width).any()):
             raise ValueError(
                 f"inp.num_patches ({inp.num_patches}) must count the patches of the unpruned image: "
@@ -164,7 +178,8 @@ class ATSPruner(Pruner):
 
     def decide(self, inp: DecisionInput) -> TokenSelection:
         cu = inp.cu_seqlens
-        score = significance(*attention_inputs(inp), cu)
+        score = significance(*attention_inputs(inp), cu, inp.num_prefix)
         samples = inp.num_patches if self.num_samples is None else self.num_samples
-        keep = sample_keep(score, cu, inp.num_patches + 1, samples, self.min_keep)
+        width = inp.num_patches + inp.num_prefix
+        keep = sample_keep(score, cu, width, samples, self.min_keep, inp.num_prefix)
         return TokenSelection(keep, kept_counts(keep, cu))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ragged_vit.core.segments import positions, segment_ids, segment_rank, segment_sum, uniform_length
+from ragged_vit.core.segments import prefix_rows, segment_ids, segment_rank, segment_sum, uniform_length
 from ragged_vit.core.selection import DecisionInput, Placement, Pruner, TokenSelection, kept_counts
 from ragged_vit.core.validation import check_blocks, check_int, check_rate
 
@@ -40,8 +40,9 @@ class PredictorLG(nn.Module):
             nn.LogSoftmax(dim=-1),
         )
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """Log-probabilities ``[T, 2]`` (channel 0 = keep) of packed rows ``x [T, C]``; CLS rows are not meaningful.
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor, num_prefix: int = 1) -> torch.Tensor:
+        """Log-probabilities ``[T, 2]`` (channel 0 = keep) of packed rows ``x [T, C]``; prefix rows (the first
+        ``num_prefix`` of each image) are not meaningful.
 
         The global half of the features is the mean over each image's own patch rows (not CLS), as the official
         policy-weighted mean is at inference, where every current token has policy 1.
@@ -49,7 +50,7 @@ class PredictorLG(nn.Module):
         total = x.shape[0]
         batch = cu_seqlens.numel() - 1
         seg = segment_ids(cu_seqlens, total)
-        is_patch = (positions(cu_seqlens, total) > 0)[:, None]
+        is_patch = ~prefix_rows(cu_seqlens, total, num_prefix)[:, None]
         z = self.in_conv(x)  # [T, C]
         half = z.shape[-1] // 2
         glob = segment_sum(z[:, half:].masked_fill(~is_patch, 0.0), seg, batch)  # [B, C - C//2]
@@ -90,8 +91,8 @@ class DynamicViTPruner(Pruner):
         """Patches kept by ``stage``, counted from the original ``num_patches`` (before capping at those left)."""
         return int(num_patches * self.rate ** (stage + 1))
 
-    def count_after(self, stage: int, current: int, num_patches: int) -> int | None:
-        return 1 + min(self.keep_patches(stage, num_patches), current - 1)
+    def count_after(self, stage: int, patches: int, num_patches: int) -> int | None:
+        return min(self.keep_patches(stage, num_patches), patches)
 
     def check_input(self, inp: object) -> DecisionInput:
         inp = super().check_input(inp)
@@ -102,11 +103,13 @@ class DynamicViTPruner(Pruner):
         return inp
 
     def decide(self, inp: DecisionInput) -> TokenSelection:
-        x, cu = inp.x, inp.cu_seqlens
+        x, cu, num_prefix = inp.x, inp.cu_seqlens, inp.num_prefix
         total = x.shape[0]
-        is_cls = positions(cu, total) == 0
-        score = self.score_predictor[inp.stage](x, cu)[:, 0].float()
-        keep = is_cls | (segment_rank(score, cu) < self.keep_patches(inp.stage, inp.num_patches))
+        score = self.score_predictor[inp.stage](x, cu, num_prefix)[:, 0].float()
+        k = max(self.keep_patches(inp.stage, inp.num_patches), inp.min_patches)
+        keep = prefix_rows(cu, total, num_prefix) | (segment_rank(score, cu, num_prefix) < k)
         current = uniform_length(cu, total)
-        count = None if current is None else self.count_after(inp.stage, current, inp.num_patches)
+        count = (
+            None if current is None else num_prefix + self.count_after(inp.stage, current - num_prefix, inp.num_patches)
+        )
         return TokenSelection(keep, kept_counts(keep, cu), fixed_count=count is not None, count=count)

@@ -20,7 +20,7 @@ import torch
 from ragged_vit.core.segments import (
     ceil_rate,
     patch_counts,
-    positions,
+    prefix_rows,
     segment_ids,
     segment_rank,
     segment_sum,
@@ -65,34 +65,35 @@ class EViTPruner(Pruner):
     def extra_repr(self) -> str:
         return f"rate={self.rate}, blocks={self.blocks}, fuse_token={self.fuse_token}"
 
-    def fuses(self, current: int | None) -> bool:
-        """Whether a stage on images of ``current`` rows (None: a ragged batch) appends the fused token.
+    def fuses(self, patches: int | None) -> bool:
+        """Whether a stage on images of ``patches`` patches (None: a ragged batch) appends the fused token.
 
         As in the official code, no token is fused when the stage drops nothing. A ragged batch fuses whenever
         ``rate < 1``, so that one image's length never decides another image's layout.
         """
         if not self.fuse_token:
             return False
-        if current is None:
+        if patches is None:
             return self.rate < 1.0
-        return math.ceil(self.rate * (current - 1)) < current - 1
+        return math.ceil(self.rate * patches) < patches
 
-    def count_after(self, stage: int, current: int, num_patches: int) -> int | None:
-        return 1 + math.ceil(self.rate * (current - 1)) + int(self.fuses(current))
+    def count_after(self, stage: int, patches: int, num_patches: int) -> int | None:
+        return math.ceil(self.rate * patches) + int(self.fuses(patches))
 
     def decide(self, inp: DecisionInput) -> TokenSelection:
-        x, cu = inp.x, inp.cu_seqlens
+        x, cu, num_prefix = inp.x, inp.cu_seqlens, inp.num_prefix
         total = x.shape[0]
         batch = cu.numel() - 1
         seg = segment_ids(cu, total)
-        is_cls = positions(cu, total) == 0
         acc = torch.promote_types(x.dtype, torch.float32)  # fp32 math, fp64 stays fp64
         score = attention_inputs(inp)[0].to(acc).mean(dim=-1)  # [T]
-        keep = is_cls | (segment_rank(score, cu) < ceil_rate(self.rate, patch_counts(cu))[seg])
+        k = ceil_rate(self.rate, patch_counts(cu, num_prefix))[seg]
+        keep = prefix_rows(cu, total, num_prefix) | (segment_rank(score, cu, num_prefix) < k)
         current = uniform_length(cu, total)
+        patches = None if current is None else current - num_prefix
         extra = None
-        if self.fuses(current):
+        if self.fuses(patches):
             weight = score.masked_fill(keep, 0.0)[:, None]  # raw weights of the dropped patches only
             extra = segment_sum(weight * x.to(acc), seg, batch).to(x.dtype)  # [B, C]
-        count = None if current is None else self.count_after(inp.stage, current, inp.num_patches)
+        count = None if patches is None else num_prefix + self.count_after(inp.stage, patches, inp.num_patches)
         return TokenSelection(keep, kept_counts(keep, cu), count is not None, count, extra)

@@ -3,8 +3,9 @@
 The score of a patch is ``||x_i||_2`` of the residual stream after block 3 (before the next LayerNorm). Three
 modes: ``threshold`` (keep ``s >= tau``: a variable count per image), ``ratio`` (the top
 ``ceil(rate * patches)``: a fixed count) and ``calibrated`` (``tau`` is the ``(1 - rate)`` quantile of the scores
-of a calibration batch, then as ``threshold``: variable count, mean keep ~ ``rate``). CLS is always kept and never
-scored; every image keeps at least ``min_keep`` patches. Dropped tokens are discarded (no fusion), no weights.
+of a calibration batch, then as ``threshold``: variable count, mean keep ~ ``rate``). Prefix rows (class,
+distillation, register tokens) are always kept and never scored; every image keeps at least ``min_keep`` patches
+(at least one on a model without prefix rows). Dropped tokens are discarded (no fusion), no weights.
 
 Not supported: several stages, learned thresholds.
 """
@@ -15,7 +16,14 @@ import math
 
 import torch
 
-from ragged_vit.core.segments import ceil_rate, patch_counts, positions, segment_ids, segment_rank, uniform_length
+from ragged_vit.core.segments import (
+    ceil_rate,
+    patch_counts,
+    prefix_rows,
+    segment_ids,
+    segment_rank,
+    uniform_length,
+)
 from ragged_vit.core.selection import (
     DecisionInput,
     Placement,
@@ -112,17 +120,18 @@ class ThresholdL2Pruner(Pruner):
     def extra_repr(self) -> str:
         return f"mode={self.mode!r}, threshold={self.threshold}, rate={self.rate}, min_keep={self.min_keep}"
 
-    def count_after(self, stage: int, current: int, num_patches: int) -> int | None:
+    def count_after(self, stage: int, patches: int, num_patches: int) -> int | None:
         if self.mode != "ratio":
             return None
-        return 1 + math.ceil(self.rate * (current - 1))
+        return math.ceil(self.rate * patches)
 
     @torch.no_grad()
-    def calibrate(self, x: torch.Tensor | DecisionInput) -> float:
+    def calibrate(self, x: torch.Tensor | DecisionInput, num_prefix: int = 1) -> float:
         """Sets ``threshold`` to the ``(1 - rate)`` quantile of the patch scores of a calibration batch.
 
         Args:
-            x: a dense batch ``[B, N, C]`` (CLS at index 0) or a packed :class:`DecisionInput`.
+            x: a dense batch ``[B, N, C]`` whose first ``num_prefix`` rows are prefix tokens, or a packed
+                :class:`DecisionInput` (its own ``num_prefix``).
 
         Returns:
             The threshold, also stored in ``self.threshold``.
@@ -131,11 +140,10 @@ class ThresholdL2Pruner(Pruner):
             raise ValueError(f"calibrate() needs mode='calibrated', this pruner has mode={self.mode!r}")
         if isinstance(x, DecisionInput):
             check_decision_input(x)
-            is_patch = positions(x.cu_seqlens, x.x.shape[0]) > 0
-            scores = l2_scores(x.x[is_patch])
+            scores = l2_scores(x.x[~prefix_rows(x.cu_seqlens, x.x.shape[0], x.num_prefix)])
         else:
             check_tensor(x, "x", ndim=3, dtypes=_SCORE_DTYPES)
-            scores = l2_scores(x[:, 1:]).flatten()
+            scores = l2_scores(x[:, check_int(num_prefix, "num_prefix", 0) :]).flatten()
         if scores.numel() == 0:
             raise ValueError("x must hold at least one patch token to calibrate on, got none")
         self.threshold = float(torch.quantile(scores, 1.0 - self.rate))
@@ -146,17 +154,17 @@ class ThresholdL2Pruner(Pruner):
             raise RuntimeError("ThresholdL2Pruner(mode='calibrated') has no threshold yet: call calibrate() first")
 
     def decide(self, inp: DecisionInput) -> TokenSelection:
-        x, cu = inp.x, inp.cu_seqlens
+        x, cu, num_prefix = inp.x, inp.cu_seqlens, inp.num_prefix
         total = x.shape[0]
         seg = segment_ids(cu, total)
-        is_cls = positions(cu, total) == 0
+        prefix = prefix_rows(cu, total, num_prefix)
         score = l2_scores(x)
-        rank = segment_rank(score, cu)
+        rank = segment_rank(score, cu, num_prefix)
         if self.mode == "ratio":
-            keep = is_cls | (rank < ceil_rate(self.rate, patch_counts(cu))[seg])
+            keep = prefix | (rank < ceil_rate(self.rate, patch_counts(cu, num_prefix))[seg])
             current = uniform_length(cu, total)
-            count = None if current is None else self.count_after(inp.stage, current, inp.num_patches)
+            count = None if current is None else num_prefix + self.count_after(inp.stage, current - num_prefix, 0)
             return TokenSelection(keep, kept_counts(keep, cu), fixed_count=count is not None, count=count)
         # The floor adds the best-scoring patches, a superset of those passing the threshold.
-        keep = is_cls | (score >= self.threshold) | (rank < self.min_keep)
+        keep = prefix | (score >= self.threshold) | (rank < max(self.min_keep, inp.min_patches))
         return TokenSelection(keep, kept_counts(keep, cu))
