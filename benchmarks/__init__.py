@@ -3,7 +3,19 @@
 Nothing here asserts a time. Every result carries the card, torch, triton and git commit it was measured on.
 """
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BASELINES = REPO_ROOT / "benchmarks" / "baselines"  # stored results, one directory per card model
+
+
+def comma_list(text: str | None, kind: Callable = str, choices: Sequence[str] | None = None) -> tuple | None:
+    """A comma-separated command-line option as a tuple (None when not given); names must be among ``choices``."""
+    if not text:
+        return None
+    values = tuple(kind(v.strip()) for v in text.split(",") if v.strip())
+    unknown = sorted(set(values) - set(choices)) if choices else []
+    if unknown:
+        raise ValueError(f"unknown {unknown}; choose from {list(choices)}")
+    return values

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks import comma_list
 from benchmarks.attention_peers import PEER_NAMES, cell_problem, checked_peer
 from benchmarks.tables import kernel_median, kernel_section
 from benchmarks.timing import copy_bandwidth, environment, l2_bytes, measure
@@ -40,10 +41,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    args.peers = [p.strip() for p in args.peers.split(",") if p.strip()]
-    unknown = sorted(set(args.peers) - set(PEER_NAMES))
-    if unknown:
-        parser.error(f"unknown peers {unknown}; choose from {list(PEER_NAMES)}")
+    try:
+        args.peers = comma_list(args.peers, choices=PEER_NAMES)
+    except ValueError as exc:
+        parser.error(f"--peers: {exc}")
     return args
 
 

@@ -43,7 +43,7 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -51,7 +51,7 @@ import timm
 import torch
 from tqdm import tqdm
 
-from benchmarks import BASELINES, tables
+from benchmarks import BASELINES, comma_list, tables
 from benchmarks.attention_peers import build_peer, make_problem, reference_output
 from benchmarks.e2e_common import (
     CHECKPOINT_ENV,
@@ -589,17 +589,6 @@ def kernel_numerics(device: torch.device) -> list[dict]:
 # --------------------------------------------------------------------------------------------------- main
 
 
-def _csv(text: str | None, kind: type = str, choices: Sequence[str] | None = None) -> tuple | None:
-    """A comma-separated option as a tuple (None when not given); names must be among ``choices``."""
-    if not text:
-        return None
-    values = tuple(kind(v.strip()) for v in text.split(","))
-    unknown = sorted(set(values) - set(choices)) if choices else []
-    if unknown:
-        raise ValueError(f"unknown {unknown}; choose from {list(choices)}")
-    return values
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.report_e2e", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=None, help="directory (default benchmarks/baselines/<gpu>/e2e)")
@@ -628,7 +617,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ("batches", int, None), ("compile_batches", int, None), ("workloads", str, WORKLOADS), ("rows", str, ALL_ROWS)
     ):  # fmt: skip
         try:
-            setattr(args, name, _csv(getattr(args, name), kind, choices))
+            setattr(args, name, comma_list(getattr(args, name), kind, choices))
         except ValueError as exc:
             parser.error(f"--{name.replace('_', '-')}: {exc}")
     if args.tag is None and args.quick:
