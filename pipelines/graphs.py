@@ -423,7 +423,8 @@ class GraphedPrunedViT:
         if last.index == len(self._plan.segments) - 1:
             bufs.logits.copy_(state.logits)
             offsets = bufs.cu[1:, : batch + 1]  # every stage's real offsets
-            bufs.counts.copy_((offsets[:, 1:] - offsets[:, :-1] - 1).t())  # rows after each stage, CLS excluded
+            prefix = self._plan.num_prefix  # rows after each stage, prefix rows excluded
+            bufs.counts.copy_((offsets[:, 1:] - offsets[:, :-1] - prefix).t())
         else:
             self._store(bufs, last, state)
 

@@ -73,8 +73,8 @@ class PrunedOutput:
 
     Attributes:
         logits: ``[B, classes]`` in input order.
-        counts: int64 ``[B, S]``: tokens per image after each of the ``S`` stages, CLS excluded (EViT's fused
-            token counted, as the golden counts 139/99/71 do). On CUDA it is not read back.
+        counts: int64 ``[B, S]``: tokens per image after each of the ``S`` stages, prefix rows (CLS) excluded
+            (EViT's fused token counted, as the golden counts 139/99/71 do). On CUDA it is not read back.
         selections: the decision of each stage, to replay in another run (``PrunedViT.run(selections=...)``).
     """
 
@@ -236,7 +236,7 @@ class PrunedViT(nn.Module):
                 offsets.append(state.cu_seqlens)
             else:
                 self.run_step(step, state)
-        counts = [seqlens(cu) - 1 for cu in offsets]
+        counts = [seqlens(cu) - self._plan.num_prefix for cu in offsets]
         counts = torch.stack(counts, dim=1) if counts else state.logits.new_zeros((state.batch, 0), dtype=torch.long)
         return PrunedOutput(state.logits, counts, made)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragged_vit.core.segments import cu_seqlens_from_counts, segment_ids, segment_sum
+from ragged_vit.core.segments import cu_seqlens_from_counts, positions, segment_ids, segment_sum
 from ragged_vit.core.selection import DecisionInput
 from ragged_vit.reference.attention import split_qkv
 from ragged_vit.reference.cls_attention import cls_attention
@@ -54,9 +54,9 @@ def _kept_counts(keep, cu):
     return segment_sum(keep.long(), segment_ids(cu, keep.shape[0]), cu.numel() - 1)
 
 
-def _check_exact(scores, cu, bound, num_samples, min_keep):
-    keep, kept = ats.ats_keep(scores, cu, bound, num_samples, min_keep)
-    ref = sample_keep(scores.cpu(), cu.cpu(), bound, num_samples, min_keep)
+def _check_exact(scores, cu, bound, num_samples, min_keep, num_prefix=1):
+    keep, kept = ats.ats_keep(scores, cu, bound, num_samples, min_keep, num_prefix=num_prefix)
+    ref = sample_keep(scores.cpu(), cu.cpu(), bound, num_samples, min_keep, num_prefix)
     assert torch.equal(keep.cpu(), ref), (num_samples, min_keep)
     assert torch.equal(kept.long().cpu(), _kept_counts(ref, cu.cpu()))
 
@@ -127,6 +127,25 @@ def test_select_matches_pruner_interpreter(gen):
         # Given its own scores, the sampler is the reference's exactly (numpy sums as torch on the CPU).
         assert torch.equal(got.keep, ats.ats_keep(ats.ats_scores(qkv, cu, heads, scale, 197), cu, 197,
                                                   pruner.num_samples or 196, pruner.min_keep)[0])  # fmt: skip
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("num_prefix", [2, 5])
+def test_prefix_rows_are_kept_and_never_sampled_interpreter(num_prefix, gen):
+    """A class token plus distillation or register tokens: the prefix rows hold garbage scores (the kernel must
+    ignore them), are always kept, and the sampling over the patches is the reference's, bit for bit."""
+    cu = _cu((0, 1, 3, 7, 70, 5))
+    scores = _dyadic_scores(cu, gen, "flat")
+    prefix = positions(cu, int(cu[-1])) < num_prefix
+    scores[prefix] = 7.5
+    for num_samples, min_keep in ((60, 8), (4, 2), (3, 0)):
+        _check_exact(scores, cu, 70, num_samples, min_keep, num_prefix)
+    heads, head_dim = 2, 16
+    qkv, qcu = _qkv((40, 9, 6), heads, head_dim, "cpu", gen)
+    inp = DecisionInput(qkv[:, :32], qcu, 0, 40 - num_prefix, None, qkv, heads, 0.25, num_prefix=num_prefix)
+    got, ref = ats.ats_select(ATSPruner(num_samples=12, min_keep=2), inp), ATSPruner(num_samples=12, min_keep=2)(inp)
+    assert (got.keep != ref.keep).sum() <= 1 and bool(got.keep[positions(qcu, 55) < num_prefix].all())
+    assert torch.equal(got.kept.long(), _kept_counts(got.keep, qcu))
 
 
 @pytest.mark.interpreter
@@ -219,6 +238,7 @@ def test_keep_equals_reference_on_exact_cdf_gpu(shape, kind, gen):
     scores = _dyadic_scores(cu.cpu(), gen, kind).cuda()
     for num_samples, min_keep in ((n - 1, 8), (40, 0), (3, 8)):
         _check_exact(scores, cu, n, num_samples, min_keep)
+    _check_exact(scores, cu, n, n - 5, 8, num_prefix=5)  # a class token and four registers
 
 
 @pytest.mark.gpu

@@ -28,7 +28,7 @@ def _ragged(lengths, channels, device, gen, ties=False, nan_rows=0):
     return x.to(device), cu.to(device)
 
 
-def _check_against_reference(x, cu, num_patches=196):
+def _check_against_reference(x, cu, num_patches=196, num_prefix=1):
     total = x.shape[0]
     pruners = [ThresholdL2Pruner("ratio", rate=r) for r in RATES]
     scores = tl2.l2_scores(x)
@@ -36,7 +36,7 @@ def _check_against_reference(x, cu, num_patches=196):
     quantiles = [0.0, 1.0] if positive.numel() == 0 else torch.quantile(positive.cpu(), torch.tensor([0.3, 0.6]))
     pruners += [ThresholdL2Pruner("threshold", threshold=float(t), min_keep=m) for t in quantiles for m in (0, 3)]
     for pruner in pruners:
-        inp = DecisionInput(x=x, cu_seqlens=cu, stage=0, num_patches=num_patches)
+        inp = DecisionInput(x=x, cu_seqlens=cu, stage=0, num_patches=num_patches, num_prefix=num_prefix)
         ref = pruner(inp)
         got = tl2.threshold_l2_select(pruner, inp)
         assert torch.equal(got.keep, ref.keep), pruner.extra_repr()
@@ -55,6 +55,15 @@ def _check_against_reference(x, cu, num_patches=196):
 def test_keep_matches_reference_interpreter(lengths, ties, gen):
     x, cu = _ragged(lengths, 8, "cpu", gen, ties=ties)
     _check_against_reference(x, cu)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("num_prefix", [0, 2, 5])
+def test_prefix_rows_are_kept_and_never_ranked_interpreter(num_prefix, gen):
+    """Register and distillation tokens (several prefix rows), or none at all (then every image keeps at least its
+    best patch): the kernel's decisions are the reference's."""
+    x, cu = _ragged((0, 1, 3, 6, 40, 65), 8, "cpu", gen, ties=True)
+    _check_against_reference(x, cu, 64, num_prefix)
 
 
 @pytest.mark.interpreter
@@ -84,6 +93,8 @@ def test_keep_matches_reference_gpu(shape, dtype, gen):
         _check_against_reference(x.to(dtype), cu, n - 1)
         uniform, ucu = _ragged([n] * batch, 768, "cuda", gen)
         _check_against_reference(uniform.to(dtype), ucu, n - 1)
+        for num_prefix in (0, 5):  # no prefix rows; a class token and four registers
+            _check_against_reference(x.to(dtype), cu, n - num_prefix, num_prefix)
 
 
 @pytest.mark.gpu

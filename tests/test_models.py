@@ -1,0 +1,132 @@
+"""The timm ViT family on the packed runtime: prefix tokens, poolings and block variants, built small from timm's
+own model names (``docs/models.md`` lists them).
+
+Each family, with random weights, 4 blocks of width 64, 16 patches:
+* unpruned and at keep rate 1.0 the pipeline reproduces timm's forward: fp32 on the CPU, ``atol = rtol = 1e-5``
+  (the same modules on the same rows; only the attention's summation order differs);
+* pruned by every pruner that applies (EViT and ATS score by the class token's attention: a model without one
+  refuses them at construction, with the reason): prefix rows always kept, finite logits, the counts the plan
+  predicts for fixed-count pruners; the Triton backend (under the interpreter) and the graph runner agree with the
+  reference backend on the same decisions (fp32, ``atol = rtol = 1e-4``: GEMMs on other row counts).
+
+GPU twins (fp16, the kernel against timm) are at the end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+
+from ragged_vit import GraphedPrunedViT, PrunedViT
+from ragged_vit.pipelines.plan import Counts
+from ragged_vit.reference.pruners import make_pruner
+from tests.helpers import no_tf32
+
+SMALL = dict(depth=4, embed_dim=64, num_heads=2, num_classes=10)
+FAMILIES = {
+    "deit": ("deit_tiny_patch16_224", dict(img_size=64)),
+    "deit_distilled": ("deit_tiny_distilled_patch16_224", dict(img_size=64)),  # 2 prefix tokens, two heads
+    "deit3_layerscale": ("deit3_small_patch16_224", dict(img_size=64)),  # LayerScale, no_embed_class
+    "reg4_avg_no_class": ("vit_base_patch16_reg4_gap_256", dict(img_size=64)),  # 4 registers, no class, avg
+    "dinov2_reg4": ("vit_small_patch14_reg4_dinov2", dict(img_size=56)),  # class + 4 registers, LayerScale
+    "siglip_map": ("vit_base_patch16_siglip_224", dict(img_size=64)),  # no prefix, attention pooling
+    "clip_norm_pre": ("vit_base_patch16_clip_224", dict(img_size=64)),  # norm_pre
+    "qk_norm": ("vit_small_patch16_224", dict(img_size=64, qk_norm=True)),
+    "class_avg": ("vit_small_patch16_224", dict(img_size=64, global_pool="avg")),  # avg with a class token, fc_norm
+    "avgmax": ("vit_small_patch16_224", dict(img_size=64, class_token=False, global_pool="avgmax")),
+}
+PRUNERS = {
+    "threshold_l2": lambda: make_pruner("threshold_l2", mode="calibrated", rate=0.5, block=1),
+    "dynamicvit": lambda: make_pruner("dynamicvit", embed_dim=64, rate=0.7, blocks=(1, 2)),
+    "evit_fused": lambda: make_pruner("evit", rate=0.6, blocks=(1, 2), fuse_token=True),
+    "ats": lambda: make_pruner("ats", blocks=(1, 2, 3), num_samples=10, min_keep=2),
+}
+KEEP_ALL = {
+    "threshold_l2": lambda: make_pruner("threshold_l2", mode="ratio", rate=1.0, block=1),
+    "dynamicvit": lambda: make_pruner("dynamicvit", embed_dim=64, rate=1.0, blocks=(1, 2)),
+    "evit": lambda: make_pruner("evit", rate=1.0, blocks=(1, 2)),
+}
+FP32 = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def family(name: str, seed: int = 0) -> torch.nn.Module:
+    model_name, kwargs = FAMILIES[name]
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = timm.create_model(model_name, pretrained=False, **SMALL, **kwargs).eval()
+        for block in model.blocks:  # peaked attention: the pruners keep different counts per image
+            block.attn.qkv.weight.data.mul_(4.0)
+    return model
+
+
+def images(model: torch.nn.Module, count: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    size = model.patch_embed.img_size
+    return torch.randn(count, 3, *size, generator=g) * torch.linspace(0.2, 2.0, count)[:, None, None, None]
+
+
+def has_class_token(model: torch.nn.Module) -> bool:
+    return model.cls_token is not None
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_unpruned_and_keep_all_reproduce_timm(name):
+    model = family(name)
+    x = images(model, 3, 1)
+    with torch.no_grad():
+        ref = model(x)
+    torch.testing.assert_close(PrunedViT(model).run(x).logits, ref, **FP32)
+    for pruner, make in KEEP_ALL.items():
+        if pruner == "evit" and not has_class_token(model):
+            continue
+        out = PrunedViT(model, make(), "reference").run(x)
+        torch.testing.assert_close(out.logits, ref, **FP32, msg=lambda m, p=pruner: f"{p}: {m}")
+        assert out.counts.eq(model.patch_embed.num_patches).all(), pruner
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
+@pytest.mark.parametrize("pruner", list(PRUNERS))
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_pruned_forward_on_every_family_interpreter(name, pruner):
+    model = family(name)
+    make = PRUNERS[pruner]
+    if make().needs_attention and not has_class_token(model):
+        with pytest.raises(ValueError, match="scores patches by the class token's attention row"):
+            PrunedViT(model, make())
+        return
+    pv = PrunedViT(model, make(), "reference")
+    x = images(model, 3, 2)
+    if pruner == "threshold_l2":
+        pv.calibrate(images(model, 6, 3))
+    ref = pv.run(x)
+    assert bool(ref.logits.isfinite().all())
+    prefix = model.num_prefix_tokens
+    for sel, stage in zip(ref.selections, pv.plan.stages, strict=True):
+        assert bool((sel.kept >= prefix + int(prefix == 0)).all()), "prefix rows kept, at least one row"
+        if stage.counts is Counts.FIXED:
+            assert ref.counts[:, stage.index].eq(stage.rows_after - prefix).all()
+    pv.backend = "triton"
+    replayed = pv.run(x, selections=ref.selections)
+    torch.testing.assert_close(replayed.logits, ref.logits, atol=1e-4, rtol=1e-4)
+    graphed = GraphedPrunedViT(pv).run(x)
+    assert torch.equal(graphed.counts, pv.run(x).counts)
+    torch.testing.assert_close(graphed.logits, ref.logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_keep_all_fp16_against_timm_gpu(name):
+    """On the GPU, fp16, the Triton kernel and the GEMM patch embedding at keep rate 1.0: the pipeline's error
+    against timm in fp32 is at most 2x timm's own fp16 error (plus one fp16 ulp of the logits' scale)."""
+    model = family(name).cuda()
+    x = images(model, 4, 4).cuda()
+    with torch.no_grad(), no_tf32():
+        ref = model(x).float()
+        timm16 = model.half()(x.half()).float()
+    pv = PrunedViT(model, KEEP_ALL["threshold_l2"](), "triton")
+    out = pv.run(x.half()).logits.float()
+    floor = (timm16 - ref).abs().max().item()
+    bound = 2 * floor + torch.finfo(torch.float16).eps * ref.abs().max().item()
+    assert (out - ref).abs().max().item() <= bound
