@@ -35,7 +35,7 @@ def measure(batch: int, n: int, gen: torch.Generator) -> tuple[float, float, flo
     us = functools.partial(device_us, calls_per_graph=50)
     return (
         us(lambda: ats._logits(qkv, cu, heads, head_dim, scale, n)),
-        us(lambda: ats._sample(logits, squares, out, cu, n, 1, 0, from_logits=True, sample=False)),
+        us(lambda: ats._sample(logits, squares, out, cu, n, 1, 0, 1, from_logits=True, sample=False)),
         us(lambda: ats.ats_keep(scores, cu, n, n - 1, 8, check_values=False)),
         us(lambda: ats.ats_select(pruner, inp)),
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
+from benchmarks.e2e_common import no_tf32  # noqa: F401  (re-exported: the tests' one fp32 switch)
 from ragged_vit import PrunedViT
 
 #: Pruner cases of the pipeline tests: name -> (pruner, options); "evit_fused" is EViT with its fused token.
@@ -15,17 +16,6 @@ PRUNER_CASES = {
     "evit_fused": ("evit", {"fuse_token": True}),
     "ats": ("ats", {}),
 }
-
-
-class no_tf32:  # noqa: N801 - used like a function: ``with no_tf32():``
-    """fp32 on the GPU must mean fp32: cuDNN convolutions (the patch embedding) and matmuls default to TF32."""
-
-    def __enter__(self) -> None:
-        self.saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-
-    def __exit__(self, *_: object) -> None:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = self.saved
 
 
 def tiny_pipeline(pruner_factory, backend: str = "reference") -> PrunedViT:
