@@ -3,7 +3,7 @@
 Run on the GPU machine from the repo root: ``compute-sanitizer --tool memcheck python -m ci.sanitize_case``.
 Mixed lengths (1..577), a fused extra token, a capacity-bounded repack and a too-small capacity, fp16 and bf16;
 then the pruners' decision kernels (Threshold-L2, ATS) on the same kind of batch, with an image longer than the
-bound, empty images and NaN rows.
+bound, empty images, NaN rows, and 0 or 5 prefix rows.
 """
 
 from __future__ import annotations
@@ -32,6 +32,10 @@ def decisions(device: str, gen: torch.Generator) -> None:
     for pruner in (ATSPruner(), ATSPruner(num_samples=1000, min_keep=600)):
         ats.ats_select(pruner, DecisionInput(qkv[:, :768], cu, 0, 576, None, qkv, 12, 0.125))
     ats.ats_keep(ats.ats_scores(qkv, cu, 12, 0.125, 577), cu, 577, 576, 8)
+    # Prefix rows (a class token and four registers; none at all), some images shorter than the prefix.
+    tl2.threshold_l2_keep(scores, cu, 577, rate=0.5, num_prefix=5)
+    tl2.threshold_l2_keep(scores, cu, 577, threshold=float(scores.nanmedian()), min_keep=1, num_prefix=0)
+    ats.ats_select(ATSPruner(), DecisionInput(qkv[:, :768], cu, 0, 572, None, qkv, 12, 0.125, num_prefix=5))
 
 
 def main() -> None:
