@@ -26,8 +26,8 @@ BARE_IMPORT = re.compile(r"^\s*(?:from|import)\s+(core|reference|triton_impl|pip
 
 def _python_files() -> list[Path]:
     tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True)
-    if tracked.returncode == 0 and tracked.stdout:
-        return [REPO / f for f in tracked.stdout.split()]
+    if tracked.returncode == 0 and tracked.stdout:  # a copy may carry a stale index: files that are gone are skipped
+        return [path for path in (REPO / f for f in tracked.stdout.split()) if path.is_file()]
     return [p for p in REPO.rglob("*.py") if ".nox" not in p.parts and "venv" not in p.parts]
 
 
