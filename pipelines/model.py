@@ -4,13 +4,14 @@
 checkpoints load) and a pruner from :mod:`ragged_vit.reference.pruners`. At construction it builds the forward plan
 (:func:`ragged_vit.pipelines.plan.build_plan`) once, and :meth:`PrunedViT.run` executes it step by step:
 
-1. FRONT: timm's own embedding and the blocks before the first pruning stage, on the dense ``[B, N, C]`` batch,
-   which is then viewed as packed (``[B*N, C]``, uniform ``cu_seqlens``);
+1. FRONT: timm's own embedding (prefix tokens first) and the blocks before the first pruning stage, on the dense
+   ``[B, N, C]`` batch, which is then viewed as packed (``[B*N, C]``, uniform ``cu_seqlens``);
 2. DECIDE / REPACK at each stage: the pruner's decision (or the fused device decision registered for it,
    :mod:`ragged_vit.core.decisions`), then the packed buffer repacked ragged to ragged (no detour through padding);
 3. BLOCKS / ATTENTION / MLP: every later block on the packed buffer
    (:mod:`ragged_vit.pipelines.packed_block`), attention through the chosen backend;
-4. HEAD: ``model.norm``, ``fc_norm`` and ``head`` on each image's CLS row: logits ``[B, classes]`` in input order.
+4. HEAD: ``model.norm``, the model's pooling of each image's kept rows, ``fc_norm`` and ``head``: logits
+   ``[B, classes]`` in input order (:mod:`ragged_vit.pipelines.heads`).
 
 :meth:`PrunedViT.run_step` runs one step on a :class:`ForwardState`; the CUDA-graph executor
 (:class:`ragged_vit.pipelines.graphs.GraphedPrunedViT`) runs the same steps through it, with its own repack into
@@ -28,10 +29,10 @@ under the interpreter, slowly.
 Validation happens once, at :meth:`PrunedViT.run`'s entry (images, backend against the model, pruner ready,
 replayed selections); the steps call the kernels' unchecked entry points.
 
-Supported: timm ``VisionTransformer`` with a class token, no register tokens, ``global_pool='token'`` (DeiT,
-original ViT), blocks from the first stage on being timm ``Block``/``Attention``; inference only (eval mode).
-Not supported: distilled DeiT (two prefix tokens), average/attention pooling, dynamic image sizes other than the
-model's, training.
+Supported: timm ``VisionTransformer`` and its subclasses with any number of prefix tokens (class, distillation,
+register tokens, or none), every timm pooling (``token``, ``avg``, ``max``, ``avgmax``, ``map``:
+:mod:`ragged_vit.pipelines.heads`), blocks from the first stage on being timm ``Block``/``Attention``; inference only
+(eval mode). ``docs/models.md`` lists the tested families. Not supported: ``dynamic_img_size``, training.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ A forward is a list of :class:`Step` s::
     ATTENTION / MLP   the two halves of a block, where a stage sits between them (MID_BLOCK)
     DECIDE  a stage decides which rows survive (pruner, or its fused kernel)
     REPACK  the decision applied to the packed buffer
-    HEAD    each image's CLS row, the final norms and the classifier
+    HEAD    the final norm, each image's pooled rows (its class row, or a pool of its kept rows), the classifier
 
 For each stage the plan also records what the host knows of its counts (:class:`Counts`: fixed, bounded by the
 pruner, or variable), the bound on an image's rows before and after it, and whether the MLP half that follows its
@@ -76,7 +76,7 @@ class StagePlan:
         block: the timm block it belongs to.
         placement: before the block, between its halves, or after it.
         counts: what the host knows of the rows kept (:class:`Counts`).
-        rows_before: the most rows (CLS included) an image can have when the stage decides.
+        rows_before: the most rows (prefix rows included) an image can have when the stage decides.
         rows_after: the rows an image has after it when ``counts`` is FIXED; otherwise the most it can have.
         mlp_beside: for a MID_BLOCK stage, the block whose MLP half follows the repack and may run beside the decision,
             on every row (before the repack); None otherwise.
