@@ -6,6 +6,9 @@ round trip are compared bitwise: the same weights run through the same ops.
 
 from __future__ import annotations
 
+import argparse
+import re
+
 import pytest
 import torch
 
@@ -122,3 +125,138 @@ def test_timm_arguments_and_local_pretrained_files(tmp_path):
     assert all(torch.equal(a, b) for a, b in pairs)
     with pytest.raises(FileNotFoundError, match="pretrained_cfg_overlay file not found"):
         create_model(MODEL, pretrained=True, pretrained_cfg_overlay=dict(file=str(tmp_path / "none.pth")))
+
+
+_UNPICKLED: list[str] = []
+
+
+def _record(text: str) -> str:
+    _UNPICKLED.append(text)
+    return text
+
+
+class _RunsCodeWhenUnpickled:
+    """Unpickling it calls ``_record``: what ``weights_only=True`` must refuse."""
+
+    def __reduce__(self):
+        return _record, ("code ran",)
+
+
+def _training_checkpoint(pv, style: str) -> dict:
+    """A training checkpoint as DeiT and DynamicViT save it (``model`` ... ``args``), or timm's train.py."""
+    state = _official_style(pv)["model"]
+    optimizer = torch.optim.AdamW(pv.parameters(), lr=1e-3)
+    pv.model.head(torch.zeros(1, pv.model.embed_dim)).sum().backward()
+    optimizer.step()  # per-parameter state: exp_avg tensors, step
+    optimizer.zero_grad(set_to_none=True)
+    args = argparse.Namespace(
+        model=MODEL,
+        lr=5e-4,
+        epochs=300,
+        drop_path=0.1,
+        output_dir="out",
+        dist_url="env://",
+        betas=None,
+        distributed=True,
+        base_keep_rate=0.7,
+        input_size=224,
+    )
+    ema = {k: v + 1 for k, v in state.items()}  # differs: the loader must pick the model's own weights
+    if style == "deit":
+        return {
+            "model": state,
+            "optimizer": optimizer.state_dict(),
+            "lr_scheduler": {"base_values": [5e-4]},
+            "epoch": 299,
+            "model_ema": ema,
+            "scaler": {"scale": 65536.0, "_growth_tracker": 7},
+            "args": args,
+        }
+    return {
+        "epoch": 299,
+        "arch": MODEL,
+        "state_dict": state,
+        "optimizer": optimizer.state_dict(),
+        "version": 2,
+        "args": args,
+        "state_dict_ema": ema,
+        "metric": 81.2,
+    }
+
+
+@pytest.mark.parametrize("pruner", ["dynamicvit", "evit"])
+@pytest.mark.parametrize("style", ["deit", "timm"])
+def test_training_checkpoints_load_their_model_weights_safely(pruner, style, tmp_path, gen):
+    """``args`` (an argparse.Namespace) next to the model, optimizer, scheduler, scaler and EMA state: the model's
+    weights load under ``weights_only=True`` (Namespace allow-listed), the EMA copy is left alone."""
+    source = _seeded_pipeline(pruner, seed=1)
+    path = tmp_path / "checkpoint.pth"
+    torch.save(_training_checkpoint(source, style), path)
+    loaded = _seeded_pipeline(pruner, seed=2, checkpoint=path)
+    x = torch.randn(2, 3, 224, 224, generator=gen)
+    assert torch.equal(loaded(x), source(x))
+
+
+def test_ema_only_checkpoint_loads_the_ema(tmp_path, gen):
+    source = _seeded_pipeline("evit", seed=1)
+    path = tmp_path / "ema.pth"
+    torch.save({"model_ema": source.model.state_dict(), "args": argparse.Namespace(model_ema=True)}, path)
+    loaded = _seeded_pipeline("evit", seed=2, checkpoint=path)
+    x = torch.randn(1, 3, 224, 224, generator=gen)
+    assert torch.equal(loaded(x), source(x))
+
+
+def test_pickled_code_is_refused_and_never_runs(tmp_path):
+    model = create_model(MODEL)
+    path = tmp_path / "evil.pth"
+    torch.save({"model": model.state_dict(), "args": _RunsCodeWhenUnpickled()}, path)
+    refused = rf"checkpoint {re.escape(str(path))} pickles \S*_record, which torch.load\(weights_only=True\)"
+    with pytest.raises(ValueError, match=refused):
+        load_checkpoint(model, None, path)
+    assert _UNPICKLED == []
+    whole = tmp_path / "whole_model.pth"
+    torch.save(model, whole)
+    with pytest.raises(ValueError, match=r"pickles timm.models.vision_transformer.VisionTransformer.*model.state_dict"):
+        load_checkpoint(model, None, whole)
+
+
+@pytest.mark.parametrize("kind", ["empty", "text", "random", "truncated"])
+def test_corrupt_files_name_the_file(kind, tmp_path):
+    model = create_model(MODEL)
+    path = tmp_path / f"{kind}.pth"
+    if kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "text":
+        path.write_text("model weights, honest\n")
+    elif kind == "random":
+        path.write_bytes(bytes(range(256)) * 8)
+    else:
+        torch.save({"model": model.state_dict()}, path)
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    before = model.cls_token.clone()
+    unreadable = rf"checkpoint {re.escape(str(path))} is not a readable torch.save file"
+    with pytest.raises(ValueError, match=unreadable) as info:
+        load_checkpoint(model, None, path)
+    assert "\n" not in str(info.value)
+    assert torch.equal(model.cls_token, before)
+
+
+def test_ddp_prefix_is_suggested_and_stripped(tmp_path, gen):
+    source = _seeded_pipeline("dynamicvit", seed=1)
+    path = tmp_path / "ddp.pth"
+    torch.save({"model": {f"module.{k}": v for k, v in _official_style(source)["model"].items()}}, path)
+    suggestion = r"every key starts with 'module.' .*DistributedDataParallel.*strip_prefix='module.' \(command line"
+    with pytest.raises(ValueError, match=suggestion):
+        _seeded_pipeline("dynamicvit", seed=2, checkpoint=path)
+    loaded = _seeded_pipeline("dynamicvit", seed=2)
+    load_checkpoint(loaded.model, loaded.pruner, path, strip_prefix="module.")
+    x = torch.randn(2, 3, 224, 224, generator=gen)
+    assert torch.equal(loaded(x), source(x))
+    plain = tmp_path / "plain.pth"
+    torch.save(source.model.state_dict(), plain)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(plain))}: no key starts with strip_prefix 'module.'"):
+        load_checkpoint(create_model(MODEL), None, plain, strip_prefix="module.")
+    with pytest.raises(ValueError, match="strip_prefix must not be empty"):
+        load_checkpoint(create_model(MODEL), None, plain, strip_prefix="")
+    with pytest.raises(TypeError, match="strip_prefix must be a str or None"):
+        load_checkpoint(create_model(MODEL), None, plain, strip_prefix=1)
