@@ -1,7 +1,8 @@
 """A representative pack -> attention -> repack -> unpack sequence for ``compute-sanitizer --tool memcheck``.
 
 Run on the GPU machine from the repo root: ``compute-sanitizer --tool memcheck python -m ci.sanitize_case``.
-Mixed lengths (1..577), a fused extra token, a capacity-bounded repack and a too-small capacity, fp16 and bf16;
+Mixed lengths (1..577), a fused extra token, a capacity-bounded repack and a too-small capacity, fp16 and bf16,
+head dims 32 to 256 (80: padded inside the kernel);
 then the pruners' decision kernels (Threshold-L2, ATS) on the same kind of batch, with an image longer than the
 bound, empty images, NaN rows, and 0 or 5 prefix rows.
 """
@@ -55,7 +56,7 @@ def main() -> None:
         tp.repack(out, cu, keep2, bound, capacity=5)
         tp.unpack(t2, cu2, b2)
         tp.cls_rows(t2, cu2)
-        for d in (32, 128):
+        for d in (32, 80, 128, 256):  # 80, 256: padded or wide head dims
             q = torch.randn(tokens.shape[0], 4, d, generator=gen).to("cuda", dtype)
             ta.ragged_attention(q, q, q, cu, bound)
     decisions("cuda", gen)

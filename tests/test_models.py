@@ -153,3 +153,28 @@ def test_graphs_capture_every_head_gpu(name, pruner):
         assert torch.equal(graphed.logits, eager.logits)
     else:
         torch.testing.assert_close(graphed.logits, eager.logits, atol=2e-3, rtol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_name", ["vit_large_patch16_224", "vit_huge_patch14_224"])  # head dims 64 and 80
+def test_large_models_run_pruned_with_the_triton_kernel_gpu(model_name):
+    """ViT-L/16 and ViT-H/14 (head dim 80: padded inside the kernel), random weights, fp16, pruned by Threshold-L2
+    (ratio 0.5): Triton agrees with FA2 on the same decisions (within twice FA2's error against the fp32 reference
+    backend, plus an fp16 ulp of the logits' scale), and the graphed forward equals the eager one bit for bit."""
+    with torch.device("cuda"), torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = timm.create_model(model_name, pretrained=False).half().eval()
+    pv = PrunedViT(model, make_pruner("threshold_l2", mode="ratio", rate=0.5, block=3).cuda(), "triton")
+    x = images(model, 2, 7).cuda().half()
+    ours = pv.run(x)
+    pv.backend = "fa2_varlen"
+    fa2 = pv.run(x, selections=ours.selections).logits.float()
+    pv.backend = "reference"
+    ref = pv.run(x, selections=ours.selections).logits.float()
+    floor = (fa2 - ref).abs().max().item()
+    bound = 2 * floor + torch.finfo(torch.float16).eps * ref.abs().max().item()
+    assert (ours.logits.float() - ref).abs().max().item() <= bound
+    pv.backend = "triton"
+    graphed = GraphedPrunedViT(pv)
+    graphed.run(x)
+    assert torch.equal(graphed.run(x).logits, pv.run(x).logits)

@@ -61,7 +61,7 @@ def _run_qkv(lengths, heads, head_dim, dtype, device, gen, max_seqlen=None):
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("head_dim", [32, 64])
+@pytest.mark.parametrize("head_dim", [8, 24, 32, 64, 80])  # 24, 80: padded to a power of two inside the kernel
 def test_qkv_layout_matches_reference_interpreter(dtype, head_dim, gen):
     heads = 2
     qkv, cu, got = _run_qkv(INTERP_LENGTHS, heads, head_dim, dtype, "cpu", gen)
@@ -165,7 +165,7 @@ def _bad_calls():
         ("qkv", lambda: ta.ragged_attention_qkv(qkv.numpy(), cu, 10, 2)),
         ("num_heads", lambda: ta.ragged_attention_qkv(qkv, cu, 10, 0)),
         ("3 \\* num_heads", lambda: ta.ragged_attention_qkv(qkv, cu, 10, 5)),
-        ("head_dim", lambda: ta.ragged_attention_qkv(torch.randn(10, 3 * 48), cu, 10, 1)),
+        ("head_dim", lambda: ta.ragged_attention_qkv(torch.randn(10, 3 * 44), cu, 10, 1)),
         ("cu_seqlens", lambda: ta.ragged_attention_qkv(qkv, cu.long(), 10, 2)),
         ("cu_seqlens", lambda: ta.ragged_attention_qkv(qkv, cu.float(), 10, 2)),
         ("cu_seqlens", lambda: ta.ragged_attention_qkv(qkv, torch.tensor([0, 7, 4, 10], dtype=torch.int32), 10, 2)),
@@ -209,7 +209,7 @@ def test_qkv_layout_matches_reference_gpu(dtype, batch, gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("head_dim", [16, 32, 128])
+@pytest.mark.parametrize("head_dim", [16, 32, 80, 96, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_other_head_dims_gpu(head_dim, dtype, gen):
     heads = 3

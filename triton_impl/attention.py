@@ -8,7 +8,9 @@ Supported:
     * Separate ``q, k, v [T, H, D]`` with arbitrary strides.
     * fp16, bf16, fp32 inputs; output in the input dtype (bf16 is never routed through fp16). fp32 dot products
       run in IEEE fp32 (not TF32) so fp32 results are fp32-accurate.
-    * head_dim 16, 32, 64 (DeiT), 128. Other head dims raise ``ValueError``.
+    * head_dim any multiple of 8 up to 256 (DeiT's 64, ViT-H/14's 80). A head dim that is not a power of two is
+      padded to one inside the kernel (masked loads and stores: zeros that change no dot product); other head dims
+      raise ``ValueError``.
     * softmax scale ``head_dim ** -0.5`` unless given; ``log2(e)`` is folded into it and ``exp2`` is used.
 
 Dispatch: no host synchronisation and no allocation besides the output (none with ``out=``). ``max_seqlen``
@@ -22,7 +24,7 @@ Two entry points per layout: the direct call (lowest dispatch cost; capturable i
 ``torch.compile``.
 
 Not supported: attention bias or ToMe's proportional attention (the kernel keeps a slot for a per-key bias
-in its design but does not implement it), backward pass, head_dim outside the list above.
+in its design but does not implement it), backward pass, head dims outside the range above.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_max
 from ragged_vit.triton_impl.configs import AttentionConfig, attention_config
 from ragged_vit.triton_impl.launcher import CompiledLauncher
 
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))
 _LOG2E = 1.4426950408889634
 
 
@@ -45,21 +47,26 @@ _LOG2E = 1.4426950408889634
 def _attend_key_tile(
     q, acc, m_i, l_i, k_base, v_base, n0, seqlen, qk_scale,
     stride_kt, stride_kd, stride_vt, stride_vd,
-    offs_n0, offs_d,
+    offs_n0, offs_d, mask_d,
     MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """One online-softmax step over keys ``n0 : n0 + BLOCK_N``; only the ragged last tile is masked."""
+    """One online-softmax step over keys ``n0 : n0 + BLOCK_N``; only the ragged last tile is masked (and the padded
+    head-dim lanes, when the head dim is not a power of two)."""
     offs_n = n0 + offs_n0
-    k_ptrs = k_base + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd  # [HEAD_DIM, BLOCK_N]
-    v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd  # [BLOCK_N, HEAD_DIM]
+    k_ptrs = k_base + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd  # [BLOCK_D, BLOCK_N]
+    v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd  # [BLOCK_N, BLOCK_D]
     if MASKED:
         mask_n = offs_n < seqlen
-        kt = tl.load(k_ptrs, mask=mask_n[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=mask_n[:, None], other=0.0)
-    else:
+        kt = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
+    elif EVEN_D:
         kt = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
+    else:
+        kt = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
     s = tl.dot(q, kt, input_precision=DOT_PRECISION)
     if MASKED:
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -85,6 +92,7 @@ def _ragged_attention_kernel(
     V_OFFSET: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -99,7 +107,9 @@ def _ragged_attention_kernel(
     seqlen = end - start
     full_end = (seqlen // BLOCK_N) * BLOCK_N
 
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     q_base = Q + start.to(tl.int64) * stride_qt + h * stride_qh
@@ -112,28 +122,30 @@ def _ragged_attention_kernel(
         offs_m = tile * BLOCK_M + offs_m0
         mask_m = offs_m < seqlen
         q = tl.load(
-            q_base + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd, mask=mask_m[:, None], other=0.0
+            q_base + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+            mask=mask_m[:, None] & mask_d[None, :],
+            other=0.0,
         )
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_key_tile(
                 q, acc, m_i, l_i, k_base, v_base, n0, seqlen, qk_scale,
-                stride_kt, stride_kd, stride_vt, stride_vd, offs_n0, offs_d,
-                MASKED=False, DOT_PRECISION=DOT_PRECISION,
+                stride_kt, stride_kd, stride_vt, stride_vd, offs_n0, offs_d, mask_d,
+                MASKED=False, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
         if full_end < seqlen:
             acc, m_i, l_i = _attend_key_tile(
                 q, acc, m_i, l_i, k_base, v_base, full_end, seqlen, qk_scale,
-                stride_kt, stride_kd, stride_vt, stride_vd, offs_n0, offs_d,
-                MASKED=True, DOT_PRECISION=DOT_PRECISION,
+                stride_kt, stride_kd, stride_vt, stride_vd, offs_n0, offs_d, mask_d,
+                MASKED=True, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
         acc = acc / l_i[:, None]
         tl.store(
             o_base + offs_m[:, None] * stride_ot + offs_d[None, :] * stride_od,
             acc.to(O.dtype.element_ty),
-            mask=mask_m[:, None],
+            mask=mask_m[:, None] & mask_d[None, :],
         )
 
 
@@ -163,7 +175,7 @@ def _launch(
     precision = "ieee" if tensors[0].dtype == torch.float32 else "tf32"
     args = (
         *tensors, cu_seqlens, total, scale * _LOG2E, *strides, *offsets,
-        heads, head_dim, config.block_m, config.block_n, precision,
+        heads, head_dim, triton.next_power_of_2(head_dim), config.block_m, config.block_n, precision,
     )  # fmt: skip
     device = tensors[0].get_device()
     _launcher(key, device, grid, args, num_warps=config.num_warps, num_stages=config.num_stages)
@@ -191,7 +203,7 @@ def _check_common(
     if total == 0:
         raise ValueError("the packed input must hold at least one token (T >= 1)")
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+        raise ValueError(f"head_dim must be a multiple of 8 up to 256, got {head_dim}")
     check_cu_seqlens(cu_seqlens, total=total, device=device, check_values=check_values)
     check_max_seqlen(max_seqlen)
     if scale is None:

@@ -55,12 +55,16 @@ _TABLE: dict[tuple[int, int], dict[int, _Bands]] = {
     (9, 0): {d: ((64.0, _SM90_SHORT), (_OPEN, _SM90_LONG)) for d in (16, 32, 64, 128)},
 }
 
+# Untuned head dims (any multiple of 8 up to 256): 64x64 tiles, or 32x32 past 128 channels, where a 64-row
+# accumulator of BLOCK_D = 256 fp32 lanes would spill registers. Correct everywhere; tune before relying on speed.
 _DEFAULT: _Bands = ((_OPEN, AttentionConfig(64, 64, 4, 2, True)),)
+_DEFAULT_WIDE: _Bands = ((_OPEN, AttentionConfig(32, 32, 4, 2, True)),)
 
 
 @functools.lru_cache(maxsize=64)
 def _bands(capability: tuple[int, int] | None, head_dim: int) -> _Bands:
-    return _TABLE.get(capability, {}).get(head_dim, _DEFAULT) if capability else _DEFAULT
+    default = _DEFAULT if head_dim <= 128 else _DEFAULT_WIDE
+    return _TABLE.get(capability, {}).get(head_dim, default) if capability else default
 
 
 def attention_config(device: torch.device, head_dim: int, mean_seqlen: float = _OPEN) -> AttentionConfig:

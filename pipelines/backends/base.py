@@ -71,7 +71,10 @@ class AttentionBackend(abc.ABC):
             got = str(dtype).removeprefix("torch.")
             raise ValueError(f"backend {self.name!r} supports dtypes ({allowed}), got {got}")
         if head_dim is not None and caps.head_dims is not None and head_dim not in caps.head_dims:
-            raise ValueError(f"backend {self.name!r} supports head dims {caps.head_dims}, got {head_dim}")
+            dims = caps.head_dims
+            steps = {b - a for a, b in zip(dims[:-1], dims[1:], strict=True)}
+            said = f"{dims[0]} to {dims[-1]} in steps of {steps.pop()}" if len(steps) == 1 else str(dims)
+            raise ValueError(f"backend {self.name!r} supports head dims {said}, got {head_dim}")
 
     @abc.abstractmethod
     def attend(
