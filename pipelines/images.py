@@ -50,10 +50,16 @@ def _to_rgb(pixels: np.ndarray, name: str) -> np.ndarray:
 
 
 def _read_file(path: Path) -> LoadedImage:
-    from PIL import Image
+    from PIL import Image, UnidentifiedImageError
 
-    with Image.open(path) as image:
-        return LoadedImage(path.name, np.asarray(image.convert("RGB")))
+    try:
+        with Image.open(path) as image:
+            return LoadedImage(path.name, np.asarray(image.convert("RGB")))
+    except UnidentifiedImageError:
+        raise ValueError(f"images: {path} is not an image file Pillow can read") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # truncated, broken, too large
+        reason = " ".join(str(e).split()) or type(e).__name__
+        raise ValueError(f"images: cannot read {path}: {reason}") from None
 
 
 def _skimage_data():
@@ -74,6 +80,8 @@ def load_images(sources: list[str] | None = None) -> list[LoadedImage]:
     Raises:
         FileNotFoundError: a source is neither an existing path nor a scikit-image sample, or a folder holds no
             image files.
+        ValueError: a file (given, or in a folder with an image suffix) is not an image Pillow can read; the
+            message names it.
     """
     data = _skimage_data()
     images: list[LoadedImage] = []
