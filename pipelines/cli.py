@@ -1,18 +1,22 @@
-"""``python -m ragged_vit`` / ``ragged-vit``: classify real images with a token-pruned DeiT on several backends.
+"""``python -m ragged_vit`` / ``ragged-vit``: classify real images with a token-pruned DeiT on several backends,
+and time it against the unpruned timm model (:mod:`ragged_vit.pipelines.demo`).
 
 Examples::
 
     python -m ragged_vit                                   # CPU: deit_tiny, 4 scikit-image photos, reference+triton
-    python -m ragged_vit --pruner evit --keep-rate 0.7 --fuse-token
+    python -m ragged_vit --pruner evit --keep-rate 0.7 --fuse-token --verbose
     python -m ragged_vit --model deit_base_patch16_224 --checkpoint deit_base.pth --images ~/photos
-    python -m ragged_vit --device cuda --backends padded_sdpa,fa2_varlen,nested_sdpa,triton --batch-repeats 16
+    python -m ragged_vit --checkpoint ddp_run/checkpoint.pth --strip-prefix module.
+    python -m ragged_vit --device cuda --backends triton,padded_sdpa,fa2_varlen,nested_sdpa --batch-repeats 16
 
 The device is read first, with only argparse, os and torch imported: on a CPU the Triton kernels run under
 Triton's interpreter, which must be switched on (``TRITON_INTERPRET=1``) before timm (which imports
 ``triton.language``) is imported. Then the registries are imported and give the parser its choices: the attention
 backends (:data:`ragged_vit.pipelines.backends.BACKENDS`) and the pruners (:data:`ragged_vit.reference.pruners
 .PRUNERS`). Errors in the arguments (unknown names, keep rate outside (0, 1], missing files, a backend that cannot
-run on the device, an option the pruner does not take) exit with status 2 and a one-line message.
+run on the device, an option the pruner does not take, an option that does nothing with the others given) and
+unusable inputs (an image or checkpoint file that cannot be read, a model that is not a timm ViT) exit with
+status 2 and a one-line message.
 """
 
 from __future__ import annotations
@@ -80,19 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
     """The CLI's parser; its backend and pruner choices come from the registries (which import timm and triton)."""
     import ragged_vit
     from ragged_vit.pipelines.backends import BACKENDS
+    from ragged_vit.pipelines.demo import COMPILED_WARMUP
     from ragged_vit.pipelines.factory import PRUNER_NAMES
 
     parser = argparse.ArgumentParser(
         prog="ragged-vit",
         description="Classify images with a token-pruned timm DeiT through ragged (packed) attention backends; "
-        "print top-5 predictions, kept tokens, backend agreement and throughput.",
+        "print top-1 predictions, kept tokens, backend agreement and speed against the unpruned timm model.",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {ragged_vit.__version__}")
     parser.add_argument(
         "--model", help="timm model name (default: deit_tiny_patch16_224 on CPU, deit_base_patch16_224 on CUDA)"
     )
     parser.add_argument("--pruner", default="threshold_l2", choices=PRUNER_NAMES, help="pruning method")
-    parser.add_argument("--keep-rate", type=_keep_rate, default=0.5, help="keep rate in (0, 1] (default 0.5)")
+    parser.add_argument("--keep-rate", type=_keep_rate, help="keep rate in (0, 1] (default 0.5)")
     parser.add_argument(
         "--threshold-mode",
         choices=("ratio", "calibrated", "threshold"),
@@ -104,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--backends",
         help="comma-separated list from: "
         + ", ".join(BACKENDS)
-        + " (default: reference,triton on CPU; padded_sdpa,fa2_varlen,triton on CUDA); "
-        "the first one prunes, the others replay its decisions",
+        + " (default: reference,triton on CPU; triton,fa2_varlen,padded_sdpa on CUDA); "
+        "the first one prunes, the others replay its decisions; on CUDA the first one is timed",
     )
     parser.add_argument(
         "--images",
@@ -113,7 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="image files, folders or scikit-image sample names (default: chelsea astronaut coffee rocket)",
     )
     parser.add_argument(
-        "--checkpoint", help="local checkpoint file (official DeiT / DynamicViT); random weights without it"
+        "--checkpoint",
+        help="local checkpoint file (DeiT / DynamicViT releases or training checkpoints); random weights without it",
+    )
+    parser.add_argument(
+        "--strip-prefix",
+        metavar="PREFIX",
+        help="remove PREFIX from the checkpoint's keys (module. for a DistributedDataParallel checkpoint)",
     )
     parser.add_argument("--device", type=_device, default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     parser.add_argument(
@@ -125,11 +136,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--batch-repeats",
         type=_positive,
-        help="throughput batch = the images repeated this many times (default 1 on CPU, 16 on CUDA)",
+        help="the large timed batch = the images repeated this many times (default: up to 64 images on CUDA, "
+        "once on CPU); B=1 is timed too",
     )
-    parser.add_argument("--timed-runs", type=_positive, help="timed runs per backend (default 3 on CPU, 20 on CUDA)")
-    parser.add_argument("--warmup", type=_non_negative, help="untimed runs first (default 1 on CPU, 3 on CUDA)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
+    parser.add_argument(
+        "--timed-runs", type=_positive, help="timed forwards per row and batch (default 5 on CPU, 20 on CUDA)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=_non_negative,
+        help=f"untimed forwards first (default 2 on CPU, 3 on CUDA; compiled rows at least {COMPILED_WARMUP})",
+    )
+    parser.add_argument("--seed", type=int, help="seed of the random weights (default 0; not with --checkpoint)")
+    parser.add_argument("-v", "--verbose", action="store_true", help="top-5 predictions per image (default top-1)")
     parser.add_argument(
         "--threads",
         type=_positive,
@@ -140,6 +159,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _PRUNER_FLAGS = {"threshold_mode": "--threshold-mode", "threshold": "--threshold", "fuse_token": "--fuse-token"}
+
+
+def _check_unused(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """An option that would do nothing with the others given is an error (``parser.error``: status 2)."""
+    threshold_mode = args.threshold_mode == "threshold"
+    if args.pruner == "threshold_l2" and threshold_mode and args.threshold is None:
+        parser.error("argument --threshold-mode: threshold needs --threshold VALUE (the norm to keep)")
+    if args.threshold is not None and not threshold_mode:
+        parser.error("argument --threshold: used only with --threshold-mode threshold")
+    if args.keep_rate is not None and threshold_mode:
+        parser.error("argument --keep-rate: not used with --threshold-mode threshold (--threshold decides)")
+    if args.pruner == "none":
+        for flag, value in (("--keep-rate", args.keep_rate), ("--backends", args.backends)):
+            if value is not None:
+                parser.error(f"argument {flag}: not used with --pruner none (timm's own forward, nothing packed)")
+    if args.seed is not None and args.checkpoint is not None:
+        parser.error("argument --seed: seeds the random weights, which --checkpoint replaces")
+    if args.strip_prefix is not None and args.checkpoint is None:
+        parser.error("argument --strip-prefix: applies to --checkpoint's keys, and no --checkpoint is given")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     from ragged_vit.pipelines.backends import BACKENDS
     from ragged_vit.pipelines.factory import pruner_options
 
-    backends = (args.backends or ("padded_sdpa,fa2_varlen,triton" if on_gpu else "reference,triton")).split(",")
+    defaults = "triton,fa2_varlen,padded_sdpa" if on_gpu else "reference,triton"
+    if args.pruner == "none":  # no packed block: one backend, which is not used
+        defaults = defaults.split(",", 1)[0]
+    backends = (args.backends or defaults).split(",")
     backends = [b.strip() for b in backends if b.strip()]
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown or not backends:
@@ -168,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     options = {name: getattr(args, name) for name in _PRUNER_FLAGS if getattr(args, name) is not None}
     for name in sorted(set(options) - set(pruner_options(args.pruner))):
         parser.error(f"argument {_PRUNER_FLAGS[name]}: not an option of --pruner {args.pruner}")
+    _check_unused(parser, args)
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -177,20 +219,22 @@ def main(argv: list[str] | None = None) -> int:
     demo = DemoOptions(
         model=args.model or ("deit_base_patch16_224" if on_gpu else "deit_tiny_patch16_224"),
         pruner=args.pruner,
-        keep_rate=args.keep_rate,
+        keep_rate=0.5 if args.keep_rate is None else args.keep_rate,
         backends=backends,
         device=device,
         dtype=_DTYPES[args.dtype] if args.dtype != "auto" else (torch.float16 if on_gpu else torch.float32),
         images=args.images,
         checkpoint=args.checkpoint,
+        strip_prefix=args.strip_prefix,
         pruner_options=options,
-        batch_repeats=args.batch_repeats or (16 if on_gpu else 1),
-        timed_runs=args.timed_runs or (20 if on_gpu else 3),
-        warmup=args.warmup if args.warmup is not None else (3 if on_gpu else 1),
-        seed=args.seed,
+        batch_repeats=args.batch_repeats,
+        timed_runs=args.timed_runs or (20 if on_gpu else 5),
+        warmup=args.warmup if args.warmup is not None else (3 if on_gpu else 2),
+        verbose=args.verbose,
+        seed=args.seed or 0,
     )
     try:
-        with torch.inference_mode():
+        with torch.no_grad():  # not inference_mode: torch.compile and CUDA graphs are used as the benchmarks use them
             return run_demo(demo)
     except (ValueError, TypeError, FileNotFoundError, NotImplementedError) as e:
         print(f"{parser.prog}: error: {e}", file=sys.stderr)

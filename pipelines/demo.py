@@ -1,18 +1,33 @@
 """The demo behind ``python -m ragged_vit`` / ``ragged-vit``: classify real images with a pruned DeiT on every
-chosen backend, and report predictions, kept tokens, backend agreement and throughput.
+chosen backend, check that the backends agree, and time the pruned forward against the unpruned timm model.
 
-The first backend prunes; the others replay its decisions (:meth:`PrunedViT.run` with ``selections=``), so the
-agreement table measures layout and attention only. Throughput runs the full pipeline (pruners included) on the
-images repeated ``batch_repeats`` times and reports the median of ``timed_runs`` runs after ``warmup`` runs.
+Three sections follow the header:
+
+* **Predictions**: the top-1 class of each image (top-5 with ``verbose``) and its kept patches per stage, from the
+  first backend.
+* **Backend agreement**: the first backend prunes; the others replay its decisions (:meth:`PrunedViT.run` with
+  ``selections=``), so the max |logit diff| measures layout and attention only. Beside it, the gap between the first
+  backend's top-1 and top-2 logits: with random weights the logits lie close together and a top-1 match says little.
+* **Speed** (img/s, pruning included, the same images at B=1 and at a large batch of the images repeated; each
+  timed forward synchronised, the median of ``timed_runs`` after ``warmup``). On a GPU: unpruned timm eager and
+  under ``torch.compile(mode="reduce-overhead")`` against the pruned pipeline on the first backend, eager and in CUDA
+  graphs with its blocks compiled (:class:`GraphedPrunedViT`, ``compile_blocks``), each as a ratio to unpruned
+  ``reduce-overhead`` (the fastest an unpruned model gets from PyTorch alone); the compiled forwards' first calls
+  compile and capture and are never timed, and their logits and counts are checked against the eager ones. On a
+  CPU: timm eager against the pruned pipeline on the ``reference`` backend, eager (Triton's interpreter is never
+  timed: its speed says nothing about a GPU's).
+
 Weights are random unless a local checkpoint is given, and the output says so first: predictions from random
-weights are meaningless, timings and agreement are not.
+weights are meaningless, agreement and speed are not.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -20,9 +35,18 @@ import torch
 
 from ragged_vit.core.selection import Placement
 from ragged_vit.pipelines.factory import build_pruner
+from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.images import load_images, preprocess
-from ragged_vit.pipelines.model import PrunedViT
+from ragged_vit.pipelines.model import PrunedOutput, PrunedViT
 from ragged_vit.pipelines.weights import create_model, load_checkpoint
+
+GPU_BATCH = 64
+"""The large batch on a GPU (the images repeated up to at least this many) unless ``batch_repeats`` is given."""
+
+COMPILED_WARMUP = 3
+"""Untimed calls at least before timing a compiled or graphed forward: compilation, CUDA-graph recording, a replay."""
+
+TOP_K_VERBOSE = 5
 
 
 @dataclass
@@ -37,11 +61,12 @@ class DemoOptions:
     dtype: torch.dtype
     images: list[str] | None = None
     checkpoint: str | None = None
+    strip_prefix: str | None = None  # removed from the checkpoint's keys (load_checkpoint)
     pruner_options: dict[str, object] = field(default_factory=dict)  # the pruner's own (factory.pruner_options)
-    batch_repeats: int = 1
-    timed_runs: int = 3
-    warmup: int = 1
-    top_k: int = 5
+    batch_repeats: int | None = None  # the large batch = the images repeated; None: large_batch_repeats()
+    timed_runs: int = 5
+    warmup: int = 2
+    verbose: bool = False  # top-5 instead of top-1
     seed: int = 0
 
 
@@ -74,8 +99,23 @@ def describe_pruner(pv: PrunedViT, options: DemoOptions) -> str:
     )
 
 
+def large_batch_repeats(num_images: int, on_gpu: bool) -> int:
+    """How often the images are repeated for the large batch by default: up to :data:`GPU_BATCH` on a GPU, once on
+    a CPU."""
+    return max(1, math.ceil(GPU_BATCH / num_images)) if on_gpu else 1
+
+
+def top1_margins(logits: torch.Tensor) -> torch.Tensor:
+    """Top-1 minus top-2 logit per image (float32 ``[B]``; ``inf`` with a single class)."""
+    logits = logits.float()
+    if logits.shape[-1] < 2:
+        return torch.full(logits.shape[:-1], math.inf)
+    top2 = logits.topk(2, dim=-1).values
+    return top2[..., 0] - top2[..., 1]
+
+
 class _NoBar:
-    """Stands in for tqdm where it is not installed (it is an optional dependency: the ``demo`` extra)."""
+    """Stands in for tqdm off a terminal, or where tqdm is not installed (the ``demo`` extra)."""
 
     def __init__(self, **_: object) -> None:
         pass
@@ -94,21 +134,195 @@ class _NoBar:
 
 
 def _progress_bar(**kwargs: object):
+    """A tqdm bar on ``sys.stderr`` when it is a terminal; otherwise nothing is drawn."""
+    if not sys.stderr.isatty():
+        return _NoBar(**kwargs)
     try:
         from tqdm import tqdm
     except ImportError:
         return _NoBar(**kwargs)
-    return tqdm(**kwargs)
+    return tqdm(file=sys.stderr, **kwargs)
 
 
-def _timed(pv: PrunedViT, batch: torch.Tensor, device: torch.device) -> float:
+# -- speed -------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Contender:
+    """One timed forward.
+
+    Attributes:
+        name: its row in the table.
+        build: makes the forward (called once, in table order; it may configure the shared pipeline).
+        compiled: its first calls compile or capture: at least :data:`COMPILED_WARMUP` untimed calls, and a failure
+            is reported in the table instead of raised.
+        check_against: the row whose logits (and kept counts) its first outputs are compared with.
+        baseline: the ratios in the table are to this row's img/s.
+    """
+
+    name: str
+    build: Callable[[], Callable[[torch.Tensor], object]]
+    compiled: bool = False
+    check_against: str | None = None
+    baseline: bool = False
+
+
+@dataclass
+class Measured:
+    """A contender's median seconds per batch size, its first outputs, or why it failed."""
+
+    seconds: dict[int, float] = field(default_factory=dict)
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    counts: dict[int, torch.Tensor | None] = field(default_factory=dict)
+    error: str | None = None
+
+
+def contenders(pv: PrunedViT, backend: str, on_gpu: bool, compile: bool = True) -> list[Contender]:
+    """The forwards to time, in table order (see the module docstring); they share ``pv`` and its model.
+
+    On a GPU (``on_gpu``): unpruned timm eager and under ``torch.compile(mode="reduce-overhead")`` (the baseline),
+    the pruned pipeline on ``backend`` eager and in CUDA graphs with compiled blocks (built last: the graph runner
+    binds the pipeline as it is then). ``compile=False`` leaves ``torch.compile`` out, so that the structure runs on a
+    CPU (the tests). On a CPU: timm eager (the baseline) and the pruned pipeline eager.
+    """
+    model = pv.model
+
+    def eager() -> Callable[[torch.Tensor], object]:
+        pv.backend, pv.compile_blocks = backend, False
+        return pv.run
+
+    timm_eager = Contender("timm eager (unpruned)", lambda: model, baseline=not on_gpu)
+    pruned_eager = Contender(f"pruned eager ({backend})", eager)
+    if not on_gpu:
+        return [timm_eager, pruned_eager]
+
+    def reduce_overhead() -> Callable[[torch.Tensor], object]:
+        return torch.compile(model, mode="reduce-overhead", dynamic=False) if compile else model
+
+    def graphed() -> Callable[[torch.Tensor], object]:
+        pv.backend, pv.compile_blocks = backend, compile
+        return GraphedPrunedViT(pv).run
+
+    timm_compiled = Contender(
+        "timm reduce-overhead (unpruned)", reduce_overhead, compiled=True, check_against=timm_eager.name, baseline=True
+    )
+    pruned_graphed = Contender(
+        f"pruned graphs + compile ({backend})", graphed, compiled=True, check_against=pruned_eager.name
+    )
+    return [timm_eager, timm_compiled, pruned_eager, pruned_graphed]
+
+
+def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    pv.run(batch)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+
+
+def _outputs(out: object) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if isinstance(out, PrunedOutput):
+        return out.logits.float().clone(), out.counts.clone()
+    return out.float().clone(), None
+
+
+def _describe(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    text = text if len(text) <= 100 else text[:97] + "..."
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def measure(
+    rows: list[Contender], batches: dict[int, torch.Tensor], warmup: int, timed_runs: int, bar: object = None
+) -> dict[str, Measured]:
+    """Times every row at every batch size (``batches``: size -> images on the model's device and dtype): untimed
+    calls first, ``warmup`` of them (at least one, whose outputs are kept for :func:`check_lines`; at least
+    :data:`COMPILED_WARMUP` for compiled rows), then ``timed_runs`` synchronised calls, of which the median counts.
+    Rows are built and run in order, under ``torch.no_grad()``."""
+    bar = bar or _NoBar()
+    results: dict[str, Measured] = {}
+    with torch.no_grad():
+        for row in rows:
+            _measure_row(row, results.setdefault(row.name, Measured()), batches, warmup, timed_runs, bar)
+    return results
+
+
+def _measure_row(
+    row: Contender, result: Measured, batches: dict[int, torch.Tensor], warmup: int, timed_runs: int, bar
+) -> None:
+    try:
+        forward = row.build()
+        for size, images in batches.items():
+            bar.set_postfix_str(f"{row.name}, B={size}")
+            result.logits[size], result.counts[size] = _outputs(forward(images))  # the first warm-up call
+            for _ in range(max(warmup, COMPILED_WARMUP if row.compiled else 1) - 1):
+                forward(images)
+            times = []
+            for _ in range(timed_runs):
+                _sync(images.device)
+                start = time.perf_counter()
+                forward(images)
+                _sync(images.device)
+                times.append(time.perf_counter() - start)
+                bar.update()
+            result.seconds[size] = statistics.median(times)
+    except Exception as e:
+        if not row.compiled:
+            raise
+        result.error = _describe(e)
+        bar.update(timed_runs * (len(batches) - len(result.seconds)))
+
+
+def _img_per_s(value: float) -> str:
+    return f"{value:,.0f}" if value >= 100 else f"{value:.1f}"
+
+
+def speed_lines(results: dict[str, Measured], sizes: list[int], baseline: str) -> list[str]:
+    """The speed table: img/s per row and batch size, with the ratio to ``baseline``'s img/s in brackets; failed
+    rows say why below it."""
+    width = max(len(name) for name in results) + 2
+    lines = ["  " + "forward".ljust(width) + "".join(f"{f'B={size}':>20}" for size in sizes)]
+    notes = []
+    for name, result in results.items():
+        cells = []
+        for size in sizes:
+            seconds = result.seconds.get(size)
+            base = results[baseline].seconds.get(size)
+            if seconds is None:
+                cells.append(f"{'failed' if result.error else '-':>20}")
+                continue
+            ratio = f"({base / seconds:.2f}x)" if base is not None else "(-)"
+            cells.append(f"{_img_per_s(size / seconds):>12} {ratio:>7}")
+        lines.append("  " + name.ljust(width) + "".join(cells))
+        if result.error:
+            notes.append(f"  {name} failed: {result.error}")
+    return lines + notes
+
+
+def check_lines(results: dict[str, Measured], rows: list[Contender]) -> list[str]:
+    """One line per checked row: its first outputs against its reference row's, over every batch size. Where both
+    have kept counts, the logits are compared on the images whose counts agree (compiled blocks may round a
+    near-tie decision the other way), and the others are counted."""
+    lines = []
+    for row in rows:
+        result, ref = results[row.name], results.get(row.check_against or "")
+        sizes = [s for s in result.logits if ref is not None and s in ref.logits]
+        if not sizes:
+            continue
+        diff, images, differ, counted = 0.0, 0, 0, False
+        for size in sizes:
+            logits, counts, ref_counts = result.logits[size], result.counts[size], ref.counts[size]
+            same = torch.ones(size, dtype=torch.bool, device=logits.device)
+            if counts is not None and ref_counts is not None:
+                same, counted = (counts == ref_counts).all(dim=1).to(logits.device), True
+            images, differ = images + size, differ + int((~same).sum())
+            if same.any():
+                diff = max(diff, (logits - ref.logits[size]).abs()[same].max().item())
+        line = f"  {row.name} vs {row.check_against}: max |logit diff| {diff:.2e}"
+        if counted:
+            line += ", same kept counts" if differ == 0 else f" (same kept counts); counts differ in {differ}/{images}"
+        lines.append(line)
+    return lines
+
+
+# -- the demo ----------------------------------------------------------------------------------------------------
 
 
 def run_demo(options: DemoOptions, out: TextIO | None = None) -> int:
@@ -118,12 +332,13 @@ def run_demo(options: DemoOptions, out: TextIO | None = None) -> int:
     def say(line: str = "") -> None:
         print(line, file=out, flush=True)
 
+    on_gpu = options.device.type == "cuda"
     with torch.random.fork_rng():
         torch.manual_seed(options.seed)  # reproducible random weights
         model = create_model(options.model)
         pruner = build_pruner(options.pruner, model, options.keep_rate, **options.pruner_options)
     if options.checkpoint is not None:
-        load_checkpoint(model, pruner, options.checkpoint)
+        load_checkpoint(model, pruner, options.checkpoint, strip_prefix=options.strip_prefix)
         weights = f"weights from checkpoint {options.checkpoint}"
     else:
         weights = "RANDOM WEIGHTS (no --checkpoint given): predictions are meaningless, agreement and speed are not"
@@ -157,48 +372,60 @@ def run_demo(options: DemoOptions, out: TextIO | None = None) -> int:
         results[name] = pv.run(batch, selections=None if i == 0 else first.selections)
     base_name, base = next(iter(results.items()))
     probs = base.logits.float().softmax(dim=-1).cpu()
-    top_p, top_i = probs.topk(min(options.top_k, probs.shape[-1]), dim=-1)
+    top_p, top_i = probs.topk(min(TOP_K_VERBOSE if options.verbose else 1, probs.shape[-1]), dim=-1)
     names = class_names(probs.shape[-1])
     counts = base.counts.cpu()
     num_patches = model.patch_embed.num_patches
-    say(f"Top-{top_p.shape[1]} per image (backend {base_name}); kept patches per stage out of {num_patches}:")
+    more = "" if options.verbose else "; --verbose: top-5"
+    say(f"Top-{top_p.shape[1]} per image (backend {base_name}{more}); kept patches per stage out of {num_patches}:")
     for b, image in enumerate(loaded):
         kept = "/".join(str(c) for c in counts[b].tolist()) or f"{num_patches} (no pruning)"
-        say(f"  [{b}] {image.name} ({image.pixels.shape[1]}x{image.pixels.shape[0]}): kept {kept}")
+        head = f"  [{b}] {image.name} ({image.pixels.shape[1]}x{image.pixels.shape[0]}): kept {kept}"
+        if not options.verbose:
+            say(f"{head}: {100 * top_p[b, 0].item():.2f}% {names[int(top_i[b, 0])]}")
+            continue
+        say(head)
         for p, c in zip(top_p[b].tolist(), top_i[b].tolist(), strict=True):
             say(f"        {100 * p:6.2f}%  {names[c]}")
     say()
 
-    say(f"Backend agreement (same pruning decisions, vs {base_name}):")
-    say(f"  {'backend':<12} {'max |logit diff|':>17} {'top-1 match':>12}")
-    base_logits = base.logits.float()
-    for name, res in results.items():
-        diff = (res.logits.float() - base_logits).abs().max().item()
-        match = int((res.logits.argmax(-1) == base.logits.argmax(-1)).sum())
-        say(f"  {name:<12} {diff:>17.3e} {f'{match}/{len(loaded)}':>12}")
-    say()
+    if len(backends) > 1:
+        say(f"Backend agreement (same images; {base_name} prunes, the others replay its decisions):")
+        say(f"  {'backend':<12} {'max |logit diff|':>17} {'top-1 match':>12}")
+        base_logits = base.logits.float()
+        for name, res in results.items():
+            diff = (res.logits.float() - base_logits).abs().max().item()
+            match = int((res.logits.argmax(-1) == base.logits.argmax(-1)).sum())
+            say(f"  {name:<12} {diff:>17.3e} {f'{match}/{len(loaded)}':>12}")
+        margins = top1_margins(base.logits).cpu()
+        say(
+            f"  top-1 minus top-2 logit ({base_name}): min {margins.min().item():.2e}, "
+            f"median {margins.median().item():.2e}"
+        )
+        if options.checkpoint is None:
+            say(
+                "  random weights: top-1 and top-2 logits lie this close, so a top-1 match is fragile; "
+                "the logit diff is the measure"
+            )
+        say()
 
-    timed_batch = batch.repeat(options.batch_repeats, 1, 1, 1)
-    runs = options.warmup + options.timed_runs
-    medians = {}
-    with _progress_bar(total=runs * len(backends), desc="throughput", unit="run", file=sys.stderr, leave=False) as bar:
-        for name, backend in backends.items():
-            pv.backend = backend
-            times = []
-            for r in range(runs):
-                bar.set_postfix_str(name)
-                elapsed = _timed(pv, timed_batch, options.device)
-                if r >= options.warmup:
-                    times.append(elapsed)
-                bar.update()
-            medians[name] = statistics.median(times)
+    repeats = options.batch_repeats or large_batch_repeats(len(loaded), on_gpu)
+    large = batch.repeat(repeats, 1, 1, 1).to(options.dtype)
+    batches = {1: large[:1], large.shape[0]: large} if large.shape[0] > 1 else {1: large}
+    speed_backend = base_name if on_gpu else "reference"
+    rows = contenders(pv, speed_backend, on_gpu)
+    runs = options.timed_runs * len(batches) * len(rows)
+    with _progress_bar(total=runs, desc="speed", unit="run", leave=False) as bar:
+        measured = measure(rows, batches, options.warmup, options.timed_runs, bar)
+    baseline = next(row.name for row in rows if row.baseline)
     say(
-        f"Throughput (batch {timed_batch.shape[0]}, median of {options.timed_runs} runs after {options.warmup} "
-        f"warm-up, pruning included):"
+        f"Speed in img/s (median of {options.timed_runs} forwards after {options.warmup} warm-up, pruning included; "
+        f"ratio to {baseline}):"
     )
-    say(f"  {'backend':<12} {'ms/batch':>10} {'img/s':>10}")
-    for name, seconds in medians.items():
-        say(f"  {name:<12} {1e3 * seconds:>10.1f} {timed_batch.shape[0] / seconds:>10.1f}")
-    if interp:
-        say("  (triton runs under Triton's CPU interpreter here: its CPU timing says nothing about GPU speed)")
+    for line in speed_lines(measured, list(batches), baseline):
+        say(line)
+    for line in check_lines(measured, rows):
+        say(line)
+    if not on_gpu:
+        say("  (CPU: reference backend, eager only; on a GPU the demo adds torch.compile and CUDA graphs)")
     return 0

@@ -6,6 +6,8 @@ interpreter, where the CLI itself must switch Triton's interpreter on before tim
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import os
 import subprocess
 import sys
@@ -41,20 +43,36 @@ def _top5_blocks(text: str) -> list[list[str]]:
     return blocks
 
 
+def _top1_lines(text: str) -> list[tuple[str, str]]:
+    """``(kept, class name)`` of each image in the (default) top-1 section."""
+    section = text.split("Top-1 per image", 1)[1].split("\n\n", 1)[0]
+    lines = [line for line in section.splitlines()[1:] if line.startswith("  [")]
+    return [(line.split(": kept ", 1)[1].split(":", 1)[0], line.split("% ", 1)[1]) for line in lines]
+
+
 @pytest.mark.interpreter
 def test_cli_runs_reference_and_triton(capsys):
     pytest.importorskip("skimage")
-    assert main(["--images", "chelsea", "astronaut", "--backends", "reference,triton", *FAST]) == 0
-    out = capsys.readouterr().out
+    argv = ["--images", "chelsea", "astronaut", "--backends", "reference,triton", "--verbose", *FAST]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
     assert "RANDOM WEIGHTS" in out
     assert "images: 2 at 224x224: chelsea, astronaut" in out
     blocks = _top5_blocks(out)
     names = _imagenet_names()
     assert len(blocks) == 2 and all(len(b) == 5 and set(b) <= names for b in blocks)
     assert out.count("kept 98") == 2  # threshold_l2, keep rate 0.5: ceil(0.5 * 196)
-    agreement = out.split("Backend agreement", 1)[1].split("Throughput", 1)[0]
+    agreement = out.split("Backend agreement", 1)[1].split("Speed", 1)[0]
     assert "2/2" in agreement.split("triton", 1)[1].splitlines()[0]
-    assert "img/s" in out
+    assert "top-1 minus top-2 logit (reference): min " in agreement
+    assert len([line for line in agreement.splitlines() if "random weights" in line]) == 1
+    speed = out.split("Speed in img/s", 1)[1]
+    assert "ratio to timm eager (unpruned)" in speed and "img/s" in out
+    rows = [line.split("  ")[1] for line in speed.splitlines()[2:4]]
+    assert rows == ["timm eager (unpruned)", "pruned eager (reference)"]
+    assert "B=1" in speed and "B=2" in speed and "(1.00x)" in speed
+    assert "triton" not in speed  # the interpreter is never timed
+    assert err == ""  # no progress bar off a terminal
 
 
 def test_cli_with_files_folder_and_checkpoint(tmp_path, capsys):
@@ -86,7 +104,10 @@ def test_cli_with_files_folder_and_checkpoint(tmp_path, capsys):
     assert f"weights from checkpoint {ckpt}" in out and "RANDOM" not in out
     assert "images: 2 at 224x224: a.png, b.jpg" in out
     assert out.count("kept 139/99/71") == 2
-    assert len(_top5_blocks(out)) == 2
+    top1 = _top1_lines(out)  # top-1 only without --verbose
+    assert len(top1) == 2 and all(kept == "139/99/71" and name in _imagenet_names() for kept, name in top1)
+    assert "Top-5" not in out
+    assert "random weights" not in out  # the one-line caveat is about random weights only
 
 
 @pytest.mark.parametrize(
@@ -102,6 +123,19 @@ def test_cli_with_files_folder_and_checkpoint(tmp_path, capsys):
         (["--pruner", "evit", "--threshold-mode", "ratio"], "--threshold-mode: not an option of --pruner evit"),
         (["--pruner", "ats", "--threshold", "3"], "argument --threshold: not an option of --pruner ats"),
         (["--device", "cuda:x"], "argument --device:"),
+        # options that would do nothing with the others given
+        (["--threshold-mode", "threshold"], "argument --threshold-mode: threshold needs --threshold VALUE"),
+        (["--threshold", "3"], "argument --threshold: used only with --threshold-mode threshold"),
+        (["--threshold-mode", "calibrated", "--threshold", "3"], "argument --threshold: used only with"),
+        (
+            ["--threshold-mode", "threshold", "--threshold", "3", "--keep-rate", "0.7"],
+            "argument --keep-rate: not used with --threshold-mode threshold",
+        ),
+        (["--pruner", "none", "--keep-rate", "0.7"], "argument --keep-rate: not used with --pruner none"),
+        (["--pruner", "none", "--backends", "reference"], "argument --backends: not used with --pruner none"),
+        (["--pruner", "none", "--fuse-token"], "argument --fuse-token: not an option of --pruner none"),
+        (["--seed", "1", "--checkpoint", "deit.pth"], "argument --seed: seeds the random weights, which --checkpoint"),
+        (["--strip-prefix", "module."], "argument --strip-prefix: applies to --checkpoint's keys"),
     ],
 )
 def test_cli_rejects_bad_arguments(argv, match, capsys):
@@ -126,6 +160,49 @@ def test_cli_reports_errors_in_one_line(argv, match, capsys):
     assert main([*argv, *backends, *FAST]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ragged-vit: error: ") and match in err
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("ragged-vit: error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_cli_names_unreadable_images(tmp_path, capsys):
+    image_lib = pytest.importorskip("PIL.Image")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not an image")
+    assert main(["--images", str(notes), "--backends", "reference", *FAST]) == 2
+    assert f"images: {notes} is not an image file Pillow can read" in _one_line_error(capsys)
+    folder = tmp_path / "photos"
+    folder.mkdir()
+    image_lib.fromarray(np.zeros((40, 40, 3), dtype=np.uint8)).save(folder / "a.png")
+    (folder / "b.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))  # a PNG signature, then nothing readable
+    assert main(["--images", str(folder), "--backends", "reference", *FAST]) == 2
+    assert str(folder / "b.png") in _one_line_error(capsys)
+
+
+def test_cli_checkpoints_training_ddp_and_corrupt(tmp_path, capsys):
+    state = create_model("deit_tiny_patch16_224").state_dict()
+    run = ["--images", "chelsea", "--backends", "reference", *FAST]
+    training = tmp_path / "checkpoint.pth"
+    args = argparse.Namespace(model="deit_tiny_patch16_224", lr=5e-4, epochs=300)
+    torch.save({"model": state, "optimizer": {"state": {}, "param_groups": []}, "epoch": 7, "args": args}, training)
+    corrupt = tmp_path / "corrupt.pth"
+    corrupt.write_bytes(training.read_bytes()[:1000])
+    ddp = tmp_path / "ddp.pth"
+    torch.save({"model": {f"module.{k}": v for k, v in state.items()}}, ddp)
+    if importlib.util.find_spec("skimage") is not None:
+        assert main(["--checkpoint", str(training), *run]) == 0
+        assert f"weights from checkpoint {training}" in capsys.readouterr().out
+        assert main(["--checkpoint", str(ddp), "--strip-prefix", "module.", *run]) == 0
+        assert f"weights from checkpoint {ddp}" in capsys.readouterr().out
+    assert main(["--checkpoint", str(corrupt), *run]) == 2
+    assert f"checkpoint {corrupt} is not a readable torch.save file" in _one_line_error(capsys)
+    assert main(["--checkpoint", str(ddp), *run]) == 2
+    assert "every key starts with 'module.'" in _one_line_error(capsys)  # and says: --strip-prefix module.
+    assert main(["--checkpoint", str(training), "--strip-prefix", "module.", *run]) == 2
+    assert "no key starts with strip_prefix 'module.'" in _one_line_error(capsys)
 
 
 @pytest.mark.interpreter
