@@ -14,7 +14,7 @@ import torch
 from ragged_vit.core.segments import cu_seqlens_from_counts
 from ragged_vit.core.selection import DecisionInput
 from ragged_vit.reference.pruners import ATSPruner
-from ragged_vit.triton_impl import ats
+from ragged_vit.triton_impl import ats, select
 from ragged_vit.triton_impl import attention as ta
 from ragged_vit.triton_impl import pack as tp
 from ragged_vit.triton_impl import threshold_l2 as tl2
@@ -28,14 +28,15 @@ def decisions(device: str, gen: torch.Generator) -> None:
     qkv = torch.randn(total, 3 * 768, generator=gen).to(device, torch.float16)
     qkv[torch.randperm(total, generator=gen)[:5]] = float("nan")
     scores = tl2.l2_scores(qkv[:, :768])
-    tl2.threshold_l2_keep(scores, cu, 577, rate=0.5)
-    tl2.threshold_l2_keep(scores, cu, 577, threshold=float(scores.nanmedian()), min_keep=8)
+    select.rank_keep(scores, cu, 577, rate=0.5)
+    select.rank_keep(scores, cu, 577, threshold=float(scores.nanmedian()), min_keep=8)
     for pruner in (ATSPruner(), ATSPruner(num_samples=1000, min_keep=600)):
         ats.ats_select(pruner, DecisionInput(qkv[:, :768], cu, 0, 576, None, qkv, 12, 0.125))
     ats.ats_keep(ats.ats_scores(qkv, cu, 12, 0.125, 577), cu, 577, 576, 8)
     # Prefix rows (a class token and four registers; none at all), some images shorter than the prefix.
-    tl2.threshold_l2_keep(scores, cu, 577, rate=0.5, num_prefix=5)
-    tl2.threshold_l2_keep(scores, cu, 577, threshold=float(scores.nanmedian()), min_keep=1, num_prefix=0)
+    select.rank_keep(scores, cu, 577, rate=0.5, num_prefix=5)
+    select.rank_keep(scores, cu, 577, count=98, num_prefix=1)
+    select.rank_keep(scores, cu, 577, threshold=float(scores.nanmedian()), min_keep=1, num_prefix=0)
     ats.ats_select(ATSPruner(), DecisionInput(qkv[:, :768], cu, 0, 572, None, qkv, 12, 0.125, num_prefix=5))
 
 

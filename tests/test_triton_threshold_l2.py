@@ -1,5 +1,6 @@
-"""ragged_vit.triton_impl.threshold_l2 against ragged_vit.reference.pruners.ThresholdL2Pruner: a decision is a mask, so
-every comparison is exact (keep masks equal, kept counts equal).
+"""ragged_vit.triton_impl.threshold_l2 (and the rank-select kernel under it, ragged_vit.triton_impl.select) against
+ragged_vit.reference.pruners.ThresholdL2Pruner: a decision is a mask, so every comparison is exact (keep masks equal,
+kept counts equal). ``tests/test_triton_select.py`` checks the kernel's ``count`` mode against ``segment_rank``.
 
 CPU runs use Triton's interpreter; the ``gpu`` cases run DeiT-sized batches (577 tokens included) on a CUDA card.
 """
@@ -12,6 +13,7 @@ import torch
 from ragged_vit.core.segments import cu_seqlens_from_counts, segment_ids, segment_sum
 from ragged_vit.core.selection import DecisionInput
 from ragged_vit.reference.pruners import ThresholdL2Pruner
+from ragged_vit.triton_impl import select
 from ragged_vit.triton_impl import threshold_l2 as tl2
 
 RATES = (0.5, 0.3, 0.7, 0.1, 1.0, 1 / 3)
@@ -70,9 +72,9 @@ def test_prefix_rows_are_kept_and_never_ranked_interpreter(num_prefix, gen):
 def test_underestimated_bound_is_only_slower_interpreter(gen):
     x, cu = _ragged((70, 5, 33), 8, "cpu", gen)
     scores = tl2.l2_scores(x)
-    full = tl2.threshold_l2_keep(scores, cu, 70, rate=0.4)
+    full = select.rank_keep(scores, cu, 70, rate=0.4)
     for bound in (1, 17, 40):
-        got = tl2.threshold_l2_keep(scores, cu, bound, rate=0.4)
+        got = select.rank_keep(scores, cu, bound, rate=0.4)
         assert torch.equal(got[0], full[0]) and torch.equal(got[1], full[1])
 
 
@@ -101,14 +103,14 @@ def test_keep_matches_reference_gpu(shape, dtype, gen):
 def test_keep_is_sync_free_and_capturable_gpu(gen):
     x, cu = _ragged((197, 120, 5), 768, "cuda", gen)
     scores = tl2.l2_scores(x)
-    ref = tl2.threshold_l2_keep(scores, cu, 197, rate=0.5)
+    ref = select.rank_keep(scores, cu, 197, rate=0.5)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        tl2.threshold_l2_keep(scores, cu, 197, rate=0.5)
+        select.rank_keep(scores, cu, 197, rate=0.5)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            keep, kept = tl2.threshold_l2_keep(scores, cu, 197, rate=0.5)
+            keep, kept = select.rank_keep(scores, cu, 197, rate=0.5)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     keep.fill_(False)
@@ -119,17 +121,17 @@ def test_keep_is_sync_free_and_capturable_gpu(gen):
 def _bad_calls():
     s, cu = torch.rand(10), torch.tensor([0, 4, 10], dtype=torch.int32)
     return [
-        (lambda: tl2.threshold_l2_keep(s.half(), cu, 10, rate=0.5), "scores"),
-        (lambda: tl2.threshold_l2_keep(s, cu.long(), 10, rate=0.5), "cu_seqlens"),
-        (lambda: tl2.threshold_l2_keep(s, torch.tensor([0, 4, 9], dtype=torch.int32), 10, rate=0.5), "cu_seqlens"),
-        (lambda: tl2.threshold_l2_keep(s, cu, 10), "rate and threshold"),
-        (lambda: tl2.threshold_l2_keep(s, cu, 10, rate=0.5, threshold=1.0), "rate and threshold"),
-        (lambda: tl2.threshold_l2_keep(s, cu, 10, rate=0.0), "rate"),
-        (lambda: tl2.threshold_l2_keep(s, cu, 10, rate=1.5), "rate"),
-        (lambda: tl2.threshold_l2_keep(s, cu, 10, threshold=1), "threshold"),
-        (lambda: tl2.threshold_l2_keep(s, cu, 10, threshold=1.0, min_keep=-1), "min_keep"),
-        (lambda: tl2.threshold_l2_keep(torch.rand(20)[::2], cu, 10, rate=0.5), "scores"),
-        (lambda: tl2.threshold_l2_keep(s, cu, 0, rate=0.5), "max_seqlen"),
+        (lambda: select.rank_keep(s.half(), cu, 10, rate=0.5), "scores"),
+        (lambda: select.rank_keep(s, cu.long(), 10, rate=0.5), "cu_seqlens"),
+        (lambda: select.rank_keep(s, torch.tensor([0, 4, 9], dtype=torch.int32), 10, rate=0.5), "cu_seqlens"),
+        (lambda: select.rank_keep(s, cu, 10), "rate, count and threshold"),
+        (lambda: select.rank_keep(s, cu, 10, rate=0.5, threshold=1.0), "rate, count and threshold"),
+        (lambda: select.rank_keep(s, cu, 10, rate=0.0), "rate"),
+        (lambda: select.rank_keep(s, cu, 10, rate=1.5), "rate"),
+        (lambda: select.rank_keep(s, cu, 10, threshold=1), "threshold"),
+        (lambda: select.rank_keep(s, cu, 10, threshold=1.0, min_keep=-1), "min_keep"),
+        (lambda: select.rank_keep(torch.rand(20)[::2], cu, 10, rate=0.5), "scores"),
+        (lambda: select.rank_keep(s, cu, 0, rate=0.5), "max_seqlen"),
         (lambda: tl2.threshold_l2_select(ThresholdL2Pruner("calibrated", rate=0.5),
                                          DecisionInput(s[:, None], cu, 0, 9)), "calibrate"),
     ]  # fmt: skip
@@ -137,7 +139,7 @@ def _bad_calls():
 
 @pytest.mark.parametrize("index", range(len(_bad_calls())))
 def test_bad_input_raises_before_launch(index, forbid_launch):
-    forbid_launch(tl2, "_launcher")
+    forbid_launch(select, "_launcher")
     call, word = _bad_calls()[index]
     with pytest.raises((ValueError, TypeError, RuntimeError), match=word):
         call()
