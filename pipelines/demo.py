@@ -315,7 +315,7 @@ def check_lines(results: dict[str, Measured], rows: list[Contender]) -> list[str
             images, differ = images + size, differ + int((~same).sum())
             if same.any():
                 diff = max(diff, (logits - ref.logits[size]).abs()[same].max().item())
-        line = f"  {row.name} vs {row.check_against}: max |logit diff| {diff:.2e}"
+        line = f"  check: {row.name} vs {row.check_against}: max |logit diff| {diff:.2e}"
         if counted:
             line += ", same kept counts" if differ == 0 else f" (same kept counts); counts differ in {differ}/{images}"
         lines.append(line)

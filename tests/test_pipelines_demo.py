@@ -44,7 +44,7 @@ def test_gpu_rows_run_on_the_cpu_without_compile(pipeline, gen):
     assert results["timm eager (unpruned)"].counts[1] is None
     checks = check_lines(results, rows)
     assert len(checks) == 2
-    assert checks[0].startswith("  timm reduce-overhead (unpruned) vs timm eager (unpruned): max |logit diff| 0.00e+00")
+    assert checks[0] == "  check: timm reduce-overhead (unpruned) vs timm eager (unpruned): max |logit diff| 0.00e+00"
     assert "pruned graphs + compile (reference) vs pruned eager (reference)" in checks[1]
     assert checks[1].endswith(", same kept counts")
     table = speed_lines(results, [1, 3], "timm reduce-overhead (unpruned)")
@@ -150,9 +150,9 @@ def test_checks_compare_logits_where_the_kept_counts_agree():
         "graphed": Measured(logits={3: moved}, counts={3: torch.tensor([[97], [98], [98]])}),
     }
     assert check_lines(results, rows) == [
-        "  graphed vs eager: max |logit diff| 1.00e-03 (same kept counts); counts differ in 1/3"
+        "  check: graphed vs eager: max |logit diff| 1.00e-03 (same kept counts); counts differ in 1/3"
     ]
     results["graphed"].counts[3] = results["eager"].counts[3]
-    assert check_lines(results, rows) == ["  graphed vs eager: max |logit diff| 2.50e-01, same kept counts"]
+    assert check_lines(results, rows) == ["  check: graphed vs eager: max |logit diff| 2.50e-01, same kept counts"]
     results["graphed"] = Measured(error="RuntimeError: x")  # failed before its first output: no check line
     assert check_lines(results, rows) == []
