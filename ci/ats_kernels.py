@@ -18,6 +18,7 @@ from ragged_vit.core.segments import cu_seqlens_from_counts
 from ragged_vit.core.selection import DecisionInput
 from ragged_vit.reference.pruners import ATSPruner
 from ragged_vit.triton_impl import ats
+from ragged_vit.triton_impl.cls_attention import cls_attention_logits
 
 
 def measure(batch: int, n: int, gen: torch.Generator) -> tuple[float, float, float, float]:
@@ -28,13 +29,13 @@ def measure(batch: int, n: int, gen: torch.Generator) -> tuple[float, float, flo
     cu = cu_seqlens_from_counts(lengths).cuda()
     qkv = torch.randn(int(lengths.sum()), 3 * heads * head_dim, generator=gen).cuda().half()
     scores = ats.ats_scores(qkv, cu, heads, scale, n)
-    logits, squares = ats._logits(qkv, cu, heads, head_dim, scale, n)
+    logits, squares = cls_attention_logits(qkv, cu, heads, scale, n, values=True)
     out = torch.empty_like(scores)
     pruner = ATSPruner()
     inp = DecisionInput(qkv[:, : heads * head_dim], cu, 0, n - 1, n, qkv, heads, scale)
     us = functools.partial(device_us, calls_per_graph=50)
     return (
-        us(lambda: ats._logits(qkv, cu, heads, head_dim, scale, n)),
+        us(lambda: cls_attention_logits(qkv, cu, heads, scale, n, values=True)),
         us(lambda: ats._sample(logits, squares, out, cu, n, 1, 0, 1, from_logits=True, sample=False)),
         us(lambda: ats.ats_keep(scores, cu, n, n - 1, 8, check_values=False)),
         us(lambda: ats.ats_select(pruner, inp)),

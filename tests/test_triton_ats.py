@@ -20,6 +20,7 @@ from ragged_vit.reference.cls_attention import cls_attention
 from ragged_vit.reference.pruners import ATSPruner
 from ragged_vit.reference.pruners.ats import sample_keep, significance
 from ragged_vit.triton_impl import ats
+from ragged_vit.triton_impl import cls_attention as cls_kernels
 
 LENGTHS = {
     "deit": (197, 197),
@@ -219,7 +220,8 @@ def _bad_calls():
 
 @pytest.mark.parametrize("index", range(len(_bad_calls())))
 def test_bad_input_raises_before_launch(index, forbid_launch):
-    forbid_launch(ats, "_logits_launcher", "_sample_launcher")
+    forbid_launch(cls_kernels, "_logits_launcher")
+    forbid_launch(ats, "_sample_launcher")
     call, word = _bad_calls()[index]
     with pytest.raises((ValueError, TypeError), match=word):
         call()

@@ -2,11 +2,12 @@
 
 Each module mirrors the reference of the same role: ``attention`` <-> :mod:`ragged_vit.reference.attention`,
 ``pack`` <-> :mod:`ragged_vit.reference.packing`, ``select`` <-> :func:`ragged_vit.core.segments.segment_rank`,
-``threshold_l2`` / ``dynamicvit`` / ``ats`` <-> the pruners of the same names in :mod:`ragged_vit.reference.pruners`.
+``cls_attention`` <-> :mod:`ragged_vit.reference.cls_attention`, ``threshold_l2`` / ``dynamicvit`` / ``evit`` / ``ats``
+<-> the pruners of the same names in :mod:`ragged_vit.reference.pruners`.
 Kernels assume validated input; validation happens at the public functions.
 
 The fused decisions register themselves for their pruner types (:mod:`ragged_vit.core.decisions`) when their
 modules are imported, which importing this package does: a new fused decision is one new module plus one line here.
 """
 
-from ragged_vit.triton_impl import ats, dynamicvit, threshold_l2  # noqa: F401  (register their fused decisions)
+from ragged_vit.triton_impl import ats, dynamicvit, evit, threshold_l2  # noqa: F401  (register their fused decisions)

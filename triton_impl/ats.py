@@ -5,8 +5,9 @@ norms, a padded sort, a cumulative sum, a ``[B, S, W]`` distance argmin, a scatt
 a stage in each of blocks 3-11, so its decisions were ~3.5 ms of a 4 ms graphed DeiT-B forward at batch 1 (H100).
 Here one stage is two launches:
 
-1. ``_logits_kernel`` (one program per image, head and 16-row block): the CLS query's logit against every key
-   and the squared norm of every value, per head (two ``[T, H]`` fp32 buffers).
+1. the CLS-logits kernel of :mod:`ragged_vit.triton_impl.cls_attention` (one program per image, head and 16-row
+   block): the CLS query's logit against every key and the squared norm of every value, per head (two ``[T, H]``
+   fp32 buffers).
 2. ``_sample_kernel`` (one program per image, its rows in registers): the softmax of every head at once on a
    ``[rows, heads]`` tile, the normalised significance ``S_j`` (CLS 0), then the sampling itself: one
    ``tl.sort`` of 64-bit keys ``(score bits, row)`` (non-negative floats order as their bits, so this is the
@@ -35,44 +36,10 @@ import triton.language as tl
 
 from ragged_vit.core.decisions import register_decision
 from ragged_vit.core.selection import DecisionInput, TokenSelection
-from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
+from ragged_vit.core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
 from ragged_vit.reference.pruners.ats import ATSPruner
+from ragged_vit.triton_impl.cls_attention import aligned, check_qkv, cls_attention_logits, image_rows
 from ragged_vit.triton_impl.launcher import CompiledLauncher
-
-_BLOCK_T = 16  # rows per step of the logits kernel: a DeiT image spreads over 13 programs
-
-
-@triton.jit
-def _image_rows(CU, b, total):
-    """Rows ``[start, end)`` of image ``b``, clamped to ``[0, total]``: malformed offsets cannot reach out of
-    bounds."""
-    start = tl.minimum(tl.maximum(tl.load(CU + b), 0), total)
-    end = tl.minimum(tl.maximum(tl.load(CU + b + 1), start), total)
-    return start, end
-
-
-@triton.jit(do_not_specialize=["total", "stride", "scale"])
-def _logits_kernel(
-    QKV, CU, LOGITS, SQUARES, total, stride, scale,
-    H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    b = tl.program_id(0)
-    h = tl.program_id(2)
-    start, end = _image_rows(CU, b, total)
-    offs_d = tl.arange(0, BLOCK_D)
-    in_d = offs_d < D
-    q = tl.load(QKV + start.to(tl.int64) * stride + h * D + offs_d, mask=in_d & (end > start), other=0.0)
-    q = q.to(tl.float32)  # the CLS query of head h
-    # Grid-stride loop over this image's row blocks: the grid's second axis is only a bound on the work.
-    for t0 in range(start + tl.program_id(1) * BLOCK_T, end, tl.num_programs(1) * BLOCK_T):
-        t = t0 + tl.arange(0, BLOCK_T)
-        in_t = t < end
-        head = QKV + t.to(tl.int64)[:, None] * stride + h * D + offs_d[None, :]
-        mask = in_t[:, None] & in_d[None, :]
-        k = tl.load(head + H * D, mask=mask, other=0.0).to(tl.float32)
-        tl.store(LOGITS + t * H + h, tl.sum(k * q[None, :], axis=1) * scale, mask=in_t)
-        v = tl.load(head + 2 * H * D, mask=mask, other=0.0).to(tl.float32)
-        tl.store(SQUARES + t * H + h, tl.sum(v * v, axis=1), mask=in_t)
 
 
 @triton.jit
@@ -107,7 +74,7 @@ def _sample_kernel(
     BLOCK_H: tl.constexpr, LOG_W: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
-    start, end = _image_rows(CU, b, total)
+    start, end = image_rows(CU, b, total)
     length = tl.minimum(end - start, BLOCK_W)  # rows past the bound are never kept (zeroed at the end)
     offs = tl.arange(0, BLOCK_W)
     in_image = offs < length
@@ -180,42 +147,13 @@ def _sample_kernel(
     tl.store(KEPT + b, tl.minimum(num_prefix, length) + sampled + tl.maximum(extra, 0))
 
 
-_logits_launcher = CompiledLauncher(_logits_kernel)
 _sample_launcher = CompiledLauncher(_sample_kernel)
-
-
-def _aligned(*tensors: torch.Tensor) -> bool:
-    return all(t.is_cuda and t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _sample_shape(max_seqlen: int) -> tuple[int, int]:
     """``BLOCK_W`` (rows of an image in registers, also the targets per step) and its log2 for a bound."""
     width = triton.next_power_of_2(max(max_seqlen, 16))
     return width, width.bit_length() - 1
-
-
-def _check_qkv(qkv: torch.Tensor, num_heads: int, scale: float) -> tuple[int, int]:
-    check_tensor(qkv, "qkv", ndim=2, dtypes=FLOAT_DTYPES)
-    check_int(num_heads, "num_heads", 1)
-    if qkv.shape[1] % (3 * num_heads):
-        raise ValueError(f"qkv.shape[1] ({qkv.shape[1]}) must be divisible by 3 * num_heads ({3 * num_heads})")
-    if qkv.stride(1) != 1:
-        raise ValueError(f"qkv must have contiguous rows (stride 1 along dim 1), got strides {qkv.stride()}")
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
-    return num_heads, qkv.shape[1] // (3 * num_heads)
-
-
-def _logits(qkv: torch.Tensor, cu: torch.Tensor, heads: int, head_dim: int, scale: float, max_seqlen: int):
-    total = qkv.shape[0]
-    logits = torch.empty(total, heads, dtype=torch.float32, device=qkv.device)
-    squares = torch.empty(total, heads, dtype=torch.float32, device=qkv.device)
-    block_d = triton.next_power_of_2(head_dim)
-    args = (qkv, cu, logits, squares, total, qkv.stride(0), float(scale), heads, head_dim, _BLOCK_T, block_d)
-    key = (qkv.dtype, heads, head_dim) if _aligned(qkv, cu, logits, squares) else None
-    grid = (cu.shape[0] - 1, triton.cdiv(max_seqlen, _BLOCK_T), heads)
-    _logits_launcher(key, qkv.get_device(), grid, args, num_warps=2, num_stages=1)
-    return logits, squares
 
 
 def _sample(logits, squares, scores, cu, max_seqlen, num_samples, min_keep, num_prefix, *, from_logits, sample):
@@ -231,7 +169,7 @@ def _sample(logits, squares, scores, cu, max_seqlen, num_samples, min_keep, num_
         logits, squares, scores, work, cu, keep.view(torch.int8) if sample else keep, kept, total, num_samples,
         min_keep, num_prefix, heads, from_logits, sample, width, triton.next_power_of_2(heads), log_w,
     )  # fmt: skip
-    key = (heads, from_logits, sample, width) if _aligned(logits, squares, scores, work, cu, keep, kept) else None
+    key = (heads, from_logits, sample, width) if aligned(logits, squares, scores, work, cu, keep, kept) else None
     _sample_launcher(key, scores.get_device(), (batch, 1), args, num_warps=8, num_stages=1, enable_fp_fusion=False)
     return keep, kept
 
@@ -269,10 +207,10 @@ def ats_scores(
         num_prefix: prefix rows of every image (the class token first: its row is the query), never scored.
         check_values: read ``cu_seqlens`` to validate it (default: only on the CPU).
     """
-    heads, head_dim = _check_qkv(qkv, num_heads, scale)
+    heads, _ = check_qkv(qkv, num_heads, scale)
     total = qkv.shape[0]
     cu = _check_sampling(cu_seqlens, total, qkv.device, max_seqlen, 1, 0, num_prefix, check_values)
-    logits, squares = _logits(qkv, cu, heads, head_dim, scale, max_seqlen)
+    logits, squares = cls_attention_logits(qkv, cu, heads, scale, max_seqlen, values=True)
     scores = torch.empty(total, dtype=torch.float32, device=qkv.device)
     _sample(logits, squares, scores, cu, max_seqlen, 1, 0, num_prefix, from_logits=True, sample=False)
     return scores
@@ -329,7 +267,7 @@ def ats_select(pruner: ATSPruner, inp: DecisionInput) -> TokenSelection:
     inp = pruner.check_input(inp)
     if inp.qkv is None:
         raise ValueError("inp.qkv is required: the fused ATS decision scores from the block's qkv projection")
-    _check_qkv(inp.qkv, inp.num_heads, inp.scale)
+    check_qkv(inp.qkv, inp.num_heads, inp.scale)
     check_max_seqlen(inp.row_bound, "inp.max_seqlen")
     return _select(pruner, inp)
 
@@ -338,9 +276,8 @@ def ats_select(pruner: ATSPruner, inp: DecisionInput) -> TokenSelection:
 def _select(pruner: ATSPruner, inp: DecisionInput) -> TokenSelection:
     """:func:`ats_select` on checked input: the fused decision the pipelines look up."""
     qkv, cu, bound = inp.qkv, inp.cu_seqlens, inp.row_bound
-    head_dim = qkv.shape[1] // (3 * inp.num_heads)
     samples = inp.num_patches if pruner.num_samples is None else pruner.num_samples
-    logits, squares = _logits(qkv, cu, inp.num_heads, head_dim, inp.scale, bound)
+    logits, squares = cls_attention_logits(qkv, cu, inp.num_heads, inp.scale, bound, values=True)
     scores = torch.empty(qkv.shape[0], dtype=torch.float32, device=qkv.device)
     keep, kept = _sample(logits, squares, scores, cu, bound, samples, pruner.min_keep, inp.num_prefix,
                          from_logits=True, sample=True)  # fmt: skip

@@ -1,0 +1,122 @@
+"""The class token's attention row in Triton, the score source of EViT and ATS (the reference:
+:func:`ragged_vit.reference.cls_attention.cls_attention`).
+
+``_logits_kernel`` (one program per image, head and 16-row block) computes the CLS query's logit against every key of
+its image, per head, straight from the block's qkv projection (``[T, H]`` fp32), and optionally every value's squared
+norm per head (what ATS weighs its scores with). ``_mean_kernel`` (one program per image, its rows in registers)
+takes each head's softmax over the image's rows on one ``[rows, heads]`` tile and averages the heads: EViT's score.
+:func:`cls_attention_logits` and :func:`cls_attention_mean` launch them without checks: they serve the fused
+decisions (:mod:`ragged_vit.triton_impl.evit`, :mod:`ragged_vit.triton_impl.ats`), which built their input.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ragged_vit.core.validation import FLOAT_DTYPES, check_int, check_tensor
+from ragged_vit.triton_impl.launcher import CompiledLauncher
+
+_BLOCK_T = 16  # rows per step of the logits kernel: a DeiT image spreads over 13 programs
+
+
+@triton.jit
+def image_rows(CU, b, total):
+    """Rows ``[start, end)`` of image ``b``, clamped to ``[0, total]``: malformed offsets cannot reach out of
+    bounds."""
+    start = tl.minimum(tl.maximum(tl.load(CU + b), 0), total)
+    end = tl.minimum(tl.maximum(tl.load(CU + b + 1), start), total)
+    return start, end
+
+
+@triton.jit(do_not_specialize=["total", "stride", "scale"])
+def _logits_kernel(
+    QKV, CU, LOGITS, SQUARES, total, stride, scale,
+    H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, VALUES: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    h = tl.program_id(2)
+    start, end = image_rows(CU, b, total)
+    offs_d = tl.arange(0, BLOCK_D)
+    in_d = offs_d < D
+    q = tl.load(QKV + start.to(tl.int64) * stride + h * D + offs_d, mask=in_d & (end > start), other=0.0)
+    q = q.to(tl.float32)  # the CLS query of head h
+    # Grid-stride loop over this image's row blocks: the grid's second axis is only a bound on the work.
+    for t0 in range(start + tl.program_id(1) * BLOCK_T, end, tl.num_programs(1) * BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T)
+        in_t = t < end
+        head = QKV + t.to(tl.int64)[:, None] * stride + h * D + offs_d[None, :]
+        mask = in_t[:, None] & in_d[None, :]
+        k = tl.load(head + H * D, mask=mask, other=0.0).to(tl.float32)
+        tl.store(LOGITS + t * H + h, tl.sum(k * q[None, :], axis=1) * scale, mask=in_t)
+        if VALUES:
+            v = tl.load(head + 2 * H * D, mask=mask, other=0.0).to(tl.float32)
+            tl.store(SQUARES + t * H + h, tl.sum(v * v, axis=1), mask=in_t)
+
+
+@triton.jit(do_not_specialize=["total"])
+def _mean_kernel(LOGITS, CU, SCORES, total, H: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_H: tl.constexpr):
+    b = tl.program_id(0)
+    start, end = image_rows(CU, b, total)
+    offs = tl.arange(0, BLOCK_W)
+    offs_h = tl.arange(0, BLOCK_H)
+    for r0 in range(start, end, BLOCK_W):  # an image longer than the tile: its tail is scored 0 (past the bound)
+        in_image = (r0 + offs < end) & (r0 == start)
+        cells = (r0 + offs)[:, None] * H + offs_h[None, :]
+        mask = in_image[:, None] & (offs_h < H)[None, :]
+        logit = tl.load(LOGITS + cells, mask=mask, other=0.0)  # [W, heads]: every head's softmax at once
+        peak = tl.max(tl.where(mask, logit, float("-inf")), 0)
+        e = tl.where(mask, tl.exp(logit - peak[None, :]), 0.0)
+        probs = e / tl.maximum(tl.sum(e, 0), 1.0)[None, :]  # the peak adds exp(0) = 1 per head
+        tl.store(SCORES + r0 + offs, tl.sum(probs, 1) / H, mask=r0 + offs < end)
+
+
+_logits_launcher = CompiledLauncher(_logits_kernel)
+_mean_launcher = CompiledLauncher(_mean_kernel)
+
+
+def aligned(*tensors: torch.Tensor) -> bool:
+    return all(t.is_cuda and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def check_qkv(qkv: torch.Tensor, num_heads: int, scale: float) -> tuple[int, int]:
+    check_tensor(qkv, "qkv", ndim=2, dtypes=FLOAT_DTYPES)
+    check_int(num_heads, "num_heads", 1)
+    if qkv.shape[1] % (3 * num_heads):
+        raise ValueError(f"qkv.shape[1] ({qkv.shape[1]}) must be divisible by 3 * num_heads ({3 * num_heads})")
+    if qkv.stride(1) != 1:
+        raise ValueError(f"qkv must have contiguous rows (stride 1 along dim 1), got strides {qkv.stride()}")
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+    return num_heads, qkv.shape[1] // (3 * num_heads)
+
+
+def cls_attention_logits(
+    qkv: torch.Tensor, cu: torch.Tensor, heads: int, scale: float, max_seqlen: int, values: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 ``[T, H]`` CLS-query logits of every row (scaled), and with ``values`` the squared norm of every row's
+    value per head (else None), from a checked qkv projection ``[T, 3*H*D]`` (contiguous rows)."""
+    total, head_dim = qkv.shape[0], qkv.shape[1] // (3 * heads)
+    logits = torch.empty(total, heads, dtype=torch.float32, device=qkv.device)
+    squares = torch.empty(total, heads, dtype=torch.float32, device=qkv.device) if values else logits
+    block_d = triton.next_power_of_2(head_dim)
+    args = (qkv, cu, logits, squares, total, qkv.stride(0), float(scale), heads, head_dim, _BLOCK_T, block_d, values)
+    key = (qkv.dtype, heads, head_dim, values) if aligned(qkv, cu, logits, squares) else None
+    grid = (cu.shape[0] - 1, triton.cdiv(max_seqlen, _BLOCK_T), heads)
+    _logits_launcher(key, qkv.get_device(), grid, args, num_warps=2, num_stages=1)
+    return logits, squares if values else None
+
+
+def cls_attention_mean(
+    qkv: torch.Tensor, cu: torch.Tensor, heads: int, scale: float, max_seqlen: int
+) -> torch.Tensor:
+    """fp32 ``[T]``: the CLS query's attention probability of every row of its image, averaged over the heads (EViT's
+    score; prefix rows get theirs too), from a checked qkv projection; rows past ``max_seqlen`` in an image get 0."""
+    logits, _ = cls_attention_logits(qkv, cu, heads, scale, max_seqlen, values=False)
+    scores = torch.zeros(qkv.shape[0], dtype=torch.float32, device=qkv.device)
+    width, block_h = triton.next_power_of_2(max(max_seqlen, 16)), triton.next_power_of_2(heads)
+    args = (logits, cu, scores, qkv.shape[0], heads, width, block_h)
+    key = (heads, width) if aligned(logits, cu, scores) else None
+    _mean_launcher(key, qkv.get_device(), (cu.shape[0] - 1,), args, num_warps=4, num_stages=1)
+    return scores
