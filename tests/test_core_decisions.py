@@ -25,6 +25,7 @@ def test_kernels_register_their_decisions_for_their_pruners():
     assert registered[("ThresholdL2Pruner", "cuda")].startswith("ragged_vit.triton_impl.threshold_l2.")
     assert registered[("ATSPruner", "cuda")].startswith("ragged_vit.triton_impl.ats.")
     assert registered[("DynamicViTPruner", "cuda")].startswith("ragged_vit.triton_impl.dynamicvit.")
+    assert registered[("EViTPruner", "cuda")].startswith("ragged_vit.triton_impl.evit.")
     assert fused_decision(ThresholdL2Pruner("ratio", rate=0.5), torch.device("cuda")) is not None
     assert fused_decision(ThresholdL2Pruner("ratio", rate=0.5), torch.device("cpu")) is None  # the pruner decides
 
