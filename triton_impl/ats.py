@@ -38,7 +38,13 @@ from ragged_vit.core.decisions import register_decision
 from ragged_vit.core.selection import DecisionInput, TokenSelection
 from ragged_vit.core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
 from ragged_vit.reference.pruners.ats import ATSPruner
-from ragged_vit.triton_impl.cls_attention import aligned, check_qkv, cls_attention_logits, image_rows
+from ragged_vit.triton_impl.cls_attention import (
+    aligned,
+    check_qkv,
+    check_qkv_input,
+    cls_attention_logits,
+    image_rows,
+)
 from ragged_vit.triton_impl.launcher import CompiledLauncher
 
 
@@ -265,10 +271,7 @@ def ats_select(pruner: ATSPruner, inp: DecisionInput) -> TokenSelection:
     if not isinstance(pruner, ATSPruner):
         raise TypeError(f"pruner must be an ATSPruner, got {type(pruner).__name__}")
     inp = pruner.check_input(inp)
-    if inp.qkv is None:
-        raise ValueError("inp.qkv is required: the fused ATS decision scores from the block's qkv projection")
-    check_qkv(inp.qkv, inp.num_heads, inp.scale)
-    check_max_seqlen(inp.row_bound, "inp.max_seqlen")
+    check_qkv_input(inp, "ATS")
     return _select(pruner, inp)
 
 

@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ragged_vit.core.validation import FLOAT_DTYPES, check_int, check_tensor
+from ragged_vit.core.selection import DecisionInput
+from ragged_vit.core.validation import FLOAT_DTYPES, check_int, check_max_seqlen, check_tensor
 from ragged_vit.triton_impl.launcher import CompiledLauncher
 
 _BLOCK_T = 16  # rows per step of the logits kernel: a DeiT image spreads over 13 programs
@@ -90,6 +91,15 @@ def check_qkv(qkv: torch.Tensor, num_heads: int, scale: float) -> tuple[int, int
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
     return num_heads, qkv.shape[1] // (3 * num_heads)
+
+
+def check_qkv_input(inp: DecisionInput, method: str) -> None:
+    """Checks what a fused decision that scores from the block's qkv projection reads of ``inp`` (already checked by
+    its pruner): the projection itself, its heads and scale, the row bound."""
+    if inp.qkv is None:
+        raise ValueError(f"inp.qkv is required: the fused {method} decision scores from the block's qkv projection")
+    check_qkv(inp.qkv, inp.num_heads, inp.scale)
+    check_max_seqlen(inp.row_bound, "inp.max_seqlen")
 
 
 def cls_attention_logits(

@@ -23,9 +23,8 @@ import torch
 from ragged_vit.core.decisions import register_decision
 from ragged_vit.core.segments import segment_ids, segment_sum, uniform_length
 from ragged_vit.core.selection import DecisionInput, TokenSelection
-from ragged_vit.core.validation import check_max_seqlen
 from ragged_vit.reference.pruners.evit import EViTPruner
-from ragged_vit.triton_impl.cls_attention import check_qkv, cls_attention_mean
+from ragged_vit.triton_impl.cls_attention import check_qkv_input, cls_attention_mean
 from ragged_vit.triton_impl.select import rank_keep_unchecked
 
 
@@ -35,10 +34,7 @@ def evit_select(pruner: EViTPruner, inp: DecisionInput) -> TokenSelection:
     if not isinstance(pruner, EViTPruner):
         raise TypeError(f"pruner must be an EViTPruner, got {type(pruner).__name__}")
     inp = pruner.check_input(inp)
-    if inp.qkv is None:
-        raise ValueError("inp.qkv is required: the fused EViT decision scores from the block's qkv projection")
-    check_qkv(inp.qkv, inp.num_heads, inp.scale)
-    check_max_seqlen(inp.row_bound, "inp.max_seqlen")
+    check_qkv_input(inp, "EViT")
     return _select(pruner, inp)
 
 
