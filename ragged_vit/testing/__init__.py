@@ -1,0 +1,37 @@
+"""The conformance lab: the cases and tolerance rules the project checks its kernels with, for anyone who ports one.
+
+Each contract has a checker that takes the implementation under test as a callable, runs the lab's cases against the
+pure-PyTorch ground truth (:mod:`ragged_vit.reference`) and raises one readable :class:`ConformanceError` naming every
+failed case, the rule it broke, and the observed against the allowed error:
+
+* :func:`check_attention` -- varlen attention, on the packed qkv projection (``fn(qkv, cu_seqlens, max_seqlen,
+  num_heads, scale) -> [T, H*D]``, the attention backends' ``attend``) or on separate ``q, k, v`` (``fn(q, k, v,
+  cu_seqlens, max_seqlen, scale) -> [T, H, D]``).
+
+The same cases parametrize a port's own pytest file (:func:`attention_suite`): one line registers the callable, and
+every case becomes a test. Two levels: ``quick`` (small and few: seconds under Triton's interpreter on a CPU) and
+``full`` (every adversarial length, every dtype the device runs); the environment variable
+``RAGGED_VIT_CONFORMANCE=full`` selects the full one. ``docs/porting.md`` states the contracts and walks through a
+port. Pure PyTorch; runs on CPU and GPU; imports nothing above :mod:`ragged_vit.reference`.
+"""
+
+from ragged_vit.testing.attention import (
+    AttentionCase,
+    assert_attention_close,
+    attention_cases,
+    attention_error,
+    attention_suite,
+    check_attention,
+)
+from ragged_vit.testing.report import ConformanceError, level
+
+__all__ = [
+    "AttentionCase",
+    "ConformanceError",
+    "assert_attention_close",
+    "attention_cases",
+    "attention_error",
+    "attention_suite",
+    "check_attention",
+    "level",
+]
