@@ -8,6 +8,7 @@ Examples::
     python -m ragged_vit --model deit_base_patch16_224 --checkpoint deit_base.pth --images ~/photos
     python -m ragged_vit --checkpoint ddp_run/checkpoint.pth --strip-prefix module.
     python -m ragged_vit --device cuda --backends triton,padded_sdpa,fa2_varlen,nested_sdpa --batch-repeats 16
+    python -m ragged_vit validate ~/imagenet/val --checkpoint deit_base.pth --compare-unpruned   # the subcommand
 
 The device is read first, with only argparse, os and torch imported: on a CPU the Triton kernels run under
 Triton's interpreter, which must be switched on (``TRITON_INTERPRET=1``) before timm (which imports
@@ -27,6 +28,7 @@ import sys
 
 import torch
 
+_PROG = "ragged-vit"
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -88,9 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     from ragged_vit.pipelines.factory import PRUNER_NAMES
 
     parser = argparse.ArgumentParser(
-        prog="ragged-vit",
+        prog=_PROG,
         description="Classify images with a token-pruned timm DeiT through ragged (packed) attention backends; "
         "print top-1 predictions, kept tokens, backend agreement and speed against the unpruned timm model.",
+        epilog=f"Accuracy on an image folder (ImageFolder layout), also under torchrun: {_PROG} validate DATA_DIR "
+        f"[options] ({_PROG} validate --help).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {ragged_vit.__version__}")
     parser.add_argument(
@@ -181,7 +185,13 @@ def _check_unused(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Parses ``argv`` (default ``sys.argv[1:]``), runs the demo; returns the exit status."""
+    """Parses ``argv`` (default ``sys.argv[1:]``), runs the demo; returns the exit status. ``validate ...`` runs the
+    ``validate`` subcommand instead (:mod:`ragged_vit.pipelines.validate`)."""
+    words = sys.argv[1:] if argv is None else list(argv)
+    if words[:1] == ["validate"]:
+        from ragged_vit.pipelines.validate import main as validate
+
+        return validate(words[1:], prog=f"{_PROG} validate")
     device = _device_of(argv)
     if device is not None and device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before timm imports triton.language (see docstring)
