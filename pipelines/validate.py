@@ -44,6 +44,7 @@ import os
 import shlex
 import sys
 import time
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -539,28 +540,33 @@ def _rate(images: float, seconds: float) -> float | None:
     return images / seconds if seconds > 0 else None
 
 
-def validate(options: ValidateOptions, group: Distributed | None = None, out: TextIO | None = None) -> dict:
-    """Runs the validation of ``options`` on this rank's shard and returns the results (module docstring) after
-    the all-reduce, the same on every rank. Only rank 0 prints (to ``out``, stdout by default).
+@dataclass
+class _Setup:
+    """What the run needs, built the same on every rank before the loop (:func:`_prepare`)."""
 
-    Raises:
-        FileNotFoundError, DataError, ValueError, TypeError: unusable data, model, checkpoint or options (the
-            message names the file or option). A file that cannot be decoded raises on every rank once all ranks
-            have finished (no rank is left waiting in a collective), unless ``options.skip_bad``.
-    """
-    from ragged_vit.pipelines.demo import describe_pruner
+    index: ImageFolderIndex
+    pv: object  # PrunedViT
+    dataset: ImageFolderDataset
+    data_config: dict
+    notes: list[str]
+    weights: str
+    fingerprint: tuple[int, int]
+
+
+def _fingerprint(index: ImageFolderIndex) -> tuple[int, int]:
+    """Sample count and a CRC of the classes and of every sample's path below the root and class: equal on every
+    rank when every node sees the same data."""
+    crc = zlib.crc32("\n".join(index.classes).encode())
+    for path, target in index.samples:
+        crc = zlib.crc32(f"{os.path.relpath(path, index.root)}\t{target}\n".encode(), crc)
+    return len(index.samples), crc
+
+
+def _prepare(options: ValidateOptions) -> _Setup:
+    """Scans the data, builds the model, pruner and pipeline (checkpoint loaded, moved, calibrated)."""
     from ragged_vit.pipelines.factory import build_pruner
-    from ragged_vit.pipelines.graphs import GraphedPrunedViT
     from ragged_vit.pipelines.model import PrunedViT
     from ragged_vit.pipelines.weights import create_model, load_checkpoint
-
-    group = group or Distributed()
-    out = out or sys.stdout
-    lead = group.rank == 0
-
-    def say(line: str = "") -> None:
-        if lead:
-            print(line, file=out, flush=True)
 
     device, dtype = options.device, options.dtype
     index = scan_image_folder(options.data_dir, options.class_map, options.skip_bad)
@@ -579,14 +585,72 @@ def validate(options: ValidateOptions, group: Distributed | None = None, out: Te
     pv.backend.check(device, dtype)
     transform, data_config = _transform(model)
     dataset = ImageFolderDataset(index, transform, data_config["input_size"])
-    skipped: list[Skipped] = list(index.skipped)
     if pruner is not None and getattr(pruner, "mode", None) == "calibrated":
         calibration = _calibration_batch(dataset, min(options.batch_size, len(dataset)), options.skip_bad)
         threshold = pv.calibrate(calibration.to(device))
         notes.append(f"threshold calibrated on {calibration.shape[0]} images spread over the data: {threshold:.4g}")
     pv.compile_blocks = options.compile_blocks
+    return _Setup(index, pv, dataset, data_config, notes, weights, _fingerprint(index))
+
+
+_ERRORS = (ValueError, TypeError, FileNotFoundError, NotImplementedError)
+"""What :func:`main` reports as a one-line error (exit status 2)."""
+
+
+def _agree(group: Distributed, error: Exception | None, fingerprint: tuple[int, int] | None, root: str) -> None:
+    """Raises on every rank if any rank failed its setup (no rank is left waiting in a collective) or the ranks see
+    different sample lists (a node with other data)."""
+    if not group.started:
+        if error is not None:
+            raise error
+        return
+    message = None if error is None else " ".join(str(error).split())
+    reports = group.all_gather_objects((message, fingerprint))
+    if error is not None:
+        raise error
+    for rank, (other, _) in enumerate(reports):
+        if other is not None:
+            raise DataError(f"rank {rank}: {other}")
+    seen = [fp for _, fp in reports]
+    if len(set(seen)) > 1:
+        rank = next(r for r, fp in enumerate(seen) if fp != seen[0])
+        raise DataError(
+            f"rank {rank} sees other samples under {root} than rank 0 ({seen[rank][0]} vs {seen[0][0]} images, or "
+            "other names): every node needs the same data at that path"
+        )
+
+
+def validate(options: ValidateOptions, group: Distributed | None = None, out: TextIO | None = None) -> dict:
+    """Runs the validation of ``options`` on this rank's shard and returns the results (module docstring) after
+    the all-reduce, the same on every rank. Only rank 0 prints (to ``out``, stdout by default).
+
+    Raises:
+        FileNotFoundError, DataError, ValueError, TypeError: unusable data, model, checkpoint or options (the
+            message names the file or option), on every rank when one rank has them. A file that cannot be decoded
+            raises on every rank once all ranks have finished their shards, unless ``options.skip_bad``.
+    """
+    from ragged_vit.pipelines.demo import describe_pruner
+    from ragged_vit.pipelines.graphs import GraphedPrunedViT
+
+    group = group or Distributed()
+    out = out or sys.stdout
+    lead = group.rank == 0
+
+    def say(line: str = "") -> None:
+        if lead:
+            print(line, file=out, flush=True)
+
+    try:
+        setup, error = _prepare(options), None
+    except _ERRORS as e:
+        setup, error = None, e
+    _agree(group, error, None if setup is None else setup.fingerprint, options.data_dir)
+    index, pv, dataset, data_config = setup.index, setup.pv, setup.dataset, setup.data_config
+    notes, weights, model = setup.notes, setup.weights, setup.pv.model
+    device, dtype = options.device, options.dtype
+    skipped: list[Skipped] = list(index.skipped)
     forward = GraphedPrunedViT(pv).run if options.graphs else pv.run
-    unpruned = pv.model if options.compare_unpruned else None
+    unpruned = model if options.compare_unpruned else None
     mode = " + ".join(
         name for name, on in (("CUDA graphs", options.graphs), ("compiled blocks", options.compile_blocks)) if on
     ) or "eager"
@@ -613,10 +677,9 @@ def validate(options: ValidateOptions, group: Distributed | None = None, out: Te
         f"{data_config.get('interpolation')}"
     )
     ranks = f"{group.world_size} ranks (torch.distributed, {group.backend})" if group.active else "1 process"
-    say(
-        f"device: {device} ({str(dtype).removeprefix('torch.')}), backend {pv.backend.name}, {mode}; "
-        f"batch {options.batch_size}, {options.workers} loader workers per rank; {ranks}"
-    )
+    workers = f"{options.workers} loader worker{'s' if options.workers != 1 else ''} per rank"
+    say(f"device: {device} ({str(dtype).removeprefix('torch.')}), backend {pv.backend.name}, {mode}; "
+        f"batch {options.batch_size}, {workers}; {ranks}")  # fmt: skip
     for note in notes:
         say(f"note: {note}")
 
@@ -714,6 +777,8 @@ def _results(options, index, pv, tally, per_rank, skipped, notes, weights, mode,
     import ragged_vit
 
     device = options.device
+    unused = options.pruner == "none" or options.pruner_options.get("threshold_mode") == "threshold"
+    keep_rate = None if unused else options.keep_rate
     pruned = _accuracy(tally, "")
     unpruned = agreement = None
     if options.compare_unpruned:
@@ -762,7 +827,7 @@ def _results(options, index, pv, tally, per_rank, skipped, notes, weights, mode,
             "timm": timm.__version__,
         },
         "data": {
-            "dir": str(index.root),
+            "dir": str(index.root.resolve()),
             "class_map": str(index.class_map) if index.class_map else None,
             "classes": len(index.classes),
             "images": len(index.samples),
@@ -778,7 +843,7 @@ def _results(options, index, pv, tally, per_rank, skipped, notes, weights, mode,
             "num_classes": pv.model.num_classes,
             "num_patches": pv.num_patches,
         },
-        "pruner": {"name": options.pruner, "keep_rate": options.keep_rate, "options": options.pruner_options},
+        "pruner": {"name": options.pruner, "keep_rate": keep_rate, "options": options.pruner_options},
         "run": {
             "backend": pv.backend.name,
             "mode": mode,
@@ -856,7 +921,8 @@ def report_lines(results: dict) -> list[str]:
     if share >= DATA_BOUND_SHARE:
         lines.append(
             f"  end to end is bound by data loading: {100 * share:.0f}% of the wall time waiting for batches "
-            f"({workers} loader workers per rank: more --workers or faster storage would help)"
+            f"({workers} loader worker{'s' if workers != 1 else ''} per rank: more --workers or faster storage "
+            "would help)"
         )
     else:
         lines.append(f"  data loading kept up: {100 * share:.0f}% of the wall time waiting for batches")
@@ -1175,7 +1241,7 @@ def main(argv: list[str] | None = None, prog: str = "ragged-vit validate") -> in
         group.start(device)
         validate(options, group)
         return 0
-    except (ValueError, TypeError, FileNotFoundError, NotImplementedError) as e:
+    except _ERRORS as e:
         if group.rank == 0:
             print(f"{prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from ragged_vit.pipelines.cli import main as cli_main
-from ragged_vit.pipelines.validate import CSV_FIELDS, Tally, scan_image_folder, shard_range
+from ragged_vit.pipelines.validate import CSV_FIELDS, DataError, Tally, _agree, scan_image_folder, shard_range
 from ragged_vit.pipelines.weights import create_model
 
 Image = pytest.importorskip("PIL.Image")
@@ -180,6 +180,28 @@ def test_tally_counts_exactly():
     assert stage1 == {"mean": 5.5, "std": pytest.approx(np.std([4, 6, 7, 5])), "min": 4, "max": 7}
 
 
+class _FakeGroup:
+    """Two ranks' setup reports, as ``Distributed.all_gather_objects`` would return them."""
+
+    started, rank = True, 0
+
+    def __init__(self, other: tuple[str | None, tuple[int, int] | None]) -> None:
+        self.other = other
+
+    def all_gather_objects(self, mine: object) -> list[object]:
+        return [mine, self.other]
+
+
+def test_ranks_agree_on_setup_errors_and_on_the_samples():
+    _agree(_FakeGroup((None, (27, 5))), None, (27, 5), "data")  # the same samples: nothing raised
+    with pytest.raises(DataError, match=r"^rank 1: checkpoint file not found: /x.pth"):
+        _agree(_FakeGroup(("checkpoint file not found: /x.pth", None)), None, (27, 5), "data")
+    with pytest.raises(DataError, match="rank 1 sees other samples under data than rank 0 \\(26 vs 27 images"):
+        _agree(_FakeGroup((None, (26, 5))), None, (27, 5), "data")
+    with pytest.raises(FileNotFoundError, match="mine"):  # a rank's own error first
+        _agree(_FakeGroup(("theirs", None)), FileNotFoundError("mine"), None, "data")
+
+
 # -- whole runs -----------------------------------------------------------------------------------------------------
 
 
@@ -225,6 +247,7 @@ def test_known_accuracy_agreement_kept_patches_and_outputs(data, tmp_path, capsy
     assert stage["mean"] == pytest.approx(np.mean(kept)) and stage["std"] == pytest.approx(np.std(kept))
     assert (stage["min"], stage["max"]) == (min(kept), max(kept)) == (8, 16)
     assert results["data"]["skipped"] == [] and results["run"]["world_size"] == 1
+    assert results["pruner"]["keep_rate"] is None  # threshold mode: --threshold decides
     (rank,) = results["throughput"]["ranks"]
     assert rank["images"] == IMAGES and rank["img_per_s_model"] > 0 and rank["wall_s"] >= rank["data_wait_s"]
 
