@@ -40,6 +40,8 @@ class Capabilities:
         not_capturable_because: why not, when ``capturable`` is False.
         custom_op: whether ``torch.compile`` sees its attention as one opaque op (so compiled blocks fuse around it).
         key_bias: whether it takes a per-key additive bias (none does yet).
+        aligned_only: whether its inputs must start at 16-byte-aligned addresses (FlashAttention's kernels fault on
+            others; the pipelines' qkv projections always are).
     """
 
     devices: tuple[str, ...] = ("cpu", "cuda")
@@ -49,6 +51,7 @@ class Capabilities:
     not_capturable_because: str = ""
     custom_op: bool = False
     key_bias: bool = False
+    aligned_only: bool = False
 
 
 class AttentionBackend(abc.ABC):

@@ -20,7 +20,11 @@ class FA2VarlenBackend(AttentionBackend):
 
     name = "fa2_varlen"
     capabilities = Capabilities(
-        devices=("cuda",), dtypes=(torch.float16, torch.bfloat16), head_dims=tuple(range(8, 257, 8)), custom_op=True
+        devices=("cuda",),
+        dtypes=(torch.float16, torch.bfloat16),
+        head_dims=tuple(range(8, 257, 8)),
+        custom_op=True,
+        aligned_only=True,
     )
 
     def attend(

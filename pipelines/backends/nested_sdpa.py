@@ -26,6 +26,7 @@ class NestedSDPABackend(AttentionBackend):
         dtypes=(torch.float16, torch.bfloat16),
         capturable=False,
         not_capturable_because="building NestedTensors is not capturable in a CUDA graph",
+        aligned_only=True,
     )
     sdpa_backends: tuple[SDPBackend, ...] = (SDPBackend.FLASH_ATTENTION,)
 
