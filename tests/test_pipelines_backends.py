@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ragged_vit.pipelines.backends import BACKENDS, AttentionBackend, make_backend
-from ragged_vit.pipelines.backends.base import Capabilities
+from ragged_vit.pipelines.backends.base import Capabilities, aligned
 from ragged_vit.testing import attention_suite
 
 ALL_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -68,3 +68,15 @@ def test_dtype_checks_name_the_backend():
 def test_triton_refuses_bf16_under_the_interpreter():
     with pytest.raises(ValueError, match="does not support bfloat16"):
         make_backend("triton").check(torch.device("cpu"), torch.bfloat16)
+
+
+def test_aligned_copies_only_misaligned_rows():
+    """FlashAttention's kernels fault on rows off a 16-byte address, so its backends attend an aligned copy of such a
+    view; an aligned qkv (every pipeline's) is passed through without a copy."""
+    store = torch.randn(5 * 28 + 8, dtype=torch.float16)
+    fine = store[:120].view(5, 24)
+    assert aligned(fine) is fine
+    for view in (store[1:121].view(5, 24), store[: 5 * 28].view(5, 28)[:, :24]):  # one element in; 56-byte rows
+        copy = aligned(view)
+        assert copy.data_ptr() % 16 == 0 and copy.stride(0) * copy.element_size() % 16 == 0
+        assert torch.equal(copy, view)

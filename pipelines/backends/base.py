@@ -40,8 +40,6 @@ class Capabilities:
         not_capturable_because: why not, when ``capturable`` is False.
         custom_op: whether ``torch.compile`` sees its attention as one opaque op (so compiled blocks fuse around it).
         key_bias: whether it takes a per-key additive bias (none does yet).
-        aligned_only: whether its inputs must start at 16-byte-aligned addresses (FlashAttention's kernels fault on
-            others; the pipelines' qkv projections always are).
     """
 
     devices: tuple[str, ...] = ("cpu", "cuda")
@@ -51,7 +49,6 @@ class Capabilities:
     not_capturable_because: str = ""
     custom_op: bool = False
     key_bias: bool = False
-    aligned_only: bool = False
 
 
 class AttentionBackend(abc.ABC):
@@ -98,3 +95,15 @@ class AttentionBackend(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+def aligned(qkv: torch.Tensor) -> torch.Tensor:
+    """``qkv`` itself when every row starts at a 16-byte-aligned address, else an aligned copy: FlashAttention's
+    kernels fault on misaligned rows (a caller's view one element in); the pipelines' projections are always aligned,
+    so they never pay the copy. Under ``torch.compile`` (fake tensors have no address) ``qkv`` passes as it is."""
+    if torch.compiler.is_compiling():
+        return qkv
+    row_bytes = qkv.stride(0) * qkv.element_size()
+    if qkv.data_ptr() % 16 == 0 and (qkv.shape[0] <= 1 or row_bytes % 16 == 0):
+        return qkv
+    return torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device).copy_(qkv)

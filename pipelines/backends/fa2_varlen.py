@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ragged_vit.pipelines.backends.base import AttentionBackend, Capabilities
+from ragged_vit.pipelines.backends.base import AttentionBackend, Capabilities, aligned
 from ragged_vit.reference.attention import split_qkv
 
 
@@ -20,17 +20,13 @@ class FA2VarlenBackend(AttentionBackend):
 
     name = "fa2_varlen"
     capabilities = Capabilities(
-        devices=("cuda",),
-        dtypes=(torch.float16, torch.bfloat16),
-        head_dims=tuple(range(8, 257, 8)),
-        custom_op=True,
-        aligned_only=True,
+        devices=("cuda",), dtypes=(torch.float16, torch.bfloat16), head_dims=tuple(range(8, 257, 8)), custom_op=True
     )
 
     def attend(
         self, qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float
     ) -> torch.Tensor:
-        q, k, v = split_qkv(qkv, num_heads)  # [T, H, D] views, last dimension contiguous
+        q, k, v = split_qkv(aligned(qkv), num_heads)  # [T, H, D] views, last dimension contiguous
         out = torch.ops.aten._flash_attention_forward(
             q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, False, False, scale=scale
         )[0]  # [T, H, D]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ragged_vit.pipelines.backends.base import AttentionBackend, Capabilities
+from ragged_vit.pipelines.backends.base import AttentionBackend, Capabilities, aligned
 from ragged_vit.reference.attention import split_qkv
 
 
@@ -26,7 +26,6 @@ class NestedSDPABackend(AttentionBackend):
         dtypes=(torch.float16, torch.bfloat16),
         capturable=False,
         not_capturable_because="building NestedTensors is not capturable in a CUDA graph",
-        aligned_only=True,
     )
     sdpa_backends: tuple[SDPBackend, ...] = (SDPBackend.FLASH_ATTENTION,)
 
@@ -39,7 +38,7 @@ class NestedSDPABackend(AttentionBackend):
             nt = torch.nested.nested_tensor_from_jagged(t, offsets=offsets, min_seqlen=1, max_seqlen=max_seqlen)
             return nt.transpose(1, 2)
 
-        q, k, v = (jagged(t) for t in split_qkv(qkv, num_heads))
+        q, k, v = (jagged(t) for t in split_qkv(aligned(qkv), num_heads))
         with sdpa_kernel(list(self.sdpa_backends)):
             out = F.scaled_dot_product_attention(q, k, v, scale=scale)  # [B, H, j, D]
         return out.transpose(1, 2).values().flatten(1)  # [T, H*D]

@@ -17,8 +17,7 @@ The cases:
   1024;
 * ``ragged``: random lengths; ``many`` (``full``): 128 images of the adversarial lengths;
 * ``empty`` (unless ``empty_images=False``): images without a single row among the others;
-* ``strided``: inputs that are views with padded rows; ``misaligned`` (unless ``misaligned=False``): inputs that
-  start one element past an aligned address;
+* ``strided`` / ``misaligned``: inputs that are views with padded rows, or start one element past an aligned address;
 * ``loose_bound``: ``max_seqlen`` twice the longest image (the result stays within the rule);
 * ``scale``: a softmax scale other than ``D ** -0.5``;
 * ``isolation``: changing one image's inputs leaves every other image's output unchanged, bit for bit;
@@ -81,7 +80,6 @@ def attention_cases(
     head_dims: Iterable[int] | None = None,
     bad_inputs: bool = False,
     empty_images: bool = True,
-    misaligned: bool = True,
 ) -> list[AttentionCase]:
     """The cases of ``level_name`` (``quick``/``full``; see :func:`ragged_vit.testing.level`) for ``device``; with
     ``bad_inputs``, one more that checks the argument errors."""
@@ -97,10 +95,8 @@ def attention_cases(
     cases = []
     for dtype in dtypes:
         for head_dim in head_dims:
-            shapes = [("lengths", lengths), ("ragged", ragged), ("strided", (3, 65, 1)), ("loose_bound", (70, 5, 33)),
-                      ("scale", (5, 64)), ("isolation", (40, 70, 9))]  # fmt: skip
-            if misaligned:
-                shapes.append(("misaligned", (40, 7)))
+            shapes = [("lengths", lengths), ("ragged", ragged), ("strided", (3, 65, 1)), ("misaligned", (40, 7)),
+                      ("loose_bound", (70, 5, 33)), ("scale", (5, 64)), ("isolation", (40, 70, 9))]  # fmt: skip
             if empty_images:
                 shapes.append(("empty", (5, 0, 64, 0)))
             if full:
@@ -122,7 +118,6 @@ def check_attention(
     accepts_out: bool = False,
     bad_inputs: bool = False,
     empty_images: bool = True,
-    misaligned: bool = True,
 ) -> int:
     """Runs every case of the attention contract on ``fn``; raises :class:`ConformanceError` listing each failed
     case; returns how many cases ran.
@@ -136,13 +131,10 @@ def check_attention(
         accepts_out: ``fn`` takes ``out=`` (then it is given a NaN-poisoned buffer to fill).
         bad_inputs: ``fn`` validates its arguments (a public entry; an attention backend trusts its caller).
         empty_images: ``fn`` takes images of no rows (the pipelines never make one).
-        misaligned: ``fn`` takes inputs that start one element off an aligned address (FlashAttention's kernels do
-            not: their backends declare ``Capabilities.aligned_only``).
     """
     cases = attention_cases(
-        level_name, device=device, dtypes=dtypes, head_dims=head_dims, bad_inputs=bad_inputs,
-        empty_images=empty_images, misaligned=misaligned,
-    )  # fmt: skip
+        level_name, device=device, dtypes=dtypes, head_dims=head_dims, bad_inputs=bad_inputs, empty_images=empty_images
+    )
     failures = [f for case in cases for f in run_attention_case(fn, case, layout, device, accepts_out)]
     raise_failures(f"attention ({layout} layout)", failures)
     return len(cases)
@@ -157,8 +149,7 @@ def attention_suite(
     **options: object,
 ):
     """A pytest test function running every case of :func:`check_attention` as its own test item (``options``:
-    ``level_name``, ``dtypes``, ``head_dims``, ``bad_inputs``, ``empty_images``, ``misaligned``): a port's test file
-    is
+    ``level_name``, ``dtypes``, ``head_dims``, ``bad_inputs``, ``empty_images``): a port's test file is
     ``test_my_attention = attention_suite(my_fn, layout="qkv", device="cuda")``."""
     import pytest
 
