@@ -96,6 +96,14 @@ class DataError(ValueError):
     """Unusable data (a folder or file the message names): a one-line error with exit status 2."""
 
 
+class BadImage(DataError):
+    """A file Pillow cannot decode: its ``path`` and the ``reason``."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"bad image {path}: {reason}")
+        self.path, self.reason = path, reason
+
+
 # -- the image folder ---------------------------------------------------------------------------------------------
 
 
@@ -225,22 +233,21 @@ def scan_image_folder(
 
 
 def decode_image(path: str):
-    """The image at ``path`` as an RGB Pillow image; a file Pillow cannot decode raises :class:`DataError`."""
+    """The image at ``path`` as an RGB Pillow image; a file Pillow cannot decode raises :class:`BadImage`."""
     from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as image:
             return image.convert("RGB")
     except UnidentifiedImageError:
-        raise DataError(f"not an image file Pillow can read: {path}") from None
+        raise BadImage(path, "not an image file Pillow can read") from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # truncated, broken, too large
-        reason = " ".join(str(e).split()) or type(e).__name__
-        raise DataError(f"cannot decode {path}: {reason}") from None
+        raise BadImage(path, f"cannot decode it: {' '.join(str(e).split()) or type(e).__name__}") from None
 
 
 class ImageFolderDataset(torch.utils.data.Dataset):
     """The samples of an :class:`ImageFolderIndex`, each ``(image [3, H, W], target, index, error)``: a file that
-    cannot be decoded gives zeros and its error message (the loop decides what to do), any other file ``""``."""
+    cannot be decoded gives zeros and the reason (the loop decides what to do), any other file ``""``."""
 
     def __init__(self, index: ImageFolderIndex, transform, input_size: tuple[int, int, int]) -> None:
         self.samples = index.samples
@@ -254,8 +261,8 @@ class ImageFolderDataset(torch.utils.data.Dataset):
         path, target = self.samples[i]
         try:
             image = self.transform(decode_image(path))
-        except DataError as e:
-            return torch.zeros(self.input_size), target, i, str(e)
+        except BadImage as e:
+            return torch.zeros(self.input_size), target, i, e.reason
         return image, target, i, ""
 
 
@@ -366,9 +373,10 @@ class Distributed:
         if device.type == "cuda":
             torch.cuda.set_device(device)
             self.backend, self.comm_device = "nccl", device
+            dist.init_process_group("nccl", device_id=device)  # bound to this rank's GPU from the start
         else:
             self.backend = "gloo"
-        dist.init_process_group(self.backend)
+            dist.init_process_group("gloo")
         self.started = True
 
     def stop(self) -> None:
@@ -491,7 +499,7 @@ def _calibration_batch(dataset: ImageFolderDataset, count: int, skip_bad: bool) 
         image, _, _, error = dataset[i]
         if error:
             if not skip_bad:
-                raise DataError(f"{error} (--skip-bad skips such files)")
+                raise DataError(f"bad image {dataset.samples[i][0]}: {error} (--skip-bad skips such files)")
             continue
         images.append(image)
     if not images:
@@ -685,7 +693,7 @@ def validate(options: ValidateOptions, group: Distributed | None = None, out: Te
 
     tally = Tally(pv.num_stages)
     times = _RankTimes()
-    bad: list[tuple[int, str]] = []  # (sample index, message) of undecodable files
+    bad: list[tuple[int, str]] = []  # (sample index, reason) of undecodable files
     warm_s, first = 0.0, True
     desc = f"validate (rank 0 of {group.world_size})" if group.active else "validate"
     with torch.no_grad(), _progress(len(shard), lead, desc) as bar:  # no_grad: graphs and compile as benchmarked
@@ -737,9 +745,9 @@ def validate(options: ValidateOptions, group: Distributed | None = None, out: Te
 
     everyone_bad = sorted(i for part in group.all_gather_objects(bad) for i in part)
     if everyone_bad and not options.skip_bad:
-        _, message = everyone_bad[0]
-        raise DataError(f"bad image: {message} (--skip-bad skips such files and lists them)")
-    skipped += [Skipped(index.samples[i][0], message) for i, message in everyone_bad]
+        i, reason = everyone_bad[0]
+        raise DataError(f"bad image {index.samples[i][0]}: {reason} (--skip-bad skips such files and lists them)")
+    skipped += [Skipped(index.samples[i][0], reason) for i, reason in everyone_bad]
     tally.all_reduce(group)
     per_rank = torch.stack(group.all_gather(times.as_tensor()))
     images_total = tally.count("images")

@@ -313,8 +313,8 @@ def _truncated_jpeg(path: Path) -> None:
         ("empty", "has no class folders"),
         ("flat", "has no class folders (layout: "),
         ("empty_class", "class folder {root}/green holds no images"),
-        ("corrupt", "bad image: not an image file Pillow can read: {root}/green/9.png"),
-        ("truncated", "bad image: cannot decode {root}/red/9.jpg: image file is truncated"),
+        ("corrupt", "bad image {root}/green/9.png: not an image file Pillow can read (--skip-bad skips"),
+        ("truncated", "bad image {root}/red/9.jpg: cannot decode it: image file is truncated"),
         ("map_missing", "class 'purple' (line 4 of the class map {map}) has no folder {root}/purple"),
         ("map_unlisted", "class folder {root}/red is not in the class map {map} (2 images; --skip-bad skips them)"),
         ("too_many_classes", "has 4 classes but the model has 3 outputs"),
@@ -379,7 +379,7 @@ def test_skip_bad_counts_and_lists_skipped_files(data, tmp_path, capsys):
     assert set(skipped) == {"green/9.png", "red/9.jpg", "purple/a.png"}
     assert "image file is truncated" in skipped["red/9.jpg"] and "Pillow" in skipped["green/9.png"]
     assert results["pruned"]["images"] == 9 and results["pruned"]["top1_correct"] == 9
-    assert "Skipped 3 files (--skip-bad):" in out and f"{root}/green/9.png: " in out
+    assert "Skipped 3 files (--skip-bad):" in out and f"  {root}/green/9.png: not an image file Pillow" in out
     assert "note: 1 classes of the class map have no folder: yellow" in out
 
 
