@@ -1,7 +1,8 @@
-"""The worked example of ``docs/porting.md``: a deliberately simple port of the varlen attention contract passes the
-lab, and deliberately broken ones are caught with a report that says what is wrong.
+"""The worked examples of ``docs/porting.md``: deliberately simple ports of the varlen attention and pack contracts
+pass the lab, and deliberately broken ones are caught with a report that says what is wrong.
 
-The port is what a porter might write first: ``F.scaled_dot_product_attention`` one image at a time.
+The ports are what a porter might write first: ``F.scaled_dot_product_attention`` one image at a time, and boolean
+indexing for pack.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ragged_vit.testing import ConformanceError, attention_suite, check_attention
+from ragged_vit.testing.pack import check_pack, pack_cases, pack_suite
 
 
 def sdpa_per_image(qkv, cu_seqlens, max_seqlen, num_heads, scale):
@@ -61,3 +63,47 @@ def test_the_lab_catches_broken_ports(port, case, says):
     assert says in report
     if port is wrong_scale:  # only the case with another scale fails: the report points at the cause
         assert failed == {"scale[5-64]"}, report
+
+
+# A port of pack (docs/porting.md): boolean indexing walks the batch image after image, in order.
+def pack_by_indexing(x, keep):
+    """The port: the kept rows by boolean indexing; the dense width ``N`` bounds every image (no count is read)."""
+    cu_seqlens = torch.zeros(x.shape[0] + 1, dtype=torch.int32, device=x.device)
+    cu_seqlens[1:] = keep.sum(1).cumsum(0)
+    return x[keep], cu_seqlens, x.shape[1]
+
+
+test_pack_by_indexing = pack_suite(pack=pack_by_indexing)
+
+
+def drops_last_row(x, keep):
+    """Broken: loses the batch's last kept row (an end bound one too small)."""
+    tokens, cu_seqlens, bound = pack_by_indexing(x, keep)
+    cu_seqlens[-1] -= 1
+    return tokens[:-1], cu_seqlens, bound
+
+
+def starts_late(x, keep):
+    """Broken: an off-by-one in the offsets, every image but the first starts one row late."""
+    tokens, cu_seqlens, bound = pack_by_indexing(x, keep)
+    cu_seqlens[1:-1] += 1
+    return tokens, cu_seqlens, bound
+
+
+@pytest.mark.parametrize(
+    "port,fails,says",
+    [
+        (drops_last_row, lambda case: True,
+         "pack: tokens shape, dtype and device: observed (391, 24) torch.float32 on cpu, allowed (392"),
+        (starts_late, lambda case: len(case.lengths) > 1,  # a lone image has no offset to get wrong
+         "pack: cu_seqlens equal to the reference's: observed cu_seqlens[1] = 2, allowed 1"),
+    ],
+)  # fmt: skip
+def test_the_lab_catches_broken_packs(port, fails, says):
+    with pytest.raises(ConformanceError) as caught:
+        check_pack(pack=port)
+    report = str(caught.value)
+    assert report.startswith("packing (pack): ")
+    assert f"lengths[1-2-63-64-65-197]-c24-float32: {says}" in report, report
+    failed = {f.case for f in caught.value.failures}
+    assert failed == {case.id for case in pack_cases(empty_images=False) if fails(case)}, report

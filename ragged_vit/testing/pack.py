@@ -38,8 +38,8 @@ image of which image ``b`` keeps ``lengths[b]`` (its class token and others at r
 (fp32 and fp16 on a CPU, where Triton's interpreter stores bf16 wrongly; fp16, bf16 and fp32 on a GPU) and channel
 count (24; ``full``: 192 and 768):
 
-* ``lengths``: the adversarial lengths 1, 2, 63, 64, 65, 197 (``full``: also 577 and 1025) in one batch and
-  (``full``) each alone; ``ragged``: random lengths, ``repack`` keeping about half of each image; ``many``
+* ``lengths``: the adversarial lengths 1, 2, 63, 64, 65, 197 (``full``: also 577 and 1025) in one batch, and 197
+  (``full``: each) alone; ``ragged``: random lengths, ``repack`` keeping about half of each image; ``many``
   (``full``): 128 images of the adversarial lengths;
 * ``cls_only`` / ``all``: masks keeping nothing but the class token, or everything; ``single_row``: images of one
   token; ``fixed_count``: every image keeps 7 rows; ``capacity``: the buffers above and below the total;
@@ -147,8 +147,8 @@ def pack_cases(
               ("isolation", (40, 70, 9))]  # fmt: skip
     if empty_images:
         shapes.append(("empty", (5, 0, 64, 0)))
-    if full:
-        shapes += [("lengths", (n,)) for n in ADVERSARIAL_LENGTHS] + [("many", many)]
+    alone = ADVERSARIAL_LENGTHS if full else QUICK_LENGTHS[-1:]
+    shapes += [("lengths", (n,)) for n in alone] + [("many", many)] * full
     cases = []
     for dtype in dtypes:
         for width in channels:
