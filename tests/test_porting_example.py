@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ragged_vit.testing import ConformanceError, attention_suite, check_attention
-from ragged_vit.testing.pack import check_pack, pack_cases, pack_suite
+from ragged_vit.testing import ConformanceError, attention_suite, check_attention, check_pack, pack_cases, pack_suite
 
 
 def sdpa_per_image(qkv, cu_seqlens, max_seqlen, num_heads, scale):

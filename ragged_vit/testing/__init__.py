@@ -7,14 +7,17 @@ failed case, the rule it broke, and the observed against the allowed error:
 * :func:`check_attention` -- varlen attention, on the packed qkv projection (``fn(qkv, cu_seqlens, max_seqlen,
   num_heads, scale) -> [T, H*D]``, the attention backends' ``attend``) or on separate ``q, k, v`` (``fn(q, k, v,
   cu_seqlens, max_seqlen, scale) -> [T, H, D]``).
+* :func:`check_pack` -- pack, repack, unpack and ``cls_rows``, bitwise against :mod:`ragged_vit.reference.packing`
+  (the options of the sync-free Triton version declared by flags).
 * :func:`check_decision` -- a fused decision (``fn(pruner, inp) -> TokenSelection``, what
   :func:`ragged_vit.core.decisions.register_decision` registers) against the pruner it implements.
 
-The same cases parametrize a port's own pytest file (:func:`attention_suite`, :func:`decision_suite`): one line
-registers the callable, and every case becomes a test. Two levels: ``quick`` (small and few: seconds under Triton's
-interpreter on a CPU) and ``full`` (every adversarial length, every dtype the device runs); the environment variable
-``RAGGED_VIT_CONFORMANCE=full`` selects the full one. ``docs/porting.md`` states the contracts and walks through a
-port. Pure PyTorch; runs on CPU and GPU; imports nothing above :mod:`ragged_vit.reference`.
+The same cases parametrize a port's own pytest file (:func:`attention_suite`, :func:`pack_suite`,
+:func:`decision_suite`): one line registers the callable, and every case becomes a test. Two levels: ``quick`` (small
+and few: seconds under Triton's interpreter on a CPU) and ``full`` (every adversarial length, every dtype the device
+runs); the environment variable ``RAGGED_VIT_CONFORMANCE=full`` selects the full one. ``docs/porting.md`` states the
+contracts and walks through a port. Pure PyTorch; runs on CPU and GPU; imports nothing above
+:mod:`ragged_vit.reference`.
 """
 
 from ragged_vit.testing.attention import (
@@ -26,12 +29,14 @@ from ragged_vit.testing.attention import (
     check_attention,
 )
 from ragged_vit.testing.decision import DecisionCase, check_decision, decision_cases, decision_suite
+from ragged_vit.testing.pack import PackCase, check_pack, pack_cases, pack_suite
 from ragged_vit.testing.report import ConformanceError, level
 
 __all__ = [
     "AttentionCase",
     "ConformanceError",
     "DecisionCase",
+    "PackCase",
     "assert_attention_close",
     "attention_cases",
     "attention_error",
@@ -40,5 +45,8 @@ __all__ = [
     "check_decision",
     "decision_cases",
     "decision_suite",
+    "check_pack",
     "level",
+    "pack_cases",
+    "pack_suite",
 ]

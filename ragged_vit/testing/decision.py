@@ -304,7 +304,10 @@ def _compare(
     allowed = 0 if exact or case.kind in ("ties", "nan") else max(2, total // 500)
     if differ > allowed:
         rule = "keep is the pruner's" + ("" if exact else f" but for rounding near-ties (max(2, T // 500), T={total})")
-        failures.append(Failure(where, rule, f"{differ} rows decided differently", f"{allowed}"))
+        row = int((keep != ref.keep).nonzero()[0, 0])
+        image = int(torch.searchsorted(inp.cu_seqlens.long(), row, right=True)) - 1
+        first = f"first: image {image}, row {row - int(inp.cu_seqlens[image])}, pruner's {bool(ref.keep[row])}"
+        failures.append(Failure(where, rule, f"{differ} rows decided differently ({first})", f"{allowed}"))
     return failures + _extra_token_failures(where, inp, got, ref)
 
 
