@@ -351,7 +351,7 @@ def repack(
         tokens: ``[T, C]`` packed rows; ``cu_seqlens`` int32 ``[B+1]``; ``keep`` bool ``[T]``.
         max_seqlen: upper bound on the input lengths (e.g. the ``max_seqlen`` returned by :func:`pack`).
         count, capacity, extra_token: as in :func:`pack`.
-        check_values: read ``keep`` (and ``cu_seqlens``, ``kept``) to check them; default only on CPU.
+        check_values: read ``keep`` (and ``cu_seqlens``, ``kept``, ``count``) to check them; default only on CPU.
         kept: int32 ``[B]``, the rows each image keeps (CLS included, an extra token excluded), e.g.
             ``TokenSelection.kept``: skips the counting kernel; checked against ``keep`` only with ``check_values``.
         padding_images: with ``capacity`` only: append this many offsets to ``cu_seqlens``,
@@ -380,8 +380,10 @@ def repack(
         if int(lens.max()) > max_seqlen:
             raise ValueError(f"max_seqlen={max_seqlen} is below the longest sequence {int(lens.max())}")
         _check_cls_kept(keep[cu_seqlens[:-1].long()[lens > 0]], "keep")
-        if kept is not None:
-            _check_kept_values(kept, segment_sum(keep.long(), segment_ids(cu_seqlens, total), batch))
+        counts = segment_sum(keep.long(), segment_ids(cu_seqlens, total), batch)
+        _check_kept_values(kept, counts)
+        if count is not None and not bool((counts + (extra_token is not None) == count).all()):
+            raise ValueError(f"count={count} does not match the kept rows per image {counts.tolist()}")
     return repack_unchecked(
         tokens, cu_seqlens, keep, max_seqlen, count=count, capacity=capacity, extra_token=extra_token,
         kept=kept, padding_images=padding_images, padding_len=padding_len, cu_out=cu_out,

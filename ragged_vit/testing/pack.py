@@ -623,6 +623,8 @@ def _bad_calls(family: _Family, device: torch.device) -> list[tuple[str, str, st
                 ("repack", "keep", "class token dropped", lambda: repack(tokens, cu, torch.arange(10) != 5, 5)),
                 ("repack", "max_seqlen", "max_seqlen below the longest image", lambda: repack(tokens, cu, keep, 4)),
             ]
+        if family.count and on_cpu:
+            calls.append(("repack", "count", "count not the rows kept", lambda: repack(tokens, cu, keep, 5, count=4)))
         calls += _bad_options(family, "repack", lambda **options: repack(tokens, cu, keep, 5, **options), device)
     if family.unpack is not None:
         unpack = family.unpack
