@@ -133,9 +133,10 @@ class _NoBar:
         pass
 
 
-def _progress_bar(**kwargs: object):
-    """A tqdm bar on ``sys.stderr`` when it is a terminal; otherwise nothing is drawn."""
-    if not sys.stderr.isatty():
+def progress_bar(enabled: bool = True, **kwargs: object):
+    """A tqdm bar on ``sys.stderr`` when ``enabled`` and it is a terminal; otherwise nothing is drawn (the demo's and
+    ``validate``'s one bar)."""
+    if not (enabled and sys.stderr.isatty()):
         return _NoBar(**kwargs)
     try:
         from tqdm import tqdm
@@ -415,7 +416,7 @@ def run_demo(options: DemoOptions, out: TextIO | None = None) -> int:
     speed_backend = base_name if on_gpu else "reference"
     rows = contenders(pv, speed_backend, on_gpu)
     runs = options.timed_runs * len(batches) * len(rows)
-    with _progress_bar(total=runs, desc="speed", unit="run", leave=False) as bar:
+    with progress_bar(total=runs, desc="speed", unit="run", leave=False) as bar:
         measured = measure(rows, batches, options.warmup, options.timed_runs, bar)
     baseline = next(row.name for row in rows if row.baseline)
     say(

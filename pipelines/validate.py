@@ -507,31 +507,6 @@ def _calibration_batch(dataset: ImageFolderDataset, count: int, skip_bad: bool) 
     return torch.stack(images)
 
 
-class _NoBar:
-    def __enter__(self) -> _NoBar:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        pass
-
-    def update(self, n: int = 1) -> None:
-        pass
-
-    def set_postfix_str(self, s: str) -> None:
-        pass
-
-
-def _progress(total: int, enabled: bool, desc: str):
-    """A tqdm bar on a terminal's stderr; nothing elsewhere (or without tqdm)."""
-    if not enabled or not sys.stderr.isatty():
-        return _NoBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar()
-    return tqdm(total=total, desc=desc, unit="img", file=sys.stderr, leave=False)
-
-
 @dataclass
 class _RankTimes:
     images: int = 0
@@ -637,7 +612,7 @@ def validate(options: ValidateOptions, group: Distributed | None = None, out: Te
             message names the file or option), on every rank when one rank has them. A file that cannot be decoded
             raises on every rank once all ranks have finished their shards, unless ``options.skip_bad``.
     """
-    from ragged_vit.pipelines.demo import describe_pruner
+    from ragged_vit.pipelines.demo import describe_pruner, progress_bar
     from ragged_vit.pipelines.graphs import GraphedPrunedViT
 
     group = group or Distributed()
@@ -696,7 +671,8 @@ def validate(options: ValidateOptions, group: Distributed | None = None, out: Te
     bad: list[tuple[int, str]] = []  # (sample index, reason) of undecodable files
     warm_s, first = 0.0, True
     desc = f"validate (rank 0 of {group.world_size})" if group.active else "validate"
-    with torch.no_grad(), _progress(len(shard), lead, desc) as bar:  # no_grad: graphs and compile as benchmarked
+    bar = progress_bar(lead, total=len(shard), desc=desc, unit="img", leave=False)
+    with torch.no_grad(), bar:  # no_grad: graphs and compile as benchmarked
         start = time.perf_counter()
         batches = iter(loader)
         while True:

@@ -125,7 +125,7 @@ def test_top1_margins_and_batch_sizes():
 
 def test_progress_bar_only_on_a_terminal(monkeypatch):
     monkeypatch.setattr(sys, "stderr", io.StringIO())
-    assert isinstance(demo._progress_bar(total=3), demo._NoBar)
+    assert isinstance(demo.progress_bar(total=3), demo._NoBar)
     tqdm = pytest.importorskip("tqdm")
 
     class Terminal(io.StringIO):
@@ -133,7 +133,7 @@ def test_progress_bar_only_on_a_terminal(monkeypatch):
             return True
 
     monkeypatch.setattr(sys, "stderr", Terminal())
-    with demo._progress_bar(total=3, desc="speed") as bar:
+    with demo.progress_bar(total=3, desc="speed") as bar:
         assert isinstance(bar, tqdm.tqdm)
         bar.update()
     assert "speed" in sys.stderr.getvalue()

@@ -59,7 +59,7 @@ import torch
 from ragged_vit.core.segments import cu_seqlens_from_counts
 from ragged_vit.core.selection import DecisionInput, Pruner, TokenSelection, kept_counts
 from ragged_vit.testing.attention import default_dtypes
-from ragged_vit.testing.report import Failure, level, raise_failures
+from ragged_vit.testing.report import Failure, bad_call_failures, level, raise_failures
 
 FusedDecision = Callable[[Pruner, DecisionInput], TokenSelection]
 QUICK_LENGTHS = (1, 2, 63, 64, 65)
@@ -403,18 +403,7 @@ def _bad_input_failures(pruner: Pruner, fn: FusedDecision, width: int, device: t
         "1-D x": lambda: fn(pruner, replace(inp, x=inp.x[:, 0])),
         "int64 cu_seqlens": lambda: fn(pruner, replace(inp, cu_seqlens=inp.cu_seqlens.long())),
     }
-    failures = []
-    for name, call in calls.items():
-        try:
-            call()
-        except (TypeError, ValueError):
-            continue
-        except Exception as exc:  # noqa: BLE001 - any other exception is the finding
-            observed = type(exc).__name__
-        else:
-            observed = "no error"
-        failures.append(Failure(f"bad_inputs[{name}]", "a bad argument raises", observed, "TypeError or ValueError"))
-    return failures
+    return bad_call_failures((name, None, call) for name, call in calls.items())
 
 
 def _where(case: DecisionCase, stage: int) -> str:

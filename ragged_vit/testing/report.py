@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 LEVELS = ("quick", "full")
@@ -43,3 +44,23 @@ class ConformanceError(AssertionError):
 def raise_failures(contract: str, failures: list[Failure]) -> None:
     if failures:
         raise ConformanceError(contract, failures)
+
+
+def bad_call_failures(calls: Iterable[tuple[str, str | None, Callable[[], object]]]) -> list[Failure]:
+    """The failures of ``(what is wrong, the argument the error must name or None, the call)``: each call must raise
+    ``TypeError`` or ``ValueError`` (checked before any launch, by contract), naming the argument where one is given."""
+    failures = []
+    for what, argument, call in calls:
+        try:
+            call()
+        except (TypeError, ValueError) as exc:
+            if argument is None or argument in str(exc):
+                continue
+            observed = f"{type(exc).__name__} not naming it: {exc}"
+        except Exception as exc:  # noqa: BLE001 - any other exception is the finding
+            observed = f"{type(exc).__name__}: {exc}"
+        else:
+            observed = "no error"
+        rule = "a bad argument raises" + ("" if argument is None else f" an error naming {argument!r}")
+        failures.append(Failure(f"bad_inputs[{what}]", rule, observed, "TypeError or ValueError"))
+    return failures
