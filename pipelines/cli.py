@@ -82,12 +82,26 @@ def _device_of(argv: list[str] | None) -> torch.device | None:
         return None
 
 
+def add_pruner_arguments(parser: argparse.ArgumentParser, calibrated_on: str) -> None:
+    """--pruner, --keep-rate, --threshold-mode, --threshold and --fuse-token (the CLI's and validate's)."""
+    from ragged_vit.pipelines.factory import PRUNER_NAMES
+
+    parser.add_argument("--pruner", default="threshold_l2", choices=PRUNER_NAMES, help="pruning method")
+    parser.add_argument("--keep-rate", type=_keep_rate, help="keep rate in (0, 1] (default 0.5)")
+    parser.add_argument(
+        "--threshold-mode",
+        choices=("ratio", "calibrated", "threshold"),
+        help=f"threshold_l2 mode (default ratio; calibrated: on {calibrated_on})",
+    )
+    parser.add_argument("--threshold", type=float, help="threshold_l2 norm threshold (--threshold-mode threshold)")
+    parser.add_argument("--fuse-token", action="store_true", default=None, help="evit: fuse dropped tokens into one")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's parser; its backend and pruner choices come from the registries (which import timm and triton)."""
     import ragged_vit
     from ragged_vit.pipelines.backends import BACKENDS
     from ragged_vit.pipelines.demo import COMPILED_WARMUP
-    from ragged_vit.pipelines.factory import PRUNER_NAMES
 
     parser = argparse.ArgumentParser(
         prog=_PROG,
@@ -100,15 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model", help="timm model name (default: deit_tiny_patch16_224 on CPU, deit_base_patch16_224 on CUDA)"
     )
-    parser.add_argument("--pruner", default="threshold_l2", choices=PRUNER_NAMES, help="pruning method")
-    parser.add_argument("--keep-rate", type=_keep_rate, help="keep rate in (0, 1] (default 0.5)")
-    parser.add_argument(
-        "--threshold-mode",
-        choices=("ratio", "calibrated", "threshold"),
-        help="threshold_l2 mode (default ratio; calibrated: on the given images)",
-    )
-    parser.add_argument("--threshold", type=float, help="threshold_l2 norm threshold (--threshold-mode threshold)")
-    parser.add_argument("--fuse-token", action="store_true", default=None, help="evit: fuse dropped tokens into one")
+    add_pruner_arguments(parser, calibrated_on="the given images")
     parser.add_argument(
         "--backends",
         help="comma-separated list from: "

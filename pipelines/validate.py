@@ -1018,8 +1018,7 @@ def _path_to_write(what: str):
 def build_parser(prog: str = "ragged-vit validate") -> argparse.ArgumentParser:
     """The parser of ``ragged-vit validate`` (its pruner choices come from the registry, which imports timm)."""
     from ragged_vit.pipelines.backends import BACKENDS
-    from ragged_vit.pipelines.cli import _DTYPES, _int_at_least, _keep_rate
-    from ragged_vit.pipelines.factory import PRUNER_NAMES
+    from ragged_vit.pipelines.cli import _DTYPES, _int_at_least, add_pruner_arguments
 
     positive, non_negative = _int_at_least(1, "positive"), _int_at_least(0, "non-negative")
     parser = _Parser(
@@ -1046,15 +1045,7 @@ def build_parser(prog: str = "ragged-vit validate") -> argparse.ArgumentParser:
         help="timm.create_model argument, repeatable (num_classes=100, img_size=384, global_pool=avg); "
         "VALUE is a Python literal or a bare word",
     )
-    parser.add_argument("--pruner", default="threshold_l2", choices=PRUNER_NAMES, help="pruning method")
-    parser.add_argument("--keep-rate", type=_keep_rate, help="keep rate in (0, 1] (default 0.5)")
-    parser.add_argument(
-        "--threshold-mode",
-        choices=("ratio", "calibrated", "threshold"),
-        help="threshold_l2 mode (default ratio; calibrated: on images spread over DATA_DIR, the same on every rank)",
-    )
-    parser.add_argument("--threshold", type=float, help="threshold_l2 norm threshold (--threshold-mode threshold)")
-    parser.add_argument("--fuse-token", action="store_true", default=None, help="evit: fuse dropped tokens into one")
+    add_pruner_arguments(parser, calibrated_on="images spread over DATA_DIR, the same on every rank")
     parser.add_argument(
         "--backend", choices=tuple(BACKENDS), help="attention backend (default: triton on CUDA, reference on CPU)"
     )
