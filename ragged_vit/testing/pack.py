@@ -619,7 +619,7 @@ def _bad_calls(family: _Family, device: torch.device) -> list[tuple[str, str, st
             ("unpack", "max_seqlen", "max_seqlen 0", lambda: unpack(tokens, cu, 0, fill=FILL)),
             ("unpack", "tokens", "1-D tokens", lambda: unpack(tokens[:, 0], cu, 5, fill=FILL)),
         ]
-    if family.cls_rows is not None:
+    if family.cls_rows is not None and on_cpu:
         past_end = torch.tensor([0, 5, 11], dtype=torch.int32, device=device)
         calls.append(("cls_rows", "cu_seqlens", "cu_seqlens past the rows", lambda: family.cls_rows(tokens, past_end)))
     return calls
