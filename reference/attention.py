@@ -78,6 +78,7 @@ def ragged_attention(
     v: torch.Tensor,
     cu_seqlens: torch.Tensor,
     scale: float | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention on the packed layout, each image attending only to its own tokens.
 
@@ -85,6 +86,8 @@ def ragged_attention(
         q, k, v: ``[T, H, D]`` (any strides).
         cu_seqlens: int32 ``[B+1]`` offsets into the packed rows.
         scale: softmax scale; ``None`` means ``D ** -0.5``.
+        key_bias: optional ``[T]`` float, added to every logit of key row ``t`` after the scale (natural-log units:
+            ToMe's proportional attention passes ``log(size)``), the same for every head and query.
 
     Returns:
         ``[T, H, D]`` in fp32 (fp64 for fp64 input).
@@ -96,6 +99,10 @@ def ragged_attention(
         shapes = ", ".join(str(tuple(t.shape)) for t in (q, k, v))
         raise ValueError(f"q, k, v must share one shape [T, H, D], got {shapes}")
     check_cu_seqlens(cu_seqlens, total=q.shape[0], device=q.device)
+    if key_bias is not None:
+        check_tensor(key_bias, "key_bias", ndim=1, dtypes=_REF_DTYPES, device=q.device)
+        if key_bias.shape[0] != q.shape[0]:
+            raise ValueError(f"key_bias must have one value per row ({q.shape[0]}), got {key_bias.shape[0]}")
     dt = _math_dtype(q.dtype)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     out = torch.empty(q.shape, dtype=dt, device=q.device)
@@ -104,6 +111,9 @@ def ragged_attention(
         if end == start:
             continue
         qs, ks, vs = (t[start:end].to(dt).transpose(0, 1) for t in (q, k, v))  # [H, L, D]
-        probs = torch.softmax(torch.matmul(qs, ks.transpose(-1, -2)) * scale, dim=-1)
+        logits = torch.matmul(qs, ks.transpose(-1, -2)) * scale  # [H, L, L]
+        if key_bias is not None:
+            logits = logits + key_bias[start:end].to(dt)
+        probs = torch.softmax(logits, dim=-1)
         out[start:end] = torch.matmul(probs, vs).transpose(0, 1)
     return out

@@ -128,6 +128,23 @@ def test_default_scale_is_inverse_sqrt_head_dim(gen: torch.Generator, head_dim: 
     torch.testing.assert_close(explicit.double(), sdpa_fp64(q, k, v, cu), **FP32_TOL)  # SDPA default: 1/sqrt(D)
 
 
+def test_key_bias_log_size_equals_repeated_keys(gen: torch.Generator) -> None:
+    # Proportional attention (ToMe): a key of size s with bias log(s) weighs as s copies of that key would.
+    lens, sizes = torch.tensor([3, 1, 5]), torch.tensor([1, 2, 3, 4, 1, 1, 5, 2, 1])
+    cu = cu_seqlens_from_counts(lens)
+    q, k, v = random_qkv(gen, int(lens.sum()), 2, 16, torch.float64)
+    out = ragged_attention(q, k, v, cu, key_bias=sizes.double().log())
+    bounds = cu.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        reps = sizes[start:end]
+        ks, vs = (t[start:end].repeat_interleave(reps, 0) for t in (k, v))
+        probs = torch.softmax(torch.einsum("qhd,khd->hqk", q[start:end], ks) * 16**-0.5, dim=-1)
+        expected = torch.einsum("hqk,khd->qhd", probs, vs)
+        torch.testing.assert_close(out[start:end], expected, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="key_bias"):
+        ragged_attention(q, k, v, cu, key_bias=sizes.double()[:-1])
+
+
 def test_zero_length_images_are_skipped(gen: torch.Generator) -> None:
     # Repeated offsets (empty images, as CUDA-graph buckets produce) must not change any other image's rows.
     lens = torch.tensor([0, 65, 0, 0, 1, 97, 0])
