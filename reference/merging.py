@@ -139,9 +139,9 @@ def decide_merges(
     target = torch.arange(total, device=device)  # the row each row goes into: itself unless it merges
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        a = torch.arange(start + num_prefix, end, 2, device=device)  # even patch positions
-        b = torch.arange(start + num_prefix + 1, end, 2, device=device)  # odd patch positions
-        count = merge_count(a.numel() + b.numel(), limit)
+        patches = torch.arange(min(start + num_prefix, end), end, device=device)
+        a, b = patches[0::2], patches[1::2]  # even and odd positions among the patch rows
+        count = merge_count(patches.numel(), limit)
         if count == 0:
             continue
         sim = metric[a] @ metric[b].T  # [|A|, |B|] cosine similarities

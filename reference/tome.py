@@ -141,7 +141,7 @@ def tome_head(model: VisionTransformer, x: torch.Tensor, cu_seqlens: torch.Tenso
     else:
         total, batch = x.shape[0], starts.shape[0]
         seg = segment_ids(cu_seqlens, total)
-        prefix = 0 if model.pool_include_prefix else model.num_prefix_tokens
+        prefix = 0 if getattr(model, "pool_include_prefix", False) else model.num_prefix_tokens
         weight = sizes.to(x.dtype) * (positions(cu_seqlens, total) >= prefix)  # [T]
         feats = segment_sum(model.norm(x) * weight[:, None], seg, batch) / segment_sum(weight, seg, batch)[:, None]
     return model.head(model.head_drop(model.fc_norm(feats)))
@@ -182,12 +182,12 @@ def calibrate_threshold(
     low, high = -2.0, 2.0  # every similarity passes / none does
     best, best_miss = min((low, fewest - target), (high, n - target), key=lambda end: abs(end[1]))
     for _ in range(_CALIBRATION_STEPS):
+        if best_miss == 0:
+            break
         mid = (low + high) / 2
         m = miss(mid)
         if abs(m) < abs(best_miss):
             best, best_miss = mid, m
-        if m == 0:
-            break
         low, high = (low, mid) if m > 0 else (mid, high)  # too many rows left: lower the threshold
     return best
 
