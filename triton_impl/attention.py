@@ -12,6 +12,10 @@ Supported:
       padded to one inside the kernel (masked loads and stores: zeros that change no dot product); other head dims
       raise ``ValueError``.
     * softmax scale ``head_dim ** -0.5`` unless given; ``log2(e)`` is folded into it and ``exp2`` is used.
+    * an optional per-key additive bias ``key_bias`` (float32 ``[T]``, contiguous, natural-log units, added to the
+      scaled logits of key row ``t`` for every head and query: ToMe's proportional attention passes ``log(size)``),
+      as :func:`ragged_vit.reference.ragged_attention` takes it. A constexpr switches it: without a bias the compiled
+      kernel has no bias argument and no bias instruction.
 
 Dispatch: no host synchronisation and no allocation besides the output (none with ``out=``). ``max_seqlen``
 is only an upper bound that sizes the grid; ``cu_seqlens`` is read on the GPU. Every program walks its query
@@ -23,8 +27,8 @@ Two entry points per layout: the direct call (lowest dispatch cost; capturable i
 ``torch.library`` custom op ``torch.ops.ragged_vit.ragged_attention_qkv`` with a fake implementation, for
 ``torch.compile``.
 
-Not supported: attention bias or ToMe's proportional attention (the kernel keeps a slot for a per-key bias
-in its design but does not implement it), backward pass, head dims outside the range above.
+Not supported: any other attention bias or mask (per query, per head), a non-finite key bias, backward pass, head
+dims outside the range above.
 """
 
 from __future__ import annotations
@@ -40,20 +44,21 @@ from ragged_vit.triton_impl.configs import AttentionConfig, attention_config
 from ragged_vit.triton_impl.launcher import CompiledLauncher
 
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))
-_LOG2E = 1.4426950408889634
+_LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
 def _attend_key_tile(
-    q, acc, m_i, l_i, k_base, v_base, n0, seqlen, qk_scale,
+    q, acc, m_i, l_i, k_base, v_base, b_base, n0, seqlen, qk_scale,
     stride_kt, stride_kd, stride_vt, stride_vd,
     offs_n0, offs_d, mask_d,
     MASKED: tl.constexpr,
     EVEN_D: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys ``n0 : n0 + BLOCK_N``; only the ragged last tile is masked (and the padded
-    head-dim lanes, when the head dim is not a power of two)."""
+    head-dim lanes, when the head dim is not a power of two). ``b_base`` points at the image's first key bias."""
     offs_n = n0 + offs_n0
     k_ptrs = k_base + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd  # [BLOCK_D, BLOCK_N]
     v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd  # [BLOCK_N, BLOCK_D]
@@ -70,9 +75,20 @@ def _attend_key_tile(
     s = tl.dot(q, kt, input_precision=DOT_PRECISION)
     if MASKED:
         s = tl.where(mask_n[None, :], s, float("-inf"))
-    # The scale (with log2(e)) is applied inside the exp2 argument: one fused multiply-add per score.
-    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-    p = tl.math.exp2(s * qk_scale - m_new[:, None])
+    if HAS_BIAS:
+        # The bias joins the scaled logits in the exp2 domain (one multiply per key, one fused multiply-add per score)
+        # before the running max, so a large bias can neither overflow nor underflow exp2. Masked keys stay -inf.
+        if MASKED:
+            bias = tl.load(b_base + offs_n, mask=mask_n, other=0.0)
+        else:
+            bias = tl.load(b_base + offs_n)
+        s = s * qk_scale + (bias * _LOG2E)[None, :]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+    else:
+        # The scale (with log2(e)) is applied inside the exp2 argument: one fused multiply-add per score.
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
@@ -82,6 +98,7 @@ def _attend_key_tile(
 @triton.jit(do_not_specialize=["total_rows"])
 def _ragged_attention_kernel(
     Q, K, V, O, CU_SEQLENS,
+    KEY_BIAS,  # float32 [T], or None (then HAS_BIAS is False and the argument is compiled out)
     total_rows,
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_qd,
@@ -95,6 +112,7 @@ def _ragged_attention_kernel(
     BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -116,6 +134,7 @@ def _ragged_attention_kernel(
     k_base = K + K_OFFSET + start.to(tl.int64) * stride_kt + h * stride_kh
     v_base = V + V_OFFSET + start.to(tl.int64) * stride_vt + h * stride_vh
     o_base = O + start.to(tl.int64) * stride_ot + h * stride_oh
+    b_base = KEY_BIAS + start if HAS_BIAS else KEY_BIAS
 
     # Grid-stride loop over query tiles: correct for any grid size along axis 0.
     for tile in range(pid_m, tl.cdiv(seqlen, BLOCK_M), tl.num_programs(0)):
@@ -131,15 +150,15 @@ def _ragged_attention_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_key_tile(
-                q, acc, m_i, l_i, k_base, v_base, n0, seqlen, qk_scale,
+                q, acc, m_i, l_i, k_base, v_base, b_base, n0, seqlen, qk_scale,
                 stride_kt, stride_kd, stride_vt, stride_vd, offs_n0, offs_d, mask_d,
-                MASKED=False, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+                MASKED=False, EVEN_D=EVEN_D, HAS_BIAS=HAS_BIAS, DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
         if full_end < seqlen:
             acc, m_i, l_i = _attend_key_tile(
-                q, acc, m_i, l_i, k_base, v_base, full_end, seqlen, qk_scale,
+                q, acc, m_i, l_i, k_base, v_base, b_base, full_end, seqlen, qk_scale,
                 stride_kt, stride_kd, stride_vt, stride_vd, offs_n0, offs_d, mask_d,
-                MASKED=True, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+                MASKED=True, EVEN_D=EVEN_D, HAS_BIAS=HAS_BIAS, DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
         acc = acc / l_i[:, None]
         tl.store(
@@ -160,6 +179,7 @@ def _launch(
     shape: tuple[int, int, int],
     max_seqlen: int,
     scale: float,
+    key_bias: torch.Tensor | None,
     config: AttentionConfig,
     key: tuple | None = None,
 ) -> None:
@@ -174,8 +194,9 @@ def _launch(
     grid = (-(-max_seqlen // config.block_m) if config.grid_per_tile else 1, batch * heads)  # host ceil-div
     precision = "ieee" if tensors[0].dtype == torch.float32 else "tf32"
     args = (
-        *tensors, cu_seqlens, total, scale * _LOG2E, *strides, *offsets,
-        heads, head_dim, triton.next_power_of_2(head_dim), config.block_m, config.block_n, precision,
+        *tensors, cu_seqlens, key_bias, total, scale * _LOG2E.value, *strides, *offsets,
+        heads, head_dim, triton.next_power_of_2(head_dim), config.block_m, config.block_n, key_bias is not None,
+        precision,
     )  # fmt: skip
     device = tensors[0].get_device()
     _launcher(key, device, grid, args, num_warps=config.num_warps, num_stages=config.num_stages)
@@ -194,6 +215,7 @@ def _check_common(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     scale: float | None,
+    key_bias: torch.Tensor | None,
     total: int,
     head_dim: int,
     device: torch.device,
@@ -206,6 +228,12 @@ def _check_common(
         raise ValueError(f"head_dim must be a multiple of 8 up to 256, got {head_dim}")
     check_cu_seqlens(cu_seqlens, total=total, device=device, check_values=check_values)
     check_max_seqlen(max_seqlen)
+    if key_bias is not None:
+        check_tensor(key_bias, "key_bias", ndim=1, dtypes=(torch.float32,), device=device)
+        if key_bias.shape[0] != total:
+            raise ValueError(f"key_bias must have one value per packed row ({total}), got {key_bias.shape[0]}")
+        if not key_bias.is_contiguous():
+            raise ValueError(f"key_bias must be contiguous, got stride {key_bias.stride(0)}")
     if scale is None:
         return head_dim**-0.5
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale <= 0:
@@ -220,6 +248,7 @@ def ragged_attention(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     scale: float | None = None,
+    key_bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     check_values: bool | None = None,
     config: AttentionConfig | None = None,
@@ -231,6 +260,8 @@ def ragged_attention(
         cu_seqlens: int32 ``[B+1]`` offsets on the same device.
         max_seqlen: an upper bound on every image's length (the unpruned N is fine); sizes the grid only.
         scale: softmax scale; ``None`` means ``D ** -0.5``.
+        key_bias: optional float32 ``[T]`` (contiguous, finite), added to every logit of key row ``t`` after the
+            scale, in natural-log units (ToMe's proportional attention passes ``log(size)``).
         out: optional ``[T, H, D]`` output (any strides) to write into.
         check_values: read ``cu_seqlens`` to validate its values; default only on CPU (no GPU sync).
         config: launch configuration; ``None`` takes the tuned table's choice (``ragged_vit.triton_impl.configs``).
@@ -242,11 +273,11 @@ def ragged_attention(
         shapes = ", ".join(str(tuple(t.shape)) for t in (q, k, v))
         raise ValueError(f"q, k, v must share one shape [T, H, D], got {shapes}")
     total, heads, head_dim = q.shape
-    scale = _check_common(cu_seqlens, max_seqlen, scale, total, head_dim, q.device, check_values)
+    scale = _check_common(cu_seqlens, max_seqlen, scale, key_bias, total, head_dim, q.device, check_values)
     o = _check_out(out, (total, heads, head_dim), q)
     config = config or attention_config(q.device, head_dim, total / (cu_seqlens.shape[0] - 1))
     strides = (*q.stride(), *k.stride(), *v.stride(), *o.stride())
-    _launch((q, k, v, o), strides, (0, 0), cu_seqlens, (total, heads, head_dim), max_seqlen, scale, config)
+    _launch((q, k, v, o), strides, (0, 0), cu_seqlens, (total, heads, head_dim), max_seqlen, scale, key_bias, config)
     return o
 
 
@@ -256,6 +287,7 @@ def ragged_attention_qkv(
     max_seqlen: int,
     num_heads: int,
     scale: float | None = None,
+    key_bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     check_values: bool | None = None,
     config: AttentionConfig | None = None,
@@ -272,6 +304,7 @@ def ragged_attention_qkv(
         max_seqlen: an upper bound on every image's length; sizes the grid only.
         num_heads: ``H``.
         scale: softmax scale; ``None`` means ``D ** -0.5``.
+        key_bias: optional float32 ``[T]`` per-key bias, as :func:`ragged_attention` takes it.
         out: optional ``[T, H*D]`` output (contiguous last dimension) to write into.
         check_values: read ``cu_seqlens`` to validate its values; default only on CPU (no GPU sync).
         config: launch configuration; ``None`` takes the tuned table's choice (``ragged_vit.triton_impl.configs``).
@@ -286,13 +319,13 @@ def ragged_attention_qkv(
     if width % (3 * num_heads):
         raise ValueError(f"qkv.shape[1] ({width}) must be divisible by 3 * num_heads ({3 * num_heads})")
     head_dim = width // (3 * num_heads)
-    scale = _check_common(cu_seqlens, max_seqlen, scale, total, head_dim, qkv.device, check_values)
+    scale = _check_common(cu_seqlens, max_seqlen, scale, key_bias, total, head_dim, qkv.device, check_values)
     inner = num_heads * head_dim
     o = _check_out(out, (total, inner), qkv)
     if qkv.stride(1) != 1 or o.stride(1) != 1:
         name = "qkv" if qkv.stride(1) != 1 else "out"
         raise ValueError(f"{name} must have a contiguous last dimension (stride 1)")
-    return ragged_attention_qkv_unchecked(qkv, cu_seqlens, max_seqlen, num_heads, scale, o, config)
+    return ragged_attention_qkv_unchecked(qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias, o, config)
 
 
 def ragged_attention_qkv_unchecked(
@@ -301,6 +334,7 @@ def ragged_attention_qkv_unchecked(
     max_seqlen: int,
     num_heads: int,
     scale: float,
+    key_bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: AttentionConfig | None = None,
 ) -> torch.Tensor:
@@ -316,11 +350,12 @@ def ragged_attention_qkv_unchecked(
     strides = (row, head_dim, 1, row, head_dim, 1, row, head_dim, 1, out_row, head_dim, 1)
     # What Triton specialises on that can vary between calls: dtypes, strides mod 16 and pointer alignment. Only
     # the all-aligned case is cached (the usual one); any misaligned pointer takes Triton's own path.
-    aligned = qkv.is_cuda and (qkv.data_ptr() | o.data_ptr() | cu_seqlens.data_ptr()) % 16 == 0
-    key = (qkv.dtype, num_heads, head_dim, config, row % 16, out_row % 16) if aligned else None
+    bias_ptr, bias_dtype = (0, None) if key_bias is None else (key_bias.data_ptr(), key_bias.dtype)
+    aligned = qkv.is_cuda and (qkv.data_ptr() | o.data_ptr() | cu_seqlens.data_ptr() | bias_ptr) % 16 == 0
+    key = (qkv.dtype, bias_dtype, num_heads, head_dim, config, row % 16, out_row % 16) if aligned else None
     _launch(
         (qkv, qkv, qkv, o), strides, (inner, 2 * inner), cu_seqlens, (total, num_heads, head_dim), max_seqlen,
-        scale, config, key,
+        scale, key_bias, config, key,
     )  # fmt: skip
     return o
 
@@ -329,21 +364,37 @@ def ragged_attention_qkv_unchecked(
 # decorator: the decorator's Python wrapper cost ~30 us per eager call on an H200 (ci/dispatch_profile.py).
 _LIBRARY = torch.library.Library("ragged_vit", "DEF")
 _LIBRARY.define(
-    "ragged_attention_qkv(Tensor qkv, Tensor cu_seqlens, SymInt max_seqlen, int num_heads, float scale) -> Tensor"
+    "ragged_attention_qkv(Tensor qkv, Tensor cu_seqlens, SymInt max_seqlen, int num_heads, float scale, "
+    "Tensor? key_bias=None) -> Tensor"
 )
 
 
-def _op_impl(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float):
-    return ragged_attention_qkv(qkv, cu_seqlens, max_seqlen, num_heads, scale)
+def _op_impl(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    num_heads: int,
+    scale: float,
+    key_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    return ragged_attention_qkv(qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias)
 
 
 _LIBRARY.impl("ragged_attention_qkv", _op_impl, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("ragged_vit::ragged_attention_qkv")
-def _(qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float) -> torch.Tensor:
+def _(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    num_heads: int,
+    scale: float,
+    key_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     return qkv.new_empty((qkv.shape[0], qkv.shape[1] // 3))
 
 
 ragged_attention_qkv_op = torch.ops.ragged_vit.ragged_attention_qkv.default
-"""``torch.ops.ragged_vit.ragged_attention_qkv``: :func:`ragged_attention_qkv` as an op (all arguments required)."""
+"""``torch.ops.ragged_vit.ragged_attention_qkv``: :func:`ragged_attention_qkv` as an op (every argument but
+``key_bias`` required)."""
