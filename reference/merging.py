@@ -32,9 +32,9 @@ import torch.nn.functional as F
 
 from ragged_vit.core.segments import cu_seqlens_from_counts
 from ragged_vit.core.selection import kept_counts
-from ragged_vit.core.validation import check_cu_seqlens, check_int, check_tensor
+from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_tensor
 
-_KEY_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_REF_DTYPES = (*FLOAT_DTYPES, torch.float64)
 _SIZE_DTYPES = (torch.int32, torch.int64)
 
 
@@ -127,7 +127,7 @@ def decide_merges(
     """
     threshold = check_merge_mode(r, threshold, r_max)
     limit = check_int(r, "r", 0) if threshold is None else check_int(r_max, "r_max", 0)
-    check_tensor(keys, "keys", ndim=3, dtypes=_KEY_DTYPES)
+    check_tensor(keys, "keys", ndim=3, dtypes=_REF_DTYPES)
     total, device = keys.shape[0], keys.device
     check_cu_seqlens(cu_seqlens, total=total, device=device)
     check_sizes(sizes, total, device)
@@ -172,10 +172,11 @@ def merge_rows(x: torch.Tensor, sizes: torch.Tensor, destination: torch.Tensor, 
         rows: ``T'``, the rows of the result.
 
     Returns:
-        ``[T', C]`` in fp32 (fp64 for fp64 input). The sums run in float64 and are rounded once, so a row that
-        receives only itself keeps its value bit for bit whatever its size.
+        ``[T', C]`` in fp32 (fp64 for fp64 input). The weighted sums and the division run in float64, then are
+        rounded to the result's precision: ``size * x`` is exact there, so a row that receives only itself keeps
+        its value bit for bit whatever its size.
     """
-    check_tensor(x, "x", ndim=2, dtypes=_KEY_DTYPES)
+    check_tensor(x, "x", ndim=2, dtypes=_REF_DTYPES)
     total, device = x.shape[0], x.device
     check_sizes(sizes, total, device)
     check_tensor(destination, "destination", ndim=1, dtypes=(torch.int64,), device=device)

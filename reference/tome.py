@@ -96,7 +96,7 @@ def tome_forward(
     """ToMe's forward of ``model`` on ``images``, merging in every block.
 
     Args:
-        model: a timm ``VisionTransformer`` of timm ``Block`` s, in eval mode, fp32 or fp64.
+        model: a timm ``VisionTransformer`` whose blocks are timm ``Block``, in eval mode, fp32 or fp64.
         images: ``[B, in_chans, H, W]`` at the model's input size, its dtype and device.
         r: fixed mode: the A rows each image merges per block (an int for every block, or one per block), capped
             at half its patch rows.

@@ -2,8 +2,8 @@
 
 Tolerance rules:
 * decisions, counts, sizes and sources: exact;
-* hand-made merges: exact (the sums run in float64 and are rounded once; the expected values are the same
-  quotients rounded once);
+* hand-made merges: exact (integer sums, exact in float64; the quotient is rounded to float64, then to the
+  result's dtype, as the expected values are);
 * ``r=0`` (and a threshold nothing passes) against timm's own forward: fp32, ``atol = rtol = 1e-5`` (the same
   modules; only the attention's summation order differs);
 * proportional attention against repeated rows, and the size-weighted head against repeated rows: fp64,
