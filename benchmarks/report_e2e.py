@@ -599,6 +599,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (overrides the part's)")
     parser.add_argument("--workloads", default=None, help="comma-separated workloads: " + ",".join(WORKLOADS))
     parser.add_argument("--rows", default=None, help="comma-separated subset of rows: " + ",".join(ALL_ROWS))
+    parser.add_argument(
+        "--keep-rate",
+        type=float,
+        default=None,
+        help="the pruned rows' keep rate in (0, 1) instead of the part's 0.5 (not with fig1, which sweeps it)",
+    )
     parser.add_argument("--tag", default=None, help="file-name suffix: DIR/<part>-<tag>.json (default: quick)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
     parser.add_argument("--compile-batches", default=None, help="compile only at these batch sizes (1,64)")
@@ -620,6 +626,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, name, comma_list(getattr(args, name), kind, choices))
         except ValueError as exc:
             parser.error(f"--{name.replace('_', '-')}: {exc}")
+    if args.keep_rate is not None:
+        if not 0 < args.keep_rate < 1:
+            parser.error(f"--keep-rate: must be in (0, 1), got {args.keep_rate}")
+        if "fig1" in args.parts:
+            parser.error("--keep-rate: fig1 sweeps the keep rate itself; pick another --part")
     if args.tag is None and args.quick:
         args.tag = "quick"
     return args
@@ -649,6 +660,11 @@ def main(argv: list[str] | None = None) -> int:
     plans = {p: plan_part(p, args.quick, args.batches, args.workloads) for p in args.parts}
     if args.rows:  # Table VI compares fixed backends: not filtered
         plans = {p: [t for t in ts if t.kind == "numerics" or t.row in args.rows] for p, ts in plans.items()}
+    if args.keep_rate is not None:  # the unpruned rows (workload "none") keep everything
+        plans = {
+            p: [t if t.workload == "none" else dataclasses.replace(t, keep_rate=args.keep_rate) for t in ts]
+            for p, ts in plans.items()
+        }
     if args.model:
         plans = {p: [dataclasses.replace(t, model=args.model) for t in ts] for p, ts in plans.items()}
     total = sum(len(ts) for ts in plans.values())

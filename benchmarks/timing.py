@@ -33,6 +33,7 @@ import torch
 import triton
 
 from benchmarks import REPO_ROOT
+from ragged_vit.pipelines.model import ForwardState
 from ragged_vit.pipelines.plan import Step, StepKind
 
 Call = Callable[..., object]
@@ -348,7 +349,7 @@ class Marks:
         else:
             self._marks.append((region, time.perf_counter()))
 
-    def on_step(self, step: Step) -> None:
+    def on_step(self, step: Step, state: ForwardState) -> None:
         self.mark(REGION_OF[step.kind])
 
     def start(self) -> None:

@@ -181,6 +181,13 @@ WORKLOADS: dict[str, WorkloadSpec] = {
             "evit", "evit", "fixed", (), "EViT in blocks 3/6/9: ceil(k*current) patches, equal counts, no fused token"
         ),
         WorkloadSpec(
+            "evit_fused",
+            "evit",
+            "fixed",
+            (("fuse_token", True),),
+            "EViT in blocks 3/6/9 with the fused token: ceil(k*current) patches plus one fused token, equal counts",
+        ),
+        WorkloadSpec(
             "ats",
             "ats",
             "ragged",

@@ -8,7 +8,9 @@ kind (GEMM, attention, Inductor-fused, LayerNorm, elementwise, reductions, sort/
 forward: kernel count, summed kernel time ("busy"), CUDA-event time of back-to-back forwards ("span"; span - busy = gaps
 and host waits) and the per-kind split. ``--compile-blocks`` adds the pipelines with ``compile_blocks=True``,
 ``--sync-free-rows R`` the runners with ``TokenBuckets(sync_free_rows=R)``, ``--serial-decisions`` the runners with
-``overlap_decisions=False``. Details go to ``--out`` (JSON).
+``overlap_decisions=False``, ``--eager`` timm eager and the eager pipelines (no graphs; their "host ops" column counts
+the top-level aten ops per forward, the host dispatches besides the Triton launches, which the kernel count
+includes). ``--workloads`` takes ``WORKLOAD:KEEP`` (keep rate 0.5 by default). Details go to ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.e2e_common import DEIT_B, Lab
 from benchmarks.timing import elapsed, schedule, span_time, warmup
+from benchmarks.workloads import WORKLOADS
 from ragged_vit.pipelines.buckets import TokenBuckets
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.patch_embed import with_gemm_patch_embed
@@ -53,14 +56,16 @@ def profile_forward(forward, images: list[torch.Tensor], replays: int = 20) -> d
     calls = [functools.partial(forward, img) for img in images]
     warmup(calls, n=6)
     span_us = span_time(calls, replays)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for call in schedule(calls, replays):
             call()
         torch.cuda.synchronize()
     per_kind: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    host_ops = 0
     for evt in prof.events():
         if evt.device_type != torch.autograd.DeviceType.CUDA:
+            host_ops += evt.cpu_parent is None and evt.name.startswith("aten::")
             continue
         name = evt.name
         dur = evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
@@ -76,20 +81,35 @@ def profile_forward(forward, images: list[torch.Tensor], replays: int = 20) -> d
         "span_us": span_us,
         "busy_us": busy,
         "kernels": kernels,
+        "host_ops": host_ops / replays,
         "kinds": {k: {"count": v[0], "us": v[1]} for k, v in sorted(per_kind.items(), key=lambda kv: -kv[1][1])},
         "top": [{"name": n[:160], "count": v[0], "us": v[1]} for n, v in top],
     }
 
 
+def workload_keeps(text: str) -> list[tuple[str, float]]:
+    """``WORKLOAD[:KEEP],...`` -> ``[(workload, keep rate)]`` (default keep rate 0.5)."""
+    pairs = []
+    for item in text.split(","):
+        name, _, keep = item.partition(":")
+        if name not in WORKLOADS or WORKLOADS[name].replayed:
+            raise argparse.ArgumentTypeError(f"{name!r} is not a deciding workload: {', '.join(WORKLOADS)}")
+        pairs.append((name, float(keep) if keep else 0.5))
+    return pairs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,4,64")
-    parser.add_argument("--workloads", default="l2_ratio,l2_calibrated,ats")
+    parser.add_argument(
+        "--workloads", type=workload_keeps, default="l2_ratio,l2_calibrated,ats", help="WORKLOAD[:KEEP],... (keep 0.5)"
+    )
     parser.add_argument("--compile-blocks", action="store_true")
     parser.add_argument(
-        "--sync-free-rows", type=int, default=0, help="also the runner with TokenBuckets(sync_free_rows=R)"
+        "--sync-free-rows", type=int, default=0, help="also the runners with TokenBuckets(sync_free_rows=R)"
     )
     parser.add_argument("--serial-decisions", action="store_true", help="also the runners with overlap_decisions=False")
+    parser.add_argument("--eager", action="store_true", help="also timm eager and the eager pipelines (no graphs)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -97,36 +117,44 @@ def main() -> None:
     results = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
     print(f"{results['card']}  torch {torch.__version__}")
     kinds = [k for k, _ in KINDS] + ["other"]
-    print("| B | pipeline | img/s | span us | busy us | kernels | " + " | ".join(kinds) + " | first call |")
-    print("|---" * (7 + len(kinds)) + "|")
+    print("| B | pipeline | img/s | span us | busy us | kernels | host ops | " + " | ".join(kinds) + " | first call |")
+    print("|---" * (8 + len(kinds)) + "|")
     for batch in (int(b) for b in args.batches.split(",")):
         images = lab.images(DEIT_B, batch)
-        configs: list[tuple[str, object, int, bool]] = [
-            ("timm reduce-overhead", None, 0, True),
-            ("timm reduce-overhead +gemm embed", None, 0, True),
+        # (label, workload or None for timm, keep rate, graphed, compile_blocks, sync-free rows, overlap)
+        configs: list[tuple[str, str | None, float, bool, bool, int, bool]] = [
+            ("timm reduce-overhead", None, 1.0, True, False, 0, True),
+            ("timm reduce-overhead +gemm embed", None, 1.0, True, False, 0, True),
         ]
-        for w in args.workloads.split(","):
+        if args.eager:
+            configs.append(("timm eager", None, 1.0, False, False, 0, True))
+        for w, keep in args.workloads:
+            name = f"{w} {keep:g}"
+            if args.eager:
+                configs.append((name + " eager", w, keep, False, False, 0, True))
             for compiled in (False, True) if args.compile_blocks else (False,):
                 for rows in sorted({0, args.sync_free_rows}):
-                    label = w + (" +compile" if compiled else "") + (f" +sync-free {rows}" if rows else "")
-                    configs.append((label, compiled, rows, True))
+                    label = name + (" +compile" if compiled else "") + (f" +sync-free {rows}" if rows else "")
+                    configs.append((label, w, keep, True, compiled, rows, True))
                 if args.serial_decisions:
-                    configs.append((w + (" +compile" if compiled else "") + " +serial", compiled, 0, False))
-        for label, compiled, sync_free_rows, overlap in configs:
-            if compiled is None:
+                    configs.append((name + (" +compile" if compiled else "") + " +serial", w, keep, True, compiled, 0,
+                                    False))  # fmt: skip
+        for label, workload, keep, graphed, compiled, sync_free_rows, overlap in configs:
+            if workload is None:
                 model = lab.model(DEIT_B)
                 if "gemm" in label:  # the same embedding as the pipelines, so its gain is not credited to pruning
                     model = with_gemm_patch_embed(model)
-                model = torch.compile(model, mode="reduce-overhead")
+                if graphed:
+                    model = torch.compile(model, mode="reduce-overhead")
 
                 def forward(x, model=model):
                     with torch.no_grad():
                         return model(x)
             else:
-                pv = lab.pipeline(DEIT_B, label.split()[0], 0.5, "triton")
+                pv = lab.pipeline(DEIT_B, workload, keep, "triton")
                 pv.compile_blocks = compiled
                 buckets = TokenBuckets(sync_free_rows=sync_free_rows) if sync_free_rows else None
-                forward = GraphedPrunedViT(pv, buckets, overlap_decisions=overlap).run
+                forward = GraphedPrunedViT(pv, buckets, overlap_decisions=overlap).run if graphed else pv.run
             first_s = elapsed([functools.partial(forward, images[0])], lab.device)
             r = profile_forward(forward, images)
             r.update(batch=batch, pipeline=label, img_per_s=batch / r["span_us"] * 1e6, first_call_s=first_s)
@@ -137,7 +165,7 @@ def main() -> None:
             )
             print(
                 f"| {batch} | {label} | {r['img_per_s']:,.0f} | {r['span_us']:.0f} | {r['busy_us']:.0f} "
-                f"| {r['kernels']:.0f} | {split} | {first_s:.0f} s |",
+                f"| {r['kernels']:.0f} | {r['host_ops']:.0f} | {split} | {first_s:.0f} s |",
                 flush=True,
             )
             del forward

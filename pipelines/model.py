@@ -64,8 +64,9 @@ from ragged_vit.pipelines.plan import ForwardPlan, Step, StepKind, build_plan
 from ragged_vit.reference import packing as ref_packing
 from ragged_vit.triton_impl import pack as triton_pack
 
-OnStep = Callable[[Step], None]
-"""``on_step(step)``: called by :meth:`PrunedViT.run` before each step (e.g. to record a CUDA event per region)."""
+OnStep = Callable[[Step, "ForwardState"], None]
+"""``on_step(step, state)``: called by :meth:`PrunedViT.run` before each step, with the forward's state as that step
+will find it (instrumentation: a CUDA event per region, or a stage's decision input to time); it must not change it."""
 
 
 @dataclass
@@ -228,7 +229,7 @@ class PrunedViT(nn.Module):
         offsets: list[torch.Tensor] = []
         for step in self._plan.steps:
             if on_step is not None:
-                on_step(step)
+                on_step(step, state)
             if step.kind is StepKind.DECIDE and selections is not None:
                 state.selection = selections[step.stage]
             elif step.kind is StepKind.REPACK:
@@ -326,15 +327,18 @@ class PrunedViT(nn.Module):
         return m.norm_pre(m.patch_drop(m._pos_embed(x)))
 
     def _decide(self, index: int, state: ForwardState) -> TokenSelection:
+        return decide(self.pruner, self.decision_input(index, state), compiled=self.compile_blocks)
+
+    def decision_input(self, index: int, state: ForwardState) -> DecisionInput:
+        """What stage ``index`` decides on, from the state its DECIDE step finds (also for timing a decision alone)."""
         stage = self._plan.stages[index]
         attn = self.model.blocks[stage.block].attn
         mid = stage.placement is Placement.MID_BLOCK  # only a MID_BLOCK stage has its own block's qkv
-        inp = DecisionInput(
+        return DecisionInput(
             x=state.x, cu_seqlens=state.cu_seqlens, stage=index, num_patches=self.num_patches,
             max_seqlen=state.max_seqlen, qkv=state.qkv if mid else None, num_heads=attn.num_heads if mid else None,
             scale=attn.scale if mid else None, num_prefix=self._plan.num_prefix,
         )  # fmt: skip
-        return decide(self.pruner, inp, compiled=self.compile_blocks)
 
     def _check_selections(self, selections: Sequence[TokenSelection] | None) -> list[TokenSelection] | None:
         if selections is None:

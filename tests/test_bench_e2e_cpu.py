@@ -156,6 +156,18 @@ def test_report_e2e_dry_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "## table3" in printed and "padded (fair)" in printed
 
 
+def test_report_e2e_keep_rate_replaces_the_parts(tmp_path: Path) -> None:
+    argv = ["--device", "cpu", "--model", TINY, "--quick", "--part", "table3", "--batches", "2", "--workloads",
+            "evit_fused", "--rows", "timm_eager,padded", "--keep-rate", "0.7", "--out", str(tmp_path)]  # fmt: skip
+    assert report_e2e.main(argv) == 0
+    rows = {r["workload"]: r for r in json.loads((tmp_path / "table3-quick.json").read_text())["rows"]}
+    assert rows["none"]["keep_rate"] == 1.0 and rows["evit_fused"]["keep_rate"] == 0.7
+    assert rows["evit_fused"]["status"] == "ok", rows["evit_fused"]
+    for bad in (["--keep-rate", "1.5"], ["--part", "fig1", "--keep-rate", "0.7"]):
+        with pytest.raises(SystemExit):
+            report_e2e.parse_args(bad)
+
+
 # --------------------------------------------------------------------------------------------------- report
 
 B224, B384 = "deit_base_patch16_224", "deit_base_patch16_384"

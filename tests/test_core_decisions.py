@@ -89,7 +89,7 @@ def test_every_reference_decision_counts_its_rows(case):
     if case == "threshold_l2":
         pv.calibrate(tiny_images(8, 99))
     steps: list[StepKind] = []
-    out = pv.run(tiny_images(3, 5), on_step=lambda step: steps.append(step.kind))
+    out = pv.run(tiny_images(3, 5), on_step=lambda step, state: steps.append(step.kind))
     assert steps == [step.kind for step in pv.plan.steps]
     for sel in out.selections:
         assert sel.kept.dtype == torch.int32 and sel.kept.is_contiguous()
