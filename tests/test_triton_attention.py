@@ -2,9 +2,10 @@
 
 The contract's cases and its tolerance rule (FlashAttention's: at most 2x the error of PyTorch's own attention in the
 kernel's dtype, plus a floor) live in the conformance lab, :mod:`ragged_vit.testing`, which checks both entry points
-here: every case of the lab is a test item (quick under Triton's interpreter on the CPU; full on a GPU). Below them,
-what is this kernel's own: its launch configurations and grid bounds, the custom op, the cached launches, CUDA graph
-capture, and its argument errors (raised before any launch).
+here: every case of the lab is a test item (quick under Triton's interpreter on the CPU; full on a GPU), and so is
+every case of its key-bias variant (the bias on both sides of the same rule). Below them, what is this kernel's own:
+its launch configurations and grid bounds, the custom op, the cached launches, CUDA graph capture, and its argument
+errors (raised before any launch).
 """
 
 from __future__ import annotations
@@ -30,6 +31,22 @@ test_qkv_layout_gpu = pytest.mark.gpu(attention_suite(ta.ragged_attention_qkv, l
 test_separate_layout_gpu = pytest.mark.gpu(
     attention_suite(ta.ragged_attention, layout="separate", **{**_GPU, "head_dims": (64,)})
 )
+# The key-bias variant: DeiT's 64 and the padded 80 under the interpreter (the separate layout shares the kernel: fp32
+# only there), every GPU dtype and head dim class on a GPU.
+_INTERP_BIAS = {**_INTERP, "key_bias": True, "head_dims": (64, 80)}
+_GPU_BIAS = {**_GPU, "key_bias": True}
+test_qkv_layout_key_bias_interpreter = pytest.mark.interpreter(
+    attention_suite(ta.ragged_attention_qkv, layout="qkv", **_INTERP_BIAS)
+)
+test_separate_layout_key_bias_interpreter = pytest.mark.interpreter(
+    attention_suite(
+        ta.ragged_attention, layout="separate", **{**_INTERP_BIAS, "head_dims": (32,), "dtypes": (torch.float32,)}
+    )
+)
+test_qkv_layout_key_bias_gpu = pytest.mark.gpu(attention_suite(ta.ragged_attention_qkv, layout="qkv", **_GPU_BIAS))
+test_separate_layout_key_bias_gpu = pytest.mark.gpu(
+    attention_suite(ta.ragged_attention, layout="separate", **{**_GPU_BIAS, "head_dims": (64,)})
+)
 
 
 def _cu(lengths, device) -> torch.Tensor:
@@ -51,13 +68,14 @@ _CONFIGS = [
 ]
 
 
-def _launch_config(config, lengths, bound, dtype, device, gen, heads=1, head_dim=32):
+def _launch_config(config, lengths, bound, dtype, device, gen, heads=1, head_dim=32, with_bias=False):
     cu = _cu(lengths, device)
     qkv = _qkv(int(cu[-1]), heads, head_dim, dtype, device, gen)
+    bias = torch.randn(qkv.shape[0], generator=gen).to(device) if with_bias else None
     q, k, v = ragged_vit.reference.split_qkv(qkv, heads)
     out = torch.full((qkv.shape[0], heads * head_dim), float("nan"), dtype=dtype, device=device)
-    ta.ragged_attention_qkv(qkv, cu, bound, heads, out=out, config=config)
-    return out.view(-1, heads, head_dim), (q, k, v, cu)
+    ta.ragged_attention_qkv(qkv, cu, bound, heads, key_bias=bias, out=out, config=config)
+    return out.view(-1, heads, head_dim), (q, k, v, cu, bias)
 
 
 @pytest.mark.interpreter
@@ -66,21 +84,35 @@ def _launch_config(config, lengths, bound, dtype, device, gen, heads=1, head_dim
 def test_configs_and_bound_give_reference_results_interpreter(config, bound, gen):
     """Every tile shape and grid shape computes the reference result, for any max_seqlen bound
     (the grid-stride loop covers query tiles beyond an underestimated bound); fp32 IEEE dots: 2e-6."""
-    out, (q, k, v, cu) = _launch_config(config, TILE_LENGTHS, bound, torch.float32, "cpu", gen)
+    out, (q, k, v, cu, _) = _launch_config(config, TILE_LENGTHS, bound, torch.float32, "cpu", gen)
     torch.testing.assert_close(out, ragged_vit.reference.ragged_attention(q, k, v, cu), rtol=0, atol=2e-6)
 
 
 @pytest.mark.interpreter
-def test_custom_op_matches_direct_call_interpreter(gen):
+def test_key_bias_on_32_key_tiles_interpreter(gen):
+    """The key bias on 32-key tiles (SM90's long-sequence configuration; the lab's cases run the default 64-key ones),
+    every last-tile size class, an underestimated bound; fp32 IEEE dots: 2e-6."""
+    config = AttentionConfig(64, 32, 4, 3, True)
+    out, (q, k, v, cu, bias) = _launch_config(config, TILE_LENGTHS, 40, torch.float32, "cpu", gen, with_bias=True)
+    expect = ragged_vit.reference.ragged_attention(q, k, v, cu, key_bias=bias)
+    torch.testing.assert_close(out, expect, rtol=0, atol=2e-6)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "key_bias"])
+def test_custom_op_matches_direct_call_interpreter(with_bias, gen):
+    """The op is the direct call, bit for bit, with or without a key bias; its schema and fake implementation (what
+    torch.compile traces) pass opcheck."""
     heads, head_dim = 2, 32
     cu = _cu((3, 17), "cpu")
     qkv = _qkv(20, heads, head_dim, torch.float32, "cpu", gen)
-    direct = ta.ragged_attention_qkv(qkv, cu, 17, heads)
-    via_op = torch.ops.ragged_vit.ragged_attention_qkv(qkv, cu, 17, heads, head_dim**-0.5)
+    bias = torch.randn(20, generator=gen) if with_bias else None
+    direct = ta.ragged_attention_qkv(qkv, cu, 17, heads, key_bias=bias)
+    via_op = torch.ops.ragged_vit.ragged_attention_qkv(qkv, cu, 17, heads, head_dim**-0.5, bias)
     torch.testing.assert_close(via_op, direct, rtol=0, atol=0)
     torch.library.opcheck(
         ta.ragged_attention_qkv_op,
-        (qkv, cu, 17, heads, head_dim**-0.5),
+        (qkv, cu, 17, heads, head_dim**-0.5, bias),
         test_utils=("test_schema", "test_faketensor"),
     )
 
@@ -88,6 +120,8 @@ def test_custom_op_matches_direct_call_interpreter(gen):
 def _bad_calls():
     qkv = torch.randn(10, 3 * 2 * 32)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    q = qkv[:, :64].view(10, 2, 32)
+    bias = torch.zeros(10)
     return [
         ("qkv", lambda: ta.ragged_attention_qkv(qkv.double(), cu, 10, 2)),
         ("qkv", lambda: ta.ragged_attention_qkv(qkv[None], cu, 10, 2)),
@@ -111,6 +145,15 @@ def _bad_calls():
                                           qkv[:, :64].view(10, 2, 32), cu, 10)),
         ("shape", lambda: ta.ragged_attention(torch.randn(10, 2, 32), torch.randn(10, 1, 32),
                                               torch.randn(10, 2, 32), cu, 10)),
+        ("key_bias", lambda: ta.ragged_attention_qkv(qkv, cu, 10, 2, key_bias=bias.half())),
+        ("key_bias", lambda: ta.ragged_attention_qkv(qkv, cu, 10, 2, key_bias=bias.double())),
+        ("key_bias", lambda: ta.ragged_attention_qkv(qkv, cu, 10, 2, key_bias=bias.numpy())),
+        ("key_bias", lambda: ta.ragged_attention_qkv(qkv, cu, 10, 2, key_bias=bias[:, None])),
+        ("key_bias", lambda: ta.ragged_attention_qkv(qkv, cu, 10, 2, key_bias=bias[:9])),
+        ("key_bias", lambda: ta.ragged_attention_qkv(qkv, cu, 10, 2, key_bias=torch.zeros(20)[::2])),
+        ("key_bias", lambda: ta.ragged_attention_qkv(qkv, cu, 10, 2, key_bias=bias.to("meta"))),
+        ("key_bias", lambda: ta.ragged_attention(q, q, q, cu, 10, key_bias=torch.zeros(11))),
+        ("key_bias", lambda: torch.ops.ragged_vit.ragged_attention_qkv(qkv, cu, 10, 2, 0.25, bias.int())),
     ]  # fmt: skip
 
 
@@ -128,10 +171,13 @@ def test_bad_input_raises_before_launch(index, forbid_launch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", _CONFIGS, ids=repr)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_every_config_gpu(config, dtype, gen):
-    out, (q, k, v, cu) = _launch_config(config, TILE_LENGTHS * 4, 197, dtype, "cuda", gen, heads=12, head_dim=64)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "key_bias"])
+def test_every_config_gpu(config, dtype, with_bias, gen):
+    out, (q, k, v, cu, bias) = _launch_config(
+        config, TILE_LENGTHS * 4, 197, dtype, "cuda", gen, heads=12, head_dim=64, with_bias=with_bias
+    )
     assert not out.isnan().any()
-    assert_attention_close(out, q, k, v, cu)
+    assert_attention_close(out, q, k, v, cu, key_bias=bias)
 
 
 @pytest.mark.gpu
@@ -155,28 +201,51 @@ def test_cached_launch_respects_specialisation_gpu(gen):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_capture_and_compile_gpu(gen):
-    """The direct call captures into a CUDA graph; the custom op works under torch.compile(fullgraph=True)."""
+def test_cached_launch_with_key_bias_gpu(gen):
+    """A bias is part of the cached specialisation: repeated biased calls reuse their kernel, a call without a bias
+    after them does not take the biased one (nor the reverse), and a misaligned bias takes Triton's own path."""
+    heads, head_dim = 12, 64
+    cu = _cu((197, 5, 64), "cuda")
+    qkv = _qkv(int(cu[-1]), heads, head_dim, torch.float16, "cuda", gen)
+    q, k, v = ragged_vit.reference.split_qkv(qkv, heads)
+    bias = torch.randn(qkv.shape[0], generator=gen).cuda()
+    plain = ta.ragged_attention_qkv(qkv, cu, 197, heads)
+    biased = ta.ragged_attention_qkv(qkv, cu, 197, heads, key_bias=bias)
+    assert torch.equal(ta.ragged_attention_qkv(qkv, cu, 197, heads, key_bias=bias), biased)
+    assert torch.equal(ta.ragged_attention_qkv(qkv, cu, 197, heads), plain)
+    assert_attention_close(plain.view(-1, heads, head_dim), q, k, v, cu)
+    assert_attention_close(biased.view(-1, heads, head_dim), q, k, v, cu, key_bias=bias)
+    odd = torch.empty(qkv.shape[0] + 1, device="cuda")[1:].copy_(bias)  # 4 bytes past an aligned address
+    got = ta.ragged_attention_qkv(qkv, cu, 197, heads, key_bias=odd)
+    assert_attention_close(got.view(-1, heads, head_dim), q, k, v, cu, key_bias=bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "key_bias"])
+def test_cuda_graph_capture_and_compile_gpu(with_bias, gen):
+    """The direct call captures into a CUDA graph; the custom op works under torch.compile(fullgraph=True); with or
+    without a key bias."""
     heads, head_dim = 12, 64
     cu = _cu((197, 50, 3), "cuda")
     qkv = _qkv(int(cu[-1]), heads, head_dim, torch.float16, "cuda", gen)
+    bias = torch.randn(qkv.shape[0], generator=gen).cuda() if with_bias else None
     out = torch.empty(qkv.shape[0], heads * head_dim, dtype=qkv.dtype, device="cuda")
-    expect = ta.ragged_attention_qkv(qkv, cu, 197, heads)
+    expect = ta.ragged_attention_qkv(qkv, cu, 197, heads, key_bias=bias)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        ta.ragged_attention_qkv(qkv, cu, 197, heads, out=out)  # warm-up outside capture
+        ta.ragged_attention_qkv(qkv, cu, 197, heads, key_bias=bias, out=out)  # warm-up outside capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        ta.ragged_attention_qkv(qkv, cu, 197, heads, out=out)
+        ta.ragged_attention_qkv(qkv, cu, 197, heads, key_bias=bias, out=out)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, expect)
 
     def layer(x):
-        return torch.ops.ragged_vit.ragged_attention_qkv(x * 1.0, cu, 197, heads, head_dim**-0.5) + 0.0
+        return torch.ops.ragged_vit.ragged_attention_qkv(x * 1.0, cu, 197, heads, head_dim**-0.5, bias) + 0.0
 
     compiled = torch.compile(layer, fullgraph=True)
     torch.testing.assert_close(compiled(qkv), expect, rtol=0, atol=0)

@@ -3,18 +3,20 @@
 A backend receives exactly what :mod:`ragged_vit.pipelines.packed_block` has after the qkv projection and returns what
 the output projection needs, so backends differ only in how they lay tokens out for attention and which kernel runs:
 
-    ``attend(qkv [T, 3*H*D], cu_seqlens int32 [B+1], max_seqlen, num_heads, scale) -> [T, H*D]``
+    ``attend(qkv [T, 3*H*D], cu_seqlens int32 [B+1], max_seqlen, num_heads, scale, key_bias=None) -> [T, H*D]``
 
 ``qkv`` is in timm's layout (q heads, then k heads, then v heads along the last dimension) and may be a strided
-view; ``max_seqlen`` is a host int that bounds every image's length; the output is in ``qkv``'s dtype. Backends are
-stateless and hold no weights.
+view; ``max_seqlen`` is a host int that bounds every image's length; ``key_bias`` is an optional float32 ``[T]``
+added to every logit of key row ``t`` after the scale, in natural-log units (ToMe's proportional attention passes
+``log(size)``); the output is in ``qkv``'s dtype. Backends are stateless and hold no weights.
 
 Each backend declares what it can do in :attr:`AttentionBackend.capabilities` (:class:`Capabilities`: devices,
 dtypes, head dims, whether a CUDA graph can capture it, whether ``torch.compile`` sees it as one op); the graph
 runner, the CLI, the tests and the benchmarks read them from the registry (:data:`ragged_vit.pipelines.backends
 .BACKENDS`). :meth:`AttentionBackend.check` is called once per forward, at the pipeline's entry, and raises a
-``ValueError`` naming the backend when the model does not fit; ``attend`` itself then trusts its input. Inference
-only: no dropout, no causal mask.
+``ValueError`` naming the backend when the model does not fit; ``attend`` itself then trusts its input, except that it
+refuses a ``key_bias`` where the backend declares none (one check, here, before anything runs). A backend implements
+:meth:`AttentionBackend._attend`. Inference only: no dropout, no causal mask.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ class Capabilities:
             on the host per call).
         not_capturable_because: why not, when ``capturable`` is False.
         custom_op: whether ``torch.compile`` sees its attention as one opaque op (so compiled blocks fuse around it).
-        key_bias: whether it takes a per-key additive bias (none does yet).
+        key_bias: whether ``attend`` takes a per-key additive bias ``key_bias`` (else it raises when given one).
     """
 
     devices: tuple[str, ...] = ("cpu", "cuda")
@@ -53,7 +55,7 @@ class Capabilities:
 
 class AttentionBackend(abc.ABC):
     """Base class of every attention backend; subclasses set ``name`` and ``capabilities`` and implement
-    :meth:`attend`."""
+    :meth:`_attend` (callers call :meth:`attend`)."""
 
     name: str = "backend"
     capabilities: Capabilities = Capabilities()
@@ -76,9 +78,14 @@ class AttentionBackend(abc.ABC):
             said = f"{dims[0]} to {dims[-1]} in steps of {steps.pop()}" if len(steps) == 1 else str(dims)
             raise ValueError(f"backend {self.name!r} supports head dims {said}, got {head_dim}")
 
-    @abc.abstractmethod
     def attend(
-        self, qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float
+        self,
+        qkv: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        num_heads: int,
+        scale: float,
+        key_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Bidirectional attention of each image over its own tokens.
 
@@ -88,10 +95,24 @@ class AttentionBackend(abc.ABC):
             max_seqlen: host int, an upper bound on every image's length.
             num_heads: ``H``.
             scale: softmax scale (timm's ``Attention.scale``).
+            key_bias: optional float32 ``[T]`` (contiguous, finite), added to every logit of key row ``t`` after the
+                scale, in natural-log units; only where ``capabilities.key_bias`` (else ``ValueError``).
 
         Returns:
             ``[T, H*D]`` in ``qkv``'s dtype, rows in ``qkv``'s order.
         """
+        if key_bias is None:
+            return self._attend(qkv, cu_seqlens, max_seqlen, num_heads, scale)
+        if not self.capabilities.key_bias:
+            raise ValueError(f"backend {self.name!r} does not take a key_bias (its capabilities.key_bias is False)")
+        return self._attend(qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias=key_bias)
+
+    @abc.abstractmethod
+    def _attend(
+        self, qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float
+    ) -> torch.Tensor:
+        """:meth:`attend` on trusted input. A backend that declares ``capabilities.key_bias`` adds a keyword
+        ``key_bias: torch.Tensor | None = None``; the others are never given one."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

@@ -4,7 +4,8 @@ The same FA2 kernel PyTorch's SDPA uses, called with the packed layout and ``cu_
 strided views of the qkv buffer (no ``.contiguous()`` copies), and no wrapper adds host work (the public
 ``varlen_attn`` wrapper costs ~50 us per call; docs/targets.md). CUDA only, fp16/bf16, head_dim a multiple of 8
 up to 256. ``scale`` is passed by keyword: it is keyword-only in newer torch (2.14) and positional-or-keyword in
-older ones (2.11), and the keyword form works in both.
+older ones (2.11), and the keyword form works in both. No key bias: the varlen forward takes no additive bias
+(``attend`` refuses a ``key_bias``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class FA2VarlenBackend(AttentionBackend):
         devices=("cuda",), dtypes=(torch.float16, torch.bfloat16), head_dims=tuple(range(8, 257, 8)), custom_op=True
     )
 
-    def attend(
+    def _attend(
         self, qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float
     ) -> torch.Tensor:
         q, k, v = split_qkv(aligned(qkv), num_heads)  # [T, H, D] views, last dimension contiguous

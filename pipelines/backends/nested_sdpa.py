@@ -4,7 +4,8 @@ q, k, v become jagged NestedTensors over strided views of the qkv buffer (no cop
 length given at construction so that PyTorch does not compute them on the device (a sync per call), and the flash
 backend is forced (otherwise SDPA may take its math path). Even so, building the NestedTensors costs milliseconds of
 host time per call at ViT lengths (docs/targets.md, docs/results.md). ``min_seqlen=1`` is a valid lower bound since
-every image keeps its CLS token. CUDA only, fp16/bf16.
+every image keeps its CLS token. CUDA only, fp16/bf16. No key bias: the flash kernel takes no mask on jagged tensors
+(``attend`` refuses a ``key_bias``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class NestedSDPABackend(AttentionBackend):
     )
     sdpa_backends: tuple[SDPBackend, ...] = (SDPBackend.FLASH_ATTENTION,)
 
-    def attend(
+    def _attend(
         self, qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float
     ) -> torch.Tensor:
         offsets = cu_seqlens.long()

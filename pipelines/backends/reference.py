@@ -2,7 +2,8 @@
 CPU.
 
 The ground truth the other backends are compared with. It reads the offsets on the host (one synchronisation
-per call on a GPU) and loops over images in Python: correct and slow, never a baseline for speed.
+per call on a GPU) and loops over images in Python: correct and slow, never a baseline for speed. It takes a
+``key_bias`` (the reference's).
 """
 
 from __future__ import annotations
@@ -21,11 +22,18 @@ class ReferenceBackend(AttentionBackend):
         dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
         capturable=False,
         not_capturable_because="it reads cu_seqlens on the host for every call (a synchronisation)",
+        key_bias=True,
     )
 
-    def attend(
-        self, qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float
+    def _attend(
+        self,
+        qkv: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        num_heads: int,
+        scale: float,
+        key_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         q, k, v = split_qkv(qkv, num_heads)
-        out = ragged_attention(q, k, v, cu_seqlens, scale=scale)  # [T, H, D], fp32 math
+        out = ragged_attention(q, k, v, cu_seqlens, scale=scale, key_bias=key_bias)  # [T, H, D], fp32 math
         return out.flatten(1).to(qkv.dtype)

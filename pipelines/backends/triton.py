@@ -2,7 +2,8 @@
 
 The direct call has the lowest dispatch cost and is capturable in CUDA graphs (the custom op
 ``torch.ops.ragged_vit.ragged_attention_qkv`` is the same kernel for ``torch.compile``). It reads q, k, v through
-strides from the qkv buffer and writes ``[T, H*D]`` for the output projection: no copy, no sync.
+strides from the qkv buffer and writes ``[T, H*D]`` for the output projection: no copy, no sync. A ``key_bias`` goes
+to the kernel as it is (its constexpr switch; without one the kernel is compiled without any bias instruction).
 
 On a CPU it runs only under Triton's interpreter, which must be switched on (``TRITON_INTERPRET=1``) before
 ``triton.language`` is first imported -- and importing timm imports it. A process that got the order wrong has
@@ -28,7 +29,7 @@ class TritonBackend(AttentionBackend):
     """Ragged attention straight from the packed qkv buffer (CUDA, or CPU under the interpreter)."""
 
     name = "triton"
-    capabilities = Capabilities(head_dims=SUPPORTED_HEAD_DIMS, custom_op=True)
+    capabilities = Capabilities(head_dims=SUPPORTED_HEAD_DIMS, custom_op=True, key_bias=True)
 
     @property
     def interpreted(self) -> bool:
@@ -51,9 +52,15 @@ class TritonBackend(AttentionBackend):
         elif self.interpreted:
             raise ValueError(f"backend 'triton' was built for the interpreter (TRITON_INTERPRET=1), got {device}")
 
-    def attend(
-        self, qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float
+    def _attend(
+        self,
+        qkv: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        num_heads: int,
+        scale: float,
+        key_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if torch.compiler.is_compiling():  # one opaque op in a compiled graph (it has a fake implementation)
-            return ragged_attention_qkv_op(qkv, cu_seqlens, max_seqlen, num_heads, scale)
-        return ragged_attention_qkv_unchecked(qkv, cu_seqlens, max_seqlen, num_heads, scale)
+            return ragged_attention_qkv_op(qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias)
+        return ragged_attention_qkv_unchecked(qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias)

@@ -23,6 +23,22 @@ The cases:
 * ``isolation``: changing one image's inputs leaves every other image's output unchanged, bit for bit;
 * ``out`` (with ``accepts_out``): the output buffer, given poisoned with NaN, is written everywhere;
 * ``bad_inputs`` (with ``bad_inputs``): a wrong dtype or shape raises ``TypeError`` / ``ValueError``.
+
+**The key-bias variant** (``key_bias=True``): ``fn`` also takes ``key_bias=``, a float32 ``[T]`` (contiguous, finite)
+added to every logit of key row ``t`` after the scale, in natural-log units, the same for every head and query (ToMe's
+proportional attention passes ``log(size)``); padding and other images' keys stay excluded. Every case of the variant
+passes one, and the rule is the same with the bias on both sides: the float64 reference with the bias against
+PyTorch's attention with the bias as a float mask in the implementation's dtype (what a user would pass). The bias
+values are representable in that dtype, so the yardstick measures the dtype's attention error, not the rounding of
+the bias. Its cases: a normal bias on the odd lengths 1, 63, 65, 197 (``full``: every adversarial length), the log
+of integer sizes 1..16 on misaligned inputs (the bias one element off an aligned address too) and on images without
+rows, a large bias on a loose bound (distinct multiples of 64 within each image, up to ``64 * N / 2`` in magnitude:
+each softmax is one-hot, and an exp that leaves the bias out of its running max overflows), isolation (another
+image's inputs and bias change no output), and (``full``) random lengths, strided inputs, another scale and 128
+images; with ``bad_inputs``, a bias of an integer dtype, 2-D, one row short or on another device raises an error naming
+``key_bias``. ``key_bias=False`` checks the opposite: an implementation that takes no bias raises
+``TypeError``/``ValueError`` naming ``key_bias`` when given one (before any launch, by contract: the lab sees only
+the error).
 """
 
 from __future__ import annotations
@@ -40,24 +56,28 @@ from ragged_vit.testing.report import Failure, bad_call_failures, level, raise_f
 
 QUICK_LENGTHS = (1, 2, 63, 64, 65, 197)
 ADVERSARIAL_LENGTHS = (*QUICK_LENGTHS, 577, 1025)
+BIAS_LENGTHS = (1, 63, 65, 197)
 FLOOR = {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 LAYOUTS = ("qkv", "separate")
 
 
 @dataclass(frozen=True)
 class AttentionCase:
-    """One case: its kind, the images' lengths, heads, head dim and dtype."""
+    """One case: its kind, the images' lengths, heads, head dim and dtype, and the key bias it passes (``"normal"``,
+    ``"log_size"``, ``"large"``; ``""`` for none)."""
 
     kind: str
     lengths: tuple[int, ...]
     heads: int
     head_dim: int
     dtype: torch.dtype
+    bias: str = ""
 
     @property
     def id(self) -> str:
         lengths = "-".join(map(str, self.lengths)) if len(self.lengths) <= 4 else f"{len(self.lengths)}images"
-        return f"{self.kind}[{lengths}]-h{self.heads}d{self.head_dim}-{str(self.dtype).removeprefix('torch.')}"
+        bias = f"-bias_{self.bias}" if self.bias else ""
+        return f"{self.kind}[{lengths}]{bias}-h{self.heads}d{self.head_dim}-{str(self.dtype).removeprefix('torch.')}"
 
     def generator(self, salt: int = 0) -> torch.Generator:
         """Fresh inputs per case, reproducible per case."""
@@ -80,30 +100,46 @@ def attention_cases(
     head_dims: Iterable[int] | None = None,
     bad_inputs: bool = False,
     empty_images: bool = True,
+    key_bias: bool | None = None,
 ) -> list[AttentionCase]:
     """The cases of ``level_name`` (``quick``/``full``; see :func:`ragged_vit.testing.level`) for ``device``; with
-    ``bad_inputs``, one more that checks the argument errors."""
+    ``bad_inputs``, one more that checks the argument errors. ``key_bias``: None for the plain contract, True for its
+    key-bias variant, False for the one case that checks a key bias is refused (see the module docstring)."""
     full = level(level_name) == "full"
     device = torch.device(device)
     dtypes = tuple(dtypes or default_dtypes(device))
     head_dims = tuple(head_dims or ((32, 64) if full else (32,)))
+    if key_bias is False:
+        return [AttentionCase("key_bias_refused", (4, 6), 2, head_dims[0], dtypes[0], "normal")]
     heads = 3 if full else 2
     lengths = ADVERSARIAL_LENGTHS if full else QUICK_LENGTHS
     g = torch.Generator().manual_seed(0)
     ragged = tuple(int(n) for n in torch.randint(1, 198, (16 if full else 5,), generator=g))
     many = tuple(ADVERSARIAL_LENGTHS[int(i)] for i in torch.randint(len(ADVERSARIAL_LENGTHS), (128,), generator=g))
-    cases = []
-    for dtype in dtypes:
-        for head_dim in head_dims:
-            shapes = [("lengths", lengths), ("ragged", ragged), ("strided", (3, 65, 1)), ("misaligned", (40, 7)),
-                      ("loose_bound", (70, 5, 33)), ("scale", (5, 64)), ("isolation", (40, 70, 9))]  # fmt: skip
-            if empty_images:
-                shapes.append(("empty", (5, 0, 64, 0)))
-            if full:
-                shapes += [("lengths", (n,)) for n in ADVERSARIAL_LENGTHS] + [("many", many)]
-            cases += [AttentionCase(kind, tuple(lens), heads, head_dim, dtype) for kind, lens in shapes]
+    if key_bias:
+        shapes = [("lengths", lengths if full else BIAS_LENGTHS, "normal"), ("misaligned", (40, 7), "log_size"),
+                  ("loose_bound", (70, 5, 33), "large"), ("isolation", (40, 70, 9), "normal")]  # fmt: skip
+        if empty_images:
+            shapes.append(("empty", (5, 0, 64, 0), "log_size"))
+        if full:
+            shapes += [("ragged", ragged, "log_size"), ("strided", (3, 65, 1), "large"), ("scale", (5, 64), "normal"),
+                       ("many", many, "log_size")]  # fmt: skip
+    else:
+        shapes = [("lengths", lengths, ""), ("ragged", ragged, ""), ("strided", (3, 65, 1), ""),
+                  ("misaligned", (40, 7), ""), ("loose_bound", (70, 5, 33), ""), ("scale", (5, 64), ""),
+                  ("isolation", (40, 70, 9), "")]  # fmt: skip
+        if empty_images:
+            shapes.append(("empty", (5, 0, 64, 0), ""))
+        if full:
+            shapes += [("lengths", (n,), "") for n in ADVERSARIAL_LENGTHS] + [("many", many, "")]
+    cases = [
+        AttentionCase(kind, tuple(lens), heads, head_dim, dtype, bias)
+        for dtype in dtypes
+        for head_dim in head_dims
+        for kind, lens, bias in shapes
+    ]
     if bad_inputs:
-        cases.append(AttentionCase("bad_inputs", (4, 6), 2, 32, torch.float32))
+        cases.append(AttentionCase("bad_inputs", (4, 6), 2, 32, torch.float32, "normal" if key_bias else ""))
     return cases
 
 
@@ -118,9 +154,10 @@ def check_attention(
     accepts_out: bool = False,
     bad_inputs: bool = False,
     empty_images: bool = True,
+    key_bias: bool | None = None,
 ) -> int:
-    """Runs every case of the attention contract on ``fn``; raises :class:`ConformanceError` listing each failed
-    case; returns how many cases ran.
+    """Runs every case of the attention contract (or of its key-bias variant) on ``fn``; raises
+    :class:`ConformanceError` listing each failed case; returns how many cases ran.
 
     Args:
         fn: the implementation, called as the module docstring says for ``layout``.
@@ -131,12 +168,15 @@ def check_attention(
         accepts_out: ``fn`` takes ``out=`` (then it is given a NaN-poisoned buffer to fill).
         bad_inputs: ``fn`` validates its arguments (a public entry; an attention backend trusts its caller).
         empty_images: ``fn`` takes images of no rows (the pipelines never make one).
+        key_bias: None (the default) checks the plain contract (``fn`` is never given a ``key_bias``); True checks the
+            key-bias variant (every case passes ``key_bias=``); False checks that ``fn`` refuses a ``key_bias``.
     """
     cases = attention_cases(
-        level_name, device=device, dtypes=dtypes, head_dims=head_dims, bad_inputs=bad_inputs, empty_images=empty_images
-    )
+        level_name, device=device, dtypes=dtypes, head_dims=head_dims, bad_inputs=bad_inputs,
+        empty_images=empty_images, key_bias=key_bias,
+    )  # fmt: skip
     failures = [f for case in cases for f in run_attention_case(fn, case, layout, device, accepts_out)]
-    raise_failures(f"attention ({layout} layout)", failures)
+    raise_failures(_contract(layout, key_bias), failures)
     return len(cases)
 
 
@@ -149,17 +189,23 @@ def attention_suite(
     **options: object,
 ):
     """A pytest test function running every case of :func:`check_attention` as its own test item (``options``:
-    ``level_name``, ``dtypes``, ``head_dims``, ``bad_inputs``, ``empty_images``): a port's test file is
+    ``level_name``, ``dtypes``, ``head_dims``, ``bad_inputs``, ``empty_images``, ``key_bias``): a port's test file is
     ``test_my_attention = attention_suite(my_fn, layout="qkv", device="cuda")``."""
     import pytest
 
     cases = attention_cases(device=device, **options)
+    contract = _contract(layout, options.get("key_bias"))
 
     @pytest.mark.parametrize("case", cases, ids=[c.id for c in cases])
     def test(case: AttentionCase) -> None:
-        raise_failures(f"attention ({layout} layout)", run_attention_case(fn, case, layout, device, accepts_out))
+        raise_failures(contract, run_attention_case(fn, case, layout, device, accepts_out))
 
     return test
+
+
+def _contract(layout: str, key_bias: bool | None) -> str:
+    said = {None: "", True: ", key bias", False: ", no key bias"}[key_bias]
+    return f"attention ({layout} layout{said})"
 
 
 def run_attention_case(
@@ -170,7 +216,7 @@ def run_attention_case(
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     device = torch.device(device)
     if case.kind == "bad_inputs":
-        return _bad_input_failures(fn, layout, device)
+        return _bad_input_failures(fn, layout, device, bool(case.bias))
     g = case.generator()
     cu = cu_seqlens_from_counts(torch.tensor(case.lengths)).to(device)
     total, width = int(cu[-1]), case.heads * case.head_dim
@@ -179,13 +225,20 @@ def run_attention_case(
     bound = max(max(case.lengths), 1)
     if case.kind == "loose_bound":
         bound = 2 * bound + 7
+    key_bias = _key_bias(case, device, g) if case.bias else None
+    if case.kind == "key_bias_refused":
+
+        def given() -> torch.Tensor:
+            return _call(fn, layout, qkv, cu, bound, case, scale, accepts_out, key_bias)
+
+        return bad_call_failures([("a key_bias given to an implementation that takes none", "key_bias", given)])
     try:
-        out = _call(fn, layout, qkv, cu, bound, case, scale, accepts_out)
+        out = _call(fn, layout, qkv, cu, bound, case, scale, accepts_out, key_bias)
     except Exception as exc:  # a crash is a failed case, reported like the others
         return [Failure(case.id, "runs", f"{type(exc).__name__}: {exc}", "a result")]
-    failures = _close(case, out, qkv, cu, scale)
+    failures = _close(case, out, qkv, cu, scale, key_bias)
     if case.kind == "isolation" and not failures:
-        failures = _isolation(fn, layout, case, qkv, cu, bound, scale, out, accepts_out, g)
+        failures = _isolation(fn, layout, case, qkv, cu, bound, scale, key_bias, out, accepts_out, g)
     return failures
 
 
@@ -205,13 +258,32 @@ def _qkv(total: int, width: int, case: AttentionCase, device: torch.device, g: t
     return values.to(device, case.dtype)
 
 
-def _call(fn, layout, qkv, cu, bound, case, scale, accepts_out):
+def _key_bias(case: AttentionCase, device: torch.device, g: torch.Generator) -> torch.Tensor:
+    """A case's key bias, float32 ``[T]`` with values representable in the case's dtype (see the module docstring); one
+    element off an aligned address in the ``misaligned`` case."""
+    total = sum(case.lengths)
+    if case.bias == "normal":
+        values = torch.randn(total, generator=g)
+    elif case.bias == "log_size":
+        values = torch.randint(1, 17, (total,), generator=g).float().log()
+    else:  # "large": distinct multiples of 64 in each image, centred on 0 (in bf16 too, for images up to 512 rows)
+        values = 64.0 * torch.cat([torch.randperm(n, generator=g) - n // 2 for n in case.lengths]).float()
+    values = values.to(case.dtype).float()
+    if case.kind == "misaligned":
+        return torch.empty(total + 1, dtype=torch.float32, device=device)[1:].copy_(values)
+    return values.to(device)
+
+
+def _call(fn, layout, qkv, cu, bound, case, scale, accepts_out, key_bias=None):
     total, width = qkv.shape[0], case.heads * case.head_dim
+    kwargs = {} if key_bias is None else {"key_bias": key_bias}  # the plain contract never names it
     if layout == "qkv":
-        kwargs = {"out": _poisoned((total, width), qkv)} if accepts_out else {}
+        if accepts_out:
+            kwargs["out"] = _poisoned((total, width), qkv)
         return fn(qkv, cu, bound, case.heads, scale, **kwargs).reshape(total, case.heads, case.head_dim)
     q, k, v = split_qkv(qkv, case.heads)  # [T, H, D] views with the qkv row stride
-    kwargs = {"out": _poisoned((total, case.heads, case.head_dim), qkv)} if accepts_out else {}
+    if accepts_out:
+        kwargs["out"] = _poisoned((total, case.heads, case.head_dim), qkv)
     return fn(q, k, v, cu, bound, scale, **kwargs)
 
 
@@ -219,13 +291,20 @@ def _poisoned(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=like.dtype, device=like.device)
 
 
-def _close(case: AttentionCase, out: torch.Tensor, qkv: torch.Tensor, cu: torch.Tensor, scale: float) -> list[Failure]:
+def _close(
+    case: AttentionCase,
+    out: torch.Tensor,
+    qkv: torch.Tensor,
+    cu: torch.Tensor,
+    scale: float,
+    key_bias: torch.Tensor | None = None,
+) -> list[Failure]:
     shape = (qkv.shape[0], case.heads, case.head_dim)
     if tuple(out.shape) != shape or out.dtype != qkv.dtype:
         return [Failure(case.id, "output shape and dtype", f"{tuple(out.shape)} {out.dtype}", f"{shape} {qkv.dtype}")]
     if not bool(torch.isfinite(out).all()):
         return [Failure(case.id, "finite output (NaN-poisoned buffers written everywhere)", "NaN or inf", "none")]
-    err, yard = attention_error(out, *split_qkv(qkv, case.heads), cu, scale)
+    err, yard = attention_error(out, *split_qkv(qkv, case.heads), cu, scale, key_bias)
     allowed = 2 * yard + FLOOR[qkv.dtype]
     if not err <= allowed:
         rule = "max error <= 2 x PyTorch's in the same dtype + floor"
@@ -234,43 +313,56 @@ def _close(case: AttentionCase, out: torch.Tensor, qkv: torch.Tensor, cu: torch.
 
 
 def attention_error(
-    out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale: float | None = None
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu: torch.Tensor,
+    scale: float | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> tuple[float, float]:
     """``(error, yardstick)``: the max error of ``out [T, H, D]`` against the float64 reference, and that of PyTorch's
-    own attention in ``q``'s dtype; the rule allows ``2 * yardstick + FLOOR[dtype]`` (see the module docstring)."""
+    own attention in ``q``'s dtype; the rule allows ``2 * yardstick + FLOOR[dtype]`` (see the module docstring). A
+    ``key_bias [T]`` goes to both: to the reference in float64, to PyTorch as a float mask in ``q``'s dtype."""
     if out.numel() == 0:
         return 0.0, 0.0
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    ref = ragged_attention(q.double(), k.double(), v.double(), cu, scale=scale)
+    exact_bias = None if key_bias is None else key_bias.double()
+    ref = ragged_attention(q.double(), k.double(), v.double(), cu, scale=scale, key_bias=exact_bias)
     err = (out.reshape(ref.shape).double() - ref).abs().max().item()
-    return err, (_torch_in_dtype(q, k, v, cu, scale).double() - ref).abs().max().item()
+    return err, (_torch_in_dtype(q, k, v, cu, scale, key_bias).double() - ref).abs().max().item()
 
 
-def assert_attention_close(out, q, k, v, cu, scale: float | None = None) -> None:
+def assert_attention_close(out, q, k, v, cu, scale: float | None = None, key_bias: torch.Tensor | None = None) -> None:
     """Asserts the rule on one output (for a test of a kernel's own configurations)."""
-    err, yard = attention_error(out, q, k, v, cu, scale)
+    err, yard = attention_error(out, q, k, v, cu, scale, key_bias)
     allowed = 2 * yard + FLOOR[q.dtype]
     assert err <= allowed, f"max error {err:.3g} > 2 x PyTorch's {yard:.3g} + floor {FLOOR[q.dtype]:g}"
 
 
-def _torch_in_dtype(q, k, v, cu, scale) -> torch.Tensor:
-    """PyTorch's attention in the inputs' own dtype, one image at a time: the error yardstick."""
+def _torch_in_dtype(q, k, v, cu, scale, key_bias) -> torch.Tensor:
+    """PyTorch's attention in the inputs' own dtype, one image at a time (a key bias as a float mask in that dtype):
+    the error yardstick."""
     out = torch.empty_like(q)
     bounds = cu.tolist()
     for s, e in zip(bounds[:-1], bounds[1:], strict=True):
         if e > s:
             qs, ks, vs = (t[s:e].transpose(0, 1) for t in (q, k, v))
-            out[s:e] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(0, 1)
+            mask = None if key_bias is None else key_bias[s:e].to(q.dtype)  # [L]: the same for every head and query
+            out[s:e] = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale).transpose(0, 1)
     return out
 
 
-def _isolation(fn, layout, case, qkv, cu, bound, scale, out, accepts_out, g) -> list[Failure]:
-    """Changing the middle image's rows must leave the others' outputs unchanged, bit for bit."""
+def _isolation(fn, layout, case, qkv, cu, bound, scale, key_bias, out, accepts_out, g) -> list[Failure]:
+    """Changing the middle image's rows (and its key bias) must leave the others' outputs unchanged, bit for bit."""
     bounds = cu.tolist()
     start, end = bounds[1], bounds[2]
     changed = qkv.clone()
     changed[start:end] = torch.randn(end - start, qkv.shape[1], generator=g).to(qkv.device, qkv.dtype)
-    again = _call(fn, layout, changed, cu, bound, case, scale, accepts_out)
+    if key_bias is not None:
+        key_bias = key_bias.clone()
+        key_bias[start:end] = torch.randn(end - start, generator=g).to(case.dtype).float().to(key_bias.device)
+    again = _call(fn, layout, changed, cu, bound, case, scale, accepts_out, key_bias)
     others = torch.ones(qkv.shape[0], dtype=torch.bool, device=qkv.device)
     others[start:end] = False
     if not torch.equal(again[others], out[others]):
@@ -279,12 +371,24 @@ def _isolation(fn, layout, case, qkv, cu, bound, scale, out, accepts_out, g) -> 
     return []
 
 
-def _bad_input_failures(fn, layout, device) -> list[Failure]:
-    """Wrong dtypes and shapes must raise ``TypeError`` or ``ValueError`` (checked before any launch, by contract)."""
+def _bad_input_failures(fn, layout, device, key_bias: bool) -> list[Failure]:
+    """Wrong dtypes and shapes must raise ``TypeError`` or ``ValueError`` (checked before any launch, by contract); in
+    the key-bias variant, wrong biases (on other inputs that are right) must, naming ``key_bias``."""
     device = torch.device(device)
     qkv = torch.randn(10, 3 * 2 * 32, device=device)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=device)
     q, k, v = split_qkv(qkv, 2)
+    if key_bias:
+        call = {"qkv": lambda bias: fn(qkv, cu, 10, 2, 0.25, key_bias=bias),
+                "separate": lambda bias: fn(q, k, v, cu, 10, 0.25, key_bias=bias)}[layout]  # fmt: skip
+        bias = torch.zeros(10, dtype=torch.float32, device=device)
+        biases = {
+            "an int32 key_bias": bias.int(),
+            "a 2-D key_bias": bias[:, None],
+            "a key_bias one row short": bias[:-1],
+            "a key_bias on another device": bias.to("meta"),
+        }
+        return bad_call_failures((name, "key_bias", lambda b=b: call(b)) for name, b in biases.items())
     calls = {
         "qkv": {
             "int64 cu_seqlens": lambda: fn(qkv, cu.long(), 10, 2, 0.25),
