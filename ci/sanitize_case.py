@@ -2,7 +2,8 @@
 
 Run on the GPU machine from the repo root: ``compute-sanitizer --tool memcheck python -m ci.sanitize_case``.
 Mixed lengths (1..577), a fused extra token, a capacity-bounded repack and a too-small capacity, fp16 and bf16,
-head dims 32 to 256 (80: padded inside the kernel);
+head dims 32 to 256 (80: padded inside the kernel), attention with and without a key bias (aligned, and one element
+off an aligned address);
 then the pruners' decision kernels (Threshold-L2, ATS) on the same kind of batch, with an image longer than the
 bound, empty images, NaN rows, and 0 or 5 prefix rows.
 """
@@ -49,6 +50,8 @@ def main() -> None:
         tokens, cu, bound = tp.pack(x, keep.cuda())
         qkv = torch.randn(tokens.shape[0], 3 * 768, generator=gen).to("cuda", dtype)
         out = ta.ragged_attention_qkv(qkv, cu, bound, 12)
+        bias = torch.randn(tokens.shape[0] + 1, generator=gen).cuda()
+        ta.ragged_attention_qkv(qkv, cu, bound, 12, key_bias=bias[:-1])
         keep2 = (torch.rand(tokens.shape[0], generator=gen) < 0.5).cuda()
         keep2[cu[:-1].long()] = True
         extra = torch.randn(6, 768, generator=gen).to("cuda", dtype)
@@ -60,6 +63,7 @@ def main() -> None:
         for d in (32, 80, 128, 256):  # 80, 256: padded or wide head dims
             q = torch.randn(tokens.shape[0], 4, d, generator=gen).to("cuda", dtype)
             ta.ragged_attention(q, q, q, cu, bound)
+            ta.ragged_attention(q, q, q, cu, bound, key_bias=bias[1:])
     decisions("cuda", gen)
     torch.cuda.synchronize()
     print("sanitize case finished")
