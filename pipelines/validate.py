@@ -26,11 +26,12 @@ rank runs is a batch of the one-process run, so even the rounding of its logits 
 all-reduced (sums, and max for the per-stage min and max): accuracy on N ranks equals one rank's exactly. Rank 0 prints
 and writes the results; throughput is reported per rank and in total.
 
-**Throughput.** Model only: images over the summed time of the synchronised forwards (pruned, and unpruned on its
-own); end to end: images over the wall time of the loop (data loading, host-to-device copies, every forward and the
-counting; the untimed warm-up forwards on the first batch excluded). The share of the wall time spent waiting for the
-next batch says whether data loading bounds it. In total: model only is the sum of the ranks' rates; end to end is all
-images over the slowest rank's wall time.
+**Throughput.** Model only: images over the summed time of the synchronised forwards (pruned, and unpruned on its own);
+end to end: images over the wall time of the loop (data loading, host-to-device copies, every forward and the counting;
+the untimed warm-up forwards excluded: on the first batch, and on as many of its images as the shard's last batch holds,
+so that no kernel compilation or graph capture for that shape is timed). The share of the wall time spent waiting for
+the next batch says whether data loading bounds it. In total: model only is the sum of the ranks' rates; end to end is
+all images over the slowest rank's wall time.
 """
 
 from __future__ import annotations
@@ -692,13 +693,15 @@ def validate(options: ValidateOptions, group: Distributed | None = None, out: Te
                 images, targets = images[good], targets[good]
             images = images.to(device, non_blocking=True)
             targets = targets.to(device, non_blocking=True)
-            if first:
+            if first:  # the warm-up also sees the shard's last, shorter batch: no compile or capture is timed
                 first = False
                 warm = time.perf_counter()
-                for _ in range(options.warmup):
-                    forward(images)
-                    if unpruned is not None:
-                        unpruned(images.to(dtype))
+                tail = len(shard) % options.batch_size
+                for batch in (images, images[:tail]) if 0 < tail < images.shape[0] else (images,):
+                    for _ in range(options.warmup):
+                        forward(batch)
+                        if unpruned is not None:
+                            unpruned(batch.to(dtype))
                 _sync(device)
                 warm_s += time.perf_counter() - warm
             _sync(device)
