@@ -6,6 +6,13 @@ Tolerance rules: the kernel's scores (mean over heads of the CLS query's softmax
 scores). The selection on given scores is exact (``tests/test_triton_select.py``), so the decisions follow the
 conformance lab's near-tie rule (:mod:`ragged_vit.testing.decision`, ``exact=False``): bit for bit on equal scores,
 at most ``max(2, T // 500)`` rows apart on random inputs, the fused token within one rounding of its dtype.
+
+The fused-token kernel alone (:func:`ragged_vit.triton_impl.evit.fused_token`) against a float64 sum over the dropped
+patch rows (the module's rule): in its accumulator (fp32, fp64 for fp64 rows) within ``L * u * sum |score * x|``,
+``L = ceil(patches / 128) + 128`` roundings per term (plus the float64 sum's own ``patches * 2**-53``), then one
+rounding to the rows' dtype (``u_dtype * |exact|``, half a subnormal step near zero); bit for bit the exact sum
+rounded to the dtype on dyadic inputs (every partial sum exact in any order); bit for bit run to run, replayed from a
+CUDA graph as eager, and per image whatever the other images hold.
 """
 
 from __future__ import annotations
@@ -101,3 +108,217 @@ def test_bad_input_raises_before_launch(forbid_launch):
     for call, word in cases:
         with pytest.raises((ValueError, TypeError), match=word):
             call()
+
+
+# --- the fused token alone (evit.fused_token) ------------------------------------------------------------------------
+# Adversarial lengths around the kernel's 128-row tile (129, 130: a second tile of one or two patches), empty images.
+TOKEN_LENGTHS = (1, 2, 0, 63, 64, 65, 129, 130, 197, 0)
+
+
+def _token_case(lengths, channels, dtype, device, gen, num_prefix=1, kind="random"):
+    """Rows, fp32 scores, a keep mask dropping about half the patches (prefix rows kept) and offsets. ``dyadic``:
+    scores in 1/64 steps and small integer rows, so that every partial sum of the token is exact."""
+    cu = cu_seqlens_from_counts(torch.tensor(lengths))
+    total = int(cu[-1])
+    if kind == "dyadic":
+        x = torch.randint(-8, 9, (total, channels), generator=gen).float()
+        scores = torch.randint(0, 65, (total,), generator=gen).float() / 64
+    else:
+        x = torch.randn(total, channels, generator=gen)
+        scores = torch.rand(total, generator=gen)
+    keep = torch.rand(total, generator=gen) < 0.5
+    for start in cu[:-1].tolist():
+        keep[start : start + num_prefix] = True
+    return x.to(device, dtype), scores.to(device), keep.to(device), cu.to(device)
+
+
+def _exact(x, scores, keep, cu, num_prefix):
+    """float64 ``[B, C]``: each image's sum over its dropped patch rows, the sum of the terms' magnitudes, and the
+    patches ``[B]`` of each image."""
+    x64, s64, keep, bounds = x.double().cpu(), scores.double().cpu(), keep.cpu(), cu.tolist()
+    batch, channels = len(bounds) - 1, x.shape[1]
+    sums = torch.zeros(batch, channels, dtype=torch.float64)
+    magnitudes = torch.zeros(batch, channels, dtype=torch.float64)
+    patches = torch.zeros(batch, dtype=torch.float64)
+    for b, (start, end) in enumerate(zip(bounds[:-1], bounds[1:], strict=True)):
+        first = min(start + num_prefix, end)
+        rows = first + torch.nonzero(~keep[first:end]).flatten()
+        terms = s64[rows, None] * x64[rows]
+        sums[b], magnitudes[b], patches[b] = terms.sum(0), terms.abs().sum(0), end - first
+    return sums, magnitudes, patches
+
+
+def _check_token(x, scores, keep, cu, num_prefix, kind):
+    """The module's rule on random inputs; bit for bit the exact sum rounded to x's dtype on dyadic ones."""
+    got = evit.fused_token(x, scores, keep, cu, num_prefix=num_prefix)
+    exact, magnitudes, patches = _exact(x, scores, keep, cu, num_prefix)
+    assert got.dtype == x.dtype and got.shape == exact.shape and got.device == x.device
+    if kind == "dyadic":
+        assert torch.equal(got.cpu(), exact.to(x.dtype)), (got.cpu() - exact.to(x.dtype)).abs().max()
+        return
+    acc = torch.promote_types(x.dtype, torch.float32)
+    roundings = torch.ceil(patches / evit._BLOCK_T) + evit._BLOCK_T
+    allowed = (roundings * torch.finfo(acc).eps / 2 + patches * 2.0**-53)[:, None] * magnitudes
+    if x.dtype != acc:  # one more rounding, to x's dtype
+        info = torch.finfo(x.dtype)
+        allowed = info.eps / 2 * exact.abs() + 2 * allowed + info.smallest_normal * info.eps / 2
+    over = (got.double().cpu() - exact).abs() - allowed
+    assert bool((over <= 0).all()), f"{over.max().item():.3g} over the rule"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("channels", [8, 72])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_prefix", [0, 1, 2])
+def test_fused_token_matches_float64_interpreter(num_prefix, dtype, channels, gen):
+    for kind in ("random", "dyadic"):
+        _check_token(*_token_case(TOKEN_LENGTHS, channels, dtype, "cpu", gen, num_prefix, kind), num_prefix, kind)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("kind", ["random", "dyadic"])
+def test_fused_token_float64_rows_interpreter(kind, gen):
+    _check_token(*_token_case(TOKEN_LENGTHS, 40, torch.float64, "cpu", gen, 1, kind), 1, kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("channels", [64, 72, 200, 768])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_prefix", [0, 1, 2])
+def test_fused_token_matches_float64_gpu(num_prefix, dtype, channels, gen):
+    ragged = tuple(torch.randint(0, 198, (64,), generator=gen).tolist())
+    for lengths in (TOKEN_LENGTHS, (197,), (197,) * 4, ragged, (577,) * 16):
+        for kind in ("random", "dyadic"):
+            _check_token(*_token_case(lengths, channels, dtype, "cuda", gen, num_prefix, kind), num_prefix, kind)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["random", "dyadic"])
+def test_fused_token_float64_rows_gpu(kind, gen):
+    _check_token(*_token_case(TOKEN_LENGTHS, 200, torch.float64, "cuda", gen, 1, kind), 1, kind)
+
+
+def _reads_dropped_patches_only(device, gen, channels):
+    """NaN in every kept row (x and score) and in the prefix rows, which are also marked dropped: nothing changes, bit
+    for bit; an image that drops nothing (all kept, empty, prefix rows only) gets zeros; strided rows read alike."""
+    lengths = (65, 0, 2, 130, 1, 40)
+    x, scores, keep, cu = _token_case(lengths, channels, torch.float16, device, gen, num_prefix=2)
+    keep[cu[3] : cu[4]] = True  # the 130-row image drops nothing
+    want = evit.fused_token(x, scores, keep, cu, num_prefix=2)
+    prefix = torch.zeros_like(keep)
+    for start, end in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True):
+        prefix[start : min(start + 2, end)] = True
+    poisoned_x, poisoned_scores = x.clone(), scores.clone()
+    poisoned_x[keep | prefix] = float("nan")
+    poisoned_scores[keep | prefix] = float("nan")
+    wide = torch.full((x.shape[0], channels + 24), float("nan"), dtype=x.dtype, device=device)
+    wide[:, 8 : 8 + channels] = poisoned_x
+    for rows in (poisoned_x, wide[:, 8 : 8 + channels]):
+        got = evit.fused_token(rows, poisoned_scores, keep & ~prefix, cu, num_prefix=2)
+        assert torch.equal(got, want)
+    nothing = torch.tensor([False, True, True, True, True, False], device=device)  # images 1, 2, 3, 4
+    assert bool((want[nothing] == 0).all()) and bool((want[~nothing] != 0).any())
+
+
+@pytest.mark.interpreter
+def test_fused_token_reads_dropped_patches_only_interpreter(gen):
+    _reads_dropped_patches_only("cpu", gen, 40)
+
+
+@pytest.mark.gpu
+def test_fused_token_reads_dropped_patches_only_gpu(gen):
+    _reads_dropped_patches_only("cuda", gen, 768)
+
+
+def _isolated(device, gen, channels, dtype):
+    """Changing the middle image's rows, scores and mask changes no other image's token, bit for bit; an image's
+    token is the same bits alone as in any batch."""
+    lengths = (197, 130, 65)
+    x, scores, keep, cu = _token_case(lengths, channels, dtype, device, gen)
+    got = evit.fused_token(x, scores, keep, cu)
+    start, end = int(cu[1]), int(cu[2])
+    x2, scores2, keep2 = x.clone(), scores.clone(), keep.clone()
+    x2[start:end] = torch.randn(end - start, channels, generator=gen).to(x)
+    scores2[start:end] = torch.rand(end - start, generator=gen).to(scores)
+    keep2[start + 1 : end] = ~keep2[start + 1 : end]
+    again = evit.fused_token(x2, scores2, keep2, cu)
+    assert torch.equal(again[[0, 2]], got[[0, 2]]) and not torch.equal(again[1], got[1])
+    for b in range(len(lengths)):
+        rows = slice(int(cu[b]), int(cu[b + 1]))
+        alone = cu_seqlens_from_counts(torch.tensor([lengths[b]])).to(device)
+        assert torch.equal(evit.fused_token(x[rows], scores[rows], keep[rows], alone)[0], got[b])
+
+
+@pytest.mark.interpreter
+def test_fused_token_isolation_interpreter(gen):
+    _isolated("cpu", gen, 40, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_token_isolation_gpu(dtype, gen):
+    _isolated("cuda", gen, 768, dtype)
+
+
+def _poisoned_output(device, gen, channels, dtype):
+    """Every element of a NaN-filled ``out`` is overwritten, with the same bits as a fresh call, run after run."""
+    x, scores, keep, cu = _token_case((197, 0, 1, 150, 65), channels, dtype, device, gen)
+    want = evit.fused_token(x, scores, keep, cu)
+    out = torch.full_like(want, float("nan"))
+    assert evit.fused_token_unchecked(x, scores, keep, cu, 1, out) is out
+    assert torch.equal(out, want) and torch.equal(evit.fused_token(x, scores, keep, cu), want)
+    return x, scores, keep, cu, want
+
+
+@pytest.mark.interpreter
+def test_fused_token_overwrites_poisoned_output_interpreter(gen):
+    _poisoned_output("cpu", gen, 40, torch.float16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_token_overwrites_poisoned_output_and_replays_gpu(dtype, gen):
+    """And without a device-to-host sync, captured in a CUDA graph and replayed over a poisoned output: the eager
+    bits."""
+    x, scores, keep, cu, want = _poisoned_output("cuda", gen, 768, dtype)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            token = evit.fused_token(x, scores, keep, cu)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    token.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(token, want)
+
+
+def _bad_token_calls():
+    x, s, keep, cu = torch.randn(10, 8), torch.rand(10), torch.ones(10, dtype=torch.bool), torch.tensor([0, 4, 10])
+    cu = cu.int()
+    return [
+        (lambda: evit.fused_token(x.numpy(), s, keep, cu), "x"),
+        (lambda: evit.fused_token(x[:, 0], s, keep, cu), "x"),
+        (lambda: evit.fused_token(x.int(), s, keep, cu), "x"),
+        (lambda: evit.fused_token(x[:, :0], s, keep, cu), "x"),
+        (lambda: evit.fused_token(x, s.half(), keep, cu), "scores"),
+        (lambda: evit.fused_token(x, s[:9], keep, cu), "scores"),
+        (lambda: evit.fused_token(x, torch.rand(20)[::2], keep, cu), "scores"),
+        (lambda: evit.fused_token(x, s, keep.int(), cu), "keep"),
+        (lambda: evit.fused_token(x, s, keep[:, None], cu), "keep"),
+        (lambda: evit.fused_token(x, s, torch.ones(20, dtype=torch.bool)[::2], cu), "keep"),
+        (lambda: evit.fused_token(x, s, keep, cu.long()), "cu_seqlens"),
+        (lambda: evit.fused_token(x, s, keep, torch.tensor([0, 4, 9], dtype=torch.int32)), "cu_seqlens"),
+        (lambda: evit.fused_token(x, s, keep, cu, num_prefix=-1), "num_prefix"),
+        (lambda: evit.fused_token(x, s, keep, cu, num_prefix=True), "num_prefix"),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize("index", range(len(_bad_token_calls())))
+def test_fused_token_bad_input_raises_before_launch(index, forbid_launch):
+    forbid_launch(evit, "_fused_token_launcher")
+    call, word = _bad_token_calls()[index]
+    with pytest.raises((ValueError, TypeError), match=word):
+        call()

@@ -15,19 +15,22 @@ Same decisions as :class:`ragged_vit.reference.pruners.EViTPruner` given the sam
 scores agree with the reference's to fp32 rounding (the kernels sum in another order), so two patches whose scores
 differ only in their last bits may swap places at the cut: the tests bound how many rows may differ.
 
-The fused token, ``extra[b] = sum of score[t] * x[t]`` over image ``b``'s dropped patch rows, is the reference's sum
-in another order: ``_fused_token_kernel`` (one program per image and 32-channel block: 24 programs for one DeiT-B
-image, 768 channels) walks its image's patches in tiles of 128 rows; lane ``i`` of the tile adds rows ``first + i``,
-``first + i + 128``, ... in sequence, then the lanes are summed in a tree (its shape is the compiler's, fixed for
-one compiled kernel: the same bits run after run, eager or replayed, and an image's token depends on its own rows
-only). The accumulator is the reference's ``promote_types(x.dtype, float32)``, so the rule is fp32 (fp64 for fp64
-``x``) rounding: every term passes through at most ``L = ceil(patches / 128) + 128`` roundings (its product, its
-lane's adds, the lanes' tree), so the sum is within ``L * u * sum_t |score[t] * x[t]|`` of the exact one (``u``
-the accumulator's unit roundoff, ``2**-24`` in fp32; in practice a few ``u`` of it), then rounded once to ``x``'s
-dtype. Inputs whose every partial sum is exact (dyadic scores, small integer rows) give the exact sum rounded to
-``x``'s dtype in any order, bit for bit. The reference multiplies every row by its masked weight, so a NaN or an
-infinity in a kept row turns its token into NaN (``0 * inf``); here only the dropped patches are read, as the
-official code gathers them: kept and prefix rows never reach the token.
+The fused token, ``extra[b] = sum of score[t] * x[t]`` over image ``b``'s dropped patch rows (zeros where it drops
+none, an empty image included), is the reference's sum in another order. ``_fused_token_kernel`` (one program per
+image and 32-channel block: 24 programs for one DeiT-B image of 768 channels; no atomics, no host read) walks its
+image's patches in tiles of 128 rows: lane ``i`` adds rows ``first + i``, ``first + i + 128``, ... in sequence, then
+the lanes are summed in a tree whose shape is the compiler's, fixed for one compiled kernel (one per dtype, ``C`` and
+16-byte alignment of ``x`` and of its row stride; the pipelines' contiguous rows always take the same one). Hence the
+same bits run after run, eager or replayed from a CUDA graph, and an image's token depends on its own rows only.
+
+The rule: the sum runs in the reference's accumulator, ``promote_types(x.dtype, float32)`` (fp32; fp64 for fp64
+rows), and every term passes through at most ``L = ceil(patches / 128) + 128`` roundings (its product, its lane's
+adds, the lanes' tree), so the sum is within ``L * u * sum_t |score[t] * x[t]|`` of the exact one (``u`` the
+accumulator's unit roundoff, ``2**-24`` in fp32; random rows land within a few ``u`` of that sum of magnitudes), then
+it is rounded once to ``x``'s dtype. Where every partial sum is exact (dyadic scores, small integer rows) that is the
+exact sum rounded to ``x``'s dtype, bit for bit, in any order. The reference multiplies every row by its masked
+weight, so a NaN or an infinity in a kept row makes its token NaN (``0 * inf``); here only the dropped patches are
+read, as the official code gathers them: kept and prefix rows never reach the token.
 
 :func:`evit_select` is the drop-in for ``pruner(inp)``; it is registered as the pruner's fused decision on CUDA
 (:mod:`ragged_vit.core.decisions`), which the pipelines use.
