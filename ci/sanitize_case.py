@@ -4,8 +4,8 @@ Run on the GPU machine from the repo root: ``compute-sanitizer --tool memcheck p
 Mixed lengths (1..577), a fused extra token, a capacity-bounded repack and a too-small capacity, fp16 and bf16,
 head dims 32 to 256 (80: padded inside the kernel), attention with and without a key bias (aligned, and one element
 off an aligned address);
-then the pruners' decision kernels (Threshold-L2, ATS) on the same kind of batch, with an image longer than the
-bound, empty images, NaN rows, and 0 or 5 prefix rows.
+then the pruners' decision kernels (Threshold-L2, ATS, EViT with its fused token, DynamicViT) on the same kind of
+batch, with an image longer than the bound, empty images, NaN rows, and 0, 1 or 5 prefix rows.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 
 from ragged_vit.core.segments import cu_seqlens_from_counts
 from ragged_vit.core.selection import DecisionInput
-from ragged_vit.reference.pruners import ATSPruner
-from ragged_vit.triton_impl import ats, select
+from ragged_vit.reference.pruners import ATSPruner, DynamicViTPruner, EViTPruner
+from ragged_vit.triton_impl import ats, dynamicvit, evit, select
 from ragged_vit.triton_impl import attention as ta
 from ragged_vit.triton_impl import pack as tp
 from ragged_vit.triton_impl import threshold_l2 as tl2
@@ -39,6 +39,14 @@ def decisions(device: str, gen: torch.Generator) -> None:
     select.rank_keep(scores, cu, 577, count=98, num_prefix=1)
     select.rank_keep(scores, cu, 577, threshold=float(scores.nanmedian()), min_keep=1, num_prefix=0)
     ats.ats_select(ATSPruner(), DecisionInput(qkv[:, :768], cu, 0, 572, None, qkv, 12, 0.125, num_prefix=5))
+    keep = select.rank_keep(scores, cu, 577, rate=0.5)[0]
+    for prefix in (0, 1, 5):
+        evit.fused_token(qkv[:, :768], scores, keep, cu, num_prefix=prefix)
+        inp = DecisionInput(qkv[:, :768], cu, 0, 577 - prefix, None, qkv, 12, 0.125, num_prefix=prefix)
+        evit.evit_select(EViTPruner(rate=0.5, fuse_token=True).to(device), inp)
+        predictor = DynamicViTPruner(768).to(device, torch.float16)
+        dynamicvit.dynamicvit_select(predictor, DecisionInput(qkv[:, :768], cu, 0, 577 - prefix, num_prefix=prefix))
+    evit.fused_token(qkv[:, 8:208], scores, keep, cu)  # odd channels, misaligned strided rows
 
 
 def main() -> None:
