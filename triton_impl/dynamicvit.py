@@ -1,37 +1,357 @@
-"""DynamicViT's keep decision fused: its predictor, then one rank-select kernel (:mod:`ragged_vit.triton_impl.select`;
-the reference: ``reference/pruners/dynamicvit.py``).
+"""DynamicViT's keep decision in four Triton launches (the reference: ``reference/pruners/dynamicvit.py``).
 
-The predictor runs as the reference runs it (the same module and ops: the same scores); the per-image top-k, ~35
-small kernels of sorts, scans and gathers in the reference (``segment_rank``), is one launch that also counts the kept
-rows. Same decisions as :class:`ragged_vit.reference.pruners.DynamicViTPruner`, bit for bit.
+The reference runs the predictor (``PredictorLG``) as ~25 small torch ops and ranks with ~35 more (sorts, scans,
+gathers): 100-280 us per stage of a graphed DeiT-B forward on an H100, slower than the blocks it saves. Here:
+
+1. ``_in_conv_kernel`` (a program per 32 or 64 rows and a share of the ``C`` output columns): each row's LayerNorm
+   statistics (recomputed by every program of a row tile: a re-read of its rows from L2, no extra launch), then
+   ``z = GELU(LayerNorm(x) @ W1^T + b1)`` with ``tl.dot``, stored ``[T, C]`` in the model dtype (the width
+   ``tl.dot`` reads next, and where the reference rounds).
+2. ``_global_kernel`` (a program per image and 32 hidden columns): the image's mean of the global half
+   ``z[:, C/2:]`` over its patch rows (prefix rows excluded; an image without patches divides by 1), summed row
+   after row in a fixed order (no atomics: bit-reproducible, graph == eager), then the global half of the second
+   layer once per image: ``g = glob @ W2[:, C/2:]^T + b2``, fp32 ``[B, C/2]``.
+3. ``_out_conv_kernel`` (a program per image and 16 or 64 of its rows): ``h1 = GELU(z[:, :C/2] @ W2[:, :C/2]^T +
+   g)`` in chunks of 64 columns, each chunk accumulated at once into ``h2 += h1_chunk @ W3^T[chunk]`` (``h1``
+   never leaves the program), then ``GELU(h2 + b3) @ W4^T + b4`` and the keep log-probability, fp32 ``[T]``.
+4. the rank-select kernel of :mod:`ragged_vit.triton_impl.select` (``count`` mode): each image's top
+   ``max(keep_patches, min_patches)`` patches by rank, NaN first and ties to the earlier row as ``torch.sort``
+   orders them, and the kept counts.
+
+The kernels read the predictor's own parameters in the model dtype (through their strides: no copies); every GEMM
+accumulates in fp32 (``tl.dot``, IEEE fp32 for an fp32 model, not TF32). They round where the reference's ops
+round, to the model dtype: the LayerNorm output, each Linear's output, each GELU's output, the mean's sum and
+quotient (and the patch count, as the reference divides by it in the model dtype), the logits and the
+log-probability, computed as torch's ``log_softmax`` computes it (``l0 - m - log(exp(l0 - m) + exp(l1 - m))``,
+``m = max(l0, l1)``: a saturated score is 0 as in torch, and non-finite logits give what torch gives). In fp16 or
+bf16 the score is therefore quantised as the reference's is, and the ties that quantisation makes are broken by
+row as the reference breaks them.
+
+What differs from the reference: the order of the fp32 sums (GEMM tiles, LayerNorm statistics, the mean) and the
+exp/log/erf approximations. So the scores agree to within fp32 rounding in fp32 (``rtol = 1e-5``), and in fp16 or
+bf16 to within a few units in the last place of the model dtype, where a rounding the two sides make differently
+flips an intermediate by one unit. Rule for the decisions: the keep mask is the pruner's wherever the pruner's own
+score margin at its image's cut exceeds twice that bound; equal rows of an image get bit-identical scores (ties go
+to the earlier row as in the reference); a NaN row of an image makes its image's mean, hence every score of the
+image NaN, as in the reference, and NaN scores rank first. An image's scores never depend on another image's
+values (bit for bit). The tile sizes depend on the batch's total rows (``_tiles``), so an image's scores may
+differ in their last bits between batches of different sizes; never between runs or between graph and eager.
 
 :func:`dynamicvit_select` is the drop-in for ``pruner(inp)``; it is registered as the pruner's fused decision on CUDA
-(:mod:`ragged_vit.core.decisions`), which the pipelines use.
+(:mod:`ragged_vit.core.decisions`), which the pipelines use. :func:`dynamicvit_scores` is the predictor alone.
+No host synchronisation: ``inp.row_bound`` (a host int) sizes the grids, never the work's correctness.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
 from ragged_vit.core.decisions import register_decision
 from ragged_vit.core.segments import uniform_length
 from ragged_vit.core.selection import DecisionInput, TokenSelection
-from ragged_vit.reference.pruners.dynamicvit import DynamicViTPruner
+from ragged_vit.core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
+from ragged_vit.reference.pruners.dynamicvit import DynamicViTPruner, PredictorLG
+from ragged_vit.triton_impl.cls_attention import aligned, image_rows
+from ragged_vit.triton_impl.launcher import CompiledLauncher
 from ragged_vit.triton_impl.select import rank_keep_unchecked
+
+_SQRT1_2 = 0.7071067811865476
+
+
+@triton.jit
+def _gelu(v):
+    """Exact (erf) GELU in fp32, as torch writes it."""
+    return v * 0.5 * (1.0 + tl.math.erf(v * _SQRT1_2))
+
+
+@triton.jit
+def _rounded(v, DTYPE: tl.constexpr):
+    """``v`` rounded to the model dtype, as fp32 (a no-op for an fp32 model)."""
+    return v.to(DTYPE).to(tl.float32)
+
+
+@triton.jit(do_not_specialize=["total"])
+def _in_conv_kernel(
+    X, LN_W, LN_B, W1, B1, Z, total, stride_xt, stride_xc, stride_wn, stride_wk, eps,
+    C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    dtype = Z.dtype.element_ty
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_rows = rows < total
+    x_rows = X + rows.to(tl.int64)[:, None] * stride_xt
+    offs_k = tl.arange(0, BLOCK_K)
+    # LayerNorm statistics in two passes (mean, then the mean square of x - mean), fp32.
+    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, C, BLOCK_K):
+        k = k0 + offs_k
+        mask = in_rows[:, None] & (k < C)[None, :]
+        acc += tl.sum(tl.load(x_rows + k[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32), 1)
+    mean = acc / C
+    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, C, BLOCK_K):
+        k = k0 + offs_k
+        mask = in_rows[:, None] & (k < C)[None, :]
+        v = tl.load(x_rows + k[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
+        d = tl.where(mask, v - mean[:, None], 0.0)
+        acc += tl.sum(d * d, 1)
+    rstd = tl.math.rsqrt(acc / C + eps)
+    # Grid-stride loop over the output column tiles: the grid's second axis splits them among programs.
+    for n0 in range(tl.program_id(1) * BLOCK_N, C, tl.num_programs(1) * BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        in_n = offs_n < C
+        out = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, C, BLOCK_K):
+            k = k0 + offs_k
+            in_k = k < C
+            mask = in_rows[:, None] & in_k[None, :]
+            v = tl.load(x_rows + k[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
+            gamma = tl.load(LN_W + k, mask=in_k, other=0.0).to(tl.float32)
+            beta = tl.load(LN_B + k, mask=in_k, other=0.0).to(tl.float32)
+            normed = (v - mean[:, None]) * rstd[:, None] * gamma[None, :] + beta[None, :]
+            normed = tl.where(mask, normed, 0.0).to(dtype)  # the LayerNorm's output, in the model dtype
+            w = tl.load(W1 + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
+                        mask=in_k[:, None] & in_n[None, :], other=0.0)  # fmt: skip  # W1^T [BLOCK_K, BLOCK_N]
+            out = tl.dot(normed, w, out, input_precision="ieee")
+        bias = tl.load(B1 + offs_n, mask=in_n, other=0.0).to(tl.float32)
+        z = _gelu(_rounded(out + bias[None, :], dtype)).to(dtype)
+        tl.store(Z + rows.to(tl.int64)[:, None] * C + offs_n[None, :], z, mask=in_rows[:, None] & in_n[None, :])
+
+
+@triton.jit(do_not_specialize=["total", "num_prefix"])
+def _global_kernel(
+    Z, CU, W2, PARTS, total, num_prefix, stride_wn, stride_wk,
+    C: tl.constexpr, LOCAL: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    dtype = Z.dtype.element_ty
+    b = tl.program_id(0)
+    chunk = tl.program_id(1)
+    start, end = image_rows(CU, b, total)
+    first = tl.minimum(start + num_prefix, end)  # the image's first patch row
+    k = LOCAL + chunk * BLOCK_G + tl.arange(0, BLOCK_G)
+    in_k = k < C
+    # The reference's sum (torch.segment_reduce): row after row, rounded to the model dtype at every step.
+    acc = tl.zeros([BLOCK_G], dtype=tl.float32)
+    patch_rows = Z + first.to(tl.int64) * C + k
+    for i in range(0, end - first):
+        acc = _rounded(acc + tl.load(patch_rows + i * C, mask=in_k, other=0.0).to(tl.float32), dtype)
+    count = _rounded(tl.maximum(end - first, 1).to(tl.float32), dtype)  # the reference divides in the model dtype
+    glob = _rounded(tl.math.div_rn(acc, count), dtype)
+    # This chunk's share of glob @ W2[:, C/2:]^T, summed over the chunks by the third kernel (a fixed order).
+    parts = PARTS + (b.to(tl.int64) * tl.num_programs(1) + chunk) * HIDDEN
+    for h0 in range(0, HIDDEN, BLOCK_H):
+        offs_h = h0 + tl.arange(0, BLOCK_H)
+        in_h = offs_h < HIDDEN
+        w = tl.load(W2 + offs_h[:, None] * stride_wn + k[None, :] * stride_wk, mask=in_h[:, None] & in_k[None, :],
+                    other=0.0)  # fmt: skip  # [BLOCK_H, BLOCK_G]
+        tl.store(parts + offs_h, tl.sum(w.to(tl.float32) * glob[None, :], 1), mask=in_h)
+
+
+@triton.jit(do_not_specialize=["total"])
+def _out_conv_kernel(
+    Z, CU, PARTS, W2, B2, W3, B3, W4, B4, SCORES, total, stride_w2n, stride_w2k, stride_w3n, stride_w3k,
+    stride_w4n, stride_w4k, C: tl.constexpr, LOCAL: tl.constexpr, HIDDEN: tl.constexpr, NARROW: tl.constexpr,
+    CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    dtype = Z.dtype.element_ty
+    b = tl.program_id(0)
+    start, end = image_rows(CU, b, total)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_n = tl.arange(0, BLOCK_N)
+    in_n = offs_n < NARROW
+    b3 = tl.load(B3 + offs_n, mask=in_n, other=0.0).to(tl.float32)
+    w4_keep = tl.load(W4 + offs_n * stride_w4k, mask=in_n, other=0.0).to(tl.float32)
+    w4_drop = tl.load(W4 + stride_w4n + offs_n * stride_w4k, mask=in_n, other=0.0).to(tl.float32)
+    b4_keep = tl.load(B4).to(tl.float32)
+    b4_drop = tl.load(B4 + 1).to(tl.float32)
+    # Grid-stride loop over this image's row tiles: the grid's second axis is only a bound on the work.
+    for r0 in range(start + tl.program_id(1) * BLOCK_M, end, tl.num_programs(1) * BLOCK_M):
+        rows = r0 + offs_m
+        in_rows = rows < end
+        z_rows = Z + rows.to(tl.int64)[:, None] * C
+        h2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for h0 in range(0, HIDDEN, BLOCK_H):
+            offs_h = h0 + tl.arange(0, BLOCK_H)
+            in_h = offs_h < HIDDEN
+            h1 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
+            for k0 in range(0, LOCAL, BLOCK_K):
+                k = k0 + offs_k
+                in_k = k < LOCAL
+                local = tl.load(z_rows + k[None, :], mask=in_rows[:, None] & in_k[None, :], other=0.0)
+                w = tl.load(W2 + offs_h[None, :] * stride_w2n + k[:, None] * stride_w2k,
+                            mask=in_k[:, None] & in_h[None, :], other=0.0)  # fmt: skip  # [BLOCK_K, BLOCK_H]
+                h1 = tl.dot(local, w, h1, input_precision="ieee")
+            g = tl.zeros([BLOCK_H], dtype=tl.float32)  # the image's glob @ W2[:, C/2:]^T, from the chunks' shares
+            for c in range(CHUNKS):
+                g += tl.load(PARTS + (b.to(tl.int64) * CHUNKS + c) * HIDDEN + offs_h, mask=in_h, other=0.0)
+            g += tl.load(B2 + offs_h, mask=in_h, other=0.0).to(tl.float32)
+            h1 = _gelu(_rounded(h1 + g[None, :], dtype)).to(dtype)
+            w = tl.load(W3 + offs_n[None, :] * stride_w3n + offs_h[:, None] * stride_w3k,
+                        mask=in_h[:, None] & in_n[None, :], other=0.0)  # fmt: skip  # W3^T [BLOCK_H, BLOCK_N]
+            h2 = tl.dot(h1, w, h2, input_precision="ieee")
+        h2 = _rounded(_gelu(_rounded(h2 + b3[None, :], dtype)), dtype)
+        keep = _rounded(tl.sum(h2 * w4_keep[None, :], 1) + b4_keep, dtype)
+        drop = _rounded(tl.sum(h2 * w4_drop[None, :], 1) + b4_drop, dtype)
+        # log_softmax(logits)[0] in torch's form; a NaN logit makes the score NaN (NaN compares false).
+        peak = tl.where(keep >= drop, keep, drop)
+        score = (keep - peak) - tl.log(tl.exp(keep - peak) + tl.exp(drop - peak))
+        tl.store(SCORES + rows, _rounded(score, dtype), mask=in_rows)
+
+
+_in_conv_launcher = CompiledLauncher(_in_conv_kernel)
+_global_launcher = CompiledLauncher(_global_kernel)
+_out_conv_launcher = CompiledLauncher(_out_conv_kernel)
+
+
+@dataclass(frozen=True)
+class _Tiles:
+    """Launch shape of the predictor's kernels for a batch size (untuned: chosen for enough programs at T=197)."""
+
+    rows_in: int  # rows per program of the first layer
+    cols_in: int  # output columns per step of the first layer
+    rows_out: int  # rows per program of the second to fourth layers
+    num_warps: int
+
+
+_SMALL_ROWS = 2048  # up to ~10 DeiT images: small tiles for more programs; larger batches want larger tiles
+_SMALL = _Tiles(rows_in=32, cols_in=64, rows_out=16, num_warps=4)
+_LARGE = _Tiles(rows_in=64, cols_in=128, rows_out=64, num_warps=8)
+_TARGET_PROGRAMS = 256  # the first layer splits its columns among programs until about this many (H100: 132 SMs)
+_BLOCK_K = 64  # reduction step of every GEMM
+_BLOCK_H = 64  # hidden columns of the second layer per step of the third
+_GLOBAL_COLUMNS = 32  # columns of the global half per program of the mean (12 programs per DeiT-B image)
+
+
+def _tiles(total: int) -> _Tiles:
+    return _SMALL if total <= _SMALL_ROWS else _LARGE
+
+
+def _block(width: int, cap: int) -> int:
+    """A power-of-two tile of at least 16 (``tl.dot``'s least) and at most ``cap`` covering ``width`` if it can."""
+    return min(cap, max(16, triton.next_power_of_2(width)))
+
+
+def _layers(predictor: PredictorLG) -> tuple[torch.nn.Module, ...]:
+    """The predictor's LayerNorm and four Linears (their checkpoint names: in_conv.0/1, out_conv.0/2/4)."""
+    (norm, fc1, _), (fc2, _, fc3, _, fc4, _) = predictor.in_conv, predictor.out_conv
+    return norm, fc1, fc2, fc3, fc4
+
+
+def _scores(
+    predictor: PredictorLG, x: torch.Tensor, cu: torch.Tensor, max_seqlen: int, num_prefix: int
+) -> torch.Tensor:
+    """The predictor's keep log-probability of every row, fp32 ``[T]`` (prefix rows included), in three launches;
+    inputs checked (``x`` in the predictor's dtype and width, on its device)."""
+    norm, fc1, fc2, fc3, fc4 = _layers(predictor)
+    total, channels = x.shape
+    batch = cu.shape[0] - 1
+    local, hidden, narrow = channels // 2, fc2.out_features, fc3.out_features
+    scores = torch.empty(total, dtype=torch.float32, device=x.device)
+    if total == 0:
+        return scores
+    z = torch.empty(total, channels, dtype=x.dtype, device=x.device)
+    chunks = triton.cdiv(channels - local, _GLOBAL_COLUMNS)
+    parts = torch.empty(batch, chunks, hidden, dtype=torch.float32, device=x.device)
+    device = x.get_device()
+    tiles = _tiles(total)
+    ok = aligned(x, cu, z, parts, scores, *predictor.parameters())
+    w1, w2, w3, w4 = fc1.weight, fc2.weight, fc3.weight, fc4.weight
+
+    row_tiles = triton.cdiv(total, tiles.rows_in)
+    col_tiles = triton.cdiv(channels, tiles.cols_in)
+    grid = (row_tiles, min(col_tiles, triton.cdiv(_TARGET_PROGRAMS, row_tiles)))
+    block_k = _block(channels, _BLOCK_K)
+    args = (
+        x, norm.weight, norm.bias, w1, fc1.bias, z, total, *x.stride(), *w1.stride(), float(norm.eps), channels,
+        tiles.rows_in, tiles.cols_in, block_k,
+    )  # fmt: skip
+    key = (x.dtype, channels, tiles, x.stride(), w1.stride()) if ok else None
+    _in_conv_launcher(key, device, grid, args, num_warps=tiles.num_warps, num_stages=2)
+
+    args = (z, cu, w2, parts, total, num_prefix, *w2.stride(), channels, local, hidden, _GLOBAL_COLUMNS, _BLOCK_H)
+    key = (x.dtype, channels, w2.stride()) if ok else None
+    _global_launcher(key, device, (batch, chunks), args, num_warps=1, num_stages=3)
+
+    blocks = (_block(local, _BLOCK_K), _block(hidden, _BLOCK_H), max(16, triton.next_power_of_2(narrow)))
+    args = (
+        z, cu, parts, w2, fc2.bias, w3, fc3.bias, w4, fc4.bias, scores, total, *w2.stride(), *w3.stride(),
+        *w4.stride(), channels, local, hidden, narrow, chunks, tiles.rows_out, *blocks,
+    )  # fmt: skip
+    key = (x.dtype, channels, tiles, w2.stride(), w3.stride(), w4.stride()) if ok else None
+    grid = (batch, triton.cdiv(max_seqlen, tiles.rows_out))
+    _out_conv_launcher(key, device, grid, args, num_warps=tiles.num_warps, num_stages=2)
+    return scores
+
+
+def _check_predictor(predictor: object, x: torch.Tensor, name: str) -> None:
+    """``x`` is the predictor's input: its width, dtype and device."""
+    if not isinstance(predictor, PredictorLG):
+        raise TypeError(f"predictor must be a PredictorLG, got {type(predictor).__name__}")
+    norm = predictor.in_conv[0]
+    if x.shape[1] != norm.normalized_shape[0]:
+        raise ValueError(f"{name} must have {norm.normalized_shape[0]} channels (the predictor's), got {x.shape[1]}")
+    for pname, p in predictor.named_parameters():
+        if p.dtype != x.dtype or p.device != x.device:
+            raise ValueError(
+                f"the predictor's parameters must be in {name}'s dtype and on its device ({x.dtype}, {x.device}), got "
+                f"{pname} in {p.dtype} on {p.device}"
+            )
+
+
+def dynamicvit_scores(
+    predictor: PredictorLG,
+    x: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    num_prefix: int = 1,
+    check_values: bool | None = None,
+) -> torch.Tensor:
+    """DynamicViT's predictor in three launches: the kernels' twin of ``predictor(x, cu_seqlens, num_prefix)[:, 0]``
+    as fp32 (see the module docstring for the rounding), no host synchronisation.
+
+    Args:
+        predictor: a :class:`PredictorLG` in ``x``'s dtype, on its device.
+        x: ``[T, C]`` packed rows (any strides).
+        cu_seqlens: int32 ``[B+1]`` offsets of the rows.
+        max_seqlen: a bound on the image lengths that sizes the grid (an underestimate is slower, never wrong).
+        num_prefix: prefix rows at the start of every image, excluded from the mean (their scores are computed
+            all the same, as the reference's are, and mean nothing).
+        check_values: read ``cu_seqlens`` to validate it (default: only on the CPU).
+
+    Returns:
+        fp32 ``[T]``: every row's keep log-probability.
+    """
+    check_tensor(x, "x", ndim=2, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+    _check_predictor(predictor, x, "x")
+    cu = check_cu_seqlens(cu_seqlens, total=x.shape[0], device=x.device, check_values=check_values)
+    check_max_seqlen(max_seqlen)
+    check_int(num_prefix, "num_prefix", 0)
+    return _scores(predictor, x, cu, max_seqlen, num_prefix)
 
 
 def dynamicvit_select(pruner: DynamicViTPruner, inp: DecisionInput) -> TokenSelection:
-    """``pruner(inp)`` through one rank-select kernel: the same :class:`TokenSelection`, kept counts included."""
+    """``pruner(inp)`` in four launches: the same :class:`TokenSelection` (up to the score rounding the module
+    docstring states), kept counts included."""
     if not isinstance(pruner, DynamicViTPruner):
         raise TypeError(f"pruner must be a DynamicViTPruner, got {type(pruner).__name__}")
-    return _select(pruner, pruner.check_input(inp))
+    inp = pruner.check_input(inp)
+    _check_predictor(pruner.score_predictor[inp.stage], inp.x, "inp.x")
+    check_max_seqlen(inp.row_bound, "inp.max_seqlen")
+    return _select(pruner, inp)
 
 
 @register_decision(DynamicViTPruner)
 def _select(pruner: DynamicViTPruner, inp: DecisionInput) -> TokenSelection:
     """:func:`dynamicvit_select` on checked input: the fused decision the pipelines look up."""
-    x, cu, prefix = inp.x, inp.cu_seqlens, inp.num_prefix
-    score = pruner.score_predictor[inp.stage](x, cu, prefix)[:, 0].float().contiguous()
+    x, cu, prefix, bound = inp.x, inp.cu_seqlens, inp.num_prefix, inp.row_bound
+    scores = _scores(pruner.score_predictor[inp.stage], x, cu, bound, prefix)
     k = max(pruner.keep_patches(inp.stage, inp.num_patches), inp.min_patches)
-    keep, kept = rank_keep_unchecked(score, cu, inp.row_bound, None, k, None, 0, prefix)
+    keep, kept = rank_keep_unchecked(scores, cu, bound, None, k, None, 0, prefix)
     current = uniform_length(cu, x.shape[0])
     count = None if current is None else prefix + pruner.count_after(inp.stage, current - prefix, inp.num_patches)
     return TokenSelection(keep, kept, fixed_count=count is not None, count=count)
