@@ -59,13 +59,11 @@ from ragged_vit.triton_impl.cls_attention import aligned, image_rows
 from ragged_vit.triton_impl.launcher import CompiledLauncher
 from ragged_vit.triton_impl.select import rank_keep_unchecked
 
-_SQRT1_2 = 0.7071067811865476
-
 
 @triton.jit
 def _gelu(v):
     """Exact (erf) GELU in fp32, as torch writes it."""
-    return v * 0.5 * (1.0 + tl.math.erf(v * _SQRT1_2))
+    return v * 0.5 * (1.0 + tl.math.erf(v * 0.7071067811865476))
 
 
 @triton.jit
