@@ -9,15 +9,18 @@ forward: kernel count, summed kernel time ("busy"), CUDA-event time of back-to-b
 and host waits) and the per-kind split. ``--compile-blocks`` adds the pipelines with ``compile_blocks=True``,
 ``--sync-free-rows R`` the runners with ``TokenBuckets(sync_free_rows=R)``, ``--serial-decisions`` the runners with
 ``overlap_decisions=False``, ``--eager`` timm eager and the eager pipelines (no graphs; their "host ops" column counts
-the top-level aten ops per forward, the host dispatches besides the Triton launches, which the kernel count
-includes). ``--workloads`` takes ``WORKLOAD:KEEP`` (keep rate 0.5 by default). Details go to ``--out`` (JSON).
+the top-level aten ops per forward, the host dispatches besides the Triton launches, which the kernel count includes;
+``--host-profile N`` adds cProfile's top N functions of each eager row). ``--workloads`` takes ``WORKLOAD:KEEP`` (keep
+rate 0.5 by default). Details go to ``--out`` (JSON).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import functools
 import json
+import pstats
 import re
 from collections import defaultdict
 
@@ -110,6 +113,9 @@ def main() -> None:
     )
     parser.add_argument("--serial-decisions", action="store_true", help="also the runners with overlap_decisions=False")
     parser.add_argument("--eager", action="store_true", help="also timm eager and the eager pipelines (no graphs)")
+    parser.add_argument(
+        "--host-profile", type=int, default=0, metavar="N", help="with --eager: cProfile's top N functions per row"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -157,6 +163,12 @@ def main() -> None:
                 forward = GraphedPrunedViT(pv, buckets, overlap_decisions=overlap).run if graphed else pv.run
             first_s = elapsed([functools.partial(forward, images[0])], lab.device)
             r = profile_forward(forward, images)
+            if args.host_profile and not graphed:
+                host = cProfile.Profile()
+                for img in images * 10:
+                    host.runcall(forward, img)
+                print(f"host profile of {label} at B={batch} ({10 * len(images)} forwards):")
+                pstats.Stats(host).sort_stats("tottime").print_stats(args.host_profile)
             r.update(batch=batch, pipeline=label, img_per_s=batch / r["span_us"] * 1e6, first_call_s=first_s)
             results["rows"].append(r)
             none = {"count": 0, "us": 0}
