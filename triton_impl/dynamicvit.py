@@ -56,7 +56,7 @@ from ragged_vit.core.selection import DecisionInput, TokenSelection
 from ragged_vit.core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
 from ragged_vit.reference.pruners.dynamicvit import DynamicViTPruner, PredictorLG
 from ragged_vit.triton_impl.cls_attention import aligned, image_rows
-from ragged_vit.triton_impl.launcher import CompiledLauncher
+from ragged_vit.triton_impl.launcher import INTERPRETED, CompiledLauncher
 from ragged_vit.triton_impl.select import rank_keep_unchecked
 
 
@@ -123,6 +123,7 @@ def _in_conv_kernel(
 def _global_kernel(
     Z, CU, W2, PARTS, total, num_prefix, stride_wn, stride_wk,
     C: tl.constexpr, LOCAL: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):  # fmt: skip
     dtype = Z.dtype.element_ty
     b = tl.program_id(0)
@@ -131,12 +132,17 @@ def _global_kernel(
     first = tl.minimum(start + num_prefix, end)  # the image's first patch row
     k = LOCAL + chunk * BLOCK_G + tl.arange(0, BLOCK_G)
     in_k = k < C
-    # The reference's sum (torch.segment_reduce): row after row, rounded to the model dtype at every step.
+    # The reference's sum (torch.segment_reduce): row after row, rounded to the model dtype at every step. UNROLL
+    # rows a step: their loads do not wait for the sum, so they are all in flight at once (a row past the image
+    # adds 0, which changes no sum).
     acc = tl.zeros([BLOCK_G], dtype=tl.float32)
+    patches = end - first
     patch_rows = Z + first.to(tl.int64) * C + k
-    for i in range(0, end - first):
-        acc = _rounded(acc + tl.load(patch_rows + i * C, mask=in_k, other=0.0).to(tl.float32), dtype)
-    count = _rounded(tl.maximum(end - first, 1).to(tl.float32), dtype)  # the reference divides in the model dtype
+    for i0 in range(0, patches, UNROLL):
+        for u in tl.static_range(UNROLL):
+            row = tl.load(patch_rows + (i0 + u) * C, mask=in_k & (i0 + u < patches), other=0.0)
+            acc = _rounded(acc + row.to(tl.float32), dtype)
+    count = _rounded(tl.maximum(patches, 1).to(tl.float32), dtype)  # the reference divides in the model dtype
     glob = _rounded(tl.math.div_rn(acc, count), dtype)
     # This chunk's share of glob @ W2[:, C/2:]^T, summed over the chunks by the third kernel (a fixed order).
     parts = PARTS + (b.to(tl.int64) * tl.num_programs(1) + chunk) * HIDDEN
@@ -222,6 +228,9 @@ _TARGET_PROGRAMS = 256  # the first layer splits its columns among programs unti
 _BLOCK_K = 64  # reduction step of every GEMM
 _BLOCK_H = 64  # hidden columns of the second layer per step of the third
 _GLOBAL_COLUMNS = 32  # columns of the global half per program of the mean (12 programs per DeiT-B image)
+# Rows of the mean's sequential sum loaded at once: one L2 round trip per 32 rows (the interpreter, which runs the
+# unrolled loads one by one, takes fewer: the same sum).
+_MEAN_UNROLL = 4 if INTERPRETED else 32
 
 
 def _tiles(total: int) -> _Tiles:
@@ -270,7 +279,8 @@ def _scores(
     key = (x.dtype, channels, tiles, x.stride(), w1.stride()) if ok else None
     _in_conv_launcher(key, device, grid, args, num_warps=tiles.num_warps, num_stages=2)
 
-    args = (z, cu, w2, parts, total, num_prefix, *w2.stride(), channels, local, hidden, _GLOBAL_COLUMNS, _BLOCK_H)
+    args = (z, cu, w2, parts, total, num_prefix, *w2.stride(), channels, local, hidden, _GLOBAL_COLUMNS, _BLOCK_H,
+            _MEAN_UNROLL)  # fmt: skip
     key = (x.dtype, channels, w2.stride()) if ok else None
     _global_launcher(key, device, (batch, chunks), args, num_warps=1, num_stages=3)
 
