@@ -1,23 +1,25 @@
 """ragged_vit.triton_impl.dynamicvit against ragged_vit.reference.pruners.DynamicViTPruner (its predictor, PredictorLG).
 
-Tolerance rules. The kernels round where the reference's ops round and sum in fp32 in another order, so:
+Tolerance rules. The kernels round where the reference's ops round and sum the GEMMs in fp32 in another order, so:
 
 * scores: ``|s - s_ref| <= rtol * |s_ref| + atol`` with ``rtol = 1e-5, atol = 1e-6`` in fp32 and ``rtol = 2 * eps,
   atol = 1e-6`` in fp16 / bf16 (``eps`` of the model dtype: 2 to 4 units in the last place of a score near
   ``log 0.5``); NaN exactly where the reference has NaN. Measured on the CPU: 2e-7 relative in fp32, one unit in the
-  last place in fp16 (where the CPU's fp16 ``log_softmax`` rounds its log-sum to fp16; the GPU's, which the kernel
-  follows, does not: the kernel's scores are bit for bit the GPU form applied to the reference's logits here).
-* decisions (the margin rule): kept counts are the pruner's; in an image whose cut the reference's scores straddle
-  with ``s_last_kept - s_first_dropped > 2 b`` (``b`` the bound above at the cut) the mask is the pruner's; within
-  2 b of the cut, a row the pruner keeps with ``s <= s_first_dropped + 2 b`` or drops with ``s >= s_last_kept - 2 b``
-  may be decided the other way, no other row. Equal rows of an image score bit for bit alike (ties go to the
-  earlier row, as in the reference); an image with a NaN patch row scores NaN throughout and is decided as the
-  reference decides it (NaN first, then by row), bit for bit.
+  last place in fp16, all of it from the CPU's fp16 ``log_softmax``, which rounds its log-sum to fp16 where the
+  GPU's (the form the kernel follows) does not: applied to the reference's own logits, the GPU form gave the
+  kernel's scores bit for bit.
+* decisions (the margin rule), with ``b`` the bound above at an image's cut: kept counts are the pruner's; where the
+  reference's last kept and first dropped scores are more than ``2 b`` apart, the image's mask is the pruner's;
+  nearer, a row the pruner keeps with ``s <= s_first_dropped + 2 b`` or drops with ``s >= s_last_kept - 2 b`` may be
+  decided the other way, no other row. Equal rows of an image score bit for bit alike (ties go to the earlier row,
+  as in the reference); an image with a NaN patch row scores NaN throughout and is decided as the reference decides
+  it (NaN first, then by row), bit for bit.
 * the conformance lab (:mod:`ragged_vit.testing.decision`, near-tie rule ``exact=False``) in fp32 on the CPU, fp32
   and fp16 on a GPU. Not fp16 on the CPU: the CPU's fp16 ``log_softmax`` above moves about half the scores by one
   unit, and a random predictor's scores lie within a few fp16 units of each other, so more than the lab's
   ``max(2, T // 500)`` rows change sides. Not bf16: its 8-bit scores tie in groups at the cut, where a single
-  rounding flip moves two rows; bf16 decisions are checked by the margin rule.
+  rounding flip moves two rows (an emulation of the kernel's rounding with another fp32 summation order exceeded the
+  lab's budget in about one case in 60); bf16 decisions are checked by the margin rule.
 """
 
 from __future__ import annotations
@@ -262,7 +264,8 @@ def test_nan_rows_gpu(dtype, gen):
 
 def _isolation(device, dtype, channels, gen):
     """Changing image 1's rows changes no other image's scores or decisions, bit for bit; a strided ``x`` (every
-    other column of a wider tensor) scores as its contiguous copy, bit for bit."""
+    other column of a wider tensor) scores as its contiguous copy (to the tolerance: its loads, so the order of its
+    LayerNorm sums, may differ)."""
     pruner = _pruner(channels, dtype, device)
     x, cu = _case((40, 70, 9), channels, dtype, device, gen)
     wide = torch.randn(x.shape[0], 2 * channels, generator=gen).to(device, dtype)
@@ -270,7 +273,8 @@ def _isolation(device, dtype, channels, gen):
     strided = wide[:, ::2]
     predictor = pruner.score_predictor[0]
     scores = dynamicvit.dynamicvit_scores(predictor, x, cu, 70)
-    assert torch.equal(dynamicvit.dynamicvit_scores(predictor, strided, cu, 70), scores)
+    rtol, atol = _tolerance(dtype)
+    torch.testing.assert_close(dynamicvit.dynamicvit_scores(predictor, strided, cu, 70), scores, rtol=rtol, atol=atol)
     changed = x.clone()
     changed[40:110] = torch.randn(70, channels, generator=gen).to(device, dtype)
     again = dynamicvit.dynamicvit_scores(predictor, changed, cu, 70)

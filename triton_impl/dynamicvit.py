@@ -4,42 +4,47 @@ The reference runs the predictor (``PredictorLG``) as ~25 small torch ops and ra
 gathers): 100-280 us per stage of a graphed DeiT-B forward on an H100, slower than the blocks it saves. Here:
 
 1. ``_in_conv_kernel`` (a program per 32 or 64 rows and a share of the ``C`` output columns): each row's LayerNorm
-   statistics (recomputed by every program of a row tile: a re-read of its rows from L2, no extra launch), then
-   ``z = GELU(LayerNorm(x) @ W1^T + b1)`` with ``tl.dot``, stored ``[T, C]`` in the model dtype (the width
-   ``tl.dot`` reads next, and where the reference rounds).
-2. ``_global_kernel`` (a program per image and 32 hidden columns): the image's mean of the global half
-   ``z[:, C/2:]`` over its patch rows (prefix rows excluded; an image without patches divides by 1), summed row
-   after row in a fixed order (no atomics: bit-reproducible, graph == eager), then the global half of the second
-   layer once per image: ``g = glob @ W2[:, C/2:]^T + b2``, fp32 ``[B, C/2]``.
-3. ``_out_conv_kernel`` (a program per image and 16 or 64 of its rows): ``h1 = GELU(z[:, :C/2] @ W2[:, :C/2]^T +
-   g)`` in chunks of 64 columns, each chunk accumulated at once into ``h2 += h1_chunk @ W3^T[chunk]`` (``h1``
-   never leaves the program), then ``GELU(h2 + b3) @ W4^T + b4`` and the keep log-probability, fp32 ``[T]``.
-4. the rank-select kernel of :mod:`ragged_vit.triton_impl.select` (``count`` mode): each image's top
-   ``max(keep_patches, min_patches)`` patches by rank, NaN first and ties to the earlier row as ``torch.sort``
-   orders them, and the kept counts.
+   statistics (two passes, recomputed by every program of a row tile: a re-read of its rows from L2 instead of a
+   launch), then ``z = GELU(LayerNorm(x) @ W1^T + b1)`` with ``tl.dot``, stored ``[T, C]`` in the model dtype.
+2. ``_global_kernel`` (a program per image and 32 columns of the global half ``z[:, C/2:]``): the image's sum over
+   its patch rows (prefix rows excluded) in the reference's order, row after row (``torch.segment_reduce``), then
+   the mean (an image without patches divides by 1) and that chunk's share of the second layer's global half,
+   ``glob[chunk] @ W2[:, C/2 + chunk]^T``, fp32 ``[B, chunks, C/2]``. No atomics: the same bits on every run, in a
+   graph or not.
+3. ``_out_conv_kernel`` (a program per image and 16 or 64 of its rows): ``g = b2 + sum of the shares`` (in chunk
+   order), ``h1 = GELU(z[:, :C/2] @ W2[:, :C/2]^T + g)`` in chunks of 64 columns, each chunk accumulated at once
+   into ``h2 += h1_chunk @ W3^T[chunk]`` (``h1`` never leaves the program), then ``GELU(h2 + b3) @ W4^T + b4`` and
+   the keep log-probability, fp32 ``[T]`` (every row's, prefix rows included, as the reference computes them).
+4. the rank-select kernel of :mod:`ragged_vit.triton_impl.select` (``count`` mode, after a memset of the kept
+   counts): each image's top ``max(keep_patches, min_patches)`` patches, NaN first and ties to the earlier row as
+   the reference ranks them (``segment_rank``: ``torch.sort`` order), and the kept counts.
 
-The kernels read the predictor's own parameters in the model dtype (through their strides: no copies); every GEMM
-accumulates in fp32 (``tl.dot``, IEEE fp32 for an fp32 model, not TF32). They round where the reference's ops
-round, to the model dtype: the LayerNorm output, each Linear's output, each GELU's output, the mean's sum and
-quotient (and the patch count, as the reference divides by it in the model dtype), the logits and the
-log-probability, computed as torch's ``log_softmax`` computes it (``l0 - m - log(exp(l0 - m) + exp(l1 - m))``,
-``m = max(l0, l1)``: a saturated score is 0 as in torch, and non-finite logits give what torch gives). In fp16 or
-bf16 the score is therefore quantised as the reference's is, and the ties that quantisation makes are broken by
-row as the reference breaks them.
+The kernels read the predictor's own parameters in the model dtype, through their strides (no copies, no cache: a
+changed parameter is read at the next call); every GEMM accumulates in fp32 (``tl.dot``; IEEE fp32, not TF32, for
+an fp32 model). They round where the reference's ops round, to the model dtype: the LayerNorm's output, each
+Linear's output, each GELU's output, every step of the mean's sum, the patch count and the quotient (the reference
+divides in the model dtype), the logits and the log-probability, computed as torch's CUDA ``log_softmax`` computes
+it: ``(l0 - m) - log(exp(l0 - m) + exp(l1 - m))`` in fp32, ``m = max(l0, l1)`` (a saturated keep scores exactly 0
+as in torch, where ``-softplus`` would give a tiny negative; non-finite logits give what torch gives). So in fp16
+and bf16 the scores are quantised as the reference's are, and the ties that quantisation makes are broken by row as
+the reference breaks them.
 
-What differs from the reference: the order of the fp32 sums (GEMM tiles, LayerNorm statistics, the mean) and the
-exp/log/erf approximations. So the scores agree to within fp32 rounding in fp32 (``rtol = 1e-5``), and in fp16 or
-bf16 to within a few units in the last place of the model dtype, where a rounding the two sides make differently
-flips an intermediate by one unit. Rule for the decisions: the keep mask is the pruner's wherever the pruner's own
-score margin at its image's cut exceeds twice that bound; equal rows of an image get bit-identical scores (ties go
-to the earlier row as in the reference); a NaN row of an image makes its image's mean, hence every score of the
-image NaN, as in the reference, and NaN scores rank first. An image's scores never depend on another image's
-values (bit for bit). The tile sizes depend on the batch's total rows (``_tiles``), so an image's scores may
-differ in their last bits between batches of different sizes; never between runs or between graph and eager.
+What still differs: the order of the GEMMs' fp32 sums and of the LayerNorm statistics, and the exp/log
+approximations; where the two sides round an intermediate differently it moves by one unit in the last place. The
+scores agree to ``rtol = 1e-5`` in fp32 and to ``2 eps`` relative (2 to 4 units in the last place of a score near
+``log 0.5``) in fp16 and bf16 (``tests/test_triton_dynamicvit.py``; on the CPU, whose fp16 ``log_softmax`` also
+rounds its log-sum to fp16, one unit). Rule for the decisions, with ``b`` that bound at an image's cut: the kept
+counts are the pruner's; where the pruner's own scores at the cut are more than ``2 b`` apart (last kept minus
+first dropped) the image's mask is the pruner's; closer, only rows within ``2 b`` of the cut may change sides.
+Equal rows of an image score bit for bit alike (ties go to the earlier row, as in the reference); a NaN patch row
+makes its image's mean, hence every score of the image, NaN, as in the reference, and the image is decided as the
+reference decides it (NaN first, then by row). An image's scores never depend on another image's values, bit for
+bit. The tile shapes depend on the batch's total rows (``_tiles``), so an image's scores may differ in their last
+bits between batches of different totals; never between runs, nor between a graph and eager calls.
 
 :func:`dynamicvit_select` is the drop-in for ``pruner(inp)``; it is registered as the pruner's fused decision on CUDA
-(:mod:`ragged_vit.core.decisions`), which the pipelines use. :func:`dynamicvit_scores` is the predictor alone.
-No host synchronisation: ``inp.row_bound`` (a host int) sizes the grids, never the work's correctness.
+(:mod:`ragged_vit.core.decisions`), which the pipelines use. :func:`dynamicvit_scores` is the predictor alone. No
+host synchronisation: ``inp.row_bound`` (a host int) sizes a grid, never the result.
 """
 
 from __future__ import annotations
