@@ -112,6 +112,7 @@ def build_pipeline(
     backend: str | AttentionBackend = "reference",
     *,
     checkpoint: str | os.PathLike | None = None,
+    strip_prefix: str | None = None,
     model_kwargs: dict[str, object] | None = None,
     **options: object,
 ) -> PrunedViT:
@@ -120,8 +121,11 @@ def build_pipeline(
     Random weights unless ``checkpoint`` is given (or timm's own local-file loading: ``model_kwargs=dict(
     pretrained=True, pretrained_cfg_overlay=dict(file=PATH))``). ``model_kwargs`` go to ``timm.create_model``
     (:func:`ragged_vit.pipelines.weights.create_model`: e.g. ``num_classes``, ``img_size``); ``options`` (the pruner's
-    own) go to :func:`build_pruner`.
+    own) go to :func:`build_pruner`. ``strip_prefix`` (``"module."`` for a ``DistributedDataParallel`` checkpoint) goes
+    to :func:`ragged_vit.pipelines.weights.load_checkpoint` with ``checkpoint``.
     """
+    if strip_prefix is not None and checkpoint is None:
+        raise ValueError("strip_prefix applies to a checkpoint: give checkpoint= too")
     if model_kwargs is not None and not isinstance(model_kwargs, dict):
         raise TypeError(
             f"model_kwargs must be a dict of timm.create_model arguments, got {type(model_kwargs).__name__}"
@@ -131,5 +135,5 @@ def build_pipeline(
     model = create_model(model_name, **(model_kwargs or {}))
     pruner_module = build_pruner(pruner, model, keep_rate, **options)
     if checkpoint is not None:
-        load_checkpoint(model, pruner_module, checkpoint)
+        load_checkpoint(model, pruner_module, checkpoint, strip_prefix=strip_prefix)
     return PrunedViT(model, pruner_module, backend)

@@ -252,6 +252,10 @@ def test_ddp_prefix_is_suggested_and_stripped(tmp_path, gen):
     load_checkpoint(loaded.model, loaded.pruner, path, strip_prefix="module.")
     x = torch.randn(2, 3, 224, 224, generator=gen)
     assert torch.equal(loaded(x), source(x))
+    built = _seeded_pipeline("dynamicvit", seed=2, checkpoint=path, strip_prefix="module.")  # the factory passes it on
+    assert torch.equal(built(x), source(x))
+    with pytest.raises(ValueError, match="strip_prefix applies to a checkpoint"):
+        _seeded_pipeline("dynamicvit", seed=2, strip_prefix="module.")
     plain = tmp_path / "plain.pth"
     torch.save(source.model.state_dict(), plain)
     with pytest.raises(ValueError, match=rf"{re.escape(str(plain))}: no key starts with strip_prefix 'module.'"):
