@@ -40,9 +40,9 @@ def decisions(device: str, gen: torch.Generator) -> None:
     select.rank_keep(scores, cu, 577, threshold=float(scores.nanmedian()), min_keep=1, num_prefix=0)
     ats.ats_select(ATSPruner(), DecisionInput(qkv[:, :768], cu, 0, 572, None, qkv, 12, 0.125, num_prefix=5))
     keep = select.rank_keep(scores, cu, 577, rate=0.5)[0]
-    for prefix in (0, 1, 5):
+    for prefix in (0, 1, 5):  # EViT scores by the class token: at least one prefix row
         evit.fused_token(qkv[:, :768], scores, keep, cu, num_prefix=prefix)
-        inp = DecisionInput(qkv[:, :768], cu, 0, 577 - prefix, None, qkv, 12, 0.125, num_prefix=prefix)
+        inp = DecisionInput(qkv[:, :768], cu, 0, 577 - prefix, None, qkv, 12, 0.125, num_prefix=max(prefix, 1))
         evit.evit_select(EViTPruner(rate=0.5, fuse_token=True).to(device), inp)
         predictor = DynamicViTPruner(768).to(device, torch.float16)
         dynamicvit.dynamicvit_select(predictor, DecisionInput(qkv[:, :768], cu, 0, 577 - prefix, num_prefix=prefix))
