@@ -1,11 +1,12 @@
 """CUDA-graph runner of a pruned ViT: the whole pruned forward replayed without per-kernel host dispatch.
 
 :class:`GraphedPrunedViT` wraps a :class:`ragged_vit.pipelines.model.PrunedViT` and executes the pipeline's forward
-plan (:attr:`PrunedViT.plan`, :mod:`ragged_vit.pipelines.plan`) from CUDA graphs captured on first use, per batch
-size, running every step but the repack through :meth:`PrunedViT.run_step`. What is captured depends on the plan:
+plan (:meth:`PrunedViT.plan_for` the images' size, :mod:`ragged_vit.pipelines.plan`) from CUDA graphs captured on
+first use, per input shape (batch size and image size), running every step but the repack through
+:meth:`PrunedViT.run_step`. What is captured depends on the plan:
 
 * **Fixed counts** (DynamicViT, EViT, Threshold-L2 ratio, or no pruner): every shape is known on the host, so
-  ``PrunedViT.run`` itself is captured whole, in ONE graph per batch size. A call copies the images into the
+  ``PrunedViT.run`` itself is captured whole, in ONE graph per input shape. A call copies the images into the
   graph's input buffer and replays it: no host synchronisation at all.
 * **Variable counts** (ATS, Threshold-L2 threshold/calibrated): the plan cuts the forward before every stage's
   repack into segments (:attr:`ForwardPlan.segments`). Segment 0 runs the embedding, the dense blocks and the packed
@@ -31,7 +32,13 @@ whatever those rows hold stays in them; packing, the counts and the head read th
 ``tests/test_graphs.py`` fills them with NaN. After a read, capacities are at most ``min(step, N)`` rows apart,
 so the one padding image is never longer than ``max_seqlen`` (rounded up from ``max(longest, padding)``).
 
-**Buffers and memory.** Graphs read and write only static buffers of their batch size, allocated outside the
+**Image sizes.** A model built with ``dynamic_img_size=True`` takes one image size per batch, any multiple of the
+patch size (:meth:`PrunedViT.check_images`). Static buffers, graph keys (:data:`GraphKey`) and the plan a forward
+follows are all per ``(B, H, W)``: a new size allocates its own buffers and captures its own graphs (its token count,
+capacities and row bounds are its own), and a graph captured for one size never replays for another. ``batch_sizes``
+and ``max_graphs`` count over every size.
+
+**Buffers and memory.** Graphs read and write only static buffers of their input shape, allocated outside the
 graph memory pool: the input images (model dtype), logits, counts and, for variable counts, the state at a
 decision handed from one graph to the next (residual stream, keep mask, kept counts; double-buffered, so a graph
 never overwrites its own input when it runs twice: warm-up, then replay), every segment's offsets and the two
@@ -48,7 +55,7 @@ CPU tests check the buckets and the padding image.
 
 **Outputs.** :meth:`GraphedPrunedViT.run` returns a :class:`PrunedOutput` with logits and counts, cloned from the
 static buffers (with ``clone_outputs=False`` they are the buffers themselves, overwritten by the next call with
-the same batch size), and no selections: the decisions stay on the device.
+the same batch and image size), and no selections: the decisions stay on the device.
 
 **Misuse.** A runner is bound to its pipeline as it was at the first call: every parameter and buffer (storage
 pointer and version counter), the backend object, the pruner object and its settings (``extra_repr``, e.g. a
@@ -95,8 +102,8 @@ class SegmentShape(NamedTuple):
 
 
 GraphKey = tuple
-"""``(B,)`` for a whole fixed-count forward; ``(B, SegmentShape, ...)`` for consecutive segments of a
-variable-count forward replayed as one graph (from one host read to the next)."""
+"""``(B, H, W)`` (batch and image size) for a whole fixed-count forward; ``(B, H, W, SegmentShape, ...)`` for
+consecutive segments of a variable-count forward replayed as one graph (from one host read to the next)."""
 
 
 @dataclass(frozen=True)
@@ -107,7 +114,7 @@ class GraphMemory:
         graphs: number of captured graphs.
         pool_bytes: bytes reserved by the graph memory pool (the graphs' temporaries; shared with any other user
             of the same pool; 0 before the first capture).
-        buffer_bytes: bytes of the static buffers (inputs, outputs, stage state) of every batch size.
+        buffer_bytes: bytes of the static buffers (inputs, outputs, stage state) of every input shape.
         keys: the captured graphs (see :data:`GraphKey`).
     """
 
@@ -129,15 +136,20 @@ class GraphCounters:
 
 
 class _Buffers:
-    """The static tensors of one batch size, allocated outside the graph pool and kept until ``reset()``."""
+    """The static tensors of one input shape ``(B, H, W)``, allocated outside the graph pool and kept until
+    ``reset()``, with the plan of that image size."""
 
-    def __init__(self, pipeline: PrunedViT, batch: int, tokens: int, variable: bool) -> None:
+    def __init__(self, pipeline: PrunedViT, batch: int, size: tuple[int, int]) -> None:
         model = pipeline.model
         dtype, device = pipeline.dtype, pipeline.device
         channels = model.patch_embed.proj.in_channels
         width = model.num_classes if model.num_classes > 0 else model.embed_dim
         self.batch = batch
-        self.images = torch.empty((batch, channels, *pipeline.image_size), dtype=dtype, device=device)
+        self.key: GraphKey = (batch, *size)  # every graph key of this shape starts with it
+        self.plan = plan = pipeline.plan_for(size)
+        self.tokens = tokens = plan.tokens  # N: rows of an unpruned image of this size
+        variable = not plan.fixed
+        self.images = torch.empty((batch, channels, *size), dtype=dtype, device=device)
         self.logits = torch.empty((batch, width), dtype=dtype, device=device)
         self.counts = torch.zeros((batch, pipeline.num_stages), dtype=torch.long, device=device)
         # Variable counts: the decision handed from one graph to the next, two sides (a graph reads one side and
@@ -206,13 +218,14 @@ class GraphedPrunedViT:
             ``sync_free_rows=1024`` when the pruner has several variable-count stages (ATS: 9 host reads per
             forward; skipping them below 1024 rows measured 1.15-1.26x faster at batch 1-4 on an H100) and 0 for
             one (Threshold-L2 threshold/calibrated: 0.96-1.02x, so its one read stays).
-        batch_sizes: the batch sizes graphs are captured for; others run ``PrunedViT.run``. None: any.
+        batch_sizes: the batch sizes graphs are captured for (at every image size); others run ``PrunedViT.run``.
+            None: any.
         max_graphs: at most this many graphs; beyond, segments run eagerly on the static buffers. None: no limit.
         pool: a CUDA graph memory pool (``torch.cuda.graph_pool_handle()``) to share, e.g. with other runners
             replayed on the same stream; None creates one.
         warmup: eager runs on a side stream before each capture.
         clone_outputs: return copies of the static output buffers (else the buffers, overwritten by the next call
-            with the same batch size).
+            with the same batch and image size).
         overlap_decisions: inside a chain of read-free segments, run each mid-block decision on a second stream
             beside its block's MLP half (applied before the repack; see the module docstring). False: one
             stream, the MLP after the repack.
@@ -246,20 +259,20 @@ class GraphedPrunedViT:
         self.clone_outputs = bool(clone_outputs)
         self.overlap_decisions = bool(overlap_decisions)
         self.counters = GraphCounters()
-        self._plan = pipeline.plan
-        self._tokens = self._plan.tokens  # N: rows of an unpruned image
+        self._plan = pipeline.plan  # the steps, segments and fixedness are the same at every image size
         if buckets is None:
             buckets = TokenBuckets(sync_free_rows=AUTO_SYNC_FREE_ROWS if len(self._plan.segments) > 2 else 0)
         self.buckets = buckets
         self._pool = pool
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self._buffers: dict[int, _Buffers] = {}
+        self._buffers: dict[tuple[int, int, int], _Buffers] = {}  # by (B, H, W)
         self._binding: _Binding | None = None
         self._side_stream: torch.cuda.Stream | None = None  # where decisions run beside an MLP half
 
     @property
     def plan(self) -> ForwardPlan:
-        """The pipeline's forward plan, which says how the forward is cut into graphs (:attr:`ForwardPlan.segments`)."""
+        """The pipeline's forward plan at its default image size, which says how the forward is cut into graphs
+        (:attr:`ForwardPlan.segments`; the same cuts at every size, other row bounds: :meth:`PrunedViT.plan_for`)."""
         return self._plan
 
     def __call__(
@@ -271,7 +284,8 @@ class GraphedPrunedViT:
 
     @torch.no_grad()
     def run(self, images: torch.Tensor) -> PrunedOutput:
-        """The forward of ``images`` (on the model's device, at its input size): logits and counts, no selections."""
+        """The forward of ``images`` (on the model's device, at an input size it takes: its own, or with
+        ``dynamic_img_size`` any multiple of the patch size): logits and counts, no selections."""
         pipeline = self.pipeline
         if pipeline.training:
             raise RuntimeError("GraphedPrunedViT is inference only: call .eval() on the pipeline")
@@ -282,10 +296,11 @@ class GraphedPrunedViT:
             return pipeline.run(images)
         if self._binding is None:
             self._bind(images)
-        bufs = self._buffers.get(batch) or self._allocate(batch)
+        key = (batch, *images.shape[-2:])
+        bufs = self._buffers.get(key) or self._allocate(key)
         bufs.images.copy_(images)
-        if self._plan.fixed:
-            self._launch((batch,), functools.partial(self._whole, bufs))
+        if bufs.plan.fixed:
+            self._launch(bufs.key, functools.partial(self._whole, bufs))
             self._binding.check(pipeline)
         else:
             self._run_segments(bufs)
@@ -325,10 +340,11 @@ class GraphedPrunedViT:
             )
         self._binding = _Binding(pipeline)
 
-    def _allocate(self, batch: int) -> _Buffers:
+    def _allocate(self, key: tuple[int, int, int]) -> _Buffers:
+        batch, *size = key
         with torch.inference_mode(False):  # normal tensors: writable inside and outside inference mode
-            self._buffers[batch] = _Buffers(self.pipeline, batch, self._tokens, not self._plan.fixed)
-        return self._buffers[batch]
+            self._buffers[key] = _Buffers(self.pipeline, batch, tuple(size))
+        return self._buffers[key]
 
     def _launch(self, key: GraphKey, fn: Callable[[], None]) -> None:
         """Replays the graph of ``key``, capturing it first if allowed; else runs ``fn`` eagerly."""
@@ -372,7 +388,7 @@ class GraphedPrunedViT:
 
     def _run_segments(self, bufs: _Buffers) -> None:
         """A variable-count forward: the segments from one host read to the next, each run one graph."""
-        batch, tokens, plan = bufs.batch, self._tokens, self._plan
+        batch, tokens, plan = bufs.batch, bufs.tokens, bufs.plan
         chain = [SegmentShape(0, batch * tokens, tokens, 0)]  # segment 0: the whole dense batch
         for index in range(1, len(plan.segments)):
             previous, rows = chain[-1], plan.row_bounds[index]
@@ -390,8 +406,8 @@ class GraphedPrunedViT:
     def _launch_chain(self, bufs: _Buffers, chain: list[SegmentShape]) -> None:
         # A chain that hands its decision to the next graph is one segment (the capacity never grows, so once a
         # stage skips its read every later one does): its sides (read (j - 1) % 2, write j % 2) differ.
-        assert len(chain) == 1 or chain[-1].index == len(self._plan.segments) - 1
-        self._launch((bufs.batch, *chain), functools.partial(self._chain, bufs, tuple(chain)))
+        assert len(chain) == 1 or chain[-1].index == len(bufs.plan.segments) - 1
+        self._launch((*bufs.key, *chain), functools.partial(self._chain, bufs, tuple(chain)))
         if chain[0].index == 0:
             self._binding.check(self.pipeline)  # on the host, while the first graph runs
 
@@ -405,11 +421,11 @@ class GraphedPrunedViT:
         offsets after the real ones, into ``bufs.cu[j]``). Every other step is the pipeline's own
         (:meth:`PrunedViT.run_step`).
         """
-        pipeline, batch = self.pipeline, bufs.batch
+        pipeline, batch, plan = self.pipeline, bufs.batch, bufs.plan
         state = self._chain_input(bufs, chain[0])
         mlp_done = False  # the MLP half after a repack already ran beside its decision
         for shape in chain:
-            for step in self._plan.segments[shape.index]:
+            for step in plan.segments[shape.index]:
                 if step.kind is StepKind.REPACK:
                     self._repack(bufs, shape, state)
                 elif step.kind is StepKind.MLP and mlp_done:
@@ -420,10 +436,10 @@ class GraphedPrunedViT:
                 else:
                     pipeline.run_step(step, state)
         last = chain[-1]
-        if last.index == len(self._plan.segments) - 1:
+        if last.index == len(plan.segments) - 1:
             bufs.logits.copy_(state.logits)
             offsets = bufs.cu[1:, : batch + 1]  # every stage's real offsets
-            prefix = self._plan.num_prefix  # rows after each stage, prefix rows excluded
+            prefix = plan.num_prefix  # rows after each stage, prefix rows excluded
             bufs.counts.copy_((offsets[:, 1:] - offsets[:, :-1] - prefix).t())
         else:
             self._store(bufs, last, state)
@@ -435,7 +451,8 @@ class GraphedPrunedViT:
             return ForwardState(batch, bufs.images, cu_seqlens=bufs.cu[0, : batch + 1])
         side = (index - 1) % 2
         selection = TokenSelection(bufs.keep[side], bufs.kept[side])
-        return ForwardState(batch, bufs.x[side], bufs.cu[index - 1, : batch + 1], selection=selection)
+        num_patches = bufs.tokens - bufs.plan.num_prefix  # FRONT sets it in segment 0
+        return ForwardState(batch, bufs.x[side], num_patches, bufs.cu[index - 1, : batch + 1], selection=selection)
 
     def _repack(self, bufs: _Buffers, shape: SegmentShape, state: ForwardState) -> None:
         """REPACK into ``shape.capacity`` rows, padding images and offsets into ``bufs.cu[shape.index]``."""
@@ -447,7 +464,7 @@ class GraphedPrunedViT:
             )
         cu = bufs.cu[index, : batch + 1 + shape.pads]
         state.x, _, _ = triton_pack.repack_unchecked(
-            state.x, state.cu_seqlens[: batch + 1], sel.keep, self._plan.row_bounds[index - 1],
+            state.x, state.cu_seqlens[: batch + 1], sel.keep, bufs.plan.row_bounds[index - 1],
             capacity=shape.capacity, kept=sel.kept[:batch], padding_images=shape.pads, padding_len=shape.max_seqlen,
             cu_out=cu,
         )  # fmt: skip  # [capacity, C]; rows from the real total on are not written
@@ -467,7 +484,8 @@ class GraphedPrunedViT:
         bufs.kept[side].copy_(kept)
 
     def _overlaps(self, step: Step) -> bool:
-        """Whether a decision inside a chain runs beside the MLP half that follows its repack."""
+        """Whether a decision inside a chain runs beside the MLP half that follows its repack (the same at every
+        image size)."""
         return self.overlap_decisions and self._plan.stage_at(step).mlp_beside is not None
 
     def _decide_beside_mlp(self, step: Step, state: ForwardState) -> None:

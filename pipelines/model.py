@@ -32,7 +32,15 @@ replayed selections); the steps call the kernels' unchecked entry points.
 Supported: timm ``VisionTransformer`` and its subclasses with any number of prefix tokens (class, distillation,
 register tokens, or none), every timm pooling (``token``, ``avg``, ``max``, ``avgmax``, ``map``:
 :mod:`ragged_vit.pipelines.heads`), blocks from the first stage on being timm ``Block``/``Attention``; inference only
-(eval mode). ``docs/models.md`` lists the tested families. Not supported: ``dynamic_img_size``, training.
+(eval mode). ``docs/models.md`` lists the tested families. Not supported: training.
+
+Image sizes: a model built with ``dynamic_img_size=False`` (timm's default) takes its own input size only
+(:attr:`PrunedViT.image_size`). One built with ``dynamic_img_size=True`` takes any height and width that are
+positive multiples of the patch size, one size per batch (timm resamples the position embeddings for each). The
+plan's token count, row bounds and fixed counts depend on the size, so :meth:`PrunedViT.plan_for` builds one plan per
+patch count on first use and caches it; the steps are the same at every size. Stage decisions count from the
+batch's own unpruned patch count (``ForwardState.num_patches`` -> ``DecisionInput.num_patches``: DynamicViT's
+``int(num_patches * rate ** (s + 1))``, ATS's default sample count).
 """
 
 from __future__ import annotations
@@ -92,6 +100,8 @@ class ForwardState:
     Attributes:
         batch: ``B``, the real images (a graph executor's padding images come after them in ``cu_seqlens``).
         x: the images ``[B, 3, H, W]`` before FRONT; the packed residual stream ``[T, C]`` after it.
+        num_patches: patches of one unpruned image of this batch (``H/p * W/q``), set by FRONT (an executor that
+            starts after FRONT sets it itself); the stages' decisions count from it.
         cu_seqlens: int32 offsets of ``x``'s images (an executor may set them before FRONT: a static buffer).
         max_seqlen: a host bound on every image's rows in ``x``.
         qkv: the last attention half's qkv projection ``[T, 3*H*D]`` (what a MID_BLOCK decision scores).
@@ -101,6 +111,7 @@ class ForwardState:
 
     batch: int
     x: torch.Tensor
+    num_patches: int = 0
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
     qkv: torch.Tensor | None = None
@@ -122,7 +133,8 @@ class PrunedViT(nn.Module):
             convolution (:mod:`ragged_vit.pipelines.patch_embed`; same math, rounding-level differences). The CPU
             always runs timm's own convolution.
 
-    The module is put in eval mode; it is inference only.
+    The module is put in eval mode; it is inference only. A model built with ``dynamic_img_size=True`` takes every
+    image size that is a multiple of its patch size, one per batch (module docstring; :meth:`plan_for`).
     """
 
     def __init__(
@@ -140,9 +152,8 @@ class PrunedViT(nn.Module):
         self.model = model
         self.pruner = _check_pruner(pruner, len(model.blocks))
         self.backend = backend
-        prefix = model.num_prefix_tokens
-        self._plan = build_plan(pruner, len(model.blocks), model.patch_embed.num_patches + prefix, prefix)
-        _check_stages(self._plan, self.pruner, model)
+        self._plans: dict[tuple[int, int], ForwardPlan] = {}  # by image size (H, W): plan_for()
+        self._plan = self.plan_for(self.image_size)
         for k in range(self._plan.dense_blocks, len(model.blocks)):
             check_packable(model.blocks[k], f"model.blocks[{k}]")
         self._head_dims = {blk.attn.head_dim for blk in model.blocks[self._plan.dense_blocks :]}
@@ -150,8 +161,32 @@ class PrunedViT(nn.Module):
 
     @property
     def plan(self) -> ForwardPlan:
-        """The forward plan (steps, stages, host knowledge of counts), built once at construction."""
+        """The forward plan (steps, stages, host knowledge of counts) at :attr:`image_size`, built at construction.
+        Other sizes (``dynamic_img_size``): :meth:`plan_for`."""
         return self._plan
+
+    def plan_for(self, image_size: Sequence[int]) -> ForwardPlan:
+        """The forward plan of images of ``image_size = (H, W)``, an input size this model takes (:meth:`check_images`).
+
+        The steps and stages are the same at every size; the token count ``N``, the row bounds and the fixed counts
+        are those of ``H/p * W/q`` patches (ForwardPlan is a few host objects). Built on the first use of each size,
+        then cached: a forward looks its plan up by its images' size.
+        """
+        plan = self._plans.get(image_size) if isinstance(image_size, tuple) else None  # torch.Size is a tuple
+        if plan is not None:
+            return plan
+        size = tuple(image_size) if isinstance(image_size, Sequence) else ()
+        if len(size) != 2 or not all(isinstance(v, int) for v in size) or not _takes_size(self.model, size):
+            raise ValueError(
+                f"image_size must be (H, W) of images of shape {_allowed_shape(self.model)} for this model, got "
+                f"{image_size!r}"
+            )
+        (height, width), (p, q) = size, self.patch_size
+        prefix = self.model.num_prefix_tokens
+        plan = build_plan(self.pruner, len(self.model.blocks), (height // p) * (width // q) + prefix, prefix)
+        _check_stages(plan, self.pruner, self.model, f"{height}x{width}")
+        self._plans[(height, width)] = plan
+        return plan
 
     @property
     def backend(self) -> AttentionBackend:
@@ -174,12 +209,24 @@ class PrunedViT(nn.Module):
 
     @property
     def num_patches(self) -> int:
-        """Patches of an unpruned image (196 at 224x224 with 16x16 patches)."""
+        """Patches of an unpruned image at :attr:`image_size` (196 at 224x224 with 16x16 patches)."""
         return self._plan.tokens - self._plan.num_prefix
 
     @property
     def image_size(self) -> tuple[int, int]:
+        """The model's input size ``(H, W)`` (timm's ``img_size``): the only one it takes unless it was built with
+        ``dynamic_img_size=True``, then the size of :attr:`plan` and :attr:`num_patches`."""
         return tuple(self.model.patch_embed.img_size)
+
+    @property
+    def patch_size(self) -> tuple[int, int]:
+        """``(p, q)``: the height and width of one patch."""
+        return tuple(self.model.patch_embed.patch_size)
+
+    @property
+    def dynamic_img_size(self) -> bool:
+        """Whether the model takes every image size that is a multiple of :attr:`patch_size` (one per batch)."""
+        return bool(getattr(self.model, "dynamic_img_size", False))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -217,28 +264,30 @@ class PrunedViT(nn.Module):
         """The full forward, returning logits, per-stage counts and the selections made (or replayed).
 
         Args:
-            images: ``[B, 3, H, W]`` float images at the model's input size, normalised; cast to the model dtype.
+            images: ``[B, 3, H, W]`` float images, normalised, at the model's input size (any multiple of the patch
+                size with ``dynamic_img_size``: the plan of that size runs, :meth:`plan_for`); cast to the model dtype.
             selections: one :class:`TokenSelection` per stage from an earlier run on the same images, to replay
                 instead of deciding.
             on_step: called with each step of :attr:`plan` before it runs (instrumentation; see :data:`OnStep`).
         """
         images = self.check_inputs(images)
         selections = self._check_selections(selections)
+        plan = self.plan_for(images.shape[-2:])
         state = ForwardState(images.shape[0], images.to(self.dtype))
         made: list[TokenSelection] = []
         offsets: list[torch.Tensor] = []
-        for step in self._plan.steps:
+        for step in plan.steps:
             if on_step is not None:
                 on_step(step, state)
             if step.kind is StepKind.DECIDE and selections is not None:
                 state.selection = selections[step.stage]
             elif step.kind is StepKind.REPACK:
                 made.append(state.selection)
-                _repack_exact(state, step.stage, self._plan.num_prefix)
+                _repack_exact(state, step.stage, plan.num_prefix)
                 offsets.append(state.cu_seqlens)
             else:
                 self.run_step(step, state)
-        counts = [seqlens(cu) - self._plan.num_prefix for cu in offsets]
+        counts = [seqlens(cu) - plan.num_prefix for cu in offsets]
         counts = torch.stack(counts, dim=1) if counts else state.logits.new_zeros((state.batch, 0), dtype=torch.long)
         return PrunedOutput(state.logits, counts, made)
 
@@ -255,14 +304,16 @@ class PrunedViT(nn.Module):
         return images
 
     def run_step(self, step: Step, state: ForwardState) -> None:
-        """Runs one step of :attr:`plan` on ``state`` (in place), on checked input; REPACK is the executor's own
-        (exact sizes here in :meth:`run`; fixed capacities in the graph executor)."""
+        """Runs one step of the plan of ``state``'s image size (:meth:`plan_for`; what a step does is the same at
+        every size) on ``state`` (in place), on checked input; REPACK is the executor's own (exact sizes here in
+        :meth:`run`; fixed capacities in the graph executor)."""
         kind = step.kind
         blocks = self.model.blocks
         if kind is StepKind.FRONT:
             x = (_compiled_front() if self.compile_blocks else _front)(self, state.x)  # [B, N, C]
             batch, tokens, channels = x.shape
             state.x = x.reshape(batch * tokens, channels)
+            state.num_patches = tokens - self._plan.num_prefix
             if state.cu_seqlens is None:
                 state.cu_seqlens = uniform_cu_seqlens(batch, tokens, x.device)
             state.max_seqlen = tokens
@@ -289,7 +340,12 @@ class PrunedViT(nn.Module):
     @torch.no_grad()
     def calibrate(self, images: torch.Tensor) -> float:
         """Calibrates a pruner with a ``calibrate(x [B, N, C])`` method (Threshold-L2 ``calibrated`` mode) on the
-        residual stream its (single, before/after-block) stage sees for ``images``; returns its threshold."""
+        residual stream its (single, before/after-block) stage sees for ``images``; returns its threshold.
+
+        The threshold is a norm, not a count: it applies unchanged to every image size of a ``dynamic_img_size``
+        model, and keeps the calibrated rate on average only for images like those it was calibrated on (calibrate
+        on the size you serve; at another size the mean kept fraction may differ).
+        """
         if self.pruner is None or not hasattr(self.pruner, "calibrate"):
             raise ValueError(f"pruner {getattr(self.pruner, 'name', None)!r} has no calibrate() method")
         if self._plan.stages[0].placement is Placement.MID_BLOCK:
@@ -298,17 +354,16 @@ class PrunedViT(nn.Module):
         return self.pruner.calibrate(x, num_prefix=self._plan.num_prefix)
 
     def check_images(self, images: object) -> torch.Tensor:
-        """Checks a batch of images for this model (float ``[B, C, H, W]`` at its input size, on its device);
-        returns it."""
+        """Checks a batch of images for this model (float ``[B, C, H, W]`` at its input size, or with
+        ``dynamic_img_size`` at any size whose height and width are positive multiples of the patch size; on its
+        device); returns it."""
         images = check_tensor(images, "images", ndim=4)
         if not images.is_floating_point():
             raise TypeError(f"images must be a floating-point tensor, got {images.dtype}")
         channels = self.model.patch_embed.proj.in_channels
-        height, width = self.image_size
-        expected = (channels, height, width)
-        if tuple(images.shape[1:]) != expected:
+        if images.shape[1] != channels or not _takes_size(self.model, images.shape[-2:]):
             raise ValueError(
-                f"images must have shape [B, {channels}, {height}, {width}] for this model, got {list(images.shape)}"
+                f"images must have shape {_allowed_shape(self.model)} for this model, got {list(images.shape)}"
             )
         if images.shape[0] == 0:
             raise ValueError("images must hold at least one image, got batch size 0")
@@ -318,10 +373,11 @@ class PrunedViT(nn.Module):
         return images
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
-        """The patch embedding with the class token and position embeddings: ``[B, 3, H, W]`` -> ``[B, N, C]``."""
+        """The patch embedding with the class token and position embeddings: ``[B, 3, H, W]`` -> ``[B, N, C]``
+        (timm's ``_pos_embed``, which resamples them to the image size with ``dynamic_img_size``)."""
         m = self.model
         if self.gemm_patch_embed and images.is_cuda and supports_gemm(m.patch_embed):
-            x = patch_embed_gemm(m.patch_embed, images)  # the image size was checked by the caller
+            x = patch_embed_gemm(m.patch_embed, images)  # the image size was checked by the caller (NLC or NHWC)
         else:
             x = m.patch_embed(images)
         return m.norm_pre(m.patch_drop(m._pos_embed(x)))
@@ -335,7 +391,7 @@ class PrunedViT(nn.Module):
         attn = self.model.blocks[stage.block].attn
         mid = stage.placement is Placement.MID_BLOCK  # only a MID_BLOCK stage has its own block's qkv
         return DecisionInput(
-            x=state.x, cu_seqlens=state.cu_seqlens, stage=index, num_patches=self.num_patches,
+            x=state.x, cu_seqlens=state.cu_seqlens, stage=index, num_patches=state.num_patches,
             max_seqlen=state.max_seqlen, qkv=state.qkv if mid else None, num_heads=attn.num_heads if mid else None,
             scale=attn.scale if mid else None, num_prefix=self._plan.num_prefix,
         )  # fmt: skip
@@ -421,13 +477,34 @@ def _check_model(model: object) -> None:
     if not isinstance(model, VisionTransformer):
         raise TypeError(f"model must be a timm VisionTransformer, got {type(model).__name__}")
     pool_of(model)  # a pooling the head supports
-    if getattr(model, "dynamic_img_size", False):
-        raise NotImplementedError("model must have a fixed input size (dynamic_img_size=False)")
 
 
-def _check_stages(plan: ForwardPlan, pruner: Pruner | None, model: VisionTransformer) -> None:
+def _allowed_shape(model: VisionTransformer) -> str:
+    """The image shapes ``model`` takes, for error messages."""
+    channels = model.patch_embed.proj.in_channels
+    height, width = model.patch_embed.img_size
+    if not getattr(model, "dynamic_img_size", False):
+        return f"[B, {channels}, {height}, {width}]"
+    p, q = model.patch_embed.patch_size
+    return (
+        f"[B, {channels}, H, W] with H a positive multiple of {p} and W of {q} (dynamic_img_size=True; "
+        f"{height}x{width} by default)"
+    )
+
+
+def _takes_size(model: VisionTransformer, size: Sequence[int]) -> bool:
+    """Whether ``model`` takes images of ``size = (H, W)``: its own size, or with ``dynamic_img_size`` any positive
+    multiples of the patch size."""
+    height, width = size
+    if not getattr(model, "dynamic_img_size", False):
+        return (height, width) == tuple(model.patch_embed.img_size)
+    p, q = model.patch_embed.patch_size
+    return height > 0 and width > 0 and height % p == 0 and width % q == 0
+
+
+def _check_stages(plan: ForwardPlan, pruner: Pruner | None, model: VisionTransformer, size: str) -> None:
     """What a model's prefix rows allow: a class token for pruners that score by its attention, and at least one
-    row per image after every stage."""
+    row per image after every stage (at the image size ``size``, ``"HxW"``)."""
     if pruner is None:
         return
     if pruner.needs_attention and model.cls_token is None:
@@ -437,8 +514,8 @@ def _check_stages(plan: ForwardPlan, pruner: Pruner | None, model: VisionTransfo
         )
     if plan.num_prefix == 0 and any(s.rows_after == 0 for s in plan.stages):
         raise ValueError(
-            f"pruner {pruner.name!r} would leave images without a single row on this model (no prefix tokens): "
-            f"rows after each stage {[s.rows_after for s in plan.stages]}"
+            f"pruner {pruner.name!r} would leave images without a single row on this model (no prefix tokens) at "
+            f"{size}: rows after each stage {[s.rows_after for s in plan.stages]}"
         )
 
 

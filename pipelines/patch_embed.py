@@ -12,8 +12,10 @@ timm's forward exactly. ``ci/forward_profile.py`` measures both, and the unprune
 embedding, so the gain is not credited to pruning.
 
 Supported: timm ``PatchEmbed`` with a bias-or-not ``Conv2d`` projection whose kernel equals its stride, no
-padding, dilation or groups, flattened NLC output, any ``norm`` (applied after, as timm does), inputs at the
-model's size (no dynamic padding). :func:`supports_gemm` says whether a module qualifies.
+padding, dilation or groups, flattened NLC output or NHWC output (what timm builds for ``dynamic_img_size=True``:
+``[B, H/p, W/q, D]``, which ``VisionTransformer._pos_embed`` flattens after resampling the position embeddings),
+any ``norm`` (applied after, as timm does), and any input whose height and width are multiples of the patch size
+(no dynamic padding; the caller checks the size). :func:`supports_gemm` says whether a module qualifies.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import copy
 
 import torch
 import torch.nn.functional as F
-from timm.layers import PatchEmbed
+from timm.layers import Format, PatchEmbed
 from torch import nn
 
 
@@ -37,9 +39,18 @@ def supports_gemm(patch_embed: nn.Module) -> bool:
         and tuple(proj.dilation) == (1, 1)
         and proj.groups == 1
         and proj.padding_mode == "zeros"
-        and getattr(patch_embed, "flatten", False) is True
+        and _layout(patch_embed) is not None
         and not getattr(patch_embed, "dynamic_img_pad", False)
     )
+
+
+def _layout(patch_embed: nn.Module) -> str | None:
+    """``"NLC"`` (flattened) or ``"NHWC"`` (``dynamic_img_size``): the output layouts the GEMM writes; None else."""
+    if getattr(patch_embed, "flatten", False) is True or getattr(patch_embed, "output_fmt", None) == Format.NLC:
+        return "NLC"
+    if getattr(patch_embed, "output_fmt", None) == Format.NHWC:
+        return "NHWC"
+    return None
 
 
 def patch_rows(images: torch.Tensor, patch: tuple[int, int]) -> torch.Tensor:
@@ -52,7 +63,8 @@ def patch_rows(images: torch.Tensor, patch: tuple[int, int]) -> torch.Tensor:
 
 
 def patch_embed_gemm(patch_embed: nn.Module, images: torch.Tensor) -> torch.Tensor:
-    """``patch_embed(images)`` as one GEMM: ``[B, C, H, W]`` -> ``[B, H/p * W/q, D]`` (then ``patch_embed.norm``).
+    """``patch_embed(images)`` as one GEMM: ``[B, C, H, W]`` -> ``[B, H/p * W/q, D]`` (NLC), or ``[B, H/p, W/q, D]``
+    for an NHWC embedding (``dynamic_img_size``); then ``patch_embed.norm``.
 
     The caller checks :func:`supports_gemm` and the image size (``PrunedViT`` does both).
     """
@@ -61,7 +73,8 @@ def patch_embed_gemm(patch_embed: nn.Module, images: torch.Tensor) -> torch.Tens
     p, q = proj.kernel_size
     rows = patch_rows(images, (p, q))
     tokens = F.linear(rows, proj.weight.reshape(proj.out_channels, -1), proj.bias)
-    return patch_embed.norm(tokens.reshape(b, (h // p) * (w // q), proj.out_channels))
+    grid = (h // p, w // q) if _layout(patch_embed) == "NHWC" else ((h // p) * (w // q),)
+    return patch_embed.norm(tokens.reshape(b, *grid, proj.out_channels))
 
 
 class GemmPatchEmbed(PatchEmbed):

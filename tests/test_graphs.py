@@ -199,7 +199,7 @@ def test_mixed_batch_sizes_and_changing_inputs(buckets, poisoned):
         results.append((out, out.logits.clone()))
     assert all(torch.equal(out.logits, kept) for out, kept in results)  # outputs are clones, not the buffers
     assert len({cap for cap, _ in poisoned}) > 3
-    assert sorted(runner._buffers) == [1, 2, 3]
+    assert sorted(runner._buffers) == [(1, 32, 32), (2, 32, 32), (3, 32, 32)]  # by (B, H, W)
 
 
 @pytest.mark.interpreter

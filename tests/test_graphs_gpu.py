@@ -123,7 +123,7 @@ def test_fixed_counts_one_graph_bitwise_and_sync_free(lab, model, case, backend)
         images = lab.batch(batch, seed=call)
         _assert_bitwise(runner.run(images), pv.run(images), f"call {call} (B={batch})")
     assert runner.counters.captures == 3 and runner.counters.replays == len(BATCHES)
-    assert sorted(runner.memory_report().keys) == [(1,), (4,), (64,)]
+    assert sorted(runner.memory_report().keys) == [(1, 224, 224), (4, 224, 224), (64, 224, 224)]  # (B, H, W)
 
     # Replays with new images never synchronise (images already on the device, outputs cloned on the device).
     inputs = [lab.batch(batch, seed=100 + batch) for batch in (4, 1, 64)]
@@ -214,7 +214,7 @@ def test_totals_cross_bucket_boundaries(lab):
         out = graphed.run(images)
         _assert_bitwise(out, eager.run(images), f"scale {scale}")
         totals.append(int(out.counts.sum()) + 4)
-    capacities = {key[1].capacity for key in graphed.memory_report().keys if key[1].index == 1}
+    capacities = {key[3].capacity for key in graphed.memory_report().keys if key[3].index == 1}  # (B, H, W, shape)
     assert len(capacities) >= 2, f"totals {totals} all fell into one bucket"
     assert {buckets.capacity(t, 4, 197) for t in totals} == capacities
 
@@ -232,8 +232,8 @@ def test_sync_free_stages_replay_bitwise(lab, backend):
         assert bool(torch.isfinite(out.logits).all())
         _assert_bitwise(out, eager.run(images), f"call {call} (B={batch})")
     keys = graphed.memory_report().keys
-    assert len(keys) == 2 and all(len(key) == 11 for key in keys)  # B = 1 and 4: the whole forward, one graph each
-    assert all(shape.capacity <= key[0] * 99 and shape.max_seqlen == 99 for key in keys for shape in key[2:])
+    assert len(keys) == 2 and all(len(key) == 13 for key in keys)  # B = 1 and 4: (B, H, W) and the 10 segments
+    assert all(shape.capacity <= key[0] * 99 and shape.max_seqlen == 99 for key in keys for shape in key[4:])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
