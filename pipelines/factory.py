@@ -15,6 +15,12 @@ each pruner class maps it onto its own parameters (``Pruner.from_keep_rate``; th
 
 A keep rate of 1.0 keeps every token with threshold_l2 (ratio), dynamicvit and evit, so their pipelines
 reproduce timm's forward; ATS at 1.0 still samples adaptively.
+
+Image sizes (a model built with ``dynamic_img_size=True``, ``docs/models.md``): the 196 above is the batch's own
+patch count for threshold_l2 (ratio), dynamicvit and evit, so their keep rate holds at every size. ATS's sample count
+is computed once, here, from the model's default size (``model.patch_embed.num_patches``) and stays that absolute
+count at every size (the method's ``K``: at a larger size it keeps a smaller fraction); at keep rate 1.0 it samples
+the batch's own patch count.
 """
 
 from __future__ import annotations

@@ -452,7 +452,8 @@ class GraphedPrunedViT:
         side = (index - 1) % 2
         selection = TokenSelection(bufs.keep[side], bufs.kept[side])
         num_patches = bufs.tokens - bufs.plan.num_prefix  # FRONT sets it in segment 0
-        return ForwardState(batch, bufs.x[side], num_patches, bufs.cu[index - 1, : batch + 1], selection=selection)
+        cu = bufs.cu[index - 1, : batch + 1]
+        return ForwardState(batch, bufs.x[side], cu, selection=selection, num_patches=num_patches)
 
     def _repack(self, bufs: _Buffers, shape: SegmentShape, state: ForwardState) -> None:
         """REPACK into ``shape.capacity`` rows, padding images and offsets into ``bufs.cu[shape.index]``."""

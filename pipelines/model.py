@@ -100,23 +100,23 @@ class ForwardState:
     Attributes:
         batch: ``B``, the real images (a graph executor's padding images come after them in ``cu_seqlens``).
         x: the images ``[B, 3, H, W]`` before FRONT; the packed residual stream ``[T, C]`` after it.
-        num_patches: patches of one unpruned image of this batch (``H/p * W/q``), set by FRONT (an executor that
-            starts after FRONT sets it itself); the stages' decisions count from it.
         cu_seqlens: int32 offsets of ``x``'s images (an executor may set them before FRONT: a static buffer).
         max_seqlen: a host bound on every image's rows in ``x``.
         qkv: the last attention half's qkv projection ``[T, 3*H*D]`` (what a MID_BLOCK decision scores).
         selection: the last decision, until its REPACK.
         logits: ``[B, classes]`` after HEAD.
+        num_patches: patches of one unpruned image of this batch (``H/p * W/q``), set by FRONT (an executor that
+            starts after FRONT sets it itself); the stages' decisions count from it.
     """
 
     batch: int
     x: torch.Tensor
-    num_patches: int = 0
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
     qkv: torch.Tensor | None = None
     selection: TokenSelection | None = None
     logits: torch.Tensor | None = None
+    num_patches: int = 0
 
 
 class PrunedViT(nn.Module):
@@ -181,11 +181,13 @@ class PrunedViT(nn.Module):
                 f"image_size must be (H, W) of images of shape {_allowed_shape(self.model)} for this model, got "
                 f"{image_size!r}"
             )
-        (height, width), (p, q) = size, self.patch_size
-        prefix = self.model.num_prefix_tokens
-        plan = build_plan(self.pruner, len(self.model.blocks), (height // p) * (width // q) + prefix, prefix)
-        _check_stages(plan, self.pruner, self.model, f"{height}x{width}")
-        self._plans[(height, width)] = plan
+        plan = self._plans.get(size)
+        if plan is None:
+            (height, width), (p, q) = size, self.patch_size
+            prefix = self.model.num_prefix_tokens
+            plan = build_plan(self.pruner, len(self.model.blocks), (height // p) * (width // q) + prefix, prefix)
+            _check_stages(plan, self.pruner, self.model, f"{height}x{width}")
+            self._plans[size] = plan
         return plan
 
     @property
