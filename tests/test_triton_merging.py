@@ -1,0 +1,501 @@
+"""ToMe's merge kernels (:mod:`ragged_vit.triton_impl.merging`) against their reference,
+:mod:`ragged_vit.reference.merging`, run on the CPU.
+
+Rules (the module docstring states why):
+
+* decisions (destinations, counts, offsets): bit for bit the reference's (the kernel's destinations are int32, compared
+  as int64) on keys where the reference's margins are clear: each merged A row's best similarity more than
+  ``MARGIN = 1e-5`` above its second best B row, the last merged A row's more than that above the first unmerged
+  one, every best similarity more than that away from the threshold (checked in float64; random keys are redrawn
+  image by image until they are clear). A tie in float64 is allowed only where it is exact in any order: keys drawn
+  from a few vectors (``pool``), where equal keys give equal similarities and the ties break by index;
+* merged rows (on the reference's own map, int64, or the kernel's, int32): a row that receives one row is that row,
+  bit for bit; bit for bit the reference's rounded to ``x``'s dtype where every partial sum is exact (small dyadic
+  rows and sizes); else within ``(k + 2)`` fp32 roundings of ``sum(size * |x|) / sum(size)`` (``k`` sources) plus one
+  rounding of ``x``'s dtype (``eps * |ref|``, half a subnormal step near zero). Sizes: exact;
+* isolation (an image's results whatever the other images hold, and alone as in a batch), repeated calls, CUDA graph
+  replays and poisoned outputs: bit for bit.
+
+GPU tests run DeiT-B's geometry (12 heads of 64, 768 channels) in fp16, bf16 and fp32; their CPU twins run tiny
+images under Triton's interpreter in fp32 and fp16 (bf16 is not exact there).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ragged_vit.core.segments import cu_seqlens_from_counts, seqlens
+from ragged_vit.reference import merging as ref
+from ragged_vit.triton_impl import merging as ker
+
+MARGIN = 1e-5  # far above fp32's rounding of a similarity (~1e-7), far below the gaps of random keys
+LENGTHS = (1, 2, 3, 63, 64, 65, 197, 0)  # around the 64-row tiles, DeiT's 197, an empty image
+RANDOM = "random"  # a threshold drawn per case, where it splits the best similarities
+MODES = [
+    {"r": 0}, {"r": 1}, {"r": 8}, {"r": 13}, {"r": 16}, {"r": 200},  # 200: capped at patches // 2 everywhere
+    {"threshold": -1.01, "r_max": 13}, {"threshold": 1.01, "r_max": 13}, {"threshold": RANDOM, "r_max": 40},
+]  # fmt: skip
+CPU_SHAPE = dict(heads=3, dim=8)  # D below tl.dot's 16: padded
+GPU_SHAPE = dict(heads=12, dim=64)
+
+
+def _mode_id(mode):
+    return "-".join(f"{k}{v}" for k, v in mode.items())
+
+
+# --- inputs ---------------------------------------------------------------------------------------------------------
+
+
+def _limit_threshold(mode):
+    return (mode["r"], None) if "r" in mode else (mode["r_max"], mode["threshold"])
+
+
+def _clear(keys64, labels, num_prefix, limit, threshold):
+    """Whether the reference's decision on one image (float64 keys ``[n, H, D]``) has clear margins (module
+    docstring). ``labels`` ``[n]`` names each row's vector: two similarities are exact ties in any order only where
+    they pair the same two vectors (the similarity of two different vectors to themselves is 1 in exact arithmetic,
+    not in fp32)."""
+    patches = F.normalize(keys64.mean(1), dim=-1)[num_prefix:]
+    a, b = patches[0::2], patches[1::2]
+    label_a, label_b = labels[num_prefix:][0::2], labels[num_prefix:][1::2]
+    cap = min(limit, b.shape[0])
+    if cap == 0:
+        return True
+    sim = a @ b.T
+    best, match = sim.max(1)
+    off = (best - threshold).abs() if threshold is not None else None
+    if off is not None and bool(((off > 0) & (off <= MARGIN)).any()):  # equal: only dyadic keys, exact
+        return False
+    count = cap if threshold is None else min(cap, int((best >= threshold).sum()))
+    merged = torch.zeros_like(best, dtype=torch.bool)
+    merged[torch.argsort(best, descending=True, stable=True)[:count]] = True
+    # a merged row's best B row: every B row as similar up to the margin is the same vector
+    near = (best[:, None] - sim <= MARGIN) & (label_b[None, :] != label_b[match][:, None])
+    if bool(near[merged].any()):
+        return False
+    # across the cut: a merged and an unmerged row as similar up to the margin pair the same two vectors
+    pair = torch.minimum(label_a, label_b[match]) * (labels.numel() + 1) + torch.maximum(label_a, label_b[match])
+    close = best[merged][:, None] - best[~merged][None, :] <= MARGIN
+    return not bool((close & (pair[merged][:, None] != pair[~merged][None, :])).any())
+
+
+def _dyadic_vectors(count, dim, gen):
+    """``count`` unit vectors whose similarities are exact in fp32 in any order: zero, ``+-e_k``, or four entries
+    ``+-0.5``; similarities in ``{-1, -0.5, 0, 0.5, 1}``."""
+    vectors = torch.zeros(count, dim)
+    for v in vectors[1:]:
+        picks = torch.randperm(dim, generator=gen)[: 1 if torch.rand((), generator=gen) < 0.5 else 4]
+        v[picks] = (torch.randint(0, 2, (picks.numel(),), generator=gen) * 2 - 1) / (1 if picks.numel() == 1 else 2)
+    return vectors
+
+
+def _image_keys(n, num_prefix, gen, heads, dim, ties):
+    """One image's keys and the labels naming each row's vector (:func:`_clear`)."""
+    if ties == "dyadic":  # every head the same vector scaled by a power of two: the mean and the norm exact
+        labels = torch.randint(0, 6, (n,), generator=gen)
+        scale = 2.0 ** torch.randint(-2, 3, (n, 1, 1), generator=gen)
+        keys = _dyadic_vectors(6, dim, gen)[labels][:, None, :].expand(n, heads, dim) * scale
+        return keys, torch.zeros(n, dtype=torch.int64)  # every similarity exact: ties are ties in any order
+    labels, keys = torch.arange(n), torch.randn(n, heads, dim, generator=gen)
+    if ties == "duplicates":  # A rows drawn from 3 vectors, B rows from 3 others
+        vectors = torch.randn(6, heads, dim, generator=gen)
+        patch = torch.arange(n) - num_prefix
+        labels = torch.where(patch < 0, 6 + torch.arange(n), torch.randint(0, 3, (n,), generator=gen) + 3 * (patch % 2))
+        keys = torch.where((patch < 0)[:, None, None], keys, vectors[labels.clamp(max=5)])
+    return keys, labels
+
+
+def _keys(lengths, mode, num_prefix, gen, *, heads, dim, dtype=torch.float32, ties=None):
+    """Keys ``[T, H, D]`` in ``dtype``, each image redrawn until the reference's margins are clear; ``ties``:
+    ``duplicates`` (every A row one of 3 vectors, every B row one of 3 others) or ``dyadic``
+    (:func:`_dyadic_vectors`, one of them zero)."""
+    limit, threshold = _limit_threshold(mode)
+    images = []
+    for n in lengths:
+        for _ in range(100):
+            keys, labels = _image_keys(n, num_prefix, gen, heads, dim, ties)
+            keys = keys.to(dtype)
+            if _clear(keys.double(), labels, num_prefix, limit, threshold):
+                break
+        else:
+            raise AssertionError(f"no keys with clear margins for an image of {n} rows in 100 draws")
+        images.append(keys)
+    return torch.cat(images)
+
+
+def _resolve(mode, gen):
+    """The mode with a random threshold drawn (between typical best similarities of random keys)."""
+    if mode.get("threshold") == RANDOM:
+        return {**mode, "threshold": float(torch.empty(()).uniform_(0.2, 0.6, generator=gen))}
+    return mode
+
+
+def _strided(keys):
+    """``keys`` as the key part of a packed qkv buffer ``[T, 3, H, D]`` (the pipelines' layout): row stride 3*H*D."""
+    qkv = torch.full((keys.shape[0], 3, *keys.shape[1:]), float("nan"), dtype=keys.dtype, device=keys.device)
+    qkv[:, 1] = keys
+    return qkv[:, 1]
+
+
+# --- decisions ------------------------------------------------------------------------------------------------------
+
+
+def _check_decision(keys, cu, max_seqlen, num_prefix, mode):
+    """The kernel's map against the reference's, bit for bit; returns the kernel's."""
+    ones = torch.ones(keys.shape[0], dtype=torch.int64)
+    want = ref.decide_merges(keys.cpu(), cu.cpu(), ones, num_prefix, **mode)
+    got = ker.decide_merges(keys, cu, max_seqlen, num_prefix, **mode)
+    batch = cu.shape[0] - 1
+    for name, tensor, shape in (("destination", got.destination, keys.shape[:1]), ("counts", got.counts, (batch,)),
+                                ("cu_seqlens", got.cu_seqlens, (batch + 1,))):  # fmt: skip
+        assert tensor.dtype == torch.int32 and tensor.shape == shape and tensor.device == keys.device, name
+    assert torch.equal(got.cu_seqlens.cpu(), want.cu_seqlens), (got.cu_seqlens.tolist(), want.cu_seqlens.tolist())
+    assert torch.equal(got.counts.cpu(), seqlens(want.cu_seqlens).int())
+    differ = (got.destination.cpu().long() != want.destination).nonzero().flatten()
+    assert differ.numel() == 0, f"{differ.numel()} destinations differ, first at row {differ[:1].tolist()}"
+    return got
+
+
+def _decisions(device, lengths, mode, num_prefix, gen, shape, dtype=torch.float32, ties=None, bound=None):
+    mode = _resolve(mode, gen)
+    keys = _keys(lengths, mode, num_prefix, gen, dtype=dtype, ties=ties, **shape).to(device)
+    cu = cu_seqlens_from_counts(torch.tensor(lengths)).to(device)
+    if num_prefix == 1:  # the pipelines' layout: a view of the qkv projection
+        keys = _strided(keys)
+    _check_decision(keys, cu, bound or max(max(lengths), 1), num_prefix, mode)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("num_prefix", [0, 1, 2])
+def test_decisions_are_the_reference_interpreter(num_prefix, gen):
+    for mode in MODES:
+        _decisions("cpu", LENGTHS, mode, num_prefix, gen, CPU_SHAPE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_prefix", [0, 1, 2])
+@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+def test_decisions_are_the_reference_gpu(mode, num_prefix, dtype, gen):
+    ragged = tuple(torch.randint(0, 198, (64,), generator=gen).tolist())
+    for lengths in (LENGTHS, (197,) * 8, ragged, (577,) * 4):
+        _decisions("cuda", lengths, mode, num_prefix, gen, GPU_SHAPE, dtype)
+
+
+def _ties(device, shape, gen, dtype=torch.float32):
+    """Exact ties (duplicate keys; dyadic keys, whose similarities are exact): broken by index as the reference
+    breaks them, in both modes; also with a loose bound (twice the longest image) and a short one."""
+    lengths = (2, 9, 64, 65, 150, 33)  # 150: 74 B rows, two B tiles
+    for ties in ("duplicates", "dyadic"):
+        for num_prefix in (0, 1, 2):
+            for mode in ({"r": 4}, {"r": 40}, {"threshold": RANDOM, "r_max": 40}, {"threshold": 0.5, "r_max": 9}):
+                _decisions(device, lengths, mode, num_prefix, gen, shape, dtype, ties)
+    _decisions(device, lengths, {"r": 13}, 1, gen, shape, dtype, "dyadic", bound=2 * 65 + 7)
+    _decisions(device, lengths, {"threshold": 0.5, "r_max": 13}, 1, gen, shape, dtype, "duplicates", bound=5)
+
+
+@pytest.mark.interpreter
+def test_exact_ties_break_by_index_interpreter(gen):
+    _ties("cpu", CPU_SHAPE, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_exact_ties_break_by_index_gpu(dtype, gen):
+    _ties("cuda", GPU_SHAPE, gen, dtype)
+
+
+def _nonfinite(device, shape, gen):
+    """NaN and infinite keys (the reference refuses them): the fixed counts are the rule's, every destination lies in
+    its image's merged rows, prefix rows stay first, and every merged row receives a row."""
+    lengths = (40, 1, 65, 30)
+    cu = cu_seqlens_from_counts(torch.tensor(lengths))
+    keys = torch.randn(int(cu[-1]), shape["heads"], shape["dim"], generator=gen)
+    keys[torch.randperm(keys.shape[0], generator=gen)[:20]] = float("nan")
+    keys[torch.randperm(keys.shape[0], generator=gen)[:5], 0] = float("inf")
+    keys[cu[2] : cu[3]] = float("nan")  # an image of NaN only
+    for mode in ({"r": 9}, {"threshold": 0.1, "r_max": 9}):
+        got = ker.decide_merges(keys.to(device), cu.to(device), 65, 2, **mode)
+        new_cu, dest = got.cu_seqlens.cpu(), got.destination.cpu().long()
+        if "r" in mode:
+            counts = [n - ref.merge_count(max(n - 2, 0), 9) for n in lengths]
+            assert torch.equal(new_cu, cu_seqlens_from_counts(torch.tensor(counts)))
+        for b in range(len(lengths)):
+            image = dest[cu[b] : cu[b + 1]]
+            assert image.tolist()[:2] == list(range(int(new_cu[b]), int(new_cu[b]) + min(2, lengths[b])))
+            assert sorted(set(image.tolist())) == list(range(int(new_cu[b]), int(new_cu[b + 1])))
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy's inf / inf, as intended
+def test_nonfinite_keys_keep_the_map_valid_interpreter(gen):
+    _nonfinite("cpu", CPU_SHAPE, gen)
+
+
+@pytest.mark.gpu
+def test_nonfinite_keys_keep_the_map_valid_gpu(gen):
+    _nonfinite("cuda", GPU_SHAPE, gen)
+
+
+# --- merged rows ----------------------------------------------------------------------------------------------------
+
+
+def _rows(total, channels, dtype, gen, kind):
+    """Rows and sizes: ``dyadic`` rows in quarter steps and sizes up to 8 (every partial sum exact in fp32)."""
+    if kind == "dyadic":
+        x = torch.randint(-64, 65, (total, channels), generator=gen).float() / 4
+        sizes = torch.randint(1, 9, (total,), generator=gen)
+    else:
+        x = torch.randn(total, channels, generator=gen) * torch.rand(total, 1, generator=gen) * 4
+        sizes = torch.randint(1, 200, (total,), generator=gen)
+    return x.to(dtype), sizes
+
+
+def _check_rows(got, got_sizes, x, sizes, destination, new_cu, kind):
+    """The merge rule (module docstring) for the merged rows ``[0, T')`` of ``got``."""
+    rows = int(new_cu[-1])
+    x, sizes, destination = x.cpu(), sizes.cpu(), destination.cpu().long()
+    want = ref.merge_rows(x.float(), sizes, destination, rows)  # float64 sums, rounded to fp32
+    want_sizes = torch.zeros(rows, dtype=torch.int64).index_add_(0, destination, sizes.long())
+    got, got_sizes = got[:rows].cpu(), got_sizes[:rows].cpu()
+    assert got.dtype == x.dtype and got_sizes.dtype == sizes.dtype
+    assert torch.equal(got_sizes.long(), want_sizes)
+    sources = torch.zeros(rows, dtype=torch.int64).index_add_(0, destination, torch.ones_like(destination))
+    lone = sources == 1
+    assert torch.equal(got[lone].float(), want[lone]), "a row that receives one row is that row"
+    if kind == "dyadic":
+        assert torch.equal(got, want.to(x.dtype)), (got.float() - want).abs().max()
+        return
+    info = torch.finfo(x.dtype)
+    magnitude = torch.zeros(rows, x.shape[1], dtype=torch.float64)
+    magnitude.index_add_(0, destination, x.double().abs() * sizes.double()[:, None])
+    magnitude /= want_sizes.double()[:, None]
+    allowed = (sources[:, None] + 2) * 2.0**-24 * magnitude
+    allowed = allowed + info.eps * want.double().abs() + info.smallest_normal * info.eps / 2
+    over = (got.double() - want.double()).abs() - allowed
+    assert bool((over <= 0).all()), f"{over.max().item():.3g} over the rule"
+
+
+def _merges(device, lengths, channels, dtype, gen, kind, num_prefix=1, mode=None, strided=False):
+    """The reference's map (int64) and the kernel's (int32) on the same keys, merged by the kernel."""
+    mode = _resolve(mode or {"r": 13}, gen)
+    cu = cu_seqlens_from_counts(torch.tensor(lengths))
+    total = int(cu[-1])
+    keys = _keys(lengths, mode, num_prefix, gen, **CPU_SHAPE)
+    x, sizes = _rows(total, channels, dtype, gen, kind)
+    decision = ref.decide_merges(keys, cu, sizes, num_prefix, **mode)
+    kernel_map = ker.decide_merges(keys.to(device), cu.to(device), max(lengths), num_prefix, **mode)
+    x_dev = x.to(device)
+    if strided:  # rows inside a wider buffer, row stride C + 24
+        wide = torch.full((total, channels + 24), float("nan"), dtype=dtype, device=device)
+        wide[:, 8 : 8 + channels] = x_dev
+        x_dev = wide[:, 8 : 8 + channels]
+    for destination in (decision.destination, kernel_map.destination.cpu()):
+        got, got_sizes = ker.merge_rows(
+            x_dev, sizes.to(device), destination.to(device), cu.to(device), decision.cu_seqlens.to(device),
+            max(max(lengths), 1),
+        )  # fmt: skip
+        assert got.shape == (total, channels) and got_sizes.shape == (total,) and got.device == x_dev.device
+        _check_rows(got, got_sizes, x, sizes, destination, decision.cu_seqlens, kind)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", ["random", "dyadic"])
+def test_merged_rows_follow_the_rule_interpreter(kind, dtype, gen):
+    _merges("cpu", LENGTHS, 24, dtype, gen, kind, strided=kind == "random")
+
+
+@pytest.mark.interpreter
+def test_merged_rows_adaptive_no_prefix_interpreter(gen):
+    _merges("cpu", (5, 70, 0, 33), 20, torch.float32, gen, "random", 0, {"threshold": RANDOM, "r_max": 40})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["random", "dyadic"])
+@pytest.mark.parametrize("channels", [64, 200, 768])
+def test_merged_rows_follow_the_rule_gpu(channels, kind, dtype, gen):
+    ragged = tuple(torch.randint(0, 198, (64,), generator=gen).tolist())
+    for lengths in (LENGTHS, ragged, (577,) * 4):
+        for num_prefix, mode in ((1, {"r": 16}), (0, {"threshold": RANDOM, "r_max": 100}), (2, {"r": 300})):
+            _merges("cuda", lengths, channels, dtype, gen, kind, num_prefix, mode, strided=channels == 200)
+
+
+# --- isolation, repeatability, poisoned outputs ---------------------------------------------------------------------
+
+
+def _isolated(device, shape, channels, dtype, gen):
+    """Changing the middle image's keys and rows changes no other image's count, local destinations or merged rows
+    (in the adaptive mode its own count moves: its keys become equal, every similarity 1); each image alone gives the
+    bits it gets in the batch."""
+    lengths = (65, 40, 30)
+    cu = cu_seqlens_from_counts(torch.tensor(lengths)).to(device)
+    total, mid = int(cu[-1]), slice(65, 105)
+    for mode in ({"r": 13}, {"threshold": 0.9, "r_max": 30}):
+        keys = torch.randn(total, shape["heads"], shape["dim"], generator=gen).to(device, dtype)
+        x, sizes = _rows(total, channels, dtype, gen, "random")
+        x, sizes = x.to(device), sizes.to(device)
+        keys2, x2 = keys.clone(), x.clone()
+        keys2[mid] = torch.randn(shape["heads"], shape["dim"], generator=gen).to(device, dtype)
+        x2[mid] = torch.randn(40, channels, generator=gen).to(device, dtype)
+        results = []
+        for k, rows_in in ((keys, x), (keys2, x2)):
+            got = ker.decide_merges(k, cu, 65, 1, **mode)
+            rows, new_sizes = ker.merge_rows(rows_in, sizes, got.destination, cu, got.cu_seqlens, 65)
+            results.append((got, rows, new_sizes))
+        if "threshold" in mode:
+            assert results[0][0].counts[1] != results[1][0].counts[1]
+        for b in (0, 2):
+            image = []
+            for got, rows, new_sizes in results:
+                start, end, new_start, new_end = int(cu[b]), int(cu[b + 1]), *got.cu_seqlens[b : b + 2].tolist()
+                local = got.destination[start:end] - new_start
+                image.append((got.counts[b], local, rows[new_start:new_end], new_sizes[new_start:new_end]))
+            for before, after in zip(*image, strict=True):
+                assert torch.equal(before, after)
+        got, rows, _ = results[0]
+        for b in range(3):  # alone as in the batch
+            start, end, new_start, new_end = int(cu[b]), int(cu[b + 1]), *got.cu_seqlens[b : b + 2].tolist()
+            alone_cu = torch.tensor([0, end - start], dtype=torch.int32, device=device)
+            alone = ker.decide_merges(keys[start:end], alone_cu, 65, 1, **mode)
+            assert torch.equal(alone.destination, got.destination[start:end] - new_start)
+            alone_rows, _ = ker.merge_rows(x[start:end], sizes[start:end], alone.destination, alone_cu,
+                                           alone.cu_seqlens, 65)  # fmt: skip
+            assert torch.equal(alone_rows[: new_end - new_start], rows[new_start:new_end])
+
+
+@pytest.mark.interpreter
+def test_isolation_interpreter(gen):
+    _isolated("cpu", CPU_SHAPE, 24, torch.float32, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_isolation_gpu(dtype, gen):
+    _isolated("cuda", GPU_SHAPE, 768, dtype, gen)
+
+
+def _poisoned(device, shape, channels, dtype, gen, mode):
+    """Outputs filled with garbage (-7, NaN) are overwritten with the fresh call's bits; merged-buffer rows past
+    ``T'`` (a capacity of T + 5) are left as they were."""
+    lengths = (65, 0, 1, 40, 30)
+    cu = cu_seqlens_from_counts(torch.tensor(lengths)).to(device)
+    total, batch = int(cu[-1]), len(lengths)
+    keys = torch.randn(total, shape["heads"], shape["dim"], generator=gen).to(device, dtype)
+    x, sizes = _rows(total, channels, dtype, gen, "random")
+    x, sizes = x.to(device), sizes.to(device)
+    limit, threshold = _limit_threshold(mode)
+    want = ker.decide_merges(keys, cu, 65, 1, **mode)
+    out = ker.MergeMap(*(torch.full((n,), -7, dtype=torch.int32, device=device) for n in (total, batch, batch + 1)))
+    got = ker.decide_merges_unchecked(keys, cu, 65, 1, limit, threshold, out)
+    assert got is out
+    for name in ("destination", "counts", "cu_seqlens"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    want_rows, want_sizes = ker.merge_rows(x, sizes, want.destination, cu, want.cu_seqlens, 65)
+    rows = torch.full((total + 5, channels), float("nan"), dtype=dtype, device=device)
+    new_sizes = torch.full((total + 5,), -1, dtype=sizes.dtype, device=device)
+    ker.merge_rows_unchecked(x, sizes, want.destination, cu, want.cu_seqlens, 65, rows, new_sizes)
+    merged = int(want.cu_seqlens[-1])
+    assert torch.equal(rows[:merged], want_rows[:merged]) and torch.equal(new_sizes[:merged], want_sizes[:merged])
+    assert bool(rows[merged:].isnan().all()) and bool((new_sizes[merged:] == -1).all())
+    return keys, cu, x, sizes, want, want_rows
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mode", [{"r": 13}, {"threshold": 0.3, "r_max": 30}], ids=_mode_id)
+def test_poisoned_outputs_are_overwritten_interpreter(mode, gen):
+    _poisoned("cpu", CPU_SHAPE, 24, torch.float16, gen, mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", [{"r": 13}, {"threshold": 0.3, "r_max": 30}], ids=_mode_id)
+def test_poisoned_outputs_replayed_from_a_graph_gpu(mode, dtype, gen):
+    """And without a device-to-host sync: both launches captured in a CUDA graph and replayed over poisoned outputs
+    give the eager bits, run after run."""
+    keys, cu, x, sizes, want, want_rows = _poisoned("cuda", GPU_SHAPE, 768, dtype, gen, mode)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = ker.decide_merges(keys, cu, 65, 1, **mode)
+            rows, new_sizes = ker.merge_rows(x, sizes, got.destination, cu, got.cu_seqlens, 65)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    merged = int(want.cu_seqlens[-1])
+    for _ in range(2):
+        for t in (got.destination, got.counts, got.cu_seqlens, new_sizes):
+            t.fill_(-7)
+        rows.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got.destination, want.destination) and torch.equal(got.cu_seqlens, want.cu_seqlens)
+        assert torch.equal(got.counts, want.counts) and torch.equal(rows[:merged], want_rows[:merged])
+
+
+# --- bad inputs -----------------------------------------------------------------------------------------------------
+
+
+def _bad_calls():
+    keys, cu = torch.randn(10, 2, 8), torch.tensor([0, 4, 10], dtype=torch.int32)
+    x, sizes, dest = torch.randn(10, 6), torch.ones(10, dtype=torch.int64), torch.arange(10, dtype=torch.int32)
+
+    def decide(**kw):
+        args = dict(keys=keys, cu_seqlens=cu, max_seqlen=6, num_prefix=1, r=2) | kw
+        return lambda: ker.decide_merges(**args)
+
+    def merge(**kw):
+        args = dict(x=x, sizes=sizes, destination=dest, cu_seqlens=cu, merged_cu_seqlens=cu, max_seqlen=6) | kw
+        return lambda: ker.merge_rows(**args)
+
+    return [
+        (decide(keys=keys.numpy()), "keys"),
+        (decide(keys=keys[:, 0]), "keys"),
+        (decide(keys=keys.double()), "keys"),
+        (decide(keys=torch.randn(10, 2, 300)), "keys"),
+        (decide(keys=torch.randn(10, 0, 8)), "keys"),
+        (decide(cu_seqlens=cu.long()), "cu_seqlens"),
+        (decide(cu_seqlens=torch.tensor([0, 4, 9], dtype=torch.int32)), "cu_seqlens"),
+        (decide(cu_seqlens=torch.tensor([0, 5, 4, 10], dtype=torch.int32)), "cu_seqlens"),
+        (decide(max_seqlen=0), "max_seqlen"),
+        (decide(max_seqlen=6.0), "max_seqlen"),
+        (decide(num_prefix=-1), "num_prefix"),
+        (decide(r=-1), "r"),
+        (decide(r=True), "r"),
+        (decide(r=None), "r"),
+        (decide(threshold=0.5), "r"),
+        (decide(r=None, threshold=0.5), "r_max"),
+        (decide(r=None, threshold="0.5", r_max=3), "threshold"),
+        (decide(r=None, threshold=float("nan"), r_max=3), "threshold"),
+        (decide(r=None, threshold=0.5, r_max=-2), "r_max"),
+        (merge(x=x.numpy()), "x"),
+        (merge(x=x[:, 0]), "x"),
+        (merge(x=x.double()), "x"),
+        (merge(x=x[:, :0]), "x"),
+        (merge(sizes=sizes.float()), "sizes"),
+        (merge(sizes=sizes[:9]), "sizes"),
+        (merge(sizes=torch.ones(20, dtype=torch.int64)[::2]), "sizes"),
+        (merge(destination=dest.float()), "destination"),
+        (merge(destination=dest[:, None]), "destination"),
+        (merge(destination=torch.arange(20, dtype=torch.int32)[::2]), "destination"),
+        (merge(cu_seqlens=cu.long()), "cu_seqlens"),
+        (merge(cu_seqlens=torch.tensor([0, 4, 9], dtype=torch.int32)), "cu_seqlens"),
+        (merge(merged_cu_seqlens=cu.long()), "merged_cu_seqlens"),
+        (merge(merged_cu_seqlens=torch.tensor([0, 10], dtype=torch.int32)), "merged_cu_seqlens"),
+        (merge(merged_cu_seqlens=torch.tensor([1, 4, 10], dtype=torch.int32)), "merged_cu_seqlens"),
+        (merge(max_seqlen=-3), "max_seqlen"),
+        (merge(capacity=-1), "capacity"),
+        (merge(capacity=4.0), "capacity"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_bad_calls())))
+def test_bad_input_raises_before_launch(index, forbid_launch):
+    forbid_launch(ker, "_match_launcher", "_offset_launcher", "_merge_launcher")
+    call, word = _bad_calls()[index]
+    with pytest.raises((ValueError, TypeError), match=word):
+        call()

@@ -1,0 +1,456 @@
+"""ToMe's merge in sync-free Triton kernels: the bipartite matching and the size-weighted merge, beside their
+reference :mod:`ragged_vit.reference.merging` (the rule: ``docs/tome.md``).
+
+:func:`decide_merges` (the reference's ``decide_merges`` without the sizes) is one launch in the fixed mode and two
+in the adaptive one:
+
+1. ``_match_kernel`` (one program per image, its rows in tiles): the metric of every patch row (the keys averaged
+   over heads in head order, the mean correctly rounded, then divided by its correctly rounded L2 norm clamped to
+   ``1e-12``, all in fp32) into a ``[T, D]`` fp32 scratch; each A row's best B row by ``tl.dot`` of fp32 metric
+   tiles (IEEE fp32, not TF32) over B tiles of up to 64 rows, the first maximum winning (the lowest B index); the
+   rank of every A row's best similarity among the image's A rows, by counting the A rows that beat it (higher, or
+   equal with a lower index: the reference's stable descending sort); the merged A rows, those of rank
+   ``< min(limit, patches // 2)`` (and ``>= threshold`` in the adaptive mode), and their running count; then every
+   row's destination, from the counts of merged A rows before it. In the fixed mode the new counts are the rule's
+   (``n - min(r, patches // 2)``, from the lengths), so every program also writes its image's offsets in the
+   merged buffer and the map is final.
+2. adaptive mode only: ``_offset_kernel`` (one program per image) adds to each image's destinations the merged rows
+   of the images before it (their counts, from launch 1) and writes the merged ``cu_seqlens``.
+
+:func:`merge_rows` is one launch, ``_merge_kernel`` (one program per image, 16 rows of the merged buffer and 128
+channels): each merged row gathers its sources, the rows of its image whose destination it is, in row order, and
+sums ``size * x`` in fp32 and the sizes in the sizes' integer dtype, then divides (correctly rounded) and writes the
+quotient in ``x``'s dtype; a row that receives only one row is that row, bit for bit, whatever its size. No
+atomics: the same bits on every run, eager or replayed from a CUDA graph, and whatever the tile sizes.
+
+The rules (``tests/test_triton_merging.py``):
+
+* the destination map is int32 (as ``cu_seqlens``: ``T < 2**31``), not the reference's int64; :func:`merge_rows`
+  takes either;
+* decisions: the kernel computes every similarity in fp32 as the reference does, but sums in another order (the
+  head mean, the norm, the dot products), so similarities may differ from the reference's by a few units of fp32's
+  last place. Where the reference's margins are clear (each merged A row's best B row ahead of the next by more
+  than that, the merged A rows ahead of the first unmerged one, the threshold away from every best similarity) the
+  merges are the reference's, bit for bit; equal keys give equal metrics and similarities, bit for bit, so exact
+  ties break by index as in the reference (duplicate keys). The threshold is compared in fp32, as the reference
+  compares it (clamped to ``[-2, 2]`` first, which changes no comparison: similarities lie within ``[-1, 1]`` up
+  to rounding);
+* counts: the fixed mode's are the rule's whatever the keys; the adaptive mode's count the merged rows;
+* merged rows: the reference sums in float64 and rounds once to fp32; here the sum is fp32, so a row of ``k``
+  sources is within ``(k + 1)`` fp32 roundings of ``sum(size * |x|) / sum(size)``, then one rounding to ``x``'s
+  dtype. Where every partial sum is exact in fp32 (small integer rows and sizes, dyadic rows) the row is the
+  reference's bit for bit (the quotient is correctly rounded both ways: float64 then fp32 rounds as fp32 alone);
+* isolation: an image's decisions, counts, destinations relative to its offset and merged rows depend on its own
+  rows only, bit for bit.
+
+No host reads: ``max_seqlen`` (a host bound on every image's rows) sizes tiles and grids only, an underestimate is
+slower, never wrong. The merged buffer's rows ``T'`` are not known on the host: :func:`merge_rows` writes rows
+``[0, T')`` of a buffer of ``capacity`` rows (default ``T``, always enough) and leaves the rest as allocated; read
+``merged_cu_seqlens[-1]`` for ``T'``.
+
+Not supported: fp64 (the reference's fp64 metric and float64 sums), non-finite keys (the reference refuses them;
+here their rows rank last, as similarity ``-inf``, and the map stays valid: every destination in its image's
+range), maps that break the contract in :func:`merge_rows` (a destination outside its image's merged rows is
+ignored, a merged row that receives no row is NaN). The merge stage of the pipelines is not built on them yet.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
+from ragged_vit.reference.merging import check_merge_mode
+from ragged_vit.triton_impl.cls_attention import aligned, image_rows
+from ragged_vit.triton_impl.launcher import CompiledLauncher
+
+_BLOCK_R = 64  # rows per step of the metric and of the destinations
+_BLOCK_AB = 64  # A rows and B rows per similarity tile (DeiT-B: 98 x 98 in 2 x 2 tiles), also the rank's tiles
+_MAX_HEAD_DIM = 256  # D of one metric tile in registers
+_BLOCK_D = 16  # merged rows per program of the merge: a DeiT image spreads over 13 programs per channel block
+_BLOCK_T = 64  # input rows scanned per step for the sources of those rows
+_BLOCK_C = 128  # channels per program of the merge (DeiT-B: 6)
+_NUM_WARPS = 4
+
+
+@dataclass(frozen=True)
+class MergeMap:
+    """One block's merges as :func:`decide_merges` returns them, every tensor on the keys' device.
+
+    Attributes:
+        destination: int32 ``[T]``: the row of the merged buffer that each input row goes to (the reference's
+            ``MergeDecision.destination``, in int32).
+        counts: int32 ``[B]``: rows of each image after the merge, prefix rows included.
+        cu_seqlens: int32 ``[B+1]`` offsets of the merged buffer (``T' = cu_seqlens[-1]`` rows).
+    """
+
+    destination: torch.Tensor
+    counts: torch.Tensor
+    cu_seqlens: torch.Tensor
+
+
+@triton.jit(do_not_specialize=["total", "batch", "limit", "threshold", "num_prefix"])
+def _match_kernel(
+    KEYS, CU, METRIC, WORK, DEST, COUNTS, CU_OUT,
+    total, batch, stride_kt, stride_kh, stride_kd, limit, threshold, num_prefix,
+    H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_AB: tl.constexpr,
+    B_PAD: tl.constexpr, ADAPTIVE: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    start, end = image_rows(CU, b, total)
+    first = tl.minimum(start + num_prefix, end)  # the image's first patch row
+    num_a = (end - first + 1) // 2  # A: even positions among the patch rows, B: odd ones
+    num_b = (end - first) // 2
+    cap = tl.minimum(limit, num_b)
+    # WORK (int32 [3, T]), at the image's first rows: per A row i, row start + i holds its best similarity's bits,
+    # start + total + i its best B row, start + 2 * total + i the merged A rows up to i (inclusive) * 2 + merged.
+    BEST = WORK + start
+    MATCH = WORK + total + start
+    MERGED = WORK + 2 * total + start
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_d = tl.arange(0, D_PAD)
+    offs_a = tl.arange(0, BLOCK_AB)
+    offs_b = tl.arange(0, BLOCK_AB)
+    merged_rows = 0
+    if cap > 0:
+        # The metric of every patch row: the keys' mean over heads, L2-normalised (F.normalize: eps 1e-12).
+        for r0 in range(first, end, BLOCK_R):
+            rows = r0 + offs_r
+            mask = (rows < end)[:, None] & (offs_d < D)[None, :]
+            keys = KEYS + rows.to(tl.int64)[:, None] * stride_kt + offs_d[None, :] * stride_kd
+            acc = tl.zeros([BLOCK_R, D_PAD], dtype=tl.float32)
+            for h in tl.static_range(H):
+                acc += tl.load(keys + h * stride_kh, mask=mask, other=0.0).to(tl.float32)
+            mean = tl.math.div_rn(acc, tl.full([BLOCK_R, D_PAD], H, tl.float32))
+            norm = tl.maximum(tl.sqrt_rn(tl.sum(mean * mean, 1)), 1e-12)
+            metric = tl.math.div_rn(mean, norm[:, None])
+            tl.store(METRIC + rows.to(tl.int64)[:, None] * D_PAD + offs_d[None, :], metric, mask=(rows < end)[:, None])
+        tl.debug_barrier()
+        # Each A row's best B row: the first maximum over B tiles in order, the lowest index inside a tile.
+        for i0 in range(0, num_a, BLOCK_AB):
+            i = i0 + offs_a
+            in_a = i < num_a
+            rows_a = (first + 2 * i).to(tl.int64)
+            metric_a = tl.load(METRIC + rows_a[:, None] * D_PAD + offs_d[None, :], mask=in_a[:, None], other=0.0)
+            best = tl.full([BLOCK_AB], float("-inf"), tl.float32)
+            match = tl.zeros([BLOCK_AB], dtype=tl.int32)
+            for j0 in range(0, num_b, BLOCK_AB):
+                j = j0 + offs_b
+                in_b = j < num_b
+                rows_b = (first + 2 * j + 1).to(tl.int64)
+                metric_bt = tl.load(METRIC + rows_b[None, :] * D_PAD + offs_d[:, None], mask=in_b[None, :], other=0.0)
+                sim = tl.dot(metric_a, metric_bt, input_precision="ieee")  # [A, B] cosine similarities
+                sim = tl.where(in_b[None, :], sim, float("-inf"))
+                tile_best = tl.max(sim, 1)
+                tile_match = tl.min(tl.where(sim == tile_best[:, None], j[None, :], num_b), 1)
+                better = tile_best > best
+                best = tl.where(better, tile_best, best)
+                match = tl.where(better, tile_match, match)
+            best = tl.where(best == best, best, float("-inf"))  # NaN (non-finite keys): ranked last
+            tl.store(BEST + i, best.to(tl.int32, bitcast=True), mask=in_a)
+            tl.store(MATCH + i, match, mask=in_a)
+        tl.debug_barrier()
+        # The merged A rows: rank by (best descending, index ascending) below the cap (and passing the threshold).
+        for i0 in range(0, num_a, BLOCK_AB):
+            i = i0 + offs_a
+            in_a = i < num_a
+            best_i = tl.load(BEST + i, mask=in_a, other=0).to(tl.float32, bitcast=True)
+            rank = tl.zeros([BLOCK_AB], dtype=tl.int32)
+            for k0 in range(0, num_a, BLOCK_AB):
+                k = k0 + offs_b
+                best_k = tl.load(BEST + k, mask=k < num_a, other=0).to(tl.float32, bitcast=True)
+                ahead = (best_k[None, :] > best_i[:, None]) | ((best_k[None, :] == best_i[:, None]) & (k < i[:, None]))
+                rank += tl.sum((ahead & (k < num_a)[None, :]).to(tl.int32), 1)
+            merged = in_a & (rank < cap)
+            if ADAPTIVE:
+                merged = merged & (best_i >= threshold)
+            merged = merged.to(tl.int32)
+            tl.store(MERGED + i, (merged_rows + tl.cumsum(merged, 0)) * 2 + merged, mask=in_a)
+            merged_rows += tl.sum(merged, 0)
+        tl.debug_barrier()
+    count = end - start - merged_rows
+    if ADAPTIVE:  # offsets in the merged buffer: _offset_kernel adds the images before this one
+        base = 0
+        tl.store(COUNTS + b, count)
+    else:  # the rule's counts, n - min(r, patches // 2), from every image's length
+        offs_img = tl.arange(0, B_PAD)
+        lo = tl.load(CU + offs_img, mask=offs_img < batch, other=0)
+        lo = tl.minimum(tl.maximum(lo, 0), total)
+        hi = tl.load(CU + offs_img + 1, mask=offs_img < batch, other=0)
+        hi = tl.minimum(tl.maximum(hi, lo), total)
+        rows_left = hi - lo - tl.minimum(limit, tl.maximum(hi - lo - num_prefix, 0) // 2)
+        base = tl.sum(tl.where(offs_img < b, rows_left, 0), 0)
+        tl.store(COUNTS + b, count)
+        tl.store(CU_OUT + b + 1, base + count)
+        if b == 0:
+            tl.store(CU_OUT, 0)
+    # Destinations: a surviving row moves up by the merged A rows before it; a merged A row goes where its B row goes.
+    for r0 in range(start, end, BLOCK_R):
+        rows = r0 + offs_r
+        in_r = rows < end
+        patch = rows - first  # position among the patch rows (< 0: a prefix row)
+        slot = tl.maximum(patch, 0) // 2  # A row `slot` for an even patch position, B row `slot` for an odd one
+        state = tl.load(MERGED + slot, mask=in_r & (patch >= 0) & (cap > 0), other=0)
+        merges = in_r & (patch >= 0) & (patch % 2 == 0) & ((state & 1) == 1)
+        j = tl.load(MATCH + slot, mask=merges, other=0)
+        state_j = tl.load(MERGED + j, mask=merges, other=0)
+        local = tl.where(merges, first - start + 2 * j + 1 - (state_j >> 1), rows - start - (state >> 1))
+        tl.store(DEST + rows, base + local, mask=in_r)
+
+
+@triton.jit(do_not_specialize=["total", "batch"])
+def _offset_kernel(CU, COUNTS, DEST, CU_OUT, total, batch, BLOCK_R: tl.constexpr, B_PAD: tl.constexpr):
+    b = tl.program_id(0)
+    start, end = image_rows(CU, b, total)
+    offs_img = tl.arange(0, B_PAD)
+    counts = tl.load(COUNTS + offs_img, mask=offs_img < batch, other=0)
+    base = tl.sum(tl.where(offs_img < b, counts, 0), 0)
+    tl.store(CU_OUT + b + 1, base + tl.sum(tl.where(offs_img == b, counts, 0), 0))
+    if b == 0:
+        tl.store(CU_OUT, 0)
+    offs_r = tl.arange(0, BLOCK_R)
+    for r0 in range(start, end, BLOCK_R):
+        rows = r0 + offs_r
+        tl.store(DEST + rows, tl.load(DEST + rows, mask=rows < end) + base, mask=rows < end)
+
+
+@triton.jit(do_not_specialize=["total", "capacity"])
+def _merge_kernel(
+    X, SIZES, DEST, CU, NEW_CU, OUT, OUT_SIZES, total, capacity, stride_xt, stride_xc,
+    CHANNELS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    start, end = image_rows(CU, b, total)
+    new_start, new_end = image_rows(NEW_CU, b, capacity)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    in_c = offs_c < CHANNELS
+    # Grid-stride loop over the image's merged rows: the grid's second axis is only a bound on the work.
+    for d0 in range(new_start + tl.program_id(1) * BLOCK_D, new_end, tl.num_programs(1) * BLOCK_D):
+        d = d0 + offs_d
+        in_d = d < new_end
+        acc = tl.zeros([BLOCK_D, BLOCK_C], dtype=tl.float32)
+        lone = tl.zeros([BLOCK_D, BLOCK_C], dtype=tl.float32)  # the first source: the row if it is the only one
+        weight = tl.zeros([BLOCK_D], dtype=SIZES.dtype.element_ty)
+        sources = tl.zeros([BLOCK_D], dtype=tl.int32)
+        for t0 in range(start, end, BLOCK_T):
+            t = t0 + offs_t
+            to = tl.load(DEST + t, mask=t < end, other=-1)
+            size = tl.load(SIZES + t, mask=t < end, other=0)
+            hit = (to[None, :] == d[:, None]) & in_d[:, None]  # [D, T]: t is a source of d
+            order = tl.cumsum(hit.to(tl.int32), 1)
+            hits = tl.sum(hit.to(tl.int32), 1)
+            weight += tl.sum(tl.where(hit, size[None, :], 0), 1)
+            for k in range(0, tl.max(hits, 0)):  # the k-th source of every row in this tile, in row order
+                pick = hit & (order == k + 1)
+                row = tl.sum(tl.where(pick, t[None, :], 0), 1)
+                has = hits > k
+                vals = tl.load(
+                    X + row.to(tl.int64)[:, None] * stride_xt + offs_c[None, :] * stride_xc,
+                    mask=has[:, None] & in_c[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                acc += tl.sum(tl.where(pick, size[None, :], 0), 1).to(tl.float32)[:, None] * vals
+                lone = tl.where((has & (sources == 0))[:, None], vals, lone)
+                sources += has.to(tl.int32)
+        divisor = tl.where(weight > 0, weight, 1).to(tl.float32)  # a row no row is sent to (a broken map): zeros
+        mean = tl.math.div_rn(acc, tl.broadcast_to(divisor[:, None], [BLOCK_D, BLOCK_C]))
+        rows = tl.where((sources == 1)[:, None], lone, mean)
+        out = OUT + d.to(tl.int64)[:, None] * CHANNELS + offs_c[None, :]
+        tl.store(out, rows.to(OUT.dtype.element_ty), mask=in_d[:, None] & in_c[None, :])
+        if tl.program_id(2) == 0:
+            tl.store(OUT_SIZES + d, weight, mask=in_d)
+
+
+_match_launcher = CompiledLauncher(_match_kernel)
+_offset_launcher = CompiledLauncher(_offset_kernel)
+_merge_launcher = CompiledLauncher(_merge_kernel)
+
+
+def _int_spec(value: int) -> tuple[bool, bool]:
+    """What Triton specialises a (specialised) integer argument on."""
+    return value == 1, value % 16 == 0
+
+
+def _tile(width: int, cap: int) -> int:
+    """A power-of-two tile of at least 16 (``tl.dot``'s least) and at most ``cap`` covering ``width`` if it can."""
+    return min(cap, max(16, triton.next_power_of_2(width)))
+
+
+def _fp32_threshold(threshold: float) -> float:
+    """The threshold as the fp32 value the reference compares with (clamped to ``[-2, 2]`` first: no similarity
+    lies outside, and fp32 rounding of a larger value could overflow)."""
+    return struct.unpack("<f", struct.pack("<f", min(max(threshold, -2.0), 2.0)))[0]
+
+
+def decide_merges(
+    keys: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    num_prefix: int = 1,
+    *,
+    r: int | None = None,
+    threshold: float | None = None,
+    r_max: int | None = None,
+    check_values: bool | None = None,
+) -> MergeMap:
+    """One block's merges by bipartite soft matching, per image: the kernels' twin of
+    :func:`ragged_vit.reference.merging.decide_merges` (module docstring: the rules), one launch in the fixed mode,
+    two in the adaptive one, no host synchronisation.
+
+    Args:
+        keys: ``[T, H, D]`` the block's attention keys (after ``k_norm``), fp16, bf16 or fp32, any strides (e.g. a
+            view of the qkv projection); ``D <= 256``.
+        cu_seqlens: int32 ``[B+1]`` offsets; image ``b``'s rows start with its ``num_prefix`` prefix rows.
+        max_seqlen: a bound on the image lengths that sizes the tiles (an underestimate is slower, never wrong).
+        num_prefix: prefix rows at the start of every image; they never merge.
+        r: fixed mode: each image merges ``min(r, patches // 2)`` A rows.
+        threshold: adaptive mode: each image merges the A rows whose best cosine similarity is ``>= threshold``
+            (compared in fp32), at most ``min(r_max, patches // 2)`` of them.
+        r_max: the cap of the adaptive mode (with ``threshold`` only).
+        check_values: read ``cu_seqlens`` to validate it (default: only on the CPU).
+
+    Returns:
+        :class:`MergeMap`: the destination map (int32), the new counts and offsets.
+    """
+    threshold = check_merge_mode(r, threshold, r_max)
+    limit = check_int(r, "r", 0) if threshold is None else check_int(r_max, "r_max", 0)
+    check_tensor(keys, "keys", ndim=3, dtypes=FLOAT_DTYPES)
+    if not 1 <= keys.shape[2] <= _MAX_HEAD_DIM or keys.shape[1] < 1:
+        raise ValueError(f"keys must have shape [T, H, D] with H >= 1 and 1 <= D <= {_MAX_HEAD_DIM}, got "
+                         f"{tuple(keys.shape)}")  # fmt: skip
+    cu = check_cu_seqlens(cu_seqlens, total=keys.shape[0], device=keys.device, check_values=check_values)
+    check_max_seqlen(max_seqlen)
+    check_int(num_prefix, "num_prefix", 0)
+    return decide_merges_unchecked(keys, cu, max_seqlen, num_prefix, limit, threshold)
+
+
+def decide_merges_unchecked(
+    keys: torch.Tensor,
+    cu: torch.Tensor,
+    max_seqlen: int,
+    num_prefix: int,
+    limit: int,
+    threshold: float | None,
+    out: MergeMap | None = None,
+) -> MergeMap:
+    """:func:`decide_merges` without its checks (``limit``: ``r``, or ``r_max`` with a ``threshold``), written into
+    ``out`` (contiguous int32 tensors of the right shapes, every element overwritten) when given: for a merge stage
+    that built its input itself."""
+    total, heads, dim = keys.shape
+    batch = cu.shape[0] - 1
+    device = keys.device
+    if out is None:
+        out = MergeMap(
+            torch.empty(total, dtype=torch.int32, device=device),
+            torch.empty(batch, dtype=torch.int32, device=device),
+            torch.empty(batch + 1, dtype=torch.int32, device=device),
+        )
+    adaptive = threshold is not None
+    d_pad = _tile(dim, _MAX_HEAD_DIM)
+    metric = torch.empty(total, d_pad, dtype=torch.float32, device=device)
+    work = torch.empty(3, total, dtype=torch.int32, device=device)
+    block_ab = _tile(-(-max(max_seqlen - num_prefix, 1) // 2), _BLOCK_AB)
+    b_pad = triton.next_power_of_2(batch)
+    strides = keys.stride()
+    args = (
+        keys, cu, metric, work, out.destination, out.counts, out.cu_seqlens, total, batch, *strides, limit,
+        _fp32_threshold(threshold) if adaptive else 0.0, num_prefix, heads, dim, d_pad, _BLOCK_R, block_ab, b_pad,
+        adaptive,
+    )  # fmt: skip
+    ok = aligned(keys, cu, metric, work, out.destination, out.counts, out.cu_seqlens)
+    key = (keys.dtype, heads, dim, block_ab, b_pad, adaptive, *map(_int_spec, strides)) if ok else None
+    _match_launcher(key, keys.get_device(), (batch,), args, num_warps=_NUM_WARPS, num_stages=1)
+    if adaptive:
+        args = (cu, out.counts, out.destination, out.cu_seqlens, total, batch, _BLOCK_R, b_pad)
+        _offset_launcher(b_pad if ok else None, keys.get_device(), (batch,), args, num_warps=_NUM_WARPS, num_stages=1)
+    return out
+
+
+def merge_rows(
+    x: torch.Tensor,
+    sizes: torch.Tensor,
+    destination: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    merged_cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    capacity: int | None = None,
+    check_values: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Applies a destination map as a size-weighted average, per image: the kernel's twin of
+    :func:`ragged_vit.reference.merging.merge_rows` (module docstring: the rules), one launch, no host
+    synchronisation.
+
+    Args:
+        x: ``[T, C]`` rows, fp16, bf16 or fp32, any strides.
+        sizes: int32 or int64 ``[T]`` the patches each row holds (>= 1), contiguous.
+        destination: int32 or int64 ``[T]``, contiguous: the merged row each row goes to, inside its image's merged
+            rows (``merged_cu_seqlens``); every merged row receives at least one row. Not read on the host.
+        cu_seqlens: int32 ``[B+1]`` offsets of ``x``.
+        merged_cu_seqlens: int32 ``[B+1]`` offsets of the merged rows.
+        max_seqlen: a bound on the image lengths (before the merge) that sizes the grid (an underestimate is slower,
+            never wrong).
+        capacity: rows of the merged buffer, ``>= T'`` (default ``T``: always enough); rows past ``T'`` are left
+            as allocated, rows past ``capacity`` are not written.
+        check_values: read both offsets to validate them (default: only on the CPU).
+
+    Returns:
+        The merged rows ``[capacity, C]`` in ``x``'s dtype and their sizes ``[capacity]`` in ``sizes``' dtype.
+    """
+    check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
+    total, channels = x.shape
+    if channels < 1:
+        raise ValueError(f"x must have at least one channel, got shape {tuple(x.shape)}")
+    for name, value, dtypes in (("sizes", sizes, (torch.int32, torch.int64)),
+                                ("destination", destination, (torch.int32, torch.int64))):  # fmt: skip
+        check_tensor(value, name, ndim=1, dtypes=dtypes, device=x.device)
+        if value.shape[0] != total:
+            raise ValueError(f"{name} must have shape ({total},) to match x, got {tuple(value.shape)}")
+        if not value.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {value.stride()}")
+    cu = check_cu_seqlens(cu_seqlens, total=total, device=x.device, check_values=check_values)
+    capacity = total if capacity is None else check_int(capacity, "capacity", 0)
+    merged_cu = check_cu_seqlens(
+        merged_cu_seqlens, device=x.device, name="merged_cu_seqlens", check_values=check_values
+    )
+    if merged_cu.shape[0] != cu.shape[0]:
+        raise ValueError(
+            f"merged_cu_seqlens must have one offset per image like cu_seqlens ({cu.shape[0]}), got {merged_cu.shape[0]}"
+        )
+    check_max_seqlen(max_seqlen)
+    out = x.new_empty((capacity, channels))
+    out_sizes = sizes.new_empty(capacity)
+    return merge_rows_unchecked(x, sizes, destination, cu, merged_cu, max_seqlen, out, out_sizes)
+
+
+def merge_rows_unchecked(
+    x: torch.Tensor,
+    sizes: torch.Tensor,
+    destination: torch.Tensor,
+    cu: torch.Tensor,
+    merged_cu: torch.Tensor,
+    max_seqlen: int,
+    out: torch.Tensor,
+    out_sizes: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`merge_rows` without its checks, written into ``out`` (contiguous ``[capacity, C]`` in ``x``'s dtype)
+    and ``out_sizes`` (contiguous ``[capacity]`` in ``sizes``' dtype), rows ``[0, T')`` overwritten, and returned: for
+    a merge stage that built its input itself."""
+    total, channels = x.shape
+    batch = cu.shape[0] - 1
+    block_c = min(_BLOCK_C, triton.next_power_of_2(channels))
+    grid = (batch, triton.cdiv(max_seqlen, _BLOCK_D), triton.cdiv(channels, block_c))
+    args = (
+        x, sizes, destination, cu, merged_cu, out, out_sizes, total, out.shape[0], *x.stride(), channels, _BLOCK_D,
+        _BLOCK_T, block_c,
+    )  # fmt: skip
+    ok = aligned(x, sizes, destination, cu, merged_cu, out, out_sizes)
+    key = (x.dtype, sizes.dtype, destination.dtype, channels, *map(_int_spec, x.stride())) if ok else None
+    _merge_launcher(key, x.get_device(), grid, args, num_warps=_NUM_WARPS, num_stages=1)
+    return out, out_sizes
