@@ -168,10 +168,11 @@ def _decisions(device, lengths, mode, num_prefix, gen, shape, dtype=torch.float3
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("num_prefix", [0, 1, 2])
-def test_decisions_are_the_reference_interpreter(num_prefix, gen):
+@pytest.mark.parametrize("num_prefix,dtype", [(0, torch.float32), (1, torch.float32), (2, torch.float32),
+                                              (1, torch.float16)])  # fmt: skip
+def test_decisions_are_the_reference_interpreter(num_prefix, dtype, gen):
     for mode in MODES:
-        _decisions("cpu", LENGTHS, mode, num_prefix, gen, CPU_SHAPE)
+        _decisions("cpu", LENGTHS, mode, num_prefix, gen, CPU_SHAPE, dtype)
 
 
 @pytest.mark.gpu
@@ -401,6 +402,8 @@ def _poisoned(device, shape, channels, dtype, gen, mode):
     merged = int(want.cu_seqlens[-1])
     assert torch.equal(rows[:merged], want_rows[:merged]) and torch.equal(new_sizes[:merged], want_sizes[:merged])
     assert bool(rows[merged:].isnan().all()) and bool((new_sizes[merged:] == -1).all())
+    short, short_sizes = ker.merge_rows(x, sizes, want.destination, cu, want.cu_seqlens, 65, capacity=merged - 3)
+    assert torch.equal(short, want_rows[: merged - 3]) and torch.equal(short_sizes, want_sizes[: merged - 3])
     return keys, cu, x, sizes, want, want_rows
 
 
@@ -435,6 +438,27 @@ def test_poisoned_outputs_replayed_from_a_graph_gpu(mode, dtype, gen):
         torch.cuda.synchronize()
         assert torch.equal(got.destination, want.destination) and torch.equal(got.cu_seqlens, want.cu_seqlens)
         assert torch.equal(got.counts, want.counts) and torch.equal(rows[:merged], want_rows[:merged])
+
+
+def _empty(device):
+    """A batch of empty images: nothing to merge, offsets of zeros."""
+    cu = torch.zeros(3, dtype=torch.int32, device=device)
+    for mode in ({"r": 3}, {"threshold": 0.1, "r_max": 3}):
+        got = ker.decide_merges(torch.randn(0, 2, 8, device=device), cu, 1, 1, **mode)
+        assert got.destination.shape == (0,) and got.counts.tolist() == [0, 0] and got.cu_seqlens.tolist() == [0] * 3
+        sizes = torch.ones(0, dtype=torch.int64, device=device)
+        rows, new_sizes = ker.merge_rows(torch.randn(0, 5, device=device), sizes, got.destination, cu, cu, 1)
+        assert rows.shape == (0, 5) and new_sizes.shape == (0,)
+
+
+@pytest.mark.interpreter
+def test_empty_images_interpreter():
+    _empty("cpu")
+
+
+@pytest.mark.gpu
+def test_empty_images_gpu():
+    _empty("cuda")
 
 
 # --- bad inputs -----------------------------------------------------------------------------------------------------

@@ -68,12 +68,15 @@ from ragged_vit.reference.merging import check_merge_mode
 from ragged_vit.triton_impl.cls_attention import aligned, image_rows
 from ragged_vit.triton_impl.launcher import CompiledLauncher
 
-_BLOCK_R = 64  # rows per step of the metric and of the destinations
-_BLOCK_AB = 64  # A rows and B rows per similarity tile (DeiT-B: 98 x 98 in 2 x 2 tiles), also the rank's tiles
+_BLOCK_R = 32  # rows per step of the metric and of the destinations
+# A rows and B rows per similarity tile (DeiT-B: 98 x 98 in 2 x 2 tiles), also the rank's tiles; 32 for D > 64, which
+# spills at 64 (sm_90, 8 warps)
+_BLOCK_AB = 64
 _MAX_HEAD_DIM = 256  # D of one metric tile in registers
 _BLOCK_D = 16  # merged rows per program of the merge: a DeiT image spreads over 13 programs per channel block
 _BLOCK_T = 64  # input rows scanned per step for the sources of those rows
 _BLOCK_C = 128  # channels per program of the merge (DeiT-B: 6)
+_MATCH_WARPS = 8  # 4 spill the similarity tiles at D = 64 (sm_90)
 _NUM_WARPS = 4
 
 
@@ -123,7 +126,7 @@ def _match_kernel(
             mask = (rows < end)[:, None] & (offs_d < D)[None, :]
             keys = KEYS + rows.to(tl.int64)[:, None] * stride_kt + offs_d[None, :] * stride_kd
             acc = tl.zeros([BLOCK_R, D_PAD], dtype=tl.float32)
-            for h in tl.static_range(H):
+            for h in range(H):
                 acc += tl.load(keys + h * stride_kh, mask=mask, other=0.0).to(tl.float32)
             mean = tl.math.div_rn(acc, tl.full([BLOCK_R, D_PAD], H, tl.float32))
             norm = tl.maximum(tl.sqrt_rn(tl.sum(mean * mean, 1)), 1e-12)
@@ -355,8 +358,8 @@ def decide_merges_unchecked(
     d_pad = _tile(dim, _MAX_HEAD_DIM)
     metric = torch.empty(total, d_pad, dtype=torch.float32, device=device)
     work = torch.empty(3, total, dtype=torch.int32, device=device)
-    block_ab = _tile(-(-max(max_seqlen - num_prefix, 1) // 2), _BLOCK_AB)
-    b_pad = triton.next_power_of_2(batch)
+    block_ab = _tile(-(-max(max_seqlen - num_prefix, 1) // 2), _BLOCK_AB if d_pad <= 64 else _BLOCK_AB // 2)
+    b_pad = 1 if adaptive else triton.next_power_of_2(batch)  # the fixed mode's offsets read every image's length
     strides = keys.stride()
     args = (
         keys, cu, metric, work, out.destination, out.counts, out.cu_seqlens, total, batch, *strides, limit,
@@ -365,8 +368,9 @@ def decide_merges_unchecked(
     )  # fmt: skip
     ok = aligned(keys, cu, metric, work, out.destination, out.counts, out.cu_seqlens)
     key = (keys.dtype, heads, dim, block_ab, b_pad, adaptive, *map(_int_spec, strides)) if ok else None
-    _match_launcher(key, keys.get_device(), (batch,), args, num_warps=_NUM_WARPS, num_stages=1)
+    _match_launcher(key, keys.get_device(), (batch,), args, num_warps=_MATCH_WARPS, num_stages=1)
     if adaptive:
+        b_pad = triton.next_power_of_2(batch)
         args = (cu, out.counts, out.destination, out.cu_seqlens, total, batch, _BLOCK_R, b_pad)
         _offset_launcher(b_pad if ok else None, keys.get_device(), (batch,), args, num_warps=_NUM_WARPS, num_stages=1)
     return out
@@ -421,7 +425,8 @@ def merge_rows(
     )
     if merged_cu.shape[0] != cu.shape[0]:
         raise ValueError(
-            f"merged_cu_seqlens must have one offset per image like cu_seqlens ({cu.shape[0]}), got {merged_cu.shape[0]}"
+            f"merged_cu_seqlens must have one offset per image like cu_seqlens ({cu.shape[0]}), got "
+            f"{merged_cu.shape[0]}"
         )
     check_max_seqlen(max_seqlen)
     out = x.new_empty((capacity, channels))
