@@ -261,8 +261,6 @@ def test_unsupported_models_and_modes():
             PrunedViT(no_class, make_pruner("evit", blocks=(1,)))
         with pytest.raises(ValueError, match="would leave images without a single row"):
             PrunedViT(no_class, make_pruner("dynamicvit", embed_dim=64, rate=0.01, blocks=(1,)))
-        with pytest.raises(NotImplementedError, match="dynamic_img_size=False"):
-            PrunedViT(VisionTransformer(**tiny, dynamic_img_size=True))
         with pytest.raises(NotImplementedError, match=r"model.blocks\[1\] must be a timm vision_transformer.Block"):
             PrunedViT(VisionTransformer(**tiny, block_fn=ResPostBlock), make_pruner("evit", blocks=(1,)))
         model = VisionTransformer(**tiny)
