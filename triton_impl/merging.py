@@ -1,57 +1,70 @@
 """ToMe's merge in sync-free Triton kernels: the bipartite matching and the size-weighted merge, beside their
 reference :mod:`ragged_vit.reference.merging` (the rule: ``docs/tome.md``).
 
-:func:`decide_merges` (the reference's ``decide_merges`` without the sizes) is one launch in the fixed mode and two
-in the adaptive one:
+:func:`decide_merges` (the reference's ``decide_merges`` without the sizes, which only the merge needs) is one launch
+in the fixed mode and two in the adaptive one:
 
-1. ``_match_kernel`` (one program per image, its rows in tiles): the metric of every patch row (the keys averaged
-   over heads in head order, the mean correctly rounded, then divided by its correctly rounded L2 norm clamped to
-   ``1e-12``, all in fp32) into a ``[T, D]`` fp32 scratch; each A row's best B row by ``tl.dot`` of fp32 metric
-   tiles (IEEE fp32, not TF32) over B tiles of up to 64 rows, the first maximum winning (the lowest B index); the
-   rank of every A row's best similarity among the image's A rows, by counting the A rows that beat it (higher, or
-   equal with a lower index: the reference's stable descending sort); the merged A rows, those of rank
-   ``< min(limit, patches // 2)`` (and ``>= threshold`` in the adaptive mode), and their running count; then every
-   row's destination, from the counts of merged A rows before it. In the fixed mode the new counts are the rule's
-   (``n - min(r, patches // 2)``, from the lengths), so every program also writes its image's offsets in the
-   merged buffer and the map is final.
-2. adaptive mode only: ``_offset_kernel`` (one program per image) adds to each image's destinations the merged rows
-   of the images before it (their counts, from launch 1) and writes the merged ``cu_seqlens``.
+1. ``_match_kernel`` (grid ``(B,)``: one program of 8 warps per image, its rows in tiles), in four phases separated
+   by barriers: the metric of every patch row (the keys summed over heads in head order, divided by ``H``, then by
+   the L2 norm clamped to ``1e-12``: ``F.normalize``; fp32, divisions and square root correctly rounded) into a
+   ``[T, D]`` fp32 scratch; each A row's best B row, by ``tl.dot`` of fp32 metric tiles (IEEE fp32, not TF32) of up
+   to 64 A rows against B tiles of up to 64 rows in order, the first maximum winning (the lowest B index); each A
+   row's rank among its image's A rows, by counting those that beat it (a higher best similarity, or an equal one
+   and a lower index: the reference's stable descending sort), and the merged ones, of rank
+   ``< min(limit, patches // 2)`` (and best ``>= threshold`` in the adaptive mode), with their running count
+   (``[3, T]`` int32 scratch); then every row's destination: a surviving row moves up by the merged A rows before
+   it, a merged A row goes where its B row goes. In the fixed mode the counts are the rule's,
+   ``n - min(r, patches // 2)`` from the lengths alone, so each program also computes its image's offset in the
+   merged buffer from every image's length, writes its destinations final and its entry of ``cu_seqlens``.
+2. adaptive mode only: ``_offset_kernel`` (grid ``(B,)``) adds to each image's destinations the rows the images
+   before it keep (their counts, from launch 1) and writes the merged ``cu_seqlens``.
 
-:func:`merge_rows` is one launch, ``_merge_kernel`` (one program per image, 16 rows of the merged buffer and 128
-channels): each merged row gathers its sources, the rows of its image whose destination it is, in row order, and
-sums ``size * x`` in fp32 and the sizes in the sizes' integer dtype, then divides (correctly rounded) and writes the
-quotient in ``x``'s dtype; a row that receives only one row is that row, bit for bit, whatever its size. No
-atomics: the same bits on every run, eager or replayed from a CUDA graph, and whatever the tile sizes.
+:func:`merge_rows` is one launch, ``_merge_kernel`` (grid ``(B, cdiv(max_seqlen, 16), cdiv(C, 128))``: an image, 16
+rows of its merged buffer, 128 channels): each merged row gathers its sources, the rows of its image sent to it, in
+row order (a ``[16, 64]`` match of destinations per step of the image's rows, then one gather of the k-th source of
+every row at a time), sums ``size * x`` in fp32 and the sizes in their integer dtype, divides (correctly rounded)
+and writes the quotient in ``x``'s dtype; a row that receives a single row is that row, bit for bit, whatever its
+size (as in the reference, whose float64 products are exact). No atomics: every row's sum runs in row order, so the
+same bits on every run, eager or replayed from a CUDA graph, whatever the tile sizes.
 
 The rules (``tests/test_triton_merging.py``):
 
-* the destination map is int32 (as ``cu_seqlens``: ``T < 2**31``), not the reference's int64; :func:`merge_rows`
-  takes either;
-* decisions: the kernel computes every similarity in fp32 as the reference does, but sums in another order (the
-  head mean, the norm, the dot products), so similarities may differ from the reference's by a few units of fp32's
-  last place. Where the reference's margins are clear (each merged A row's best B row ahead of the next by more
-  than that, the merged A rows ahead of the first unmerged one, the threshold away from every best similarity) the
-  merges are the reference's, bit for bit; equal keys give equal metrics and similarities, bit for bit, so exact
-  ties break by index as in the reference (duplicate keys). The threshold is compared in fp32, as the reference
-  compares it (clamped to ``[-2, 2]`` first, which changes no comparison: similarities lie within ``[-1, 1]`` up
-  to rounding);
+* the destination map is int32 (as ``cu_seqlens``: ``T < 2**31``; half the bytes), not the reference's int64;
+  :func:`merge_rows` takes either;
+* decisions: every similarity is computed in fp32 as the reference computes it, but summed in another order (the
+  head sum, the norm, the dot products), so it may differ from the reference's by a few units of fp32's last place.
+  Where the reference's margins are clear (each merged A row's best B row ahead of every other B row by more than
+  that, the merged A rows ahead of the unmerged ones, every best similarity away from the threshold) the merges are
+  the reference's, bit for bit. Exact ties are broken by index as in the reference: equal keys give equal metrics
+  and equal similarities, bit for bit, and so do similarities that are exact in fp32 (dyadic unit vectors). Where
+  two different pairs of vectors are equally similar in exact arithmetic only (e.g. two vectors' similarities to
+  themselves, both 1 up to rounding), either side may round either above: a near-tie, decided as the rounding
+  falls. The threshold is compared in fp32, as the reference compares it (clamped to ``[-2, 2]`` first, which
+  changes no comparison);
 * counts: the fixed mode's are the rule's whatever the keys; the adaptive mode's count the merged rows;
-* merged rows: the reference sums in float64 and rounds once to fp32; here the sum is fp32, so a row of ``k``
-  sources is within ``(k + 1)`` fp32 roundings of ``sum(size * |x|) / sum(size)``, then one rounding to ``x``'s
-  dtype. Where every partial sum is exact in fp32 (small integer rows and sizes, dyadic rows) the row is the
-  reference's bit for bit (the quotient is correctly rounded both ways: float64 then fp32 rounds as fp32 alone);
-* isolation: an image's decisions, counts, destinations relative to its offset and merged rows depend on its own
+* merged rows: the reference sums in float64 and rounds once; here a row of ``k`` sources is within
+  ``(k + 1) * 2**-24 * sum(size * |x|) / sum(size)`` of the exact average in fp32, then rounded once to ``x``'s
+  dtype. Where every partial sum is exact in fp32 (small integer sizes, dyadic rows) the row is the reference's
+  rounded to ``x``'s dtype, bit for bit (the quotient is correctly rounded both ways, and rounding float64 to fp32
+  gives fp32's correctly rounded quotient);
+* isolation: an image's decisions, count, destinations relative to its offset and merged rows depend on its own
   rows only, bit for bit.
 
-No host reads: ``max_seqlen`` (a host bound on every image's rows) sizes tiles and grids only, an underestimate is
-slower, never wrong. The merged buffer's rows ``T'`` are not known on the host: :func:`merge_rows` writes rows
-``[0, T')`` of a buffer of ``capacity`` rows (default ``T``, always enough) and leaves the rest as allocated; read
-``merged_cu_seqlens[-1]`` for ``T'``.
+No host reads: ``max_seqlen`` (a host bound on every image's rows) sizes tiles and grids only; an underestimate is
+slower, never wrong. ``T'`` is not known on the host: :func:`merge_rows` writes rows ``[0, T')`` of a buffer of
+``capacity`` rows (default ``T``, always enough) and leaves the rest as allocated (read ``merged_cu_seqlens[-1]``
+for ``T'`` where it matters). No zero-fills: every output is written by the kernels.
 
-Not supported: fp64 (the reference's fp64 metric and float64 sums), non-finite keys (the reference refuses them;
-here their rows rank last, as similarity ``-inf``, and the map stays valid: every destination in its image's
-range), maps that break the contract in :func:`merge_rows` (a destination outside its image's merged rows is
-ignored, a merged row that receives no row is NaN). The merge stage of the pipelines is not built on them yet.
+Cost, not yet timed on a GPU: one program does an image's whole matching, ``|A| * |B| * D`` fp32 FMAs on one SM
+(DeiT-B: 98 * 98 * 64 = 0.6 M; 384 px: 288 * 288 * 64 = 5.3 M), plus ``|A|^2`` comparisons for the ranks; at small
+batches that program is the latency. Splitting the similarity over programs per A tile needs one more launch (the
+ranks need every A row's best), and fp16/TF32 tiles would lose the fp32 exactness above.
+
+Not supported: fp64 (the reference's fp64 metric and float64 sums); non-finite keys (the reference refuses them;
+here a NaN best similarity ranks last, as ``-inf``, and the map stays valid: every destination inside its image's
+merged rows, the fixed counts the rule's); maps that break :func:`merge_rows`'s contract are not detected (a
+destination outside its image's merged rows is ignored, a merged row that receives no row is zeros of size 0).
+No merge stage of the pipelines is built on these kernels yet.
 """
 
 from __future__ import annotations
@@ -64,7 +77,7 @@ import triton
 import triton.language as tl
 
 from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
-from ragged_vit.reference.merging import check_merge_mode
+from ragged_vit.reference.merging import check_merge_mode, check_sizes
 from ragged_vit.triton_impl.cls_attention import aligned, image_rows
 from ragged_vit.triton_impl.launcher import CompiledLauncher
 
@@ -411,11 +424,11 @@ def merge_rows(
     total, channels = x.shape
     if channels < 1:
         raise ValueError(f"x must have at least one channel, got shape {tuple(x.shape)}")
-    for name, value, dtypes in (("sizes", sizes, (torch.int32, torch.int64)),
-                                ("destination", destination, (torch.int32, torch.int64))):  # fmt: skip
-        check_tensor(value, name, ndim=1, dtypes=dtypes, device=x.device)
-        if value.shape[0] != total:
-            raise ValueError(f"{name} must have shape ({total},) to match x, got {tuple(value.shape)}")
+    check_sizes(sizes, total, x.device)  # values >= 1 read on a CPU only
+    check_tensor(destination, "destination", ndim=1, dtypes=(torch.int32, torch.int64), device=x.device)
+    if destination.shape[0] != total:
+        raise ValueError(f"destination must have shape ({total},) to match x, got {tuple(destination.shape)}")
+    for name, value in (("sizes", sizes), ("destination", destination)):
         if not value.is_contiguous():
             raise ValueError(f"{name} must be contiguous, got strides {value.stride()}")
     cu = check_cu_seqlens(cu_seqlens, total=total, device=x.device, check_values=check_values)
