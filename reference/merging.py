@@ -144,7 +144,9 @@ def decide_merges(
         count = merge_count(patches.numel(), limit)
         if count == 0:
             continue
-        sim = metric[a] @ metric[b].T  # [|A|, |B|] cosine similarities
+        # [|A|, |B|] cosine similarities, each pair's products summed over D alike: equal keys give equal similarities
+        # bit for bit, so the tie rules below apply to them (a CPU GEMM may sum two equal rows differently)
+        sim = (metric[a][:, None, :] * metric[b][None, :, :]).sum(-1)
         best = sim.amax(dim=1)
         columns = torch.arange(b.numel(), device=device).expand_as(sim)
         match = torch.where(sim == best[:, None], columns, b.numel()).amin(dim=1)  # ties: the lowest B index
