@@ -17,6 +17,12 @@ status=0
   || { echo "pip install -e . failed:"; tail -20 "$OUT/install.log"; exit 2; }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/card.txt"
 "$PY" -c "import torch, triton, timm; print('torch', torch.__version__, 'triton', triton.__version__, 'timm', timm.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/card.txt"
+# TEST_SHARD=i/n runs every n-th test file from the i-th (the whole GPU suite takes longer than one 10-minute call of
+# the lent machines: run it as TEST_SHARD=1/2 and TEST_SHARD=2/2); TEST_PATHS, if set, wins.
+if [ -z "${TEST_PATHS:-}" ] && [ -n "${TEST_SHARD:-}" ]; then
+  shard_i=${TEST_SHARD%/*}; shard_n=${TEST_SHARD#*/}
+  TEST_PATHS=$(ls tests/test_*.py | awk -v i="$shard_i" -v n="$shard_n" '(NR - i) % n == 0' | tr '\n' ' ')
+fi
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(tests sanitize)
 for step in "${steps[@]}"; do
