@@ -17,10 +17,9 @@ A keep rate of 1.0 keeps every token with threshold_l2 (ratio), dynamicvit and e
 reproduce timm's forward; ATS at 1.0 still samples adaptively.
 
 Image sizes (a model built with ``dynamic_img_size=True``, ``docs/models.md``): the 196 above is the batch's own
-patch count for threshold_l2 (ratio), dynamicvit and evit, so their keep rate holds at every size. ATS's sample count
-is computed once, here, from the model's default size (``model.patch_embed.num_patches``) and stays that absolute
-count at every size (the method's ``K``: at a larger size it keeps a smaller fraction); at keep rate 1.0 it samples
-the batch's own patch count.
+patch count for threshold_l2 (ratio), dynamicvit, evit and ats (``ATSPruner(sample_rate=keep_rate)``:
+``ceil(keep_rate * N)`` CDF samples of the batch's ``N``), so their keep rate holds at every size. The same absolute
+count at every size (ATS's ``K``): ``PrunedViT(model, ATSPruner(num_samples=K))``.
 """
 
 from __future__ import annotations

@@ -47,6 +47,7 @@ PRUNERS = {
     "dynamicvit": lambda: make_pruner("dynamicvit", embed_dim=64, rate=0.7, blocks=(1, 2)),
     "evit_fused": lambda: make_pruner("evit", rate=0.6, blocks=(1, 2), fuse_token=True),
     "ats": lambda: make_pruner("ats", blocks=(1, 2, 3), min_keep=2),  # num_samples=None: the batch's patch count
+    "ats_rate": lambda: make_pruner("ats", blocks=(1, 2, 3), min_keep=2, sample_rate=0.5),  # ceil(0.5 N) samples
 }
 KEEP_ALL = {
     "threshold_l2": lambda: make_pruner("threshold_l2", mode="ratio", rate=1.0, block=1),

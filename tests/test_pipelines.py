@@ -296,7 +296,8 @@ def test_pruner_options_come_from_each_pruner():
     assert pruner_options("ats") == pruner_options("dynamicvit") == pruner_options("none") == ()
     model = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=12, num_heads=2)
     assert build_pruner("evit", model, 0.7, fuse_token=True).fuse_token
-    assert build_pruner("ats", model, 0.5).num_samples == 8  # ceil(0.5 * 16) CDF samples
+    ats = build_pruner("ats", model, 0.5)
+    assert ats.sample_rate == 0.5 and ats.samples(16) == 8 and ats.samples(36) == 18  # ceil(0.5 * N) at every size
     with pytest.raises(ValueError, match=r"pruner 'threshold_l2' takes no option 'fuse_token' \(its options: "):
         build_pruner("threshold_l2", model, 0.5, fuse_token=True)
     with pytest.raises(ValueError, match="pruner 'none' takes no option 'threshold'"):

@@ -435,6 +435,8 @@ BAD_ARGUMENTS = [
     ("fuse_token", lambda: EViTPruner(fuse_token="yes"), TypeError),
     ("blocks", lambda: ATSPruner(blocks=(3, 3)), ValueError),
     ("num_samples", lambda: ATSPruner(num_samples=0), ValueError),
+    ("sample_rate", lambda: ATSPruner(sample_rate=0.0), ValueError),
+    ("exclude each other", lambda: ATSPruner(num_samples=4, sample_rate=0.5), ValueError),
     ("min_keep", lambda: ATSPruner(min_keep=True), TypeError),
 ]
 

@@ -279,7 +279,7 @@ def ats_select(pruner: ATSPruner, inp: DecisionInput) -> TokenSelection:
 def _select(pruner: ATSPruner, inp: DecisionInput) -> TokenSelection:
     """:func:`ats_select` on checked input: the fused decision the pipelines look up."""
     qkv, cu, bound = inp.qkv, inp.cu_seqlens, inp.row_bound
-    samples = inp.num_patches if pruner.num_samples is None else pruner.num_samples
+    samples = pruner.samples(inp.num_patches)
     logits, squares = cls_attention_logits(qkv, cu, inp.num_heads, inp.scale, bound, values=True)
     scores = torch.empty(qkv.shape[0], dtype=torch.float32, device=qkv.device)
     keep, kept = _sample(logits, squares, scores, cu, bound, samples, pruner.min_keep, inp.num_prefix,

@@ -31,7 +31,7 @@ from ragged_vit.core.segments import (
     to_padded,
 )
 from ragged_vit.core.selection import DecisionInput, Placement, Pruner, TokenSelection, kept_counts
-from ragged_vit.core.validation import check_blocks, check_int
+from ragged_vit.core.validation import check_blocks, check_int, check_rate
 from ragged_vit.reference.cls_attention import attention_inputs
 
 
@@ -132,7 +132,10 @@ class ATSPruner(Pruner):
 
     Args:
         blocks: the timm blocks inside which a stage acts (after the attention residual, before the MLP).
-        num_samples: CDF targets per image; None means the original patch count (``inp.num_patches``).
+        num_samples: CDF targets per image; None means the original patch count (``inp.num_patches``), or
+            ``ceil(sample_rate * inp.num_patches)`` with ``sample_rate``.
+        sample_rate: CDF targets per image as a fraction of its original patch count (so a model that takes several
+            image sizes samples the same fraction at each); not with ``num_samples``.
         min_keep: patches every image keeps at least (or all it has, if fewer).
     """
 
@@ -144,27 +147,44 @@ class ATSPruner(Pruner):
     needs_values = True
 
     def __init__(
-        self, blocks: tuple[int, ...] = tuple(range(3, 12)), num_samples: int | None = None, min_keep: int = 8
+        self,
+        blocks: tuple[int, ...] = tuple(range(3, 12)),
+        num_samples: int | None = None,
+        min_keep: int = 8,
+        sample_rate: float | None = None,
     ) -> None:
         super().__init__()
         self.blocks = check_blocks(blocks)
         self.num_samples = None if num_samples is None else check_int(num_samples, "num_samples", 1)
+        if sample_rate is not None and num_samples is not None:
+            raise ValueError("sample_rate and num_samples exclude each other: give one")
+        self.sample_rate = None if sample_rate is None else check_rate(sample_rate, "sample_rate")
         self.min_keep = check_int(min_keep, "min_keep", 0)
 
     @classmethod
     def from_keep_rate(cls, keep_rate: float, *, embed_dim: int, num_patches: int) -> ATSPruner:
-        """Inside blocks 3-11, ``ceil(keep_rate * num_patches)`` CDF samples: an upper bound on the patches kept (ATS
-        keeps fewer where its scores are peaked); 1.0 is the method's default, ``num_patches`` samples."""
-        return cls(num_samples=None if keep_rate == 1.0 else max(1, math.ceil(keep_rate * num_patches)))
+        """Inside blocks 3-11, ``ceil(keep_rate * N)`` CDF samples of an image of ``N`` patches (the batch's own
+        ``N`` at every image size): an upper bound on the patches kept (ATS keeps fewer where its scores are
+        peaked); 1.0 is the method's default, ``N`` samples."""
+        return cls(sample_rate=None if keep_rate == 1.0 else keep_rate)
 
     def extra_repr(self) -> str:
-        return f"blocks={self.blocks}, num_samples={self.num_samples}, min_keep={self.min_keep}"
+        rate = self.sample_rate
+        samples = f"sample_rate={rate}" if rate is not None else f"num_samples={self.num_samples}"
+        return f"blocks={self.blocks}, {samples}, min_keep={self.min_keep}"
+
+    def samples(self, num_patches: int) -> int:
+        """CDF targets per image of an unpruned image of ``num_patches`` patches."""
+        if self.num_samples is not None:
+            return self.num_samples
+        if self.sample_rate is not None:
+            return max(1, math.ceil(self.sample_rate * num_patches))
+        return num_patches
 
     def max_count_after(self, stage: int, patches: int, num_patches: int) -> int:
         """At most ``max(samples, min_keep)`` patches survive (each target picks one, duplicates collapse; the
         floor tops up to ``min_keep``), and never more than the image had."""
-        samples = num_patches if self.num_samples is None else self.num_samples
-        return min(patches, max(samples, self.min_keep))
+        return min(patches, max(self.samples(num_patches), self.min_keep))
 
     def check_input(self, inp: object) -> DecisionInput:
         inp = super().check_input(inp)
@@ -179,7 +199,6 @@ class ATSPruner(Pruner):
     def decide(self, inp: DecisionInput) -> TokenSelection:
         cu = inp.cu_seqlens
         score = significance(*attention_inputs(inp), cu, inp.num_prefix)
-        samples = inp.num_patches if self.num_samples is None else self.num_samples
         width = inp.num_patches + inp.num_prefix
-        keep = sample_keep(score, cu, width, samples, self.min_keep, inp.num_prefix)
+        keep = sample_keep(score, cu, width, self.samples(inp.num_patches), self.min_keep, inp.num_prefix)
         return TokenSelection(keep, kept_counts(keep, cu))
