@@ -22,7 +22,7 @@ import torch
 from benchmarks import comma_list
 from benchmarks.e2e_common import DEIT_B, Lab
 from benchmarks.timing import device_us, environment
-from benchmarks.workloads import WORKLOADS
+from benchmarks.workloads import workload_keeps
 from ragged_vit.core.selection import DecisionInput
 from ragged_vit.pipelines.model import ForwardState, decide
 from ragged_vit.pipelines.plan import Step, StepKind
@@ -56,12 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         batches = comma_list(args.batches, int, None)
-        workloads = [(w, float(k)) for w, _, k in (item.partition(":") for item in args.workloads.split(","))]
+        workloads = workload_keeps(args.workloads)
     except ValueError as exc:
         parser.error(f"--batches/--workloads: {exc}")
-    for w, k in workloads:
-        if w not in WORKLOADS or WORKLOADS[w].replayed or not 0 < k <= 1:
-            parser.error(f"--workloads: {w}:{k:g} is not a deciding workload with a keep rate in (0, 1]")
     if not torch.cuda.is_available():
         print("decision_time needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
         return 2

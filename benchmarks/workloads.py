@@ -213,6 +213,20 @@ def workload_kind(workload: str, keep_rate: float) -> str:
     return "fixed" if keep_rate >= 1.0 else WORKLOADS[workload].kind
 
 
+def workload_keeps(text: str, default_keep: float = 0.5) -> list[tuple[str, float]]:
+    """``WORKLOAD[:KEEP],...`` -> ``[(workload, keep rate)]`` of the workloads whose pruner decides (not the replayed
+    one), each keep rate in (0, 1] (``default_keep`` where none is given); ``ValueError`` naming the bad item."""
+    pairs = []
+    for item in text.split(","):
+        name, _, keep = item.partition(":")
+        rate = float(keep) if keep else default_keep  # ValueError for a KEEP that is no number
+        if name not in WORKLOADS or WORKLOADS[name].replayed or not 0 < rate <= 1:
+            deciding = ", ".join(w for w, spec in WORKLOADS.items() if not spec.replayed)
+            raise ValueError(f"{item!r}: WORKLOAD must be a deciding workload ({deciding}), KEEP in (0, 1]")
+        pairs.append((name, rate))
+    return pairs
+
+
 def synthetic_images(count: int, size: int, seed: int) -> torch.Tensor:
     """``[count, 3, size, size]`` fp32 CPU images: smooth blobs + texture whose strength grows over the batch."""
     g = torch.Generator().manual_seed(seed)

@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.e2e_common import DEIT_B, Lab
 from benchmarks.timing import elapsed, schedule, span_time, warmup
-from benchmarks.workloads import WORKLOADS
+from benchmarks.workloads import workload_keeps
 from ragged_vit.pipelines.buckets import TokenBuckets
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.patch_embed import with_gemm_patch_embed
@@ -90,22 +90,11 @@ def profile_forward(forward, images: list[torch.Tensor], replays: int = 20) -> d
     }
 
 
-def workload_keeps(text: str) -> list[tuple[str, float]]:
-    """``WORKLOAD[:KEEP],...`` -> ``[(workload, keep rate)]`` (default keep rate 0.5)."""
-    pairs = []
-    for item in text.split(","):
-        name, _, keep = item.partition(":")
-        if name not in WORKLOADS or WORKLOADS[name].replayed:
-            raise argparse.ArgumentTypeError(f"{name!r} is not a deciding workload: {', '.join(WORKLOADS)}")
-        pairs.append((name, float(keep) if keep else 0.5))
-    return pairs
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,4,64")
     parser.add_argument(
-        "--workloads", type=workload_keeps, default="l2_ratio,l2_calibrated,ats", help="WORKLOAD[:KEEP],... (keep 0.5)"
+        "--workloads", default="l2_ratio,l2_calibrated,ats", help="WORKLOAD[:KEEP],... (keep rate 0.5 by default)"
     )
     parser.add_argument("--compile-blocks", action="store_true")
     parser.add_argument(
@@ -118,6 +107,10 @@ def main() -> None:
     )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    try:
+        args.workloads = workload_keeps(args.workloads)
+    except ValueError as exc:
+        parser.error(f"--workloads: {exc}")
     torch.manual_seed(0)
     lab = Lab(torch.device("cuda"), torch.float16)
     results = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}

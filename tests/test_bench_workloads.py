@@ -26,6 +26,7 @@ from benchmarks.workloads import (
     make_qkv_sets,
     make_workload,
     sets_to_rotate,
+    workload_keeps,
 )
 from ragged_vit.reference.attention import padded_attention, ragged_attention, split_qkv
 from ragged_vit.reference.packing import unpack
@@ -149,3 +150,11 @@ def test_check_peer_flags_wrong_and_raising_peers() -> None:
     for name, call in cases.items():
         check = check_peer(BuiltPeer(name, [call]), problem, ref)
         assert not check.ok and check.reason, name
+
+
+def test_workload_keeps_parses_deciding_workloads_only() -> None:
+    assert workload_keeps("evit:0.7,ats") == [("evit", 0.7), ("ats", 0.5)]
+    assert workload_keeps("dynamicvit", default_keep=0.7) == [("dynamicvit", 0.7)]
+    for bad in ("foo:0.5", "evit:1.5", "evit:0", "synthetic", "evit:x"):
+        with pytest.raises(ValueError):
+            workload_keeps(bad)
