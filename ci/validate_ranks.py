@@ -1,6 +1,6 @@
 """One rank against N under torchrun, on a generated JPEG folder (GPU machine): ``python -m ci.validate_ranks``.
 
-Writes ``--images`` synthetic JPEGs (seeded smooth blobs and texture, 224-320 px, ``--classes`` class folders) under
+Writes ``--images`` synthetic JPEGs (the benchmarks' seeded images, 224-320 px, ``--classes`` class folders) under
 ``--data``, then runs ``ragged-vit validate`` on DeiT-B (random weights, ``num_classes`` = the folder count, so top-1
 is not trivially zero) with ``--compare-unpruned``: once as one process and once under ``torchrun --nproc-per-node
 N``, for each mode (eager; ``--graphs --compile-blocks``). Checks that the counts (top-1, top-5, agreement, kept
@@ -18,24 +18,23 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-import numpy as np
+import torch
 from PIL import Image
+
+from benchmarks.workloads import synthetic_images
 
 MODES = {"eager": [], "graphs+compile": ["--graphs", "--compile-blocks"]}
 COUNTED = ("pruned", "unpruned", "agreement", "kept_patches")  # what must be identical across rank counts
 
 
 def _write_image(args: tuple[Path, int]) -> None:
+    """One benchmark image (:func:`benchmarks.workloads.synthetic_images`), cropped to a random 224-320 px size."""
     path, seed = args
-    rng = np.random.default_rng(seed)
-    h, w = (int(v) for v in rng.integers(224, 321, size=2))
-    yy, xx = np.mgrid[0:h, 0:w] / max(h, w)
-    img = np.zeros((h, w, 3))
-    for _ in range(4):
-        cy, cx, r = rng.random(3)
-        img += rng.random(3) * np.exp(-((yy - cy) ** 2 + (xx - cx) ** 2) / (0.02 + 0.1 * r))[..., None]
-    img += rng.random() * rng.standard_normal((h, w, 3)) * 0.2
-    Image.fromarray((255 * np.clip(img, 0, 1)).astype(np.uint8)).save(path, quality=90)
+    torch.set_num_threads(1)  # one process per core already
+    h, w = (int(v) for v in torch.randint(224, 321, (2,), generator=torch.Generator().manual_seed(seed)))
+    img = synthetic_images(1, max(h, w), seed)[0, :, :h, :w]
+    pixels = (img * 0.25 + 0.5).clamp(0, 1).mul(255).round().to(torch.uint8).permute(1, 2, 0).numpy()
+    Image.fromarray(pixels).save(path, quality=90)
 
 
 def make_folder(root: Path, images: int, classes: int) -> None:
