@@ -40,7 +40,7 @@ positive multiples of the patch size, one size per batch (timm resamples the pos
 plan's token count, row bounds and fixed counts depend on the size, so :meth:`PrunedViT.plan_for` builds one plan per
 patch count on first use and caches it; the steps are the same at every size. Stage decisions count from the
 batch's own unpruned patch count (``ForwardState.num_patches`` -> ``DecisionInput.num_patches``: DynamicViT's
-``int(num_patches * rate ** (s + 1))``, ATS's default sample count).
+``int(num_patches * rate ** (s + 1))``, ATS's sample count from a keep rate or by default).
 """
 
 from __future__ import annotations

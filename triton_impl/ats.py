@@ -39,13 +39,12 @@ from ragged_vit.core.selection import DecisionInput, TokenSelection
 from ragged_vit.core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
 from ragged_vit.reference.pruners.ats import ATSPruner
 from ragged_vit.triton_impl.cls_attention import (
-    aligned,
     check_qkv,
     check_qkv_input,
     cls_attention_logits,
     image_rows,
 )
-from ragged_vit.triton_impl.launcher import CompiledLauncher
+from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ragged_vit.core.selection import DecisionInput
 from ragged_vit.core.validation import FLOAT_DTYPES, check_int, check_max_seqlen, check_tensor
-from ragged_vit.triton_impl.launcher import CompiledLauncher
+from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned
 
 _BLOCK_T = 16  # rows per step of the logits kernel: a DeiT image spreads over 13 programs
 
@@ -75,10 +75,6 @@ def _mean_kernel(LOGITS, CU, SCORES, total, H: tl.constexpr, BLOCK_W: tl.constex
 
 _logits_launcher = CompiledLauncher(_logits_kernel)
 _mean_launcher = CompiledLauncher(_mean_kernel)
-
-
-def aligned(*tensors: torch.Tensor) -> bool:
-    return all(t.is_cuda and t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def check_qkv(qkv: torch.Tensor, num_heads: int, scale: float) -> tuple[int, int]:

@@ -61,8 +61,8 @@ from ragged_vit.core.segments import uniform_length
 from ragged_vit.core.selection import DecisionInput, TokenSelection
 from ragged_vit.core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
 from ragged_vit.reference.pruners.dynamicvit import DynamicViTPruner, PredictorLG
-from ragged_vit.triton_impl.cls_attention import aligned, image_rows
-from ragged_vit.triton_impl.launcher import INTERPRETED, CompiledLauncher
+from ragged_vit.triton_impl.cls_attention import image_rows
+from ragged_vit.triton_impl.launcher import INTERPRETED, CompiledLauncher, aligned
 from ragged_vit.triton_impl.select import rank_keep_unchecked
 
 

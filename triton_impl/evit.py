@@ -47,8 +47,8 @@ from ragged_vit.core.segments import uniform_length
 from ragged_vit.core.selection import DecisionInput, TokenSelection
 from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_tensor
 from ragged_vit.reference.pruners.evit import EViTPruner
-from ragged_vit.triton_impl.cls_attention import aligned, check_qkv_input, cls_attention_mean, image_rows
-from ragged_vit.triton_impl.launcher import CompiledLauncher
+from ragged_vit.triton_impl.cls_attention import check_qkv_input, cls_attention_mean, image_rows
+from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, int_spec
 from ragged_vit.triton_impl.select import rank_keep_unchecked
 
 _BLOCK_T = 128  # patch rows per step: DeiT-B's 196 patches in two steps, its later stages in one
@@ -78,11 +78,6 @@ def _fused_token_kernel(
 
 
 _fused_token_launcher = CompiledLauncher(_fused_token_kernel)
-
-
-def _int_spec(value: int) -> tuple[bool, bool]:
-    """What Triton specialises a (specialised) integer argument on."""
-    return value == 1, value % 16 == 0
 
 
 def fused_token(
@@ -133,7 +128,7 @@ def fused_token_unchecked(
     fp64 = x.dtype == torch.float64
     args = (x, scores, keep, cu, out, x.shape[0], x.stride(0), x.stride(1), num_prefix, channels, _BLOCK_T, _BLOCK_C,
             fp64)  # fmt: skip
-    key = (x.dtype, channels, _int_spec(x.stride(0)), _int_spec(x.stride(1)))
+    key = (x.dtype, channels, int_spec(x.stride(0)), int_spec(x.stride(1)))
     grid = (cu.shape[0] - 1, triton.cdiv(channels, _BLOCK_C))
     launch_key = key if aligned(x, scores, keep, cu, out) else None
     _fused_token_launcher(launch_key, x.get_device(), grid, args, num_warps=4, num_stages=1)

@@ -31,6 +31,17 @@ are first imported, as Triton itself decides it."""
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
+def aligned(*tensors: torch.Tensor) -> bool:
+    """Whether every tensor is on a GPU at a 16-byte aligned address: a launch key's precondition (an unaligned
+    pointer takes Triton's own, specialising path)."""
+    return all(t.is_cuda and t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def int_spec(value: int) -> tuple[bool, bool]:
+    """What Triton specialises a (specialised) integer argument on: ``== 1`` and ``% 16 == 0``."""
+    return value == 1, value % 16 == 0
+
+
 def _installed(hook: object) -> bool:
     # Newer Triton keeps an always-present HookChain whose ``calls`` list is empty when nothing is installed.
     return bool(hook.calls) if hasattr(hook, "calls") else hook is not None

@@ -78,8 +78,8 @@ import triton.language as tl
 
 from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
 from ragged_vit.reference.merging import check_merge_mode, check_sizes
-from ragged_vit.triton_impl.cls_attention import aligned, image_rows
-from ragged_vit.triton_impl.launcher import CompiledLauncher
+from ragged_vit.triton_impl.cls_attention import image_rows
+from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, int_spec
 
 _BLOCK_R = 32  # rows per step of the metric and of the destinations
 # A rows and B rows per similarity tile (DeiT-B: 98 x 98 in 2 x 2 tiles), also the rank's tiles; 32 for D > 64, which
@@ -288,11 +288,6 @@ _offset_launcher = CompiledLauncher(_offset_kernel)
 _merge_launcher = CompiledLauncher(_merge_kernel)
 
 
-def _int_spec(value: int) -> tuple[bool, bool]:
-    """What Triton specialises a (specialised) integer argument on."""
-    return value == 1, value % 16 == 0
-
-
 def _tile(width: int, cap: int) -> int:
     """A power-of-two tile of at least 16 (``tl.dot``'s least) and at most ``cap`` covering ``width`` if it can."""
     return min(cap, max(16, triton.next_power_of_2(width)))
@@ -380,7 +375,7 @@ def decide_merges_unchecked(
         adaptive,
     )  # fmt: skip
     ok = aligned(keys, cu, metric, work, out.destination, out.counts, out.cu_seqlens)
-    key = (keys.dtype, heads, dim, block_ab, b_pad, adaptive, *map(_int_spec, strides)) if ok else None
+    key = (keys.dtype, heads, dim, block_ab, b_pad, adaptive, *map(int_spec, strides)) if ok else None
     _match_launcher(key, keys.get_device(), (batch,), args, num_warps=_MATCH_WARPS, num_stages=1)
     if adaptive:
         b_pad = triton.next_power_of_2(batch)
@@ -469,6 +464,6 @@ def merge_rows_unchecked(
         _BLOCK_T, block_c,
     )  # fmt: skip
     ok = aligned(x, sizes, destination, cu, merged_cu, out, out_sizes)
-    key = (x.dtype, sizes.dtype, destination.dtype, channels, *map(_int_spec, x.stride())) if ok else None
+    key = (x.dtype, sizes.dtype, destination.dtype, channels, *map(int_spec, x.stride())) if ok else None
     _merge_launcher(key, x.get_device(), grid, args, num_warps=_NUM_WARPS, num_stages=1)
     return out, out_sizes

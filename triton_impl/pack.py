@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ragged_vit.core.segments import segment_ids, segment_sum
 from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
-from ragged_vit.triton_impl.launcher import CompiledLauncher
+from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned
 
 _BLOCK_R = 32
 
@@ -199,10 +199,10 @@ def _repack(
     device = x.get_device()
     # cu_out may be a slice of a larger buffer: an unaligned one takes Triton's own (specialising) path.
     pointers = [x, keep, counts, cu_out] + [t for t in (src_cu, extra_token) if t is not None]
-    aligned = x.is_cuda and all(t.data_ptr() % 16 == 0 for t in pointers)
+    is_aligned = aligned(*pointers)
     if kept is None:
         _count_launcher(
-            (dense, len_pad) if aligned else None, device, (batch, 1),
+            (dense, len_pad) if is_aligned else None, device, (batch, 1),
             (keep, src_cu, counts, max_len, len_pad, dense), num_warps=4, num_stages=1,
         )  # fmt: skip
     if count is not None:
@@ -219,7 +219,7 @@ def _repack(
     block_c, b_pad = _channel_block(channels), triton.next_power_of_2(batch)
     key = (x.dtype, channels, len_pad, b_pad, dense, has_extra, pads_pad, stride_x % 16, stride_e % 16)
     _pack_launcher(
-        key if aligned else None, device, (batch, -(-max_len // _BLOCK_R)),
+        key if is_aligned else None, device, (batch, -(-max_len // _BLOCK_R)),
         (x, keep, src_cu, counts, extra_token, out, cu_out, max_len, batch, rows, stride_x, stride_e,
          padding_images, pad_len, channels, block_c, _BLOCK_R, len_pad, b_pad, dense, has_extra, pads_pad),
         num_warps=4, num_stages=1,

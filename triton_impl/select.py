@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from ragged_vit.core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
-from ragged_vit.triton_impl.launcher import CompiledLauncher
+from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned
 
 _BLOCK_I = 16  # rows ranked per step: a DeiT image spreads over 13 programs, so batch 1-4 fills the card
 _BLOCK_J = 64  # rows compared against per step
@@ -163,8 +163,8 @@ def rank_keep_unchecked(
         threshold if by_threshold else 0.0, count if count is not None else min_keep, num_prefix, ratio, by_threshold,
         _BLOCK_I, _BLOCK_J,
     )  # fmt: skip
-    aligned = scores.is_cuda and all(t.data_ptr() % 16 == 0 for t in (scores, cu, keep, kept))
+    is_aligned = aligned(scores, cu, keep, kept)
     grid = (batch, triton.cdiv(max(max_seqlen - num_prefix, 1), _BLOCK_I))
-    key = (ratio, by_threshold) if aligned else None
+    key = (ratio, by_threshold) if is_aligned else None
     _launcher(key, scores.get_device(), grid, args, num_warps=4, num_stages=1)
     return keep, kept
