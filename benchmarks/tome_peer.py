@@ -1,0 +1,502 @@
+"""ToMe's algorithm as its users run it: timm's own ``VisionTransformer`` with its blocks patched, on the dense batch.
+
+The peer of our ToMe pipeline (issue 15). Token Merging (Bolya et al., ICLR 2023) is usually run by patching a
+timm model in place: each block's forward is replaced by one that computes attention explicitly (the
+proportional-attention bias ``log(size)`` on the keys needs the logits, which SDPA's fused kernels do not expose)
+and merges tokens between the attention and the MLP. With a fixed ``r`` every image merges the same number of
+rows, so the batch stays a dense ``[B, N', C]`` tensor and the whole forward is static: it runs under
+``torch.compile(mode="reduce-overhead")`` (no host reads, no data-dependent shapes).
+
+:func:`patch_tome` applies that patch (written from the paper and ``docs/tome.md``'s rule, not from ToMe's code).
+Per block, with the block's own weights:
+
+1. ``x = x + ls1(attn(norm1(x)))`` with ``softmax(q k^T * scale + log(size)_key) v``;
+2. bipartite soft matching on the keys of that attention averaged over heads and L2-normalised (fp32): A = even
+   positions among the patch rows, B = odd; each A row's match is its most similar B row (ties: lowest B index);
+   the ``min(r, patches // 2)`` A rows of highest best similarity (ties: lower A index first) merge into their
+   matches, several possibly into one; a merged row is the size-weighted average (summed in fp32 by
+   ``scatter_add``), its size the sum of sizes; prefix rows (class, distillation, registers) never merge; the new
+   order is the prefix rows, then the surviving rows in their previous relative order;
+3. ``x = x + ls2(mlp(norm2(x)))``;
+
+then the final norm and timm's head (``token`` pooling, a distilled DeiT's two heads), or, for ``avg`` pooling, the
+size-weighted mean of the patch rows. These are ``ragged_vit.reference.tome.tome_forward``'s merges and results
+(``tests/test_tome_peer.py``); the similarities here are one batched GEMM, so exact ties that the reference breaks
+by index are only ties here where the GEMM rounds them alike.
+
+The benchmark (on a CUDA GPU, from the repository root)::
+
+    python -m benchmarks.tome_peer --batches 1,4,64 --r 13 --out FILE.json
+
+times DeiT-B 224 in fp16 (random seeded weights, or ``RAGGED_VIT_DEIT_B_CHECKPOINT``, as ``benchmarks.e2e_common``)
+at each batch size: unpruned timm eager and under ``torch.compile(mode="reduce-overhead")``, this peer eager and
+under reduce-overhead, and our pipeline (``GraphedPrunedViT`` over ``PrunedViT(model, make_pruner("tome", r=r),
+"triton", compile_blocks=True)``) where it exists. Before timing, each ToMe row's logits are compared with
+``tome_forward`` in fp32 (max |diff|, top-1 agreement, and the fraction of images whose patches ended in the same
+rows, from ``sources``); the peer is also run in fp32 against the same reference (TF32 off): the strict check
+that its merges are the reference's. fp16 may merge differently where two similarities lie within fp16's
+rounding of each other, so its differences are reported, not bounded. Clocks: ``benchmarks.timing.forward_times``
+(host wall time per forward, one synchronize around each; img/s = B / median). The last thing printed is a markdown
+table: img/s per row and batch, ours vs unpruned reduce-overhead, ours vs the peer's best mode. Nothing asserts a
+time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import os
+import sys
+import time
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import timm
+import torch
+import torch.nn.functional as F
+from timm.models.vision_transformer import Attention, Block, VisionTransformer
+
+from benchmarks import BASELINES, comma_list
+from benchmarks.e2e_common import CHECKPOINT_ENV, DEIT_B, Lab, logit_diff, logits_of, no_tf32
+from benchmarks.report_e2e import _cudagraph_skips, torch_threads, write_json
+from benchmarks.timing import describe, elapsed, environment, forward_times, gpu_slug
+from ragged_vit.reference.tome import check_model, per_block, tome_forward
+
+ROWS = ("timm_eager", "timm_compiled", "peer_eager", "peer_compiled", "ours")
+ROW_LABELS = {
+    "timm_eager": "unpruned timm, eager",
+    "timm_compiled": 'unpruned timm, torch.compile(mode="reduce-overhead")',
+    "peer_eager": "ToMe peer (patched timm), eager",
+    "peer_compiled": 'ToMe peer (patched timm), torch.compile(mode="reduce-overhead")',
+    "ours": "ours: GraphedPrunedViT, Triton, compile_blocks",
+}
+PEER_FP32_BOUND = 1e-3  # fp32 peer vs fp32 reference on the GPU (TF32 off): same merges, summation order only
+
+
+# --------------------------------------------------------------------------------------------------- the patch
+
+
+def patch_tome(model: VisionTransformer, r: int | Sequence[int], *, inplace: bool = False) -> VisionTransformer:
+    """ToMe with a fixed ``r`` on a timm ``VisionTransformer``, by patching its blocks' and its own forward.
+
+    Args:
+        model: a timm ``VisionTransformer`` whose blocks are timm ``Block`` with timm ``Attention``, ``token`` or
+            ``avg`` pooling, in eval mode (``ragged_vit.reference.tome.check_model``'s conditions).
+        r: A rows merged per image and block: an int for every block or one per block (capped at half the patch
+            rows, as the reference).
+        inplace: patch ``model`` itself; by default a deep copy is patched and ``model`` is left as it was.
+
+    Returns:
+        The patched model: ``model(images) -> logits`` (the ``forward`` of this instance is replaced, and every
+        block's: ``block(x, size, source) -> (x, size, source)``). Only instance attributes change: timm's classes,
+        and every other model, are untouched. :func:`run_patched` also returns where each patch ended up.
+    """
+    depth = check_model(model)
+    schedule = per_block(r, "r", depth)
+    model = model if inplace else copy.deepcopy(model)
+    for block, r_k in zip(model.blocks, schedule, strict=True):
+        block.tome_r = r_k
+        block.tome_prefix = model.num_prefix_tokens
+        block.forward = types.MethodType(_block_forward, block)
+    model.tome_r = schedule
+    model.forward = types.MethodType(_model_forward, model)
+    return model
+
+
+def run_patched(
+    model: VisionTransformer, images: torch.Tensor, trace_source: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A :func:`patch_tome` model's forward: ``(logits [B, classes], sizes [B, N'] (fp32, the patches each final row
+    holds), sources)``. ``sources`` (with ``trace_source``): int64 ``[B, num_patches]``, the row (prefix rows
+    counted) holding each original patch after the last block, as ``tome_forward``'s; else None."""
+    x = model.norm_pre(model.patch_drop(model._pos_embed(model.patch_embed(images))))  # [B, N, C]
+    batch, n, _ = x.shape
+    size = torch.ones(batch, n, dtype=torch.float32, device=x.device)
+    source = None
+    if trace_source:
+        source = torch.arange(model.num_prefix_tokens, n, device=x.device).expand(batch, -1)
+    for block in model.blocks:
+        x, size, source = block(x, size, source)
+    x = model.norm(x)
+    if model.global_pool == "avg":  # the mean over patches: every row weighs as the patches it holds
+        prefix = 0 if getattr(model, "pool_include_prefix", False) else model.num_prefix_tokens
+        weight = size[:, prefix:, None]
+        pooled = (x[:, prefix:].float() * weight).sum(1) / weight.sum(1)
+        logits = model.head(model.head_drop(model.fc_norm(pooled.to(x.dtype))))
+    else:  # the class row (a distilled DeiT: timm's mean of its two heads): prefix rows stay first
+        logits = model.forward_head(x)
+    return logits, size, source
+
+
+def _model_forward(self: VisionTransformer, images: torch.Tensor) -> torch.Tensor:
+    return run_patched(self, images)[0]
+
+
+def _block_forward(
+    self: Block, x: torch.Tensor, size: torch.Tensor, source: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A patched block: attention with proportional attention, the merge, the MLP."""
+    out, keys = proportional_attention(self.attn, self.norm1(x), size)
+    x = x + self.drop_path1(self.ls1(out))
+    x, size, source = bipartite_merge(x, size, keys, self.tome_r, self.tome_prefix, source)
+    x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
+    return x, size, source
+
+
+def proportional_attention(attn: Attention, x: torch.Tensor, size: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """timm's ``Attention`` on ``x [B, N, C]`` with explicit softmax and ``log(size)`` added to every key's logits
+    after the scale. Returns the projected output ``[B, N, C]`` and the keys ``[B, H, N, D]`` (after ``k_norm``)."""
+    batch, n, _ = x.shape
+    qkv = attn.qkv(x).reshape(batch, n, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)
+    q, k, v = qkv.unbind(0)  # [B, H, N, D]
+    q, k = attn.q_norm(q), attn.k_norm(k)
+    logits = (q * attn.scale) @ k.transpose(-2, -1) + size.log().to(q.dtype)[:, None, None, :]
+    out = (attn.attn_drop(logits.softmax(dim=-1)) @ v).transpose(1, 2).reshape(batch, n, -1)
+    out = attn.norm(out) if hasattr(attn, "norm") else out  # scale_norm (identity unless configured)
+    gate = getattr(attn, "gate", None)  # gated attention of newer timm versions
+    if gate is not None:
+        out = out * gate(x).sigmoid()
+    return attn.proj_drop(attn.proj(out)), k
+
+
+def bipartite_merge(
+    x: torch.Tensor,
+    size: torch.Tensor,
+    keys: torch.Tensor,
+    r: int,
+    num_prefix: int,
+    source: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One block's merge on the dense batch (every image merges ``min(r, patches // 2)`` A rows).
+
+    Args:
+        x: ``[B, N, C]`` rows, the first ``num_prefix`` of each image never merge.
+        size: fp32 ``[B, N]`` the patches each row holds.
+        keys: ``[B, H, N, D]`` the attention's keys: the metric is their mean over heads, L2-normalised, in fp32.
+        r: A rows merged per image.
+        num_prefix: prefix rows per image.
+        source: optional int64 ``[B, num_patches]``: the row holding each original patch; updated.
+
+    Returns:
+        ``(x [B, N', C], size [B, N'], source)``, ``N' = N - min(r, patches // 2)``: the prefix rows, then the
+        surviving rows in their previous order, merged rows the size-weighted average of their members.
+    """
+    batch, n, channels = x.shape
+    patches = n - num_prefix
+    r = min(r, patches // 2)
+    if r == 0:
+        return x, size, source
+    metric = F.normalize(keys.float().mean(dim=1)[:, num_prefix:], dim=-1)  # [B, P, D]
+    scores = metric[:, 0::2] @ metric[:, 1::2].transpose(1, 2)  # [B, |A|, |B|] cosine similarities
+    best, match = scores.max(dim=-1)  # ties: the first (lowest) B index
+    order = torch.argsort(best, dim=-1, descending=True, stable=True)  # ties: the lower A index first
+    merged_a = order[:, :r]  # [B, r] A indices that merge
+    src = 2 * merged_a  # their positions among the patch rows
+    dst = 2 * match.gather(1, merged_a) + 1  # the positions of their B rows
+    keep = torch.ones(batch, patches, dtype=torch.bool, device=x.device).scatter(1, src, False)
+    new_row = keep.cumsum(1) - 1  # survivors keep their order
+    new_row = new_row.scatter(1, src, new_row.gather(1, dst))  # a merged A row goes where its B row goes
+    rows = patches - r
+    patch_size = size[:, num_prefix:]
+    weighted = x[:, num_prefix:].float() * patch_size[:, :, None]
+    index = new_row[:, :, None].expand(-1, -1, channels)
+    sums = weighted.new_zeros(batch, rows, channels).scatter_add_(1, index, weighted)
+    sizes = patch_size.new_zeros(batch, rows).scatter_add_(1, new_row, patch_size)
+    x = torch.cat([x[:, :num_prefix], (sums / sizes[:, :, None]).to(x.dtype)], dim=1)
+    size = torch.cat([size[:, :num_prefix], sizes], dim=1)
+    if source is not None:
+        source = new_row.gather(1, source - num_prefix) + num_prefix
+    return x, size, source
+
+
+# --------------------------------------------------------------------------------------------------- the benchmark
+
+
+@dataclass(frozen=True)
+class Settings:
+    """``forward_times``' warm-up and iteration rule."""
+
+    warmup: int = 5
+    target_s: float = 0.6
+    min_iters: int = 20
+    max_iters: int = 120
+
+
+QUICK = Settings(warmup=1, target_s=0.0, min_iters=2, max_iters=2)  # the CPU dry run
+
+
+class Bench:
+    """The rows of one run: models from a :class:`benchmarks.e2e_common.Lab`, each row checked, then timed."""
+
+    def __init__(self, lab: Lab, model_name: str, r: int, settings: Settings) -> None:
+        self.lab = lab
+        self.name = model_name
+        self.r = r
+        self.s = settings
+        self.cuda = lab.device.type == "cuda"
+        self._reference: tuple[torch.Tensor, object] | None = None
+
+    def reference(self, images: torch.Tensor):
+        """``tome_forward`` in fp32 (TF32 off) on ``images``: the ground truth of every ToMe row (the last one
+        kept)."""
+        if self._reference is None or self._reference[0] is not images:
+            with no_tf32():
+                ref = tome_forward(self.lab.model(self.name, torch.float32), images.float(), self.r)
+            self._reference = (images, ref)
+        return self._reference[1]
+
+    def check(self, logits: torch.Tensor, ref, sources: torch.Tensor | None = None) -> dict:
+        """``logit_diff`` against the reference, and the images whose patches all ended in the reference's rows."""
+        out = {k: v for k, v in logit_diff(logits, ref.logits).items() if k != "disagree_ref_margins"}
+        if sources is not None:
+            out["same_merges"] = (sources == ref.sources).all(1).float().mean().item()
+        out["finite"] = bool(logits.float().isfinite().all())
+        return out
+
+    def row(self, row: str, batch: int) -> dict:
+        """One row at one batch size; never raises (a failure is the row's result)."""
+        entry: dict = {"row": row, "label": ROW_LABELS[row], "batch": batch}
+        cleanup: Callable[[], None] = lambda: None
+        try:
+            images = self.lab.images(self.name, batch)
+            calls, cleanup = self.prepare(row, images, entry)
+            if calls is not None:
+                times = forward_times(
+                    calls,
+                    self.lab.device,
+                    context=torch.no_grad,
+                    warmup=self.s.warmup,
+                    target_s=self.s.target_s,
+                    min_iters=self.s.min_iters,
+                    max_iters=self.s.max_iters,
+                )
+                entry.update(
+                    status="ok",
+                    wall_us=times.wall.to_dict(),
+                    events_us=times.events.to_dict() if times.events else None,
+                    iters=times.iters,
+                    img_per_s=batch / (times.wall.median * 1e-6),
+                )
+        except Exception as exc:  # one broken row must not end a run on a lent machine
+            entry.update(status="failed", reason=f"raised {describe(exc)}")
+            if self.cuda:
+                torch.cuda.synchronize()  # a sticky CUDA error surfaces here and ends the run, as it should
+        finally:
+            cleanup()
+        return entry
+
+    def prepare(self, row: str, images: list[torch.Tensor], entry: dict) -> tuple[list | None, Callable[[], None]]:
+        """Builds and checks a row: its forwards (one per input batch) and its cleanup; ``None`` forwards (with
+        ``entry``'s status and reason set) when it is not timed."""
+        model = self.lab.model(self.name)
+        if row.endswith("_compiled") and not self.cuda:
+            entry.update(status="unavailable", reason='mode="reduce-overhead" needs CUDA graphs (a CUDA device)')
+            return None, lambda: None
+        if row.startswith("timm_"):
+            return self.compiled(model, images, entry) if row == "timm_compiled" else self.eager(model, images)
+        if row == "ours":
+            return self.ours(model, images, entry)
+        peer = patch_tome(model, self.r)
+        ref = self.reference(images[0])
+        if row == "peer_eager":
+            with torch.no_grad():
+                logits, _, sources = run_patched(peer, images[0], trace_source=True)
+            entry["check_fp16" if self.lab.dtype == torch.float16 else "check"] = self.check(logits, ref, sources)
+            if self.cuda:  # the strict check: fp32 on the GPU, the reference's merges
+                fp32 = patch_tome(self.lab.model(self.name, torch.float32), self.r)
+                with torch.no_grad(), no_tf32():
+                    logits32, _, sources32 = run_patched(fp32, images[0].float(), trace_source=True)
+                check = self.check(logits32, ref, sources32)
+                entry["check_fp32"] = {**check, "bound": PEER_FP32_BOUND}
+                if not check["max"] <= PEER_FP32_BOUND:
+                    entry.update(status="failed", reason=f"fp32 peer differs from tome_forward by {check['max']:.3g}")
+                    return None, lambda: None
+            return self.eager(peer, images)
+        return self.compiled(peer, images, entry, ref)
+
+    def eager(self, module: torch.nn.Module, images: list[torch.Tensor]) -> tuple[list, Callable[[], None]]:
+        return [functools.partial(module, img) for img in images], lambda: None
+
+    def compiled(
+        self, module: torch.nn.Module, images: list[torch.Tensor], entry: dict, ref=None
+    ) -> tuple[list | None, Callable[[], None]]:
+        """``module`` under ``torch.compile(mode="reduce-overhead")``: compile time, CUDA-graph skips, and (for
+        ToMe rows, ``ref`` given) its logits against the reference."""
+
+        def cleanup() -> None:
+            torch._dynamo.reset()  # frees the compiled graphs and their CUDA-graph pool
+            torch.cuda.empty_cache()
+
+        cleanup()
+        skips = _cudagraph_skips()
+        try:
+            fn = torch.compile(module, mode="reduce-overhead", dynamic=False)
+            with torch.no_grad():
+                firsts = [round(elapsed([functools.partial(fn, img)], self.lab.device), 3) for img in images]
+                logits = fn(images[0]).float().clone()
+        except Exception as exc:  # a compile failure is the row's result
+            cleanup()
+            entry.update(status="does not compile", reason=describe(exc))
+            return None, lambda: None
+        entry.update(compile_s=firsts[0], first_calls_s=firsts, cudagraph_skips=_cudagraph_skips() - skips)
+        if ref is not None:
+            entry["check_fp16"] = self.check(logits, ref)
+        return [functools.partial(fn, img) for img in images], cleanup
+
+    def ours(
+        self, model: torch.nn.Module, images: list[torch.Tensor], entry: dict
+    ) -> tuple[list | None, Callable[[], None]]:
+        """Our pipeline, imported lazily: it may not exist in this checkout yet ("not available: ...")."""
+        if not self.cuda:
+            entry.update(status="unavailable", reason="the graphed Triton pipeline needs a CUDA device")
+            return None, lambda: None
+        try:
+            from ragged_vit.pipelines.graphs import GraphedPrunedViT
+            from ragged_vit.pipelines.model import PrunedViT
+            from ragged_vit.reference.pruners import make_pruner
+
+            pruner = make_pruner("tome", r=self.r)
+            runner = GraphedPrunedViT(PrunedViT(model, pruner, "triton", compile_blocks=True))
+            outs: list[torch.Tensor] = []
+            with torch.no_grad():
+                capture = elapsed([lambda: outs.append(logits_of(runner.run(images[0])).float().clone())])
+        except Exception as exc:
+            entry.update(status="unavailable", reason=describe(exc))
+            return None, lambda: None
+        entry.update(capture_s=round(capture, 3), check_fp16=self.check(outs[0], self.reference(images[0])))
+
+        def cleanup() -> None:
+            runner.reset()
+            torch._dynamo.reset()
+            torch.cuda.empty_cache()
+
+        return [functools.partial(runner.run, img) for img in images], cleanup
+
+
+# --------------------------------------------------------------------------------------------------- report
+
+
+def _cell(entry: dict | None) -> str:
+    if entry is None:
+        return "-"
+    if entry.get("status") == "ok":
+        return f"{entry['img_per_s']:.0f}"
+    status = "not available" if entry.get("status") == "unavailable" else entry.get("status")
+    return f"{status}: {entry.get('reason', '')}".replace("|", "/")
+
+
+def _ratio(num: dict | None, den: dict | None) -> str:
+    if not num or not den or num.get("status") != "ok" or den.get("status") != "ok":
+        return "-"
+    return f"{num['img_per_s'] / den['img_per_s']:.2f}x"
+
+
+def markdown_table(rows: list[dict], batches: Sequence[int]) -> str:
+    """img/s per row (rows) and batch size (columns), then ours vs unpruned reduce-overhead and vs the peer's best
+    mode (the faster of its eager and reduce-overhead rows at that batch)."""
+    at = {(e["row"], e["batch"]): e for e in rows}
+    lines = [
+        "| row | " + " | ".join(f"B={b} img/s" for b in batches) + " |",
+        "|---|" + "---|" * len(batches),
+    ]
+    for row in ROWS:
+        if any((row, b) in at for b in batches):
+            lines.append(f"| {ROW_LABELS[row]} | " + " | ".join(_cell(at.get((row, b))) for b in batches) + " |")
+
+    def peer_best(b: int) -> dict | None:
+        ok = [at[(r, b)] for r in ("peer_eager", "peer_compiled") if at.get((r, b), {}).get("status") == "ok"]
+        return max(ok, key=lambda e: e["img_per_s"], default=None)
+
+    vs_timm = [_ratio(at.get(("ours", b)), at.get(("timm_compiled", b))) for b in batches]
+    vs_peer = [_ratio(at.get(("ours", b)), peer_best(b)) for b in batches]
+    lines.append("| ours vs unpruned reduce-overhead | " + " | ".join(vs_timm) + " |")
+    lines.append("| ours vs the peer's best mode | " + " | ".join(vs_peer) + " |")
+    return "\n".join(lines)
+
+
+def check_lines(rows: list[dict]) -> list[str]:
+    """One line per check made before timing: max |logit diff| against ``tome_forward`` in fp32."""
+    lines = []
+    for e in rows:
+        for key in ("check_fp32", "check_fp16", "check"):
+            c = e.get(key)
+            if c:
+                same = f", same merges in {c['same_merges']:.0%} of images" if "same_merges" in c else ""
+                lines.append(
+                    f"- {e['label']}, B={e['batch']}, {key.removeprefix('check').lstrip('_') or 'fp32'} vs "
+                    f"tome_forward fp32: max |diff| {c['max']:.3g}, top-1 agree {c['top1_agree']:.0%}{same}"
+                )
+    return lines
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.tome_peer", description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", default="1,4,64", help="comma-separated batch sizes (default 1,4,64)")
+    parser.add_argument("--r", type=int, default=13, help="A rows merged per image and block (default 13)")
+    parser.add_argument("--rows", default=None, help="comma-separated subset of rows: " + ",".join(ROWS))
+    parser.add_argument("--out", type=Path, default=None, help="JSON file (default benchmarks/baselines/<gpu>/...)")
+    parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the CPU test's dry run
+    parser.add_argument("--model", default=DEIT_B, help=argparse.SUPPRESS)  # a smaller model (CPU test)
+    parser.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # 2 timed forwards per row
+    args = parser.parse_args(argv)
+    try:
+        args.batches = comma_list(args.batches, int)
+        args.rows = comma_list(args.rows, str, ROWS) or ROWS
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not args.batches or min(args.batches) < 1:
+        parser.error(f"--batches: positive batch sizes expected, got {args.batches}")
+    if args.r < 0:
+        parser.error(f"--r: must be >= 0, got {args.r}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("tome_peer needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    out = args.out or BASELINES / gpu_slug() / "tome_peer.json"
+    lab = Lab(device, dtype)
+    bench = Bench(lab, args.model, args.r, QUICK if args.quick else Settings())
+    checkpoint = os.environ.get(CHECKPOINT_ENV)
+    weights = f"checkpoint {checkpoint}" if checkpoint and args.model == DEIT_B else "random (seeded)"
+    payload: dict = {
+        "meta": {
+            **environment(),
+            "timm": timm.__version__,
+            "weights": weights,
+            "model": args.model,
+            "dtype": str(dtype).removeprefix("torch."),
+            "r": args.r,
+            "settings": bench.s.__dict__,
+            "rows": {r: ROW_LABELS[r] for r in args.rows},
+        },
+        "rows": [],
+    }
+    started = time.perf_counter()
+    print(f"tome_peer on {payload['meta']['card'] or 'cpu'}: {args.model}, r={args.r} -> {out}", file=sys.stderr)
+    with torch_threads(1):
+        for batch in args.batches:
+            for row in args.rows:
+                t0 = time.perf_counter()
+                entry = bench.row(row, batch)
+                entry["elapsed_s"] = round(time.perf_counter() - t0, 2)
+                print(f"  B={batch} {row}: {_cell(entry)} ({entry['elapsed_s']} s)", file=sys.stderr, flush=True)
+                payload["rows"].append(entry)
+                payload["meta"]["elapsed_s"] = round(time.perf_counter() - started, 1)
+                write_json(out, payload)
+    print(f"\n## ToMe peer, {args.model} r={args.r}, {payload['meta']['dtype']}, weights {weights} ({out})\n")
+    print("\n".join(check_lines(payload["rows"])))
+    print()
+    print(markdown_table(payload["rows"], args.batches))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

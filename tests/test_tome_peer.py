@@ -1,0 +1,155 @@
+"""benchmarks.tome_peer: the patched-timm ToMe peer makes the reference's merges, and its benchmark runs on a CPU.
+
+Tolerance rules: logits against ``tome_forward`` and (``r=0``) against timm's own forward: fp32,
+``atol = rtol = 1e-5`` (the same modules and merges; the attention and the similarities are summed in another
+order, the merge in fp32 instead of float64); sources, counts and sizes: exact. Models are 4-block, width-64 timm
+models with seeded random weights, as in tests/test_reference_tome.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import timm
+import torch
+from timm.models.vision_transformer import Block, VisionTransformer
+
+from benchmarks import tome_peer
+from benchmarks.tome_peer import markdown_table, patch_tome, run_patched
+from ragged_vit.reference.merging import fixed_r_counts
+from ragged_vit.reference.tome import tome_forward
+
+SMALL = dict(depth=4, embed_dim=64, num_heads=2, num_classes=10)
+FAMILIES = {
+    "deit": ("deit_tiny_patch16_224", dict(img_size=64)),
+    "deit_distilled": ("deit_tiny_distilled_patch16_224", dict(img_size=64)),  # 2 prefix rows, two heads
+    "class_avg": ("vit_small_patch16_224", dict(img_size=64, global_pool="avg")),  # size-weighted avg pooling
+    "dinov2_reg4": ("vit_small_patch14_reg4_dinov2", dict(img_size=56)),  # class + 4 registers, LayerScale
+}
+FP32 = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def family(name: str) -> VisionTransformer:
+    model_name, kwargs = FAMILIES[name]
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return timm.create_model(model_name, pretrained=False, **SMALL, **kwargs).eval()
+
+
+def images(model: torch.nn.Module, count: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    size = model.patch_embed.img_size
+    return torch.randn(count, 3, *size, generator=g) * torch.linspace(0.2, 3.0, count)[:, None, None, None]
+
+
+def rows_per_block(model: torch.nn.Module, x: torch.Tensor) -> tuple[list[int], tuple]:
+    """The rows each patched block hands on (forward hooks), and :func:`run_patched`'s outputs with sources."""
+    seen: list[int] = []
+    hooks = [b.register_forward_hook(lambda _m, _i, out: seen.append(out[0].shape[1])) for b in model.blocks]
+    try:
+        with torch.no_grad():
+            out = run_patched(model, x, trace_source=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen, out
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("r", [2, [3, 0, 4, 2], 100])  # 100: capped at half the patch rows in every block
+def test_peer_makes_the_reference_merges(name, r):
+    model = family(name)
+    x = images(model, 4, 1)
+    ref = tome_forward(model, x, r)
+    peer = patch_tome(model, r)
+    counts, (logits, sizes, sources) = rows_per_block(peer, x)
+    prefix = model.num_prefix_tokens
+    n = model.patch_embed.num_patches + prefix
+    schedule = r if isinstance(r, list) else [r] * len(model.blocks)
+    assert counts == fixed_r_counts(n, schedule, prefix) == ref.counts[:, 0].tolist()
+    assert torch.equal(sources, ref.sources)  # every patch ended in the reference's row
+    held = torch.zeros_like(sizes).scatter_add_(1, sources, torch.ones_like(sources, dtype=sizes.dtype))
+    assert torch.equal(sizes[:, prefix:], held[:, prefix:]), "a row's size is the patches it holds"
+    assert bool((sizes[:, :prefix] == 1).all())
+    torch.testing.assert_close(logits, ref.logits, **FP32)
+    torch.testing.assert_close(peer(x), logits, atol=0, rtol=0)  # model(images) is run_patched's logits
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_r0_is_timm(name):
+    model = family(name)
+    x = images(model, 3, 2)
+    with torch.no_grad():
+        torch.testing.assert_close(patch_tome(model, 0)(x), model(x), **FP32)
+
+
+def test_patch_leaves_timm_and_the_original_alone():
+    model = family("deit")
+    x = images(model, 2, 3)
+    block_forward, model_forward = Block.forward, VisionTransformer.forward
+    with torch.no_grad():
+        before = model(x)
+        peer = patch_tome(model, 3)
+        assert peer is not model and "forward" not in vars(model) and "forward" not in vars(model.blocks[0])
+        torch.testing.assert_close(model(x), before, atol=0, rtol=0)
+        assert Block.forward is block_forward and VisionTransformer.forward is model_forward
+        assert type(peer) is type(model) and type(peer.blocks[0]) is Block  # instances patched, not classes
+        fresh = family("deit")
+        torch.testing.assert_close(fresh(x), before, atol=0, rtol=0)  # a new timm model is unpatched
+        same = patch_tome(model, 3, inplace=True)
+        assert same is model and "forward" in vars(model.blocks[0])
+        torch.testing.assert_close(model(x), peer(x), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="one value per block"):
+        patch_tome(fresh, [1, 2])
+    with pytest.raises(ValueError, match="eval mode"):
+        patch_tome(fresh.train(), 1)
+
+
+def test_peer_traces_as_one_graph():
+    """Compile-friendly: no host reads or data-dependent shapes, so Dynamo captures the whole forward."""
+    model = family("deit")
+    x = images(model, 3, 4)
+    peer = patch_tome(model, 3)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(peer, backend="aot_eager", fullgraph=True, dynamic=False)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), peer(x), **FP32)
+    finally:
+        torch._dynamo.reset()
+
+
+def test_markdown_table_ratios():
+    def ok(row, batch, rate):
+        return {"row": row, "batch": batch, "status": "ok", "img_per_s": rate}
+
+    rows = [
+        ok("timm_compiled", 1, 100.0),
+        ok("peer_eager", 1, 150.0),
+        ok("peer_compiled", 1, 200.0),
+        ok("ours", 1, 300.0),
+        ok("timm_compiled", 8, 400.0),
+        ok("peer_eager", 8, 500.0),
+        {"row": "peer_compiled", "batch": 8, "status": "does not compile", "reason": "X: y"},
+        ok("ours", 8, 250.0),
+    ]
+    lines = markdown_table(rows, [1, 8]).splitlines()
+    assert lines[-2] == "| ours vs unpruned reduce-overhead | 3.00x | 0.62x |"
+    assert lines[-1] == "| ours vs the peer's best mode | 1.50x | 0.50x |"  # best: compiled at 1, eager at 8
+    assert "does not compile: X: y" in "\n".join(lines)
+
+
+def test_main_dry_run_on_cpu(tmp_path, capsys):
+    out = tmp_path / "peer.json"
+    argv = ["--device", "cpu", "--model", "deit_tiny_patch16_224", "--quick", "--batches", "2", "--out", str(out)]
+    assert tome_peer.main(argv) == 0
+    rows = {e["row"]: e for e in json.loads(out.read_text())["rows"]}
+    assert set(rows) == set(tome_peer.ROWS)
+    assert rows["timm_eager"]["status"] == rows["peer_eager"]["status"] == "ok"
+    check = rows["peer_eager"]["check"]
+    assert check["same_merges"] == 1.0 and check["max"] < 1e-4 and check["finite"]
+    for row in ("timm_compiled", "peer_compiled", "ours"):  # CUDA-only rows say why
+        assert rows[row]["status"] == "unavailable" and rows[row]["reason"]
+    printed = capsys.readouterr().out
+    assert printed.rstrip().splitlines()[-1].startswith("| ours vs the peer's best mode |")
