@@ -7,9 +7,13 @@ first stage (on a dense batch) and later stages (on an already packed buffer).
 * :class:`DecisionInput` -- what a stage's decision sees: the packed residual stream, its offsets, a host bound on
   an image's rows, and for pruners that score by attention the block's qkv projection (or the CLS attention
   itself).
-* :class:`TokenSelection` -- what it returns: the keep mask over the packed rows and the rows each image keeps,
-  counted on the device (so packing needs no count of its own and no device-to-host read), plus the count itself
-  when the host knows it.
+* :class:`TokenSelection` -- what a pruning stage returns: the keep mask over the packed rows and the rows each
+  image keeps, counted on the device (so packing needs no count of its own and no device-to-host read), plus the
+  count itself when the host knows it.
+* :class:`MergeSelection` -- what a merging stage (ToMe) returns: every row's destination row in the merged buffer
+  (rows merged together share one), the rows each image has after the merge and the merged offsets. The repack
+  applies it as a size-weighted average and writes the merged rows' sizes (the patches each holds).
+  :data:`Decision` is either.
 * :class:`Pruner` -- the ground-truth decision (``forward`` checks its input, :meth:`Pruner.decide` decides);
   faster device implementations register for a pruner type in :mod:`ragged_vit.core.decisions`.
 """
@@ -106,6 +110,31 @@ class TokenSelection:
     extra_token: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class MergeSelection:
+    """The decision of one merging stage (ToMe), as a destination map.
+
+    Attributes:
+        destination: int32 (or int64) ``[T]``: the row of the merged buffer each input row goes to; rows merged
+            together share it, every merged row receives at least one input row, each image's rows stay inside its
+            own merged rows (its prefix rows first, unmerged).
+        kept: int32 ``[B]``: rows of each image after the merge, prefix rows included (as ``TokenSelection.kept``).
+        cu_seqlens: int32 ``[B+1]`` offsets of the merged buffer (``T' = cu_seqlens[-1]``, on the device).
+        fixed_count: True when every image has the same number of rows after the merge.
+        count: rows per image after the merge (prefix rows included) when ``fixed_count``, a host int; else None.
+    """
+
+    destination: torch.Tensor
+    kept: torch.Tensor
+    cu_seqlens: torch.Tensor
+    fixed_count: bool = False
+    count: int | None = None
+
+
+Decision = TokenSelection | MergeSelection
+"""What a stage's decision returns: a keep mask (pruning) or a destination map (merging)."""
+
+
 def kept_counts(keep: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """The rows each image keeps: bool ``[T]`` + offsets ``[B+1]`` -> int32 ``[B]`` (no host read)."""
     batch = cu_seqlens.numel() - 1
@@ -155,13 +184,14 @@ def check_decision_input(inp: object, *, attention: bool = False, values: bool =
 
 
 class Pruner(nn.Module):
-    """Base class of every pruner: one stage schedule, one ``forward(DecisionInput) -> TokenSelection``.
+    """Base class of every pruner (and of ToMe's merger): one stage schedule, one ``forward(DecisionInput) ->
+    Decision``.
 
     Subclasses set ``placement``, ``blocks`` (the timm block index of each stage), ``fixed_count``,
-    ``needs_attention`` / ``needs_values``, and implement :meth:`decide` on the packed layout (``forward`` checks the
-    input first; the pipelines, which build the input themselves, call :meth:`decide`). They build themselves for a
-    model and one keep rate with :meth:`from_keep_rate`. Pruners with weights (DynamicViT) hold them as submodules
-    so their state-dict keys load from official checkpoints.
+    ``needs_attention`` / ``needs_values`` / ``needs_keys`` and ``merges``, and implement :meth:`decide` on the packed
+    layout (``forward`` checks the input first; the pipelines, which build the input themselves, call
+    :meth:`decide`). They build themselves for a model and one keep rate with :meth:`from_keep_rate`. Pruners with
+    weights (DynamicViT) hold them as submodules so their state-dict keys load from official checkpoints.
     """
 
     name: str = "pruner"
@@ -170,6 +200,8 @@ class Pruner(nn.Module):
     fixed_count: bool
     needs_attention: bool = False  # scores from the class token's attention row of its block (MID_BLOCK)
     needs_values: bool = False  # and from the value vectors
+    needs_keys: bool = False  # decides from its block's attention keys (``DecisionInput.qkv``; ToMe's metric)
+    merges: bool = False  # returns a MergeSelection (rows merge, with sizes) instead of a TokenSelection
 
     @classmethod
     def from_keep_rate(cls, keep_rate: float, *, embed_dim: int, num_patches: int, **options: object) -> Pruner:
@@ -199,12 +231,13 @@ class Pruner(nn.Module):
         self.check_ready()
         return check_decision_input(inp, attention=self.needs_attention, values=self.needs_values)
 
-    def forward(self, inp: DecisionInput) -> TokenSelection:
+    def forward(self, inp: DecisionInput) -> Decision:
         """Checks ``inp``, then decides (:meth:`decide`)."""
         return self.decide(self.check_input(inp))
 
-    def decide(self, inp: DecisionInput) -> TokenSelection:  # pragma: no cover - abstract
-        """The stage's decision on checked input."""
+    def decide(self, inp: DecisionInput) -> Decision:  # pragma: no cover - abstract
+        """The stage's decision on checked input: a :class:`TokenSelection` (a :class:`MergeSelection` if
+        ``merges``)."""
         raise NotImplementedError
 
     def select(

@@ -83,7 +83,8 @@ def _device_of(argv: list[str] | None) -> torch.device | None:
 
 
 def add_pruner_arguments(parser: argparse.ArgumentParser, calibrated_on: str) -> None:
-    """--pruner, --keep-rate, --threshold-mode, --threshold and --fuse-token (the CLI's and validate's)."""
+    """--pruner, --keep-rate, --threshold-mode, --threshold, --fuse-token, --r and --r-max (the CLI's and
+    validate's)."""
     from ragged_vit.pipelines.factory import PRUNER_NAMES
 
     parser.add_argument("--pruner", default="threshold_l2", choices=PRUNER_NAMES, help="pruning method")
@@ -93,8 +94,14 @@ def add_pruner_arguments(parser: argparse.ArgumentParser, calibrated_on: str) ->
         choices=("ratio", "calibrated", "threshold"),
         help=f"threshold_l2 mode (default ratio; calibrated: on {calibrated_on})",
     )
-    parser.add_argument("--threshold", type=float, help="threshold_l2 norm threshold (--threshold-mode threshold)")
+    parser.add_argument(
+        "--threshold",
+        type=float,
+        help="threshold_l2: the norm to keep (--threshold-mode threshold); tome: the similarity to merge (--r-max)",
+    )
     parser.add_argument("--fuse-token", action="store_true", default=None, help="evit: fuse dropped tokens into one")
+    parser.add_argument("--r", type=_positive, help="tome: rows merged per image and block (default: by --keep-rate)")
+    parser.add_argument("--r-max", type=_positive, help="tome: the most rows merged per image and block (adaptive)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,18 +175,46 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_PRUNER_FLAGS = {"threshold_mode": "--threshold-mode", "threshold": "--threshold", "fuse_token": "--fuse-token"}
+_PRUNER_FLAGS = {
+    "threshold_mode": "--threshold-mode", "threshold": "--threshold", "fuse_token": "--fuse-token", "r": "--r",
+    "r_max": "--r-max",
+}  # fmt: skip
+
+
+def pruner_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, object]:
+    """The pruner's own options given (``add_pruner_arguments``' flags), checked: a flag the pruner does not take, or
+    that would do nothing with the others given, is an error (``parser.error``: status 2)."""
+    from ragged_vit.pipelines.factory import pruner_options
+
+    options = {name: getattr(args, name) for name in _PRUNER_FLAGS if getattr(args, name) is not None}
+    for name in sorted(set(options) - set(pruner_options(args.pruner))):
+        parser.error(f"argument {_PRUNER_FLAGS[name]}: not an option of --pruner {args.pruner}")
+    threshold_mode = args.threshold_mode == "threshold"
+    if args.pruner == "threshold_l2" and threshold_mode and args.threshold is None:
+        parser.error("argument --threshold-mode: threshold needs --threshold VALUE (the norm to keep)")
+    if args.pruner == "tome":
+        _check_tome(parser, args)
+    elif args.threshold is not None and not threshold_mode:
+        parser.error("argument --threshold: used only with --threshold-mode threshold")
+    if args.keep_rate is not None and threshold_mode:
+        parser.error("argument --keep-rate: not used with --threshold-mode threshold (--threshold decides)")
+    return options
+
+
+def _check_tome(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """tome's modes: ``--r`` (fixed), ``--threshold`` with ``--r-max`` (adaptive), or neither (``r`` from the keep
+    rate)."""
+    if args.r is not None and args.threshold is not None:
+        parser.error("argument --threshold: tome merges a fixed --r or by --threshold (adaptive), not both")
+    if (args.threshold is None) != (args.r_max is None):
+        given, missing = ("--threshold", "--r-max") if args.r_max is None else ("--r-max", "--threshold")
+        parser.error(f"argument {given}: tome's adaptive mode needs {missing} too")
+    if args.keep_rate is not None and (args.r is not None or args.threshold is not None):
+        parser.error("argument --keep-rate: not used with --r or --threshold (they set tome's merges)")
 
 
 def _check_unused(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """An option that would do nothing with the others given is an error (``parser.error``: status 2)."""
-    threshold_mode = args.threshold_mode == "threshold"
-    if args.pruner == "threshold_l2" and threshold_mode and args.threshold is None:
-        parser.error("argument --threshold-mode: threshold needs --threshold VALUE (the norm to keep)")
-    if args.threshold is not None and not threshold_mode:
-        parser.error("argument --threshold: used only with --threshold-mode threshold")
-    if args.keep_rate is not None and threshold_mode:
-        parser.error("argument --keep-rate: not used with --threshold-mode threshold (--threshold decides)")
     if args.pruner == "none":
         for flag, value in (("--keep-rate", args.keep_rate), ("--backends", args.backends)):
             if value is not None:
@@ -207,7 +242,6 @@ def main(argv: list[str] | None = None) -> int:
     on_gpu = device.type == "cuda"
 
     from ragged_vit.pipelines.backends import BACKENDS
-    from ragged_vit.pipelines.factory import pruner_options
 
     defaults = "triton,fa2_varlen,padded_sdpa" if on_gpu else "reference,triton"
     if args.pruner == "none":  # no packed block: one backend, which is not used
@@ -222,9 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if len(set(backends)) != len(backends):
         parser.error(f"argument --backends: each backend once, got {','.join(backends)}")
-    options = {name: getattr(args, name) for name in _PRUNER_FLAGS if getattr(args, name) is not None}
-    for name in sorted(set(options) - set(pruner_options(args.pruner))):
-        parser.error(f"argument {_PRUNER_FLAGS[name]}: not an option of --pruner {args.pruner}")
+    options = pruner_arguments(parser, args)
     _check_unused(parser, args)
 
     if args.threads is not None:

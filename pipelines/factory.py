@@ -11,6 +11,9 @@ each pruner class maps it onto its own parameters (``Pruner.from_keep_rate``; th
 * ``evit``: inside blocks 3, 6, 9, ``ceil(keep_rate * current)`` patches; ``fuse_token`` adds EViT's fused token.
 * ``ats``: inside blocks 3-11; ``keep_rate`` sets the number of CDF samples, ``ceil(keep_rate * 196)``, an upper
   bound on the patches kept (ATS keeps fewer where its scores are peaked; 1.0 is the method's default, N).
+* ``tome``: token merging in every block (ToMe, ``docs/tome.md``): ``r`` rows merged per image and block, or
+  ``threshold`` with ``r_max`` (adaptive); with neither, the constant ``r`` whose mean patch count over the blocks
+  is nearest ``keep_rate * 196`` (r=13: 0.57).
 * ``none``: no pruning (timm's own dense forward).
 
 A keep rate of 1.0 keeps every token with threshold_l2 (ratio), dynamicvit and evit, so their pipelines
@@ -38,6 +41,7 @@ from ragged_vit.pipelines.weights import create_model, load_checkpoint
 from ragged_vit.reference.pruners import PRUNERS
 
 PRUNER_NAMES: tuple[str, ...] = (*PRUNERS, "none")
+_MODEL_FACTS = ("embed_dim", "num_patches", "depth")  # what build_pruner reads from the model, not the caller
 
 
 def pruner_options(name: str) -> tuple[str, ...]:
@@ -45,7 +49,7 @@ def pruner_options(name: str) -> tuple[str, ...]:
     if name == "none":
         return ()
     params = inspect.signature(PRUNERS[name].from_keep_rate).parameters
-    return tuple(p for p, v in params.items() if v.kind is v.KEYWORD_ONLY and p not in ("embed_dim", "num_patches"))
+    return tuple(p for p, v in params.items() if v.kind is v.KEYWORD_ONLY and p not in _MODEL_FACTS)
 
 
 def _check_options(name: str, options: dict[str, object], hint: str = "") -> None:
@@ -75,9 +79,11 @@ def build_pruner(name: str, model: nn.Module, keep_rate: float = 0.5, **options:
     _check_options(name, options)
     if name == "none":
         return None
-    return PRUNERS[name].from_keep_rate(
-        keep_rate, embed_dim=model.embed_dim, num_patches=model.patch_embed.num_patches, **options
-    )
+    cls = PRUNERS[name]
+    if "depth" in inspect.signature(cls.from_keep_rate).parameters:  # a schedule over every block (ToMe)
+        options = {**options, "depth": len(model.blocks)}
+    num_patches = model.patch_embed.num_patches
+    return cls.from_keep_rate(keep_rate, embed_dim=model.embed_dim, num_patches=num_patches, **options)
 
 
 def prune(

@@ -79,12 +79,13 @@ from typing import NamedTuple
 
 import torch
 
-from ragged_vit.core.selection import TokenSelection
+from ragged_vit.core.selection import MergeSelection, TokenSelection
 from ragged_vit.core.validation import check_int
 from ragged_vit.pipelines.backends import BACKENDS
 from ragged_vit.pipelines.buckets import TokenBuckets, padding_images
 from ragged_vit.pipelines.model import ForwardState, PrunedOutput, PrunedViT
 from ragged_vit.pipelines.plan import ForwardPlan, Step, StepKind
+from ragged_vit.triton_impl import merging as triton_merging
 from ragged_vit.triton_impl import pack as triton_pack
 from ragged_vit.triton_impl.launcher import INTERPRETED
 
@@ -162,18 +163,29 @@ class _Buffers:
         # (the kernels' cached launches need that).
         self.cu: torch.Tensor | None = None
         self.stats: torch.Tensor | None = None  # int64 [2]: kept total and longest image of the last decision
+        # A merging pruner (ToMe) hands over a destination map (int32 [B*N]) and the merged offsets (int32 [B+1])
+        # instead of the keep mask, and the rows' sizes (int32 [B*N]: the patches each holds) with the stream.
+        self.destination: tuple[torch.Tensor, ...] = ()
+        self.merged_cu: tuple[torch.Tensor, ...] = ()
+        self.sizes: tuple[torch.Tensor, ...] = ()
         if variable:
             rows, sides = batch * tokens, range(2)
             self.x = tuple(torch.full((rows, model.embed_dim), float("nan"), dtype=dtype, device=device) for _ in sides)
-            self.keep = tuple(torch.zeros(rows, dtype=torch.bool, device=device) for _ in sides)
             self.kept = tuple(torch.zeros(batch, dtype=torch.int32, device=device) for _ in sides)
+            if pipeline.pruner.merges:
+                self.destination = tuple(torch.zeros(rows, dtype=torch.int32, device=device) for _ in sides)
+                self.merged_cu = tuple(torch.zeros(batch + 1, dtype=torch.int32, device=device) for _ in sides)
+                self.sizes = tuple(torch.ones(rows, dtype=torch.int32, device=device) for _ in sides)
+            else:
+                self.keep = tuple(torch.zeros(rows, dtype=torch.bool, device=device) for _ in sides)
             width = -(-(2 * batch + 1) // 4) * 4
             self.cu = torch.zeros((pipeline.num_stages + 1, width), dtype=torch.int32, device=device)
             self.cu[0, : batch + 1] = torch.arange(batch + 1, dtype=torch.int32, device=device) * tokens
             self.stats = torch.zeros(2, dtype=torch.long, device=device)
 
     def nbytes(self) -> int:
-        tensors = [self.images, self.logits, self.counts, *self.x, *self.keep, *self.kept]
+        tensors = [self.images, self.logits, self.counts, *self.x, *self.keep, *self.kept, *self.destination]
+        tensors += [*self.merged_cu, *self.sizes]
         tensors += [t for t in (self.cu, self.stats) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -450,14 +462,21 @@ class GraphedPrunedViT:
         if index == 0:
             return ForwardState(batch, bufs.images, cu_seqlens=bufs.cu[0, : batch + 1])
         side = (index - 1) % 2
-        selection = TokenSelection(bufs.keep[side], bufs.kept[side])
         num_patches = bufs.tokens - bufs.plan.num_prefix  # FRONT sets it in segment 0
         cu = bufs.cu[index - 1, : batch + 1]
-        return ForwardState(batch, bufs.x[side], cu, selection=selection, num_patches=num_patches)
+        if bufs.sizes:
+            selection = MergeSelection(bufs.destination[side], bufs.kept[side], bufs.merged_cu[side])
+            sizes = bufs.sizes[side]
+        else:
+            selection, sizes = TokenSelection(bufs.keep[side], bufs.kept[side]), None
+        return ForwardState(batch, bufs.x[side], cu, selection=selection, num_patches=num_patches, sizes=sizes)
 
     def _repack(self, bufs: _Buffers, shape: SegmentShape, state: ForwardState) -> None:
         """REPACK into ``shape.capacity`` rows, padding images and offsets into ``bufs.cu[shape.index]``."""
         batch, index, sel = bufs.batch, shape.index, state.selection
+        if isinstance(sel, MergeSelection):
+            self._merge(bufs, shape, state)
+            return
         if sel.extra_token is not None:
             raise NotImplementedError(
                 f"pruner {self.pipeline.pruner.name!r} appends an extra token at a variable-count stage, which "
@@ -472,6 +491,27 @@ class GraphedPrunedViT:
         state.cu_seqlens, state.max_seqlen = cu, shape.max_seqlen
         state.selection = state.qkv = None
 
+    def _merge(self, bufs: _Buffers, shape: SegmentShape, state: ForwardState) -> None:
+        """A merging stage's REPACK into ``shape.capacity`` rows: the real images' merged rows and sizes
+        (:func:`ragged_vit.triton_impl.merging.merge_rows_unchecked`), their offsets then the padding images' (each
+        ``shape.max_seqlen`` rows, clamped to the capacity, as the pack kernel writes them) into
+        ``bufs.cu[shape.index]``, and ``log(sizes)`` for the attention after it."""
+        batch, sel, x = bufs.batch, state.selection, state.x
+        cu = bufs.cu[shape.index, : batch + 1 + shape.pads]
+        merged_cu = sel.cu_seqlens[: batch + 1]  # the real images come first, so their offsets ignore the padding
+        cu[: batch + 1].copy_(merged_cu)
+        if shape.pads:
+            steps = torch.arange(1, shape.pads + 1, dtype=torch.int32, device=x.device) * shape.max_seqlen
+            torch.clamp(merged_cu[batch] + steps, max=shape.capacity, out=cu[batch + 1 :])
+        sizes = state.sizes if state.sizes is not None else torch.ones(x.shape[0], dtype=torch.int32, device=x.device)
+        state.x, state.sizes = triton_merging.merge_rows_unchecked(
+            x, sizes, sel.destination, state.cu_seqlens[: batch + 1], merged_cu, bufs.plan.row_bounds[shape.index - 1],
+            x.new_empty((shape.capacity, x.shape[1])), sizes.new_empty(shape.capacity),
+        )  # fmt: skip  # rows from the real total on are not written
+        state.key_bias = state.sizes.double().log().float()  # padding rows: whatever their sizes give, theirs only
+        state.cu_seqlens, state.max_seqlen = cu, shape.max_seqlen
+        state.selection = state.qkv = None
+
     def _store(self, bufs: _Buffers, shape: SegmentShape, state: ForwardState) -> None:
         """Writes a chain's last decision to the static buffers' side ``shape.index % 2`` (and, when a read follows,
         the kept total and longest image to ``bufs.stats``)."""
@@ -481,8 +521,16 @@ class GraphedPrunedViT:
             lens = kept.long()
             bufs.stats.copy_(torch.stack([lens.sum(), lens.max()]))
         bufs.x[side][:rows].copy_(state.x)
-        bufs.keep[side][:rows].copy_(sel.keep)
         bufs.kept[side].copy_(kept)
+        if isinstance(sel, MergeSelection):
+            bufs.destination[side][:rows].copy_(sel.destination)
+            bufs.merged_cu[side].copy_(sel.cu_seqlens[: bufs.batch + 1])
+            if state.sizes is None:  # before the first merge every row holds one patch
+                bufs.sizes[side][:rows].fill_(1)
+            else:
+                bufs.sizes[side][:rows].copy_(state.sizes)
+        else:
+            bufs.keep[side][:rows].copy_(sel.keep)
 
     def _overlaps(self, step: Step) -> bool:
         """Whether a decision inside a chain runs beside the MLP half that follows its repack (the same at every

@@ -24,6 +24,8 @@ from timm.models.vision_transformer import VisionTransformer
 from ragged_vit.core.segments import positions, segment_ids, segment_softmax, segment_sum
 
 POOLS = ("token", "avg", "max", "avgmax", "map")
+MERGE_POOLS = ("token", "avg")
+"""The poolings a merged forward (ToMe) supports: ``avg`` weights each row by the patches it holds."""
 
 
 def pool_of(model: VisionTransformer) -> str:
@@ -46,9 +48,16 @@ def is_distilled(model: VisionTransformer) -> bool:
     return getattr(model, "dist_token", None) is not None and hasattr(model, "head_dist")
 
 
-def head_logits(model: VisionTransformer, x: torch.Tensor, cu_seqlens: torch.Tensor, batch: int) -> torch.Tensor:
+def head_logits(
+    model: VisionTransformer,
+    x: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    batch: int,
+    sizes: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Logits ``[B, classes]`` of the ``batch`` real images of the packed rows ``x [T, C]`` (``cu_seqlens`` may
-    describe padding images after them)."""
+    describe padding images after them). ``sizes`` (after a merge: the patches each row holds) weights ``avg``
+    pooling, so that every patch counts once as in the unmerged model (:data:`MERGE_POOLS`)."""
     pool = pool_of(model)
     starts = cu_seqlens[:batch]
     if is_distilled(model):
@@ -65,13 +74,19 @@ def head_logits(model: VisionTransformer, x: torch.Tensor, cu_seqlens: torch.Ten
         if pool == "map":
             feats = _attention_pool(model.attn_pool, normed, pooled, seg, images)[:batch]
         else:
-            feats = _reduce(normed, pooled, seg, images, pool)[:batch]
+            feats = _reduce(normed, pooled, seg, images, pool, sizes)[:batch]
     return model.head(model.head_drop(model.fc_norm(feats)))
 
 
-def _reduce(x: torch.Tensor, pooled: torch.Tensor, seg: torch.Tensor, images: int, pool: str) -> torch.Tensor:
-    """Mean / max / their average of each image's ``pooled`` rows: ``[T, C]`` -> ``[images, C]``."""
+def _reduce(
+    x: torch.Tensor, pooled: torch.Tensor, seg: torch.Tensor, images: int, pool: str, sizes: torch.Tensor | None
+) -> torch.Tensor:
+    """Mean (weighted by ``sizes`` if given) / max / their average of each image's ``pooled`` rows: ``[T, C]`` ->
+    ``[images, C]``."""
     keep = pooled[:, None]
+    if sizes is not None:  # a merged forward: avg only (MERGE_POOLS)
+        weight = sizes.to(x.dtype)[:, None].masked_fill(~keep, 0.0)
+        return segment_sum(x * weight, seg, images) / segment_sum(weight, seg, images)
     mean = segment_sum(x.masked_fill(~keep, 0.0), seg, images) / segment_sum(keep.to(x.dtype), seg, images)
     if pool == "avg":
         return mean

@@ -55,21 +55,24 @@ from torch import nn
 
 from ragged_vit.core.decisions import fused_decision
 from ragged_vit.core.segments import seqlens, uniform_cu_seqlens
-from ragged_vit.core.selection import DecisionInput, Placement, Pruner, TokenSelection
+from ragged_vit.core.selection import Decision, DecisionInput, MergeSelection, Placement, Pruner, TokenSelection
 from ragged_vit.core.validation import check_tensor
 from ragged_vit.pipelines.backends import AttentionBackend, make_backend
-from ragged_vit.pipelines.heads import head_logits, pool_of
+from ragged_vit.pipelines.heads import MERGE_POOLS, head_logits, pool_of
 from ragged_vit.pipelines.packed_block import (
     check_packable,
     compiled_blocks,
     compiled_halves,
+    dense_block,
     packed_attention,
     packed_blocks,
     packed_mlp,
 )
 from ragged_vit.pipelines.patch_embed import patch_embed_gemm, supports_gemm
 from ragged_vit.pipelines.plan import ForwardPlan, Step, StepKind, build_plan
+from ragged_vit.reference import merging as ref_merging
 from ragged_vit.reference import packing as ref_packing
+from ragged_vit.triton_impl import merging as triton_merging
 from ragged_vit.triton_impl import pack as triton_pack
 
 OnStep = Callable[[Step, "ForwardState"], None]
@@ -90,7 +93,7 @@ class PrunedOutput:
 
     logits: torch.Tensor
     counts: torch.Tensor
-    selections: list[TokenSelection] = field(default_factory=list)
+    selections: list[Decision] = field(default_factory=list)
 
 
 @dataclass
@@ -107,6 +110,10 @@ class ForwardState:
         logits: ``[B, classes]`` after HEAD.
         num_patches: patches of one unpruned image of this batch (``H/p * W/q``), set by FRONT (an executor that
             starts after FRONT sets it itself); the stages' decisions count from it.
+        sizes: int32 ``[T]``: the patches each row of ``x`` holds, after a merging stage's REPACK (None before: 1
+            each).
+        key_bias: fp32 ``[T]``: ``log(sizes)``, added to every key's attention logits in the blocks after a merge
+            (ToMe's proportional attention); None before the first merge.
     """
 
     batch: int
@@ -114,9 +121,11 @@ class ForwardState:
     cu_seqlens: torch.Tensor | None = None
     max_seqlen: int = 0
     qkv: torch.Tensor | None = None
-    selection: TokenSelection | None = None
+    selection: Decision | None = None
     logits: torch.Tensor | None = None
     num_patches: int = 0
+    sizes: torch.Tensor | None = None
+    key_bias: torch.Tensor | None = None
 
 
 class PrunedViT(nn.Module):
@@ -157,6 +166,7 @@ class PrunedViT(nn.Module):
         for k in range(self._plan.dense_blocks, len(model.blocks)):
             check_packable(model.blocks[k], f"model.blocks[{k}]")
         self._head_dims = {blk.attn.head_dim for blk in model.blocks[self._plan.dense_blocks :]}
+        self._merges = self.pruner is not None and self.pruner.merges
         self.eval()
 
     @property
@@ -246,7 +256,7 @@ class PrunedViT(nn.Module):
     def forward(
         self,
         images: torch.Tensor,
-        selections: Sequence[TokenSelection] | None = None,
+        selections: Sequence[Decision] | None = None,
         return_counts: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[B, classes]`` of ``images [B, 3, H, W]``; with ``return_counts`` also the counts ``[B, S]``.
@@ -260,7 +270,7 @@ class PrunedViT(nn.Module):
     def run(
         self,
         images: torch.Tensor,
-        selections: Sequence[TokenSelection] | None = None,
+        selections: Sequence[Decision] | None = None,
         on_step: OnStep | None = None,
     ) -> PrunedOutput:
         """The full forward, returning logits, per-stage counts and the selections made (or replayed).
@@ -268,7 +278,8 @@ class PrunedViT(nn.Module):
         Args:
             images: ``[B, 3, H, W]`` float images, normalised, at the model's input size (any multiple of the patch
                 size with ``dynamic_img_size``: the plan of that size runs, :meth:`plan_for`); cast to the model dtype.
-            selections: one :class:`TokenSelection` per stage from an earlier run on the same images, to replay
+            selections: one decision (:class:`TokenSelection`, or :class:`MergeSelection` for a merging pruner) per
+                stage from an earlier run on the same images, to replay
                 instead of deciding.
             on_step: called with each step of :attr:`plan` before it runs (instrumentation; see :data:`OnStep`).
         """
@@ -276,7 +287,7 @@ class PrunedViT(nn.Module):
         selections = self._check_selections(selections)
         plan = self.plan_for(images.shape[-2:])
         state = ForwardState(images.shape[0], images.to(self.dtype))
-        made: list[TokenSelection] = []
+        made: list[Decision] = []
         offsets: list[torch.Tensor] = []
         for step in plan.steps:
             if on_step is not None:
@@ -285,7 +296,7 @@ class PrunedViT(nn.Module):
                 state.selection = selections[step.stage]
             elif step.kind is StepKind.REPACK:
                 made.append(state.selection)
-                _repack_exact(state, step.stage, plan.num_prefix)
+                (_merge_exact if self._merges else _repack_exact)(state, step.stage, plan.num_prefix)
                 offsets.append(state.cu_seqlens)
             else:
                 self.run_step(step, state)
@@ -301,6 +312,11 @@ class PrunedViT(nn.Module):
         images = self.check_images(images)
         for head_dim in self._head_dims:
             self._backend.check(images.device, self.dtype, head_dim)
+        if self._merges and not self._backend.capabilities.key_bias:
+            raise ValueError(
+                f"backend {self._backend.name!r} takes no key_bias, which merging (pruner {self.pruner.name!r}: "
+                "proportional attention, log(size) per key) needs: use 'triton', 'reference' or 'padded_sdpa'"
+            )
         if self.pruner is not None:
             self.pruner.check_ready()
         return images
@@ -322,12 +338,14 @@ class PrunedViT(nn.Module):
         elif kind is StepKind.BLOCKS:
             run_blocks = compiled_blocks() if self.compile_blocks else packed_blocks
             group = [blocks[k] for k in step.blocks]
-            state.x = run_blocks(group, state.x, state.cu_seqlens, state.max_seqlen, self._backend)
+            x, cu, bias = state.x, state.cu_seqlens, state.key_bias
+            state.x = run_blocks(group, x, cu, state.max_seqlen, self._backend, key_bias=bias)
         elif kind is StepKind.ATTENTION:
             attention_half = compiled_halves()[0] if self.compile_blocks else packed_attention
             (block,) = step.blocks
             x, cu = state.x, state.cu_seqlens
-            state.x, state.qkv = attention_half(blocks[block], x, cu, state.max_seqlen, self._backend)
+            bias = state.key_bias
+            state.x, state.qkv = attention_half(blocks[block], x, cu, state.max_seqlen, self._backend, key_bias=bias)
         elif kind is StepKind.MLP:
             mlp_half = compiled_halves()[1] if self.compile_blocks else packed_mlp
             (block,) = step.blocks
@@ -335,7 +353,7 @@ class PrunedViT(nn.Module):
         elif kind is StepKind.DECIDE:
             state.selection = self._decide(step.stage, state)
         elif kind is StepKind.HEAD:
-            state.logits = head_logits(self.model, state.x, state.cu_seqlens, state.batch)
+            state.logits = head_logits(self.model, state.x, state.cu_seqlens, state.batch, state.sizes)
         else:
             raise ValueError(f"{step!r} is run by the executor itself (its buffers decide the repack's sizes)")
 
@@ -384,7 +402,7 @@ class PrunedViT(nn.Module):
             x = m.patch_embed(images)
         return m.norm_pre(m.patch_drop(m._pos_embed(x)))
 
-    def _decide(self, index: int, state: ForwardState) -> TokenSelection:
+    def _decide(self, index: int, state: ForwardState) -> Decision:
         return decide(self.pruner, self.decision_input(index, state), compiled=self.compile_blocks)
 
     def decision_input(self, index: int, state: ForwardState) -> DecisionInput:
@@ -398,21 +416,22 @@ class PrunedViT(nn.Module):
             scale=attn.scale if mid else None, num_prefix=self._plan.num_prefix,
         )  # fmt: skip
 
-    def _check_selections(self, selections: Sequence[TokenSelection] | None) -> list[TokenSelection] | None:
+    def _check_selections(self, selections: Sequence[Decision] | None) -> list[Decision] | None:
         if selections is None:
             return None
         selections = list(selections)
         if len(selections) != self.num_stages:
             raise ValueError(
-                f"selections must hold one TokenSelection per stage ({self.num_stages}), got {len(selections)}"
+                f"selections must hold one decision per stage ({self.num_stages}), got {len(selections)}"
             )
+        kind = MergeSelection if self._merges else TokenSelection
         for i, sel in enumerate(selections):
-            if not isinstance(sel, TokenSelection):
-                raise TypeError(f"selections[{i}] must be a TokenSelection, got {type(sel).__name__}")
+            if not isinstance(sel, kind):
+                raise TypeError(f"selections[{i}] must be a {kind.__name__}, got {type(sel).__name__}")
         return selections
 
 
-def decide(pruner: Pruner, inp: DecisionInput, compiled: bool = False) -> TokenSelection:
+def decide(pruner: Pruner, inp: DecisionInput, compiled: bool = False) -> Decision:
     """One stage's decision on checked input: the fused decision registered for the pruner on ``inp``'s device
     (:mod:`ragged_vit.core.decisions`), else the pruner itself; with ``compiled`` on CUDA the pruner runs under
     ``torch.compile`` together with its CLS-attention scores (Inductor fuses their segment operations; its reductions
@@ -426,7 +445,7 @@ def decide(pruner: Pruner, inp: DecisionInput, compiled: bool = False) -> TokenS
     return pruner.decide(inp)
 
 
-def _decision(pruner: Pruner, x, cu, stage, num_patches, qkv, num_heads, scale, num_prefix) -> TokenSelection:
+def _decision(pruner: Pruner, x, cu, stage, num_patches, qkv, num_heads, scale, num_prefix) -> Decision:
     return pruner.decide(DecisionInput(x, cu, stage, num_patches, None, qkv, num_heads, scale, num_prefix=num_prefix))
 
 
@@ -436,10 +455,13 @@ def _compiled_decision():
 
 
 def _front(pipeline: PrunedViT, images: torch.Tensor) -> torch.Tensor:
-    """Embedding and the dense blocks before the first stage: ``[B, 3, H, W]`` -> ``[B, N, C]``."""
+    """Embedding and the dense blocks before the first stage: ``[B, 3, H, W]`` -> ``[B, N, C]``. With a pruner the
+    blocks run through :func:`dense_block` (lean when plain: bitwise timm's ``block(x)``, fewer host ops); the
+    unpruned pipeline runs timm's own blocks."""
     x = pipeline.embed(images)
+    lean = pipeline.pruner is not None
     for block in pipeline.model.blocks[: pipeline.num_dense_blocks]:
-        x = block(x)
+        x = dense_block(block, x) if lean else block(x)
     return x
 
 
@@ -472,6 +494,40 @@ def _repack_exact(state: ForwardState, index: int, num_prefix: int) -> None:
             x, cu, keep, state.max_seqlen, capacity=total, extra_token=extra, kept=kept
         )
         state.max_seqlen = longest
+    state.selection = state.qkv = None
+
+
+def _merge_exact(state: ForwardState, index: int, num_prefix: int) -> None:
+    """Applies stage ``index``'s merge (a :class:`MergeSelection`) to the packed buffer at its exact size (eager
+    REPACK of a merging stage): each merged row the size-weighted average of the rows sent to it, its size their sum;
+    then ``key_bias = log(sizes)`` for the attention of the blocks after it."""
+    sel, x, cu = state.selection, state.x, state.cu_seqlens
+    dest, kept = sel.destination, sel.kept
+    if dest.shape != (x.shape[0],) or dest.device != x.device or kept.shape != (state.batch,):
+        raise ValueError(
+            f"selections[{index}].destination must be a [{x.shape[0]}] map and .kept [{state.batch}] counts on "
+            f"{x.device} (this batch's packed rows), got {tuple(dest.shape)} and {tuple(kept.shape)} on "
+            f"{dest.device}: replay selections only on the images they were made for"
+        )
+    sizes = state.sizes
+    if sizes is None:
+        sizes = torch.ones(x.shape[0], dtype=torch.int32, device=x.device)
+    if x.device.type != "cuda":
+        rows = int(sel.cu_seqlens[-1])
+        merged = ref_merging.merge_rows(x, sizes, dest.long(), rows).to(x.dtype)
+        new_sizes = sizes.new_zeros(rows).index_add_(0, dest.long(), sizes)
+        longest = int(seqlens(sel.cu_seqlens).max())
+    else:
+        if sel.fixed_count and sel.count is not None:
+            rows, longest = state.batch * sel.count, sel.count
+        else:  # the one sync of a variable-count stage
+            lens = kept.long()
+            rows, longest = torch.stack([lens.sum(), lens.max()]).tolist()
+        merged, new_sizes = triton_merging.merge_rows_unchecked(
+            x, sizes, dest, cu, sel.cu_seqlens, state.max_seqlen, x.new_empty((rows, x.shape[1])), sizes.new_empty(rows)
+        )
+    state.x, state.cu_seqlens, state.max_seqlen, state.sizes = merged, sel.cu_seqlens, longest, new_sizes
+    state.key_bias = new_sizes.double().log().float()  # rounded once, as the reference rounds it
     state.selection = state.qkv = None
 
 
@@ -509,6 +565,11 @@ def _check_stages(plan: ForwardPlan, pruner: Pruner | None, model: VisionTransfo
     row per image after every stage (at the image size ``size``, ``"HxW"``)."""
     if pruner is None:
         return
+    if pruner.merges and pool_of(model) not in MERGE_POOLS:
+        raise ValueError(
+            f"pruner {pruner.name!r} merges rows, and the model pools with {pool_of(model)!r}: merging supports "
+            f"{' and '.join(map(repr, MERGE_POOLS))} pooling (the average weighted by the patches each row holds)"
+        )
     if pruner.needs_attention and model.cls_token is None:
         raise ValueError(
             f"pruner {pruner.name!r} scores patches by the class token's attention row, and the model has no class "

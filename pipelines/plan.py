@@ -7,8 +7,8 @@ A forward is a list of :class:`Step` s::
     FRONT   patch embedding, then timm's own blocks before the first stage on the dense [B, N, C] batch
     BLOCKS  consecutive whole blocks on the packed buffer [T, C] (one compiled region with compile_blocks)
     ATTENTION / MLP   the two halves of a block, where a stage sits between them (MID_BLOCK)
-    DECIDE  a stage decides which rows survive (pruner, or its fused kernel)
-    REPACK  the decision applied to the packed buffer
+    DECIDE  a stage decides which rows survive (pruner, or its fused kernel), or which merge (ToMe)
+    REPACK  the decision applied to the packed buffer (a merge: size-weighted averages, the rows' sizes carried)
     HEAD    the final norm, each image's pooled rows (its class row, or a pool of its kept rows), the classifier
 
 For each stage the plan also records what the host knows of its counts (:class:`Counts`: fixed, bounded by the
@@ -78,8 +78,9 @@ class StagePlan:
         counts: what the host knows of the rows kept (:class:`Counts`).
         rows_before: the most rows (prefix rows included) an image can have when the stage decides.
         rows_after: the rows an image has after it when ``counts`` is FIXED; otherwise the most it can have.
-        mlp_beside: for a MID_BLOCK stage, the block whose MLP half follows the repack and may run beside the decision,
-            on every row (before the repack); None otherwise.
+        mlp_beside: for a MID_BLOCK pruning stage, the block whose MLP half follows the repack and may run beside the
+            decision, on every row (before the repack); None otherwise (a merge averages rows, which the MLP does
+            not commute with).
     """
 
     index: int
@@ -167,7 +168,7 @@ def build_plan(pruner: Pruner | None, depth: int, tokens: int, num_prefix: int =
         steps += _halves(position, point)
         steps += [Step(StepKind.DECIDE, stage=index), Step(StepKind.REPACK, stage=index)]
         counts, patches = _counts(pruner, index, rows - num_prefix, tokens - num_prefix)
-        mlp_beside = block if placement is Placement.MID_BLOCK else None
+        mlp_beside = block if placement is Placement.MID_BLOCK and not pruner.merges else None  # a merge averages
         stages.append(StagePlan(index, block, placement, counts, rows, num_prefix + patches, mlp_beside))
         rows, position = num_prefix + patches, point
     steps += [*_halves(position, 2 * depth), Step(StepKind.HEAD)]

@@ -1105,23 +1105,12 @@ def build_parser(prog: str = "ragged-vit validate") -> argparse.ArgumentParser:
     return parser
 
 
-_PRUNER_FLAGS = {"threshold_mode": "--threshold-mode", "threshold": "--threshold", "fuse_token": "--fuse-token"}
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, on_gpu: bool) -> dict[str, object]:
+    """Options that would do nothing with the others given, or on this device, are errors (status 2); returns the
+    pruner's own options."""
+    from ragged_vit.pipelines.cli import pruner_arguments
 
-
-def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, on_gpu: bool) -> None:
-    """Options that would do nothing with the others given, or on this device, are errors (status 2)."""
-    from ragged_vit.pipelines.factory import pruner_options
-
-    options = {name: getattr(args, name) for name in _PRUNER_FLAGS if getattr(args, name) is not None}
-    for name in sorted(set(options) - set(pruner_options(args.pruner))):
-        parser.error(f"argument {_PRUNER_FLAGS[name]}: not an option of --pruner {args.pruner}")
-    threshold_mode = args.threshold_mode == "threshold"
-    if args.pruner == "threshold_l2" and threshold_mode and args.threshold is None:
-        parser.error("argument --threshold-mode: threshold needs --threshold VALUE (the norm to keep)")
-    if args.threshold is not None and not threshold_mode:
-        parser.error("argument --threshold: used only with --threshold-mode threshold")
-    if args.keep_rate is not None and threshold_mode:
-        parser.error("argument --keep-rate: not used with --threshold-mode threshold (--threshold decides)")
+    options = pruner_arguments(parser, args)
     if args.pruner == "none":
         for flag, value in (
             ("--keep-rate", args.keep_rate),
@@ -1142,6 +1131,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, on_gp
         parser.error("argument --seed: seeds the random weights, which --checkpoint replaces")
     if args.strip_prefix is not None and args.checkpoint is None:
         parser.error("argument --strip-prefix: applies to --checkpoint's keys, and no --checkpoint is given")
+    return options
 
 
 def _resolve_device(parser: argparse.ArgumentParser, text: str, group: Distributed) -> torch.device:
@@ -1181,7 +1171,7 @@ def main(argv: list[str] | None = None, prog: str = "ragged-vit validate") -> in
     args = parser.parse_args(argv)
     device = _resolve_device(parser, args.device, group)
     on_gpu = device.type == "cuda"
-    _check_args(parser, args, on_gpu)
+    pruner_options = _check_args(parser, args, on_gpu)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     accelerated = args.graphs or args.compile_blocks
@@ -1201,7 +1191,7 @@ def main(argv: list[str] | None = None, prog: str = "ragged-vit validate") -> in
         batch_size=args.batch_size or (64 if on_gpu else 16),
         workers=args.workers if args.workers is not None else min(4, cpus),
         model_kwargs=dict(args.model_arg),
-        pruner_options={name: getattr(args, name) for name in _PRUNER_FLAGS if getattr(args, name) is not None},
+        pruner_options=pruner_options,
         class_map=args.class_map,
         checkpoint=args.checkpoint,
         strip_prefix=args.strip_prefix,

@@ -220,7 +220,7 @@ def test_wrong_image_size_is_a_named_error(gen):
     "kwargs,error,match",
     [
         ({"model_name": "deit_nano_patch16_224"}, ValueError, "model 'deit_nano_patch16_224' is not a timm model"),
-        ({"pruner": "tome"}, ValueError, "pruner must be one of"),
+        ({"pruner": "tome_v2"}, ValueError, "pruner must be one of"),
         ({"backend": "flash9"}, ValueError, "backend must be one of"),
         ({"keep_rate": 0.0}, ValueError, r"keep_rate must be in \(0, 1\]"),
         ({"keep_rate": 1.5}, ValueError, r"keep_rate must be in \(0, 1\]"),

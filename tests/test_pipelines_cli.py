@@ -116,7 +116,7 @@ def test_cli_with_files_folder_and_checkpoint(tmp_path, capsys):
         (["--keep-rate", "0"], r"argument --keep-rate: must be in \(0, 1\]"),
         (["--keep-rate", "1.01"], r"argument --keep-rate: must be in \(0, 1\]"),
         (["--backends", "reference,flash"], "argument --backends: unknown 'flash'"),
-        (["--pruner", "tome"], "argument --pruner: invalid choice"),
+        (["--pruner", "tome_v2"], "argument --pruner: invalid choice"),
         (["--batch-repeats", "0"], "argument --batch-repeats: must be a positive integer"),
         (["--warmup", "-1"], "argument --warmup: must be a non-negative integer"),
         (["--pruner", "threshold_l2", "--fuse-token"], "argument --fuse-token: not an option of --pruner threshold_l2"),

@@ -412,7 +412,7 @@ def test_registry_and_class_attributes(
 
 
 BAD_ARGUMENTS = [
-    ("name", lambda: make_pruner("tome"), ValueError),
+    ("name", lambda: make_pruner("tome_v2"), ValueError),
     ("mode", lambda: ThresholdL2Pruner("top"), ValueError),
     ("threshold", lambda: ThresholdL2Pruner("threshold"), ValueError),
     ("threshold", lambda: ThresholdL2Pruner("threshold", threshold="5"), TypeError),
@@ -448,8 +448,8 @@ def test_bad_arguments_name_the_argument(arg: str, make: Callable[[], object], e
 
 
 def test_unknown_name_lists_known_pruners() -> None:
-    with pytest.raises(ValueError, match="'tome'.*threshold_l2, dynamicvit, evit, ats"):
-        make_pruner("tome")
+    with pytest.raises(ValueError, match="'tome_v2'.*threshold_l2, dynamicvit, evit, ats, tome"):
+        make_pruner("tome_v2")
 
 
 def _strip(inp: DecisionInput, **changes: object) -> DecisionInput:

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ragged_vit.core.segments import cu_seqlens_from_counts, seqlens
+from ragged_vit.core.selection import MergeSelection
 from ragged_vit.reference import merging as ref
 from ragged_vit.triton_impl import merging as ker
 
@@ -152,11 +153,11 @@ def _check_decision(keys, cu, max_seqlen, num_prefix, mode):
     want = ref.decide_merges(keys.cpu(), cu.cpu(), ones, num_prefix, **mode)
     got = ker.decide_merges(keys, cu, max_seqlen, num_prefix, **mode)
     batch = cu.shape[0] - 1
-    for name, tensor, shape in (("destination", got.destination, keys.shape[:1]), ("counts", got.counts, (batch,)),
+    for name, tensor, shape in (("destination", got.destination, keys.shape[:1]), ("kept", got.kept, (batch,)),
                                 ("cu_seqlens", got.cu_seqlens, (batch + 1,))):  # fmt: skip
         assert tensor.dtype == torch.int32 and tensor.shape == shape and tensor.device == keys.device, name
     assert torch.equal(got.cu_seqlens.cpu(), want.cu_seqlens), (got.cu_seqlens.tolist(), want.cu_seqlens.tolist())
-    assert torch.equal(got.counts.cpu(), seqlens(want.cu_seqlens).int())
+    assert torch.equal(got.kept.cpu(), seqlens(want.cu_seqlens).int())
     differ = (got.destination.cpu().long() != want.destination).nonzero().flatten()
     assert differ.numel() == 0, f"{differ.numel()} destinations differ, first at row {differ[:1].tolist()}"
     return got
@@ -356,13 +357,13 @@ def _isolated(device, shape, channels, dtype, gen):
             rows, new_sizes = ker.merge_rows(rows_in, sizes, got.destination, cu, got.cu_seqlens, 65)
             results.append((got, rows, new_sizes))
         if "threshold" in mode:
-            assert results[0][0].counts[1] != results[1][0].counts[1]
+            assert results[0][0].kept[1] != results[1][0].kept[1]
         for b in (0, 2):
             image = []
             for got, rows, new_sizes in results:
                 start, end, new_start, new_end = int(cu[b]), int(cu[b + 1]), *got.cu_seqlens[b : b + 2].tolist()
                 local = got.destination[start:end] - new_start
-                image.append((got.counts[b], local, rows[new_start:new_end], new_sizes[new_start:new_end]))
+                image.append((got.kept[b], local, rows[new_start:new_end], new_sizes[new_start:new_end]))
             for before, after in zip(*image, strict=True):
                 assert torch.equal(before, after)
         got, rows, _ = results[0]
@@ -398,7 +399,7 @@ def _poisoned(device, shape, channels, dtype, gen, mode):
     x, sizes = x.to(device), sizes.to(device)
     limit, threshold = _limit_threshold(mode)
     want = ker.decide_merges(keys, cu, 65, 1, **mode)
-    out = ker.MergeMap(*(torch.full((n,), -7, dtype=torch.int32, device=device) for n in (total, batch, batch + 1)))
+    out = MergeSelection(*(torch.full((n,), -7, dtype=torch.int32, device=device) for n in (total, batch, batch + 1)))
     got = ker.decide_merges_unchecked(keys, cu, 65, 1, limit, threshold, out)
     assert got is out
     for name in ("destination", "counts", "cu_seqlens"):
@@ -439,13 +440,13 @@ def test_poisoned_outputs_replayed_from_a_graph_gpu(mode, dtype, gen):
         torch.cuda.set_sync_debug_mode("default")
     merged = int(want.cu_seqlens[-1])
     for _ in range(2):
-        for t in (got.destination, got.counts, got.cu_seqlens, new_sizes):
+        for t in (got.destination, got.kept, got.cu_seqlens, new_sizes):
             t.fill_(-7)
         rows.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(got.destination, want.destination) and torch.equal(got.cu_seqlens, want.cu_seqlens)
-        assert torch.equal(got.counts, want.counts) and torch.equal(rows[:merged], want_rows[:merged])
+        assert torch.equal(got.kept, want.kept) and torch.equal(rows[:merged], want_rows[:merged])
 
 
 def _empty(device):
@@ -453,7 +454,7 @@ def _empty(device):
     cu = torch.zeros(3, dtype=torch.int32, device=device)
     for mode in ({"r": 3}, {"threshold": 0.1, "r_max": 3}):
         got = ker.decide_merges(torch.randn(0, 2, 8, device=device), cu, 1, 1, **mode)
-        assert got.destination.shape == (0,) and got.counts.tolist() == [0, 0] and got.cu_seqlens.tolist() == [0] * 3
+        assert got.destination.shape == (0,) and got.kept.tolist() == [0, 0] and got.cu_seqlens.tolist() == [0] * 3
         sizes = torch.ones(0, dtype=torch.int64, device=device)
         rows, new_sizes = ker.merge_rows(torch.randn(0, 5, device=device), sizes, got.destination, cu, cu, 1)
         assert rows.shape == (0, 5) and new_sizes.shape == (0,)

@@ -64,20 +64,22 @@ Not supported: fp64 (the reference's fp64 metric and float64 sums); non-finite k
 here a NaN best similarity ranks last, as ``-inf``, and the map stays valid: every destination inside its image's
 merged rows, the fixed counts the rule's); maps that break :func:`merge_rows`'s contract are not detected (a
 destination outside its image's merged rows is ignored, a merged row that receives no row is zeros of size 0).
-No merge stage of the pipelines is built on these kernels yet.
+The pipelines' merge stage (:class:`ragged_vit.reference.pruners.ToMeMerger`, registered below) runs on these kernels.
 """
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from ragged_vit.core.decisions import register_decision
+from ragged_vit.core.selection import DecisionInput, MergeSelection
 from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
 from ragged_vit.reference.merging import check_merge_mode, check_sizes
+from ragged_vit.reference.pruners.tome import ToMeMerger, fixed_count
 from ragged_vit.triton_impl.cls_attention import image_rows
 from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, int_spec
 
@@ -91,22 +93,6 @@ _BLOCK_T = 64  # input rows scanned per step for the sources of those rows
 _BLOCK_C = 128  # channels per program of the merge (DeiT-B: 6)
 _MATCH_WARPS = 8  # 4 spill the similarity tiles at D = 64 (sm_90)
 _NUM_WARPS = 4
-
-
-@dataclass(frozen=True)
-class MergeMap:
-    """One block's merges as :func:`decide_merges` returns them, every tensor on the keys' device.
-
-    Attributes:
-        destination: int32 ``[T]``: the row of the merged buffer that each input row goes to (the reference's
-            ``MergeDecision.destination``, in int32).
-        counts: int32 ``[B]``: rows of each image after the merge, prefix rows included.
-        cu_seqlens: int32 ``[B+1]`` offsets of the merged buffer (``T' = cu_seqlens[-1]`` rows).
-    """
-
-    destination: torch.Tensor
-    counts: torch.Tensor
-    cu_seqlens: torch.Tensor
 
 
 @triton.jit(do_not_specialize=["total", "batch", "limit", "threshold", "num_prefix"])
@@ -309,7 +295,7 @@ def decide_merges(
     threshold: float | None = None,
     r_max: int | None = None,
     check_values: bool | None = None,
-) -> MergeMap:
+) -> MergeSelection:
     """One block's merges by bipartite soft matching, per image: the kernels' twin of
     :func:`ragged_vit.reference.merging.decide_merges` (module docstring: the rules), one launch in the fixed mode,
     two in the adaptive one, no host synchronisation.
@@ -327,7 +313,9 @@ def decide_merges(
         check_values: read ``cu_seqlens`` to validate it (default: only on the CPU).
 
     Returns:
-        :class:`MergeMap`: the destination map (int32), the new counts and offsets.
+        :class:`~ragged_vit.core.selection.MergeSelection`: the destination map (int32), the rows of each image
+        after the merge (``kept``) and the merged offsets; ``fixed_count`` and ``count`` are the caller's to set
+        (the pipeline's merge stage knows them on the host).
     """
     threshold = check_merge_mode(r, threshold, r_max)
     limit = check_int(r, "r", 0) if threshold is None else check_int(r_max, "r_max", 0)
@@ -348,8 +336,8 @@ def decide_merges_unchecked(
     num_prefix: int,
     limit: int,
     threshold: float | None,
-    out: MergeMap | None = None,
-) -> MergeMap:
+    out: MergeSelection | None = None,
+) -> MergeSelection:
     """:func:`decide_merges` without its checks (``limit``: ``r``, or ``r_max`` with a ``threshold``), written into
     ``out`` (contiguous int32 tensors of the right shapes, every element overwritten) when given: for a merge stage
     that built its input itself."""
@@ -357,7 +345,7 @@ def decide_merges_unchecked(
     batch = cu.shape[0] - 1
     device = keys.device
     if out is None:
-        out = MergeMap(
+        out = MergeSelection(
             torch.empty(total, dtype=torch.int32, device=device),
             torch.empty(batch, dtype=torch.int32, device=device),
             torch.empty(batch + 1, dtype=torch.int32, device=device),
@@ -370,16 +358,16 @@ def decide_merges_unchecked(
     b_pad = 1 if adaptive else triton.next_power_of_2(batch)  # the fixed mode's offsets read every image's length
     strides = keys.stride()
     args = (
-        keys, cu, metric, work, out.destination, out.counts, out.cu_seqlens, total, batch, *strides, limit,
+        keys, cu, metric, work, out.destination, out.kept, out.cu_seqlens, total, batch, *strides, limit,
         _fp32_threshold(threshold) if adaptive else 0.0, num_prefix, heads, dim, d_pad, _BLOCK_R, block_ab, b_pad,
         adaptive,
     )  # fmt: skip
-    ok = aligned(keys, cu, metric, work, out.destination, out.counts, out.cu_seqlens)
+    ok = aligned(keys, cu, metric, work, out.destination, out.kept, out.cu_seqlens)
     key = (keys.dtype, heads, dim, block_ab, b_pad, adaptive, *map(int_spec, strides)) if ok else None
     _match_launcher(key, keys.get_device(), (batch,), args, num_warps=_MATCH_WARPS, num_stages=1)
     if adaptive:
         b_pad = triton.next_power_of_2(batch)
-        args = (cu, out.counts, out.destination, out.cu_seqlens, total, batch, _BLOCK_R, b_pad)
+        args = (cu, out.kept, out.destination, out.cu_seqlens, total, batch, _BLOCK_R, b_pad)
         _offset_launcher(b_pad if ok else None, keys.get_device(), (batch,), args, num_warps=_NUM_WARPS, num_stages=1)
     return out
 
@@ -467,3 +455,14 @@ def merge_rows_unchecked(
     key = (x.dtype, sizes.dtype, destination.dtype, channels, *map(int_spec, x.stride())) if ok else None
     _merge_launcher(key, x.get_device(), grid, args, num_warps=_NUM_WARPS, num_stages=1)
     return out, out_sizes
+
+
+@register_decision(ToMeMerger)
+def _decide(merger: ToMeMerger, inp: DecisionInput) -> MergeSelection:
+    """:func:`decide_merges` on checked input (the block's keys, a view of its qkv): the fused decision the pipelines
+    look up for ToMe's merger."""
+    qkv, heads = inp.qkv, inp.num_heads
+    keys = qkv.view(qkv.shape[0], 3, heads, qkv.shape[1] // (3 * heads))[:, 1]  # [T, H, D], strided
+    merged = decide_merges_unchecked(keys, inp.cu_seqlens, inp.row_bound, inp.num_prefix, merger.limit(inp.stage),
+                                     merger.threshold)  # fmt: skip
+    return MergeSelection(merged.destination, merged.kept, merged.cu_seqlens, *fixed_count(merger, inp))

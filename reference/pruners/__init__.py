@@ -1,4 +1,4 @@
-"""The four reference pruners on the packed layout, and a registry to build them by name.
+"""The reference pruners (and ToMe's merger) on the packed layout, and a registry to build them by name.
 
 Adding a pruner is one new file here plus one line in :data:`PRUNERS`; tests and pipelines pick it up from there.
 """
@@ -10,12 +10,14 @@ from ragged_vit.reference.pruners.ats import ATSPruner
 from ragged_vit.reference.pruners.dynamicvit import DynamicViTPruner, PredictorLG
 from ragged_vit.reference.pruners.evit import EViTPruner
 from ragged_vit.reference.pruners.threshold_l2 import ThresholdL2Pruner
+from ragged_vit.reference.pruners.tome import ToMeMerger
 
 PRUNERS: dict[str, type[Pruner]] = {
     "threshold_l2": ThresholdL2Pruner,
     "dynamicvit": DynamicViTPruner,
     "evit": EViTPruner,
     "ats": ATSPruner,
+    "tome": ToMeMerger,
 }
 
 
@@ -33,5 +35,6 @@ __all__ = [
     "EViTPruner",
     "PredictorLG",
     "ThresholdL2Pruner",
+    "ToMeMerger",
     "make_pruner",
 ]

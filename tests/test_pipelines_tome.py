@@ -1,0 +1,257 @@
+"""ToMe's merge stage in the pipelines: ``PrunedViT`` and ``GraphedPrunedViT`` with :class:`ToMeMerger`, against the
+reference ToMe forward (:func:`ragged_vit.reference.tome.tome_forward`).
+
+Tolerance rules (CPU, fp32):
+* reference backend: the pipeline runs the reference's own decision, merge and attention, so logits equal the
+  reference forward's bit for bit, and the counts exactly;
+* Triton backend (interpreter): its attention sums in another order than the reference's (``atol = rtol = 1e-5``);
+  the decisions are the reference's, so the counts are exact;
+* ``GraphedPrunedViT``: fixed ``r`` runs ``PrunedViT.run`` itself (bitwise); adaptive merges run segments on
+  capacity buffers, the merge through the Triton kernel (fp32 sums in row order against the reference's float64):
+  ``atol = rtol = 1e-5``, counts exact, and the rows no image owns are NaN (any leak makes a logit NaN).
+
+GPU twins (``gpu``): fp32 against the reference forward, graph == eager, the fused matching's counts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+
+from ragged_vit import PrunedViT, build_pipeline
+from ragged_vit.core.selection import MergeSelection
+from ragged_vit.pipelines.buckets import TokenBuckets
+from ragged_vit.pipelines.cli import main as cli_main
+from ragged_vit.pipelines.graphs import GraphedPrunedViT
+from ragged_vit.reference.merging import fixed_r_counts
+from ragged_vit.reference.pruners import ToMeMerger, make_pruner
+from ragged_vit.reference.tome import tome_forward
+from ragged_vit.triton_impl import merging as triton_merging
+from tests.helpers import no_tf32
+
+DEPTH = 4
+MODES = {"fixed": {"r": 5}, "adaptive": {"threshold": 0.3, "r_max": 6}, "schedule": {"r": [8, 0, 3, 9]}}
+FP32 = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def small_model(pool: str = "token", seed: int = 0, **kwargs: object) -> torch.nn.Module:
+    """DeiT-shaped, 4 blocks of width 64, 96x96 images (36 patches): counts vary per image in the adaptive mode."""
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return timm.create_model("deit_tiny_patch16_224", pretrained=False, depth=DEPTH, embed_dim=64, num_heads=2,
+                                 img_size=96, num_classes=10, global_pool=pool, **kwargs).eval()  # fmt: skip
+
+
+def images(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 3, 96, 96, generator=g) * torch.linspace(0.3, 2.0, n)[:, None, None, None]
+
+
+def merger(mode: str) -> ToMeMerger:
+    return make_pruner("tome", depth=DEPTH, **MODES[mode])
+
+
+@pytest.fixture
+def poisoned(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Fills the rows no image owns of every capacity-mode merge with NaN; records ``(capacity, total)``."""
+    real = triton_merging.merge_rows_unchecked
+    seen: list[tuple[int, int]] = []
+
+    def merge(x, sizes, destination, cu, merged_cu, max_seqlen, out, out_sizes):
+        rows, new_sizes = real(x, sizes, destination, cu, merged_cu, max_seqlen, out, out_sizes)
+        total = int(merged_cu[-1])
+        rows[total:] = float("nan")
+        new_sizes[total:] = -3  # log of it is NaN as well
+        seen.append((rows.shape[0], total))
+        return rows, new_sizes
+
+    monkeypatch.setattr(triton_merging, "merge_rows_unchecked", merge)
+    return seen
+
+
+# --- the merger as a pruner --------------------------------------------------------------------------------------
+
+
+def test_merger_schedule_and_counts():
+    fixed = merger("schedule")
+    assert fixed.blocks == (0, 2, 3) and fixed.fixed_count and fixed.merges and fixed.needs_keys
+    assert [fixed.count_after(s, p, 36) for s, p in enumerate((36, 28, 25))] == [28, 25, 16]
+    adaptive = merger("adaptive")
+    assert adaptive.blocks == (0, 1, 2, 3) and not adaptive.fixed_count
+    assert adaptive.count_after(0, 36, 36) is None and adaptive.max_count_after(1, 30, 36) == 30
+    assert repr(fixed) == "ToMeMerger(r=[8, 0, 3, 9])" and "threshold=0.3, r_max=6" in repr(adaptive)
+
+
+def test_from_keep_rate_picks_the_nearest_constant_r():
+    # DeiT-B: r=13 leaves 196 - 13 * (1..12) patches after the blocks, mean 111.5 = 0.569 of 196
+    assert ToMeMerger.from_keep_rate(0.57, embed_dim=768, num_patches=196).limits == (13,) * 12
+    assert ToMeMerger.from_keep_rate(0.5, embed_dim=768, num_patches=196, depth=4, r=7).limits == (7,) * 4
+    with pytest.raises(ValueError, match="r must be > 0"):
+        ToMeMerger.from_keep_rate(1.0, embed_dim=768, num_patches=196)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"r": 0}, ValueError, "r must be > 0 in at least one block"),
+        ({"r": -1}, ValueError, "r must be"),
+        ({"r": 4, "threshold": 0.5}, ValueError, "exclude each other"),
+        ({"threshold": 0.5}, ValueError, "r_max must be given"),
+        ({"r": [1, 2]}, ValueError, "r must hold one value per block"),
+        ({"threshold": "high", "r_max": 2}, TypeError, "threshold must be a float"),
+    ],
+)
+def test_merger_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        ToMeMerger(depth=DEPTH, **kwargs)
+
+
+# --- eager pipeline against the reference forward -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("pool", ["token", "avg"])
+@pytest.mark.parametrize("mode", list(MODES))
+def test_pipeline_equals_the_reference_forward(mode, pool):
+    model, x = small_model(pool), images(3, 1)
+    out = PrunedViT(model, merger(mode), "reference").run(x)
+    ref = tome_forward(model, x, **MODES[mode])
+    assert torch.equal(out.logits, ref.logits)
+    merging = list(merger(mode).blocks)
+    assert torch.equal(out.counts, ref.counts.t()[:, merging] - 1)  # prefix rows excluded, merging blocks only
+    assert all(isinstance(sel, MergeSelection) for sel in out.selections)
+    if mode != "adaptive":
+        assert out.counts[0].tolist() == [fixed_r_counts(37, MODES[mode]["r"] if mode == "schedule" else [5] * DEPTH)[
+            b] - 1 for b in merging]  # fmt: skip
+    else:
+        assert len(set(map(tuple, out.counts.tolist()))) > 1, "equal counts: the adaptive case proves little"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mode", ["fixed", "adaptive"])
+def test_triton_backend_and_replayed_merges(mode):
+    model, x = small_model("avg"), images(3, 2)
+    ref = PrunedViT(model, merger(mode), "reference").run(x)
+    pv = PrunedViT(model, merger(mode), "triton")
+    out = pv.run(x)
+    assert torch.equal(out.counts, ref.counts)
+    torch.testing.assert_close(out.logits, ref.logits, **FP32)
+    again = pv.run(x, selections=out.selections)
+    assert torch.equal(again.logits, out.logits)
+
+
+def test_isolation_bitwise():
+    """Image 1 changed (and with it the adaptive counts and the packed length): image 0's logits and counts stay."""
+    pv = PrunedViT(small_model(), merger("adaptive"), "reference")
+    a, b = images(2, 3), images(2, 4)
+    b[0] = a[0]
+    out_a, out_b = pv.run(a), pv.run(b)
+    assert not torch.equal(out_a.counts[1], out_b.counts[1])
+    assert torch.equal(out_a.logits[0], out_b.logits[0]) and torch.equal(out_a.counts[0], out_b.counts[0])
+
+
+def test_merging_needs_token_or_avg_pooling_and_a_biased_backend():
+    with pytest.raises(ValueError, match="'max'.*'token' and 'avg'"):
+        PrunedViT(small_model("max"), merger("fixed"))
+    pv = PrunedViT(small_model(), merger("fixed"), "reference")
+    pv.backend.capabilities = type(pv.backend.capabilities)(key_bias=False)  # this instance only
+    with pytest.raises(ValueError, match="backend 'reference' takes no key_bias"):
+        pv.run(images(1, 0))
+
+
+def test_replay_refuses_keep_masks():
+    pv = PrunedViT(small_model(), merger("fixed"), "reference")
+    keep = PrunedViT(small_model(), make_pruner("evit", rate=0.5, blocks=(0, 1, 2, 3)), "reference").run(images(1, 0))
+    with pytest.raises(TypeError, match=r"selections\[0\] must be a MergeSelection"):
+        pv.run(images(1, 0), selections=keep.selections)
+
+
+def test_build_pipeline_and_prune_take_tome():
+    pv = build_pipeline("deit_tiny_patch16_224", pruner="tome", keep_rate=0.57, backend="reference")
+    assert pv.pruner.limits == (13,) * 12 and pv.num_stages == 12
+    pv = build_pipeline("deit_tiny_patch16_224", pruner="tome", backend="reference", threshold=0.8, r_max=16)
+    assert pv.pruner.threshold == 0.8 and pv.plan.stages[0].counts.value == "variable"
+
+
+# --- graphs (segments run eagerly on a CPU) ------------------------------------------------------------------------
+
+
+@pytest.mark.interpreter
+def test_graphed_fixed_r_runs_the_pipeline_itself():
+    pv = PrunedViT(small_model(), merger("fixed"), "triton")
+    x = images(2, 5)
+    out, ref = GraphedPrunedViT(pv).run(x), pv.run(x)
+    assert torch.equal(out.logits, ref.logits) and torch.equal(out.counts, ref.counts)
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on the NaN padding rows
+@pytest.mark.parametrize("sync_free_rows", [0, 10_000], ids=["reads", "no-reads"])
+def test_graphed_adaptive_merges_match_eager_with_nan_padding(sync_free_rows, poisoned):
+    pv = PrunedViT(small_model("avg"), merger("adaptive"), "triton")
+    runner = GraphedPrunedViT(pv, TokenBuckets(step=6, seqlen_step=4, sync_free_rows=sync_free_rows))
+    x = images(3, 6)
+    out, ref = runner.run(x), pv.run(x)
+    assert torch.equal(out.counts, ref.counts)
+    assert bool(torch.isfinite(out.logits).all())
+    torch.testing.assert_close(out.logits, ref.logits, **FP32)
+    assert any(cap > total for cap, total in poisoned), "no padding rows: the test proves nothing"
+
+
+# --- CLI ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--r", "4", "--threshold", "0.5"], "argument --threshold: tome merges a fixed --r or by --threshold"),
+        (["--r-max", "4"], "argument --r-max: tome's adaptive mode needs --threshold too"),
+        (["--threshold", "0.5"], "argument --threshold: tome's adaptive mode needs --r-max too"),
+        (["--keep-rate", "0.5", "--r", "4"], "argument --keep-rate: not used with --r or --threshold"),
+        (["--threshold-mode", "ratio"], "argument --threshold-mode: not an option of --pruner tome"),
+        (["--r", "0"], "argument --r: must be a positive integer"),
+    ],
+)
+def test_cli_tome_flag_errors(argv, match, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["--device", "cpu", "--pruner", "tome", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err
+
+
+def test_cli_r_is_an_option_of_tome_only(capsys):
+    with pytest.raises(SystemExit):
+        cli_main(["--device", "cpu", "--pruner", "evit", "--r", "4"])
+    assert "argument --r: not an option of --pruner evit" in capsys.readouterr().err
+
+
+# --- GPU twins ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fixed", "adaptive"])
+def test_gpu_fp32_equals_the_reference_forward(mode):
+    model, x = small_model("avg").cuda(), images(4, 7).cuda()
+    with torch.no_grad(), no_tf32():
+        ref = tome_forward(model, x, **MODES[mode])
+        out = PrunedViT(model, merger(mode), "triton").run(x)
+    assert torch.equal(out.counts, ref.counts.t()[:, list(merger(mode).blocks)] - 1)
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fixed", "adaptive"])
+@pytest.mark.parametrize("batch", [1, 5])
+def test_gpu_graph_equals_eager(mode, batch):
+    pv = PrunedViT(small_model("token").cuda().half(), merger(mode), "triton")
+    runner = GraphedPrunedViT(pv, TokenBuckets(step=16, sync_free_rows=0))
+    for seed in range(3):  # new images every call: the replays read the static input
+        x = images(batch, 20 + seed).cuda().half()
+        out, ref = runner.run(x), pv.run(x)
+        assert torch.equal(out.counts, ref.counts)
+        if mode == "fixed":
+            assert torch.equal(out.logits, ref.logits)
+        else:  # capacity buffers: the GEMMs may pick other kernels for other row counts
+            torch.testing.assert_close(out.logits, ref.logits, atol=2e-3, rtol=2e-3)
+    assert runner.counters.captures >= 1 and runner.counters.replays >= 3
