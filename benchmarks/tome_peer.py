@@ -2,15 +2,17 @@
 
 The peer of our ToMe pipeline (issue 15). Token Merging (Bolya et al., ICLR 2023) is usually run by patching a
 timm model in place: each block's forward is replaced by one that computes attention explicitly (the
-proportional-attention bias ``log(size)`` on the keys needs the logits, which SDPA's fused kernels do not expose)
-and merges tokens between the attention and the MLP. With a fixed ``r`` every image merges the same number of
-rows, so the batch stays a dense ``[B, N', C]`` tensor and the whole forward is static: it runs under
-``torch.compile(mode="reduce-overhead")`` (no host reads, no data-dependent shapes).
+proportional-attention bias ``log(size)`` on the keys needs the logits) and merges tokens between the attention
+and the MLP. A user who knows SDPA can pass that bias as its ``attn_mask`` instead (an additive float mask,
+broadcast over heads and queries): :func:`patch_tome`'s ``attention="sdpa"``, timed as a second peer. With a fixed
+``r`` every image merges the same number of rows, so the batch stays a dense ``[B, N', C]`` tensor and the whole
+forward is static: it runs under ``torch.compile(mode="reduce-overhead")`` (no host reads, no data-dependent
+shapes).
 
 :func:`patch_tome` applies that patch (written from the paper and ``docs/tome.md``'s rule, not from ToMe's code).
 Per block, with the block's own weights:
 
-1. ``x = x + ls1(attn(norm1(x)))`` with ``softmax(q k^T * scale + log(size)_key) v``;
+1. ``x = x + ls1(attn(norm1(x)))`` with ``softmax(q k^T * scale + log(size)_key) v`` (explicit, or SDPA);
 2. bipartite soft matching on the keys of that attention averaged over heads and L2-normalised (fp32): A = even
    positions among the patch rows, B = odd; each A row's match is its most similar B row (ties: lowest B index);
    the ``min(r, patches // 2)`` A rows of highest best similarity (ties: lower A index first) merge into their
@@ -29,16 +31,16 @@ The benchmark (on a CUDA GPU, from the repository root)::
     python -m benchmarks.tome_peer --batches 1,4,64 --r 13 --out FILE.json
 
 times DeiT-B 224 in fp16 (random seeded weights, or ``RAGGED_VIT_DEIT_B_CHECKPOINT``, as ``benchmarks.e2e_common``)
-at each batch size: unpruned timm eager and under ``torch.compile(mode="reduce-overhead")``, this peer eager and
-under reduce-overhead, and our pipeline (``GraphedPrunedViT`` over ``PrunedViT(model, make_pruner("tome", r=r),
-"triton", compile_blocks=True)``) where it exists. Before timing, each ToMe row's logits are compared with
-``tome_forward`` in fp32 (max |diff|, top-1 agreement, and the fraction of images whose patches ended in the same
-rows, from ``sources``); the peer is also run in fp32 against the same reference (TF32 off): the strict check
-that its merges are the reference's. fp16 may merge differently where two similarities lie within fp16's
-rounding of each other, so its differences are reported, not bounded. Clocks: ``benchmarks.timing.forward_times``
-(host wall time per forward, one synchronize around each; img/s = B / median). The last thing printed is a markdown
-table: img/s per row and batch, ours vs unpruned reduce-overhead, ours vs the peer's best mode. Nothing asserts a
-time.
+at each batch size: unpruned timm eager and under ``torch.compile(mode="reduce-overhead")``; this peer eager and
+under reduce-overhead, with explicit attention and with SDPA; and our pipeline (``GraphedPrunedViT`` over
+``PrunedViT(model, make_pruner("tome", r=r), "triton", compile_blocks=True)``) where it exists. Before timing,
+each ToMe row's logits are compared with ``tome_forward`` in fp32 (max |diff|, top-1 agreement, and the fraction
+of images whose patches ended in the same rows, from ``sources``); the peer is also run in fp32 against the same
+reference (TF32 off): the strict check that its merges are the reference's. fp16 may merge differently where two
+similarities lie within fp16's rounding of each other, so its differences are reported, not bounded. Clocks:
+``benchmarks.timing.forward_times`` (host wall time per forward, one synchronize around each; img/s = B / median).
+The last thing printed is a markdown table: img/s per row and batch, ours vs unpruned reduce-overhead, ours vs the
+peer's best mode (its fastest row at that batch). Nothing asserts a time.
 """
 
 from __future__ import annotations
@@ -65,21 +67,27 @@ from benchmarks.report_e2e import _cudagraph_skips, torch_threads, write_json
 from benchmarks.timing import describe, elapsed, environment, forward_times, gpu_slug
 from ragged_vit.reference.tome import check_model, per_block, tome_forward
 
-ROWS = ("timm_eager", "timm_compiled", "peer_eager", "peer_compiled", "ours")
+ATTENTIONS = ("explicit", "sdpa")
 ROW_LABELS = {
     "timm_eager": "unpruned timm, eager",
     "timm_compiled": 'unpruned timm, torch.compile(mode="reduce-overhead")',
-    "peer_eager": "ToMe peer (patched timm), eager",
-    "peer_compiled": 'ToMe peer (patched timm), torch.compile(mode="reduce-overhead")',
+    "peer_eager": "ToMe peer (patched timm, explicit attention), eager",
+    "peer_compiled": 'ToMe peer (patched timm, explicit attention), torch.compile(mode="reduce-overhead")',
+    "peer_sdpa_eager": "ToMe peer (patched timm, SDPA + bias mask), eager",
+    "peer_sdpa_compiled": 'ToMe peer (patched timm, SDPA + bias mask), torch.compile(mode="reduce-overhead")',
     "ours": "ours: GraphedPrunedViT, Triton, compile_blocks",
 }
+ROWS = tuple(ROW_LABELS)
+PEER_ROWS = tuple(r for r in ROWS if r.startswith("peer_"))
 PEER_FP32_BOUND = 1e-3  # fp32 peer vs fp32 reference on the GPU (TF32 off): same merges, summation order only
 
 
 # --------------------------------------------------------------------------------------------------- the patch
 
 
-def patch_tome(model: VisionTransformer, r: int | Sequence[int], *, inplace: bool = False) -> VisionTransformer:
+def patch_tome(
+    model: VisionTransformer, r: int | Sequence[int], *, attention: str = "explicit", inplace: bool = False
+) -> VisionTransformer:
     """ToMe with a fixed ``r`` on a timm ``VisionTransformer``, by patching its blocks' and its own forward.
 
     Args:
@@ -87,6 +95,8 @@ def patch_tome(model: VisionTransformer, r: int | Sequence[int], *, inplace: boo
             ``avg`` pooling, in eval mode (``ragged_vit.reference.tome.check_model``'s conditions).
         r: A rows merged per image and block: an int for every block or one per block (capped at half the patch
             rows, as the reference).
+        attention: ``"explicit"`` (``softmax(q k^T * scale + bias) v`` as written) or ``"sdpa"``
+            (``F.scaled_dot_product_attention`` with the bias as its float ``attn_mask``).
         inplace: patch ``model`` itself; by default a deep copy is patched and ``model`` is left as it was.
 
     Returns:
@@ -96,10 +106,13 @@ def patch_tome(model: VisionTransformer, r: int | Sequence[int], *, inplace: boo
     """
     depth = check_model(model)
     schedule = per_block(r, "r", depth)
+    if attention not in ATTENTIONS:
+        raise ValueError(f"attention must be one of {ATTENTIONS}, got {attention!r}")
     model = model if inplace else copy.deepcopy(model)
     for block, r_k in zip(model.blocks, schedule, strict=True):
         block.tome_r = r_k
         block.tome_prefix = model.num_prefix_tokens
+        block.tome_sdpa = attention == "sdpa"
         block.forward = types.MethodType(_block_forward, block)
     model.tome_r = schedule
     model.forward = types.MethodType(_model_forward, model)
@@ -139,22 +152,29 @@ def _block_forward(
     self: Block, x: torch.Tensor, size: torch.Tensor, source: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """A patched block: attention with proportional attention, the merge, the MLP."""
-    out, keys = proportional_attention(self.attn, self.norm1(x), size)
+    out, keys = proportional_attention(self.attn, self.norm1(x), size, self.tome_sdpa)
     x = x + self.drop_path1(self.ls1(out))
     x, size, source = bipartite_merge(x, size, keys, self.tome_r, self.tome_prefix, source)
     x = x + self.drop_path2(self.ls2(self.mlp(self.norm2(x))))
     return x, size, source
 
 
-def proportional_attention(attn: Attention, x: torch.Tensor, size: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """timm's ``Attention`` on ``x [B, N, C]`` with explicit softmax and ``log(size)`` added to every key's logits
-    after the scale. Returns the projected output ``[B, N, C]`` and the keys ``[B, H, N, D]`` (after ``k_norm``)."""
+def proportional_attention(
+    attn: Attention, x: torch.Tensor, size: torch.Tensor, sdpa: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """timm's ``Attention`` on ``x [B, N, C]`` with ``log(size)`` added to every key's logits after the scale:
+    explicit softmax, or (``sdpa``) SDPA with the bias as its float mask. Returns the projected output
+    ``[B, N, C]`` and the keys ``[B, H, N, D]`` (after ``k_norm``)."""
     batch, n, _ = x.shape
     qkv = attn.qkv(x).reshape(batch, n, 3, attn.num_heads, -1).permute(2, 0, 3, 1, 4)
     q, k, v = qkv.unbind(0)  # [B, H, N, D]
     q, k = attn.q_norm(q), attn.k_norm(k)
-    logits = (q * attn.scale) @ k.transpose(-2, -1) + size.log().to(q.dtype)[:, None, None, :]
-    out = (attn.attn_drop(logits.softmax(dim=-1)) @ v).transpose(1, 2).reshape(batch, n, -1)
+    bias = size.log().to(q.dtype)[:, None, None, :]  # [B, 1, 1, N]: every head and query
+    if sdpa:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=attn.scale)
+    else:
+        out = attn.attn_drop(((q * attn.scale) @ k.transpose(-2, -1) + bias).softmax(dim=-1)) @ v
+    out = out.transpose(1, 2).reshape(batch, n, -1)
     out = attn.norm(out) if hasattr(attn, "norm") else out  # scale_norm (identity unless configured)
     gate = getattr(attn, "gate", None)  # gated attention of newer timm versions
     if gate is not None:
@@ -299,14 +319,15 @@ class Bench:
             return self.compiled(model, images, entry) if row == "timm_compiled" else self.eager(model, images)
         if row == "ours":
             return self.ours(model, images, entry)
-        peer = patch_tome(model, self.r)
+        attention = "sdpa" if row.startswith("peer_sdpa") else "explicit"
+        peer = patch_tome(model, self.r, attention=attention)
         ref = self.reference(images[0])
-        if row == "peer_eager":
+        if row.endswith("_eager"):
             with torch.no_grad():
                 logits, _, sources = run_patched(peer, images[0], trace_source=True)
             entry["check_fp16" if self.lab.dtype == torch.float16 else "check"] = self.check(logits, ref, sources)
             if self.cuda:  # the strict check: fp32 on the GPU, the reference's merges
-                fp32 = patch_tome(self.lab.model(self.name, torch.float32), self.r)
+                fp32 = patch_tome(self.lab.model(self.name, torch.float32), self.r, attention=attention)
                 with torch.no_grad(), no_tf32():
                     logits32, _, sources32 = run_patched(fp32, images[0].float(), trace_source=True)
                 check = self.check(logits32, ref, sources32)
@@ -396,7 +417,7 @@ def _ratio(num: dict | None, den: dict | None) -> str:
 
 def markdown_table(rows: list[dict], batches: Sequence[int]) -> str:
     """img/s per row (rows) and batch size (columns), then ours vs unpruned reduce-overhead and vs the peer's best
-    mode (the faster of its eager and reduce-overhead rows at that batch)."""
+    mode (its fastest row at that batch: eager or reduce-overhead, explicit attention or SDPA)."""
     at = {(e["row"], e["batch"]): e for e in rows}
     lines = [
         "| row | " + " | ".join(f"B={b} img/s" for b in batches) + " |",
@@ -407,7 +428,7 @@ def markdown_table(rows: list[dict], batches: Sequence[int]) -> str:
             lines.append(f"| {ROW_LABELS[row]} | " + " | ".join(_cell(at.get((row, b))) for b in batches) + " |")
 
     def peer_best(b: int) -> dict | None:
-        ok = [at[(r, b)] for r in ("peer_eager", "peer_compiled") if at.get((r, b), {}).get("status") == "ok"]
+        ok = [at[(r, b)] for r in PEER_ROWS if at.get((r, b), {}).get("status") == "ok"]
         return max(ok, key=lambda e: e["img_per_s"], default=None)
 
     vs_timm = [_ratio(at.get(("ours", b)), at.get(("timm_compiled", b))) for b in batches]
