@@ -8,6 +8,25 @@ boundaries, and that is the backend's job. The same modules and parameters are u
 A MID_BLOCK pruning stage (EViT, ATS) sits between the attention residual and the MLP, so the two halves are also
 callable on their own: :func:`packed_attention` (which returns the block's qkv projection too, for the stage's
 CLS-attention scores) and :func:`packed_mlp`; the forward plan (:mod:`ragged_vit.pipelines.plan`) says where.
+An optional ``key_bias [T]`` (ToMe's proportional attention) is handed to the backend's ``attend``; backends
+without ``capabilities.key_bias`` refuse it.
+
+The lean path. Eager at batch 1-4 is bound by the host: every aten op and every ``nn.Module.__call__`` costs
+microseconds of Python and dispatch while the GPU idles, and a timm block issues ~18 top-level aten ops through ~20
+module calls, three of them dropouts that are no-ops in eval but still dispatch ``aten::dropout``. So a *plain*
+block in eval mode runs as direct functional calls on its modules' own parameters instead: ``F.layer_norm``,
+``F.linear`` (qkv), the attention, ``F.linear`` (proj), ``* gamma``, add; ``F.layer_norm``, ``F.linear``,
+``F.gelu``, ``F.linear``, ``* gamma``, add: the ops the modules would issue, in the same order (bitwise the same
+result), without the module calls or the dropouts. Plain (:func:`lean_block`): a timm ``Block`` (exact type) with a
+timm ``Attention`` and ``Mlp``, LayerNorms (``nn.LayerNorm`` or timm's without fast-norm), ``nn.Linear`` layers
+(bias or not), identity q/k/scale norms and MLP norm, no gate, LayerScale or identity, GELU (any ``approximate``),
+and dropouts / drop paths (identity in eval). It is decided on a block's first eval forward and cached (re-decided
+when a child of the block, its ``attn`` or its ``mlp`` is replaced); the parameters are read from the modules at
+every call, so weights loaded later (``assign=True`` too), ``.half()`` and ``.to()`` are seen. Anything else runs
+the module path: a non-plain block, training mode (read from the block), a block with hooks on any of its modules,
+and code under ``torch.compile`` (Inductor sees the modules as before). :func:`dense_block` is the same lean block on
+a dense batch ``[B, N, C]`` with timm's own SDPA call (bitwise timm's ``block(x)``), for the pipeline's dense blocks
+before its first stage.
 
 Supported: ``timm.models.vision_transformer.Block`` with ``timm.layers.Attention`` (qk_norm, scale_norm and the
 gated variant of newer timm included), in eval mode. Not supported: other block types (ResPostBlock,
@@ -17,11 +36,21 @@ ParallelScalingBlock, ...), attention masks, rotary embeddings, dropout at train
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
-from timm.models.vision_transformer import Attention, Block  # Attention lives in timm.layers in newer timm
+import torch.nn.functional as F
+from timm.layers import DropPath, Mlp, activations
+from timm.layers import LayerNorm as TimmLayerNorm
+from timm.models.vision_transformer import (  # Attention lives in timm.layers in newer timm, LayerScale too
+    Attention,
+    Block,
+    LayerScale,
+)
 from torch import nn
+from torch.nn.modules import module as _module
 
 from ragged_vit.pipelines.backends.base import AttentionBackend
 from ragged_vit.reference.attention import split_qkv
@@ -52,8 +81,215 @@ def block_qkv(attn: Attention, x: torch.Tensor) -> torch.Tensor:
     return torch.cat([attn.q_norm(q).flatten(1), attn.k_norm(k).flatten(1), v.flatten(1)], dim=1)
 
 
+# --- the two ways to run a block's parts: its modules, or lean functional calls ------------------------------------
+#
+# A block is norm1 -> qkv -> attention -> attn_out (+ residual), then norm2 -> mlp (+ residual); :func:`_attention_half`
+# and :func:`_mlp_half` say that once, and each path supplies the parts.
+
+
+class _ModulePath:
+    """A block's parts as its modules, called as timm calls them (every block :func:`check_packable` accepts)."""
+
+    __slots__ = ("block",)
+
+    def __init__(self, block: Block) -> None:
+        self.block = block
+
+    def norm1(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block.norm1(x)
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        return block_qkv(self.block.attn, x)
+
+    def attn_out(self, a: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """The attention output ``a`` to the residual branch: scale_norm, gate, proj, dropouts, LayerScale."""
+        block = self.block
+        attn = block.attn
+        a = attn.norm(a) if hasattr(attn, "norm") else a  # scale_norm (identity unless configured)
+        gate = getattr(attn, "gate", None)  # gated attention of newer timm versions
+        if gate is not None:
+            a = a * gate(normed).sigmoid()
+        return block.drop_path1(block.ls1(attn.proj_drop(attn.proj(a))))
+
+    def norm2(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block.norm2(x)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        block = self.block
+        return block.drop_path2(block.ls2(block.mlp(x)))
+
+
+@dataclass(frozen=True, eq=False)
+class LeanBlock:
+    """A plain block's parts as functional calls on its modules' parameters, read at call time (module docstring).
+
+    Attributes: the block's modules (``ls1``/``ls2`` None for identity), the GELU's ``approximate``, and ``hooks``:
+    the hook dictionaries of every module of the block and the global ones (any entry sends the block down the
+    module path, which calls them).
+    """
+
+    attn: Attention
+    ln1: nn.LayerNorm
+    qkv_fc: nn.Linear
+    proj_fc: nn.Linear
+    ls1: LayerScale | None
+    ln2: nn.LayerNorm
+    fc1: nn.Linear
+    approximate: str
+    fc2: nn.Linear
+    ls2: LayerScale | None
+    hooks: tuple[dict, ...]
+
+    def norm1(self, x: torch.Tensor) -> torch.Tensor:
+        return _layer_norm(self.ln1, x)
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        return _linear(self.qkv_fc, x)
+
+    def attn_out(self, a: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        return _layer_scale(self.ls1, _linear(self.proj_fc, a))
+
+    def norm2(self, x: torch.Tensor) -> torch.Tensor:
+        return _layer_norm(self.ln2, x)
+
+    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = F.gelu(_linear(self.fc1, x), approximate=self.approximate)
+        return _layer_scale(self.ls2, _linear(self.fc2, hidden))
+
+
+def _layer_norm(norm: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)  # nn.LayerNorm.forward
+
+
+def _linear(fc: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, fc.weight, fc.bias)  # nn.Linear.forward
+
+
+def _layer_scale(ls: LayerScale | None, x: torch.Tensor) -> torch.Tensor:
+    if ls is None:
+        return x
+    return x.mul_(ls.gamma) if ls.inplace else x * ls.gamma  # LayerScale.forward
+
+
+_NO_OPS = (nn.Identity, nn.Dropout, DropPath)  # dropouts and drop paths: identities in eval
+_GELUS = {nn.GELU: None, activations.GELU: "none"}  # None: the module's own ``approximate``
+if hasattr(activations, "GELUTanh"):
+    _GELUS[activations.GELUTanh] = "tanh"
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")  # what _call_impl runs
+_GLOBAL_HOOKS = tuple(getattr(_module, f"_global{name}") for name in _HOOKS if hasattr(_module, f"_global{name}"))
+
+
+def _is_layer_norm(norm: nn.Module) -> bool:
+    return type(norm) is nn.LayerNorm or (type(norm) is TimmLayerNorm and not getattr(norm, "_fast_norm", False))
+
+
+def _plain(block: nn.Module) -> LeanBlock | None:
+    """The lean parts of ``block`` if it is plain (module docstring), else None."""
+    if type(block) is not Block or type(block.attn) is not Attention or type(block.mlp) is not Mlp:
+        return None
+    attn, mlp = block.attn, block.mlp
+    identities = (attn.q_norm, attn.k_norm, getattr(attn, "norm", None), getattr(mlp, "norm", None))
+    no_ops = (attn.proj_drop, block.drop_path1, block.drop_path2, mlp.drop1, mlp.drop2)
+    if (
+        getattr(attn, "gate", None) is not None
+        or any(m is not None and type(m) is not nn.Identity for m in identities)
+        or any(type(m) not in _NO_OPS for m in no_ops)
+        or any(type(m) is not nn.Linear for m in (attn.qkv, attn.proj, mlp.fc1, mlp.fc2))
+        or not (_is_layer_norm(block.norm1) and _is_layer_norm(block.norm2))
+        or any(type(m) not in (nn.Identity, LayerScale) for m in (block.ls1, block.ls2))
+        or type(mlp.act) not in _GELUS
+    ):
+        return None
+    approximate = _GELUS[type(mlp.act)] or mlp.act.approximate
+    hooks = tuple(getattr(m, name) for m in block.modules() for name in _HOOKS if hasattr(m, name))
+    return LeanBlock(
+        attn=attn, ln1=block.norm1, qkv_fc=attn.qkv, proj_fc=attn.proj,
+        ls1=block.ls1 if type(block.ls1) is LayerScale else None, ln2=block.norm2, fc1=mlp.fc1,
+        approximate=approximate, fc2=mlp.fc2, ls2=block.ls2 if type(block.ls2) is LayerScale else None,
+        hooks=_GLOBAL_HOOKS + hooks,
+    )  # fmt: skip
+
+
+def _children(block: nn.Module) -> tuple:
+    """Every module :func:`_plain` looks at: the block's children and those of its ``attn`` and ``mlp``."""
+    mods = block._modules
+    attn, mlp = mods.get("attn"), mods.get("mlp")
+    return (
+        *mods.values(),
+        *(attn._modules.values() if attn is not None else ()),
+        *(mlp._modules.values() if mlp is not None else ()),
+    )
+
+
+_DECIDED: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, LeanBlock | None]] = weakref.WeakKeyDictionary()
+
+
+def lean_block(block: nn.Module) -> LeanBlock | None:
+    """The lean parts of ``block`` when this call may take the lean path, else None (module docstring).
+
+    Decided once per block and cached (weakly: the cache does not keep blocks alive), re-decided when one of the
+    modules it looked at was replaced; checked at every call: eval mode, not compiling, no hooks.
+    """
+    if block.training or torch.compiler.is_compiling():
+        return None
+    children = _children(block)
+    decided = _DECIDED.get(block)
+    if decided is None or decided[0] != children:
+        decided = _DECIDED[block] = (children, _plain(block))
+    lean = decided[1]
+    if lean is None or any(lean.hooks):
+        return None
+    return lean
+
+
+def _parts(block: Block) -> LeanBlock | _ModulePath:
+    return lean_block(block) or _ModulePath(block)
+
+
+def _attention_half(
+    parts: LeanBlock | _ModulePath, x: torch.Tensor, attend: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x + attn_out(attend(qkv(norm1(x))))`` and the qkv projection, on any leading shape ``attend`` takes."""
+    normed = parts.norm1(x)
+    qkv = parts.qkv(normed)
+    return x + parts.attn_out(attend(qkv), normed), qkv
+
+
+def _mlp_half(parts: LeanBlock | _ModulePath, x: torch.Tensor) -> torch.Tensor:
+    return x + parts.mlp(parts.norm2(x))
+
+
+def _backend_attend(
+    backend: AttentionBackend,
+    attn: Attention,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    key_bias: torch.Tensor | None,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``qkv [T, 3*H*D] -> [T, H*D]`` through ``backend`` (``key_bias`` passed only when given)."""
+    if key_bias is None:
+        return lambda qkv: backend.attend(qkv, cu_seqlens, max_seqlen, attn.num_heads, attn.scale)
+    return lambda qkv: backend.attend(qkv, cu_seqlens, max_seqlen, attn.num_heads, attn.scale, key_bias=key_bias)
+
+
+def _dense_attend(attn: Attention, qkv: torch.Tensor) -> torch.Tensor:
+    """timm's fused attention core on a dense batch: ``qkv [B, N, 3*H*D] -> [B, N, H*D]`` (its very ops)."""
+    batch, tokens, _ = qkv.shape
+    q, k, v = qkv.reshape(batch, tokens, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False)
+    return out.transpose(1, 2).reshape(batch, tokens, attn.num_heads * attn.head_dim)
+
+
+# --- public entry points ---------------------------------------------------------------------------------------
+
+
 def packed_attention(
-    block: Block, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, backend: AttentionBackend
+    block: Block,
+    x: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    backend: AttentionBackend,
+    key_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention half of ``block`` on packed tokens: ``x + ls1(attn(norm1(x)))``.
 
@@ -63,29 +299,64 @@ def packed_attention(
         The residual stream after the attention residual ``[T, C]`` and the block's qkv projection ``[T, 3*H*D]``
         (what a MID_BLOCK pruning stage scores).
     """
-    attn = block.attn
-    normed = block.norm1(x)
-    qkv = block_qkv(attn, normed)  # [T, 3*H*D]
-    a = backend.attend(qkv, cu_seqlens, max_seqlen, attn.num_heads, attn.scale)  # [T, H*D]
-    a = attn.norm(a) if hasattr(attn, "norm") else a  # scale_norm (identity unless configured)
-    gate = getattr(attn, "gate", None)  # gated attention of newer timm versions
-    if gate is not None:
-        a = a * gate(normed).sigmoid()
-    return x + block.drop_path1(block.ls1(attn.proj_drop(attn.proj(a)))), qkv
+    attend = _backend_attend(backend, block.attn, cu_seqlens, max_seqlen, key_bias)
+    return _attention_half(_parts(block), x, attend)
 
 
 def packed_mlp(block: Block, x: torch.Tensor) -> torch.Tensor:
     """The MLP half of ``block`` on packed tokens ``[T, C]``: ``x + ls2(mlp(norm2(x)))`` (no attention: any rows)."""
-    return x + block.drop_path2(block.ls2(block.mlp(block.norm2(x))))
+    return _mlp_half(_parts(block), x)
+
+
+def packed_block(
+    block: Block,
+    x: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    backend: AttentionBackend,
+    key_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Runs ``block`` on packed tokens: :func:`packed_attention`, then :func:`packed_mlp`.
+
+    Args:
+        block: a timm ``Block`` (see :func:`check_packable`).
+        x: ``[T, C]`` packed residual stream.
+        cu_seqlens: int32 ``[B+1]`` offsets of ``x``.
+        max_seqlen: host int bounding every image's length.
+        backend: the attention backend.
+        key_bias: optional float32 ``[T]`` added to every attention logit of key row ``t`` (ToMe's proportional
+            attention, ``log(size)``); only for backends with ``capabilities.key_bias`` (the others raise).
+
+    Returns:
+        The block's output ``[T, C]``.
+    """
+    parts = _parts(block)
+    attend = _backend_attend(backend, block.attn, cu_seqlens, max_seqlen, key_bias)
+    return _mlp_half(parts, _attention_half(parts, x, attend)[0])
 
 
 def packed_blocks(
-    blocks: Sequence[Block], x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, backend: AttentionBackend
+    blocks: Sequence[Block],
+    x: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    backend: AttentionBackend,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Consecutive blocks with no pruning stage among them, on one packed buffer: ``[T, C]`` -> ``[T, C]``."""
+    """Consecutive blocks with no pruning stage among them, on one packed buffer: ``[T, C]`` -> ``[T, C]`` (the same
+    ``key_bias``, if any, for every block)."""
     for block in blocks:
-        x = packed_block(block, x, cu_seqlens, max_seqlen, backend)
+        x = packed_block(block, x, cu_seqlens, max_seqlen, backend, key_bias)
     return x
+
+
+def dense_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """timm's ``block(x)`` on a dense batch ``[B, N, C]``: the lean path with timm's own SDPA call when the block is
+    plain and its attention fused (timm's default; then bitwise ``block(x)``), else ``block(x)`` itself."""
+    lean = lean_block(block)
+    if lean is None or not lean.attn.fused_attn:
+        return block(x)
+    return _mlp_half(lean, _attention_half(lean, x, functools.partial(_dense_attend, lean.attn))[0])
 
 
 @functools.cache
@@ -100,21 +371,3 @@ def compiled_blocks() -> Callable:
     """:func:`packed_blocks` under ``torch.compile``: one graph over the whole run of blocks, so Inductor also
     fuses each residual add with the next LayerNorm across the attention ops (which stay opaque custom ops)."""
     return torch.compile(packed_blocks)
-
-
-def packed_block(
-    block: Block, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, backend: AttentionBackend
-) -> torch.Tensor:
-    """Runs ``block`` on packed tokens: :func:`packed_attention`, then :func:`packed_mlp`.
-
-    Args:
-        block: a timm ``Block`` (see :func:`check_packable`).
-        x: ``[T, C]`` packed residual stream.
-        cu_seqlens: int32 ``[B+1]`` offsets of ``x``.
-        max_seqlen: host int bounding every image's length.
-        backend: the attention backend.
-
-    Returns:
-        The block's output ``[T, C]``.
-    """
-    return packed_mlp(block, packed_attention(block, x, cu_seqlens, max_seqlen, backend)[0])
