@@ -4,18 +4,22 @@ Run on the GPU machine from the repo root: ``compute-sanitizer --tool memcheck p
 Mixed lengths (1..577), a fused extra token, a capacity-bounded repack and a too-small capacity, fp16 and bf16,
 head dims 32 to 256 (80: padded inside the kernel), attention with and without a key bias (aligned, and one element
 off an aligned address);
-then the pruners' decision kernels (Threshold-L2, ATS, EViT with its fused token, DynamicViT) on the same kind of
-batch, with an image longer than the bound, empty images, NaN rows, and 0, 1 or 5 prefix rows.
+then the pruners' decision kernels (Threshold-L2, ATS, EViT with its fused token, DynamicViT) and ToMe's matching and
+merge (fixed and adaptive, into an exact and a larger buffer) on the same kind of batch, with an image longer than the
+bound, empty images, NaN rows, and 0, 1 or 5 prefix rows; then a small ToMe pipeline, eager and graphed.
 """
 
 from __future__ import annotations
 
 import torch
+from timm.models.vision_transformer import VisionTransformer
 
+from ragged_vit import PrunedViT
 from ragged_vit.core.segments import cu_seqlens_from_counts
 from ragged_vit.core.selection import DecisionInput
-from ragged_vit.reference.pruners import ATSPruner, DynamicViTPruner, EViTPruner
-from ragged_vit.triton_impl import ats, dynamicvit, evit, select
+from ragged_vit.pipelines.graphs import GraphedPrunedViT
+from ragged_vit.reference.pruners import ATSPruner, DynamicViTPruner, EViTPruner, ToMeMerger
+from ragged_vit.triton_impl import ats, dynamicvit, evit, merging, select
 from ragged_vit.triton_impl import attention as ta
 from ragged_vit.triton_impl import pack as tp
 from ragged_vit.triton_impl import threshold_l2 as tl2
@@ -47,6 +51,24 @@ def decisions(device: str, gen: torch.Generator) -> None:
         predictor = DynamicViTPruner(768).to(device, torch.float16)
         dynamicvit.dynamicvit_select(predictor, DecisionInput(qkv[:, :768], cu, 0, 577 - prefix, num_prefix=prefix))
     evit.fused_token(qkv[:, 8:208], scores, keep, cu)  # odd channels, misaligned strided rows
+    keys = qkv[:, 768:1536].view(total, 12, 64)  # strided: a view of the qkv projection
+    sizes = torch.randint(1, 5, (total,), generator=gen, dtype=torch.int32).to(device)
+    for prefix in (0, 1, 5):
+        for mode in ({"r": 13}, {"threshold": 0.0, "r_max": 40}):
+            merged = merging.decide_merges(keys, cu, 577, prefix, **mode)
+            merging.merge_rows(qkv[:, :768], sizes, merged.destination, cu, merged.cu_seqlens, 577)
+            merging.merge_rows(qkv[:, :768], sizes, merged.destination, cu, merged.cu_seqlens, 577, capacity=total + 9)
+
+
+def tome_pipeline() -> None:
+    """A 4-block ViT with ToMe, fixed and adaptive, eager and graphed (fp16, Triton)."""
+    torch.manual_seed(0)
+    model = VisionTransformer(img_size=96, patch_size=16, embed_dim=128, depth=4, num_heads=2).cuda().half().eval()
+    images = torch.randn(3, 3, 96, 96, device="cuda", dtype=torch.float16)
+    for mode in ({"r": 6}, {"threshold": 0.2, "r_max": 8}):
+        pv = PrunedViT(model, ToMeMerger(depth=4, **mode), "triton")
+        pv.run(images)
+        GraphedPrunedViT(pv).run(images)
 
 
 def main() -> None:
@@ -73,6 +95,7 @@ def main() -> None:
             ta.ragged_attention(q, q, q, cu, bound)
             ta.ragged_attention(q, q, q, cu, bound, key_bias=bias[1:])
     decisions("cuda", gen)
+    tome_pipeline()
     torch.cuda.synchronize()
     print("sanitize case finished")
 

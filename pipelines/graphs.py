@@ -504,11 +504,11 @@ class GraphedPrunedViT:
             steps = torch.arange(1, shape.pads + 1, dtype=torch.int32, device=x.device) * shape.max_seqlen
             torch.clamp(merged_cu[batch] + steps, max=shape.capacity, out=cu[batch + 1 :])
         sizes = state.sizes if state.sizes is not None else torch.ones(x.shape[0], dtype=torch.int32, device=x.device)
+        state.key_bias = torch.empty(shape.capacity, dtype=torch.float32, device=x.device)  # log(size), by the kernel
         state.x, state.sizes = triton_merging.merge_rows_unchecked(
             x, sizes, sel.destination, state.cu_seqlens[: batch + 1], merged_cu, bufs.plan.row_bounds[shape.index - 1],
-            x.new_empty((shape.capacity, x.shape[1])), sizes.new_empty(shape.capacity),
-        )  # fmt: skip  # rows from the real total on are not written
-        state.key_bias = state.sizes.double().log().float()  # padding rows: whatever their sizes give, theirs only
+            x.new_empty((shape.capacity, x.shape[1])), sizes.new_empty(shape.capacity), state.key_bias,
+        )  # fmt: skip  # rows from the real total on are not written (the padding images': theirs only)
         state.cu_seqlens, state.max_seqlen = cu, shape.max_seqlen
         state.selection = state.qkv = None
 

@@ -523,11 +523,13 @@ def _merge_exact(state: ForwardState, index: int, num_prefix: int) -> None:
         else:  # the one sync of a variable-count stage
             lens = kept.long()
             rows, longest = torch.stack([lens.sum(), lens.max()]).tolist()
+        log_sizes = torch.empty(rows, dtype=torch.float32, device=x.device)  # the kernel writes log(size) too
         merged, new_sizes = triton_merging.merge_rows_unchecked(
-            x, sizes, dest, cu, sel.cu_seqlens, state.max_seqlen, x.new_empty((rows, x.shape[1])), sizes.new_empty(rows)
-        )
+            x, sizes, dest, cu, sel.cu_seqlens, state.max_seqlen, x.new_empty((rows, x.shape[1])),
+            sizes.new_empty(rows), log_sizes,
+        )  # fmt: skip
     state.x, state.cu_seqlens, state.max_seqlen, state.sizes = merged, sel.cu_seqlens, longest, new_sizes
-    state.key_bias = new_sizes.double().log().float()  # rounded once, as the reference rounds it
+    state.key_bias = log_sizes if x.is_cuda else new_sizes.double().log().float()  # rounded once, as the reference
     state.selection = state.qkv = None
 
 

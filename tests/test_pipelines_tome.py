@@ -58,11 +58,13 @@ def poisoned(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     real = triton_merging.merge_rows_unchecked
     seen: list[tuple[int, int]] = []
 
-    def merge(x, sizes, destination, cu, merged_cu, max_seqlen, out, out_sizes):
-        rows, new_sizes = real(x, sizes, destination, cu, merged_cu, max_seqlen, out, out_sizes)
+    def merge(x, sizes, destination, cu, merged_cu, max_seqlen, out, out_sizes, log_sizes=None):
+        rows, new_sizes = real(x, sizes, destination, cu, merged_cu, max_seqlen, out, out_sizes, log_sizes)
         total = int(merged_cu[-1])
         rows[total:] = float("nan")
-        new_sizes[total:] = -3  # log of it is NaN as well
+        new_sizes[total:] = -3
+        if log_sizes is not None:
+            log_sizes[total:] = float("nan")
         seen.append((rows.shape[0], total))
         return rows, new_sizes
 

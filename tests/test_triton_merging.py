@@ -309,6 +309,15 @@ def _merges(device, lengths, channels, dtype, gen, kind, num_prefix=1, mode=None
         )  # fmt: skip
         assert got.shape == (total, channels) and got_sizes.shape == (total,) and got.device == x_dev.device
         _check_rows(got, got_sizes, x, sizes, destination, decision.cu_seqlens, kind)
+    # The pipelines' entry also writes log(size) (float64, rounded once to fp32: the reference's key bias).
+    rows = int(decision.cu_seqlens[-1])
+    log_sizes = torch.full((total,), float("nan"), device=device)
+    _, got_sizes = ker.merge_rows_unchecked(
+        x_dev, sizes.to(device), decision.destination.to(device), cu.to(device), decision.cu_seqlens.to(device),
+        max(max(lengths), 1), torch.empty_like(x_dev, memory_format=torch.contiguous_format),
+        torch.empty_like(sizes.to(device)), log_sizes,
+    )  # fmt: skip
+    assert torch.equal(log_sizes[:rows].cpu(), got_sizes[:rows].cpu().double().log().float())
 
 
 @pytest.mark.interpreter
@@ -402,7 +411,7 @@ def _poisoned(device, shape, channels, dtype, gen, mode):
     out = MergeSelection(*(torch.full((n,), -7, dtype=torch.int32, device=device) for n in (total, batch, batch + 1)))
     got = ker.decide_merges_unchecked(keys, cu, 65, 1, limit, threshold, out)
     assert got is out
-    for name in ("destination", "counts", "cu_seqlens"):
+    for name in ("destination", "kept", "cu_seqlens"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     want_rows, want_sizes = ker.merge_rows(x, sizes, want.destination, cu, want.cu_seqlens, 65)
     rows = torch.full((total + 5, channels), float("nan"), dtype=dtype, device=device)

@@ -6,16 +6,17 @@ in the fixed mode and two in the adaptive one:
 
 1. ``_match_kernel`` (grid ``(B,)``: one program of 8 warps per image, its rows in tiles), in four phases separated
    by barriers: the metric of every patch row (the keys summed over heads in head order, divided by ``H``, then by
-   the L2 norm clamped to ``1e-12``: ``F.normalize``; fp32, divisions and square root correctly rounded) into a
-   ``[T, D]`` fp32 scratch; each A row's best B row, by ``tl.dot`` of fp32 metric tiles (IEEE fp32, not TF32) of up
-   to 64 A rows against B tiles of up to 64 rows in order, the first maximum winning (the lowest B index); each A
-   row's rank among its image's A rows, by counting those that beat it (a higher best similarity, or an equal one
-   and a lower index: the reference's stable descending sort), and the merged ones, of rank
-   ``< min(limit, patches // 2)`` (and best ``>= threshold`` in the adaptive mode), with their running count
-   (``[3, T]`` int32 scratch); then every row's destination: a surviving row moves up by the merged A rows before
-   it, a merged A row goes where its B row goes. In the fixed mode the counts are the rule's,
-   ``n - min(r, patches // 2)`` from the lengths alone, so each program also computes its image's offset in the
-   merged buffer from every image's length, writes its destinations final and its entry of ``cu_seqlens``.
+   the L2 norm clamped to ``1e-12``: ``F.normalize``; fp32, divisions and square root correctly rounded; ``4096 / D``
+   rows per step with every head's load unrolled, so they are in flight at once) into a ``[T, D]`` fp32 scratch; each
+   A row's best B row, by ``tl.dot`` of fp32 metric tiles (IEEE fp32, not TF32) of up to 64 A rows against B tiles of
+   up to 64 rows in order, the first maximum winning (the lowest B index); each A row's rank among its image's A
+   rows, by counting those that beat it (a higher best similarity, or an equal one and a lower index: the reference's
+   stable descending sort), and the merged ones, of rank ``< min(limit, patches // 2)`` (and best ``>= threshold`` in
+   the adaptive mode), with their running count (``[3, T]`` int32 scratch); then every row's destination (an image of
+   up to 1024 rows in one step): a surviving row moves up by the merged A rows before it, a merged A row goes where
+   its B row goes. In the fixed mode the counts are the rule's, ``n - min(r, patches // 2)`` from the lengths alone,
+   so each program also computes its image's offset in the merged buffer from every image's length, writes its
+   destinations final and its entry of ``cu_seqlens``.
 2. adaptive mode only: ``_offset_kernel`` (grid ``(B,)``) adds to each image's destinations the rows the images
    before it keep (their counts, from launch 1) and writes the merged ``cu_seqlens``.
 
@@ -24,7 +25,9 @@ rows of its merged buffer, 128 channels): each merged row gathers its sources, t
 row order (a ``[16, 64]`` match of destinations per step of the image's rows, then one gather of the k-th source of
 every row at a time), sums ``size * x`` in fp32 and the sizes in their integer dtype, divides (correctly rounded)
 and writes the quotient in ``x``'s dtype; a row that receives a single row is that row, bit for bit, whatever its
-size (as in the reference, whose float64 products are exact). No atomics: every row's sum runs in row order, so the
+size (as in the reference, whose float64 products are exact); for the pipelines' merge stage it also writes
+``log(size)`` of every merged row (float64, rounded once to fp32: the key bias of the blocks after it, as the
+reference rounds it), so no separate launch computes it. No atomics: every row's sum runs in row order, so the
 same bits on every run, eager or replayed from a CUDA graph, whatever the tile sizes.
 
 The rules (``tests/test_triton_merging.py``):
@@ -83,7 +86,9 @@ from ragged_vit.reference.pruners.tome import ToMeMerger, fixed_count
 from ragged_vit.triton_impl.cls_attention import image_rows
 from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, int_spec
 
-_BLOCK_R = 32  # rows per step of the metric and of the destinations
+_BLOCK_R = 32  # rows per step of the adaptive mode's offsets
+_METRIC_ELEMENTS = 4096  # keys per head of one metric step (DeiT-B: 64 rows of 64), every head loaded at once
+_MAX_BLOCK_DST = 1024  # rows per step of the destinations (an image's rows in one step up to this)
 # A rows and B rows per similarity tile (DeiT-B: 98 x 98 in 2 x 2 tiles), also the rank's tiles; 32 for D > 64, which
 # spills at 64 (sm_90, 8 warps)
 _BLOCK_AB = 64
@@ -99,8 +104,8 @@ _NUM_WARPS = 4
 def _match_kernel(
     KEYS, CU, METRIC, WORK, DEST, COUNTS, CU_OUT,
     total, batch, stride_kt, stride_kh, stride_kd, limit, threshold, num_prefix,
-    H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_AB: tl.constexpr,
-    B_PAD: tl.constexpr, ADAPTIVE: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_AB: tl.constexpr,
+    BLOCK_DST: tl.constexpr, B_PAD: tl.constexpr, ADAPTIVE: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     start, end = image_rows(CU, b, total)
@@ -113,21 +118,21 @@ def _match_kernel(
     BEST = WORK + start
     MATCH = WORK + total + start
     MERGED = WORK + 2 * total + start
-    offs_r = tl.arange(0, BLOCK_R)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     offs_a = tl.arange(0, BLOCK_AB)
     offs_b = tl.arange(0, BLOCK_AB)
     merged_rows = 0
     if cap > 0:
         # The metric of every patch row: the keys' mean over heads, L2-normalised (F.normalize: eps 1e-12).
-        for r0 in range(first, end, BLOCK_R):
-            rows = r0 + offs_r
+        for r0 in range(first, end, BLOCK_M):
+            rows = r0 + offs_m
             mask = (rows < end)[:, None] & (offs_d < D)[None, :]
             keys = KEYS + rows.to(tl.int64)[:, None] * stride_kt + offs_d[None, :] * stride_kd
-            acc = tl.zeros([BLOCK_R, D_PAD], dtype=tl.float32)
-            for h in range(H):
+            acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+            for h in tl.static_range(H):  # unrolled: every head's load in flight at once, summed in head order
                 acc += tl.load(keys + h * stride_kh, mask=mask, other=0.0).to(tl.float32)
-            mean = tl.math.div_rn(acc, tl.full([BLOCK_R, D_PAD], H, tl.float32))
+            mean = tl.math.div_rn(acc, tl.full([BLOCK_M, D_PAD], H, tl.float32))
             norm = tl.maximum(tl.sqrt_rn(tl.sum(mean * mean, 1)), 1e-12)
             metric = tl.math.div_rn(mean, norm[:, None])
             tl.store(METRIC + rows.to(tl.int64)[:, None] * D_PAD + offs_d[None, :], metric, mask=(rows < end)[:, None])
@@ -191,7 +196,8 @@ def _match_kernel(
         if b == 0:
             tl.store(CU_OUT, 0)
     # Destinations: a surviving row moves up by the merged A rows before it; a merged A row goes where its B row goes.
-    for r0 in range(start, end, BLOCK_R):
+    offs_r = tl.arange(0, BLOCK_DST)
+    for r0 in range(start, end, BLOCK_DST):  # one step for an image of up to BLOCK_DST rows: its gathers at once
         rows = r0 + offs_r
         in_r = rows < end
         patch = rows - first  # position among the patch rows (< 0: a prefix row)
@@ -222,8 +228,8 @@ def _offset_kernel(CU, COUNTS, DEST, CU_OUT, total, batch, BLOCK_R: tl.constexpr
 
 @triton.jit(do_not_specialize=["total", "capacity"])
 def _merge_kernel(
-    X, SIZES, DEST, CU, NEW_CU, OUT, OUT_SIZES, total, capacity, stride_xt, stride_xc,
-    CHANNELS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    X, SIZES, DEST, CU, NEW_CU, OUT, OUT_SIZES, LOG_SIZES, total, capacity, stride_xt, stride_xc,
+    CHANNELS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_LOG: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     start, end = image_rows(CU, b, total)
@@ -267,6 +273,8 @@ def _merge_kernel(
         tl.store(out, rows.to(OUT.dtype.element_ty), mask=in_d[:, None] & in_c[None, :])
         if tl.program_id(2) == 0:
             tl.store(OUT_SIZES + d, weight, mask=in_d)
+            if HAS_LOG:  # log(size) in float64, rounded once to fp32 (as the reference rounds it)
+                tl.store(LOG_SIZES + d, tl.log(weight.to(tl.float64)).to(tl.float32), mask=in_d)
 
 
 _match_launcher = CompiledLauncher(_match_kernel)
@@ -356,14 +364,16 @@ def decide_merges_unchecked(
     work = torch.empty(3, total, dtype=torch.int32, device=device)
     block_ab = _tile(-(-max(max_seqlen - num_prefix, 1) // 2), _BLOCK_AB if d_pad <= 64 else _BLOCK_AB // 2)
     b_pad = 1 if adaptive else triton.next_power_of_2(batch)  # the fixed mode's offsets read every image's length
+    block_m = max(1, _METRIC_ELEMENTS // d_pad)
+    block_dst = min(_MAX_BLOCK_DST, triton.next_power_of_2(max(max_seqlen, 16)))
     strides = keys.stride()
     args = (
         keys, cu, metric, work, out.destination, out.kept, out.cu_seqlens, total, batch, *strides, limit,
-        _fp32_threshold(threshold) if adaptive else 0.0, num_prefix, heads, dim, d_pad, _BLOCK_R, block_ab, b_pad,
-        adaptive,
+        _fp32_threshold(threshold) if adaptive else 0.0, num_prefix, heads, dim, d_pad, block_m, block_ab, block_dst,
+        b_pad, adaptive,
     )  # fmt: skip
     ok = aligned(keys, cu, metric, work, out.destination, out.kept, out.cu_seqlens)
-    key = (keys.dtype, heads, dim, block_ab, b_pad, adaptive, *map(int_spec, strides)) if ok else None
+    key = (keys.dtype, heads, dim, block_ab, block_dst, b_pad, adaptive, *map(int_spec, strides)) if ok else None
     _match_launcher(key, keys.get_device(), (batch,), args, num_warps=_MATCH_WARPS, num_stages=1)
     if adaptive:
         b_pad = triton.next_power_of_2(batch)
@@ -439,20 +449,24 @@ def merge_rows_unchecked(
     max_seqlen: int,
     out: torch.Tensor,
     out_sizes: torch.Tensor,
+    log_sizes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`merge_rows` without its checks, written into ``out`` (contiguous ``[capacity, C]`` in ``x``'s dtype)
     and ``out_sizes`` (contiguous ``[capacity]`` in ``sizes``' dtype), rows ``[0, T')`` overwritten, and returned: for
-    a merge stage that built its input itself."""
+    a merge stage that built its input itself. With ``log_sizes`` (contiguous fp32 ``[capacity]``) the kernel also
+    writes ``log(size)`` of the merged rows there (in float64, rounded once: the reference's key bias), for the
+    attention of the blocks after the merge."""
     total, channels = x.shape
     batch = cu.shape[0] - 1
     block_c = min(_BLOCK_C, triton.next_power_of_2(channels))
     grid = (batch, triton.cdiv(max_seqlen, _BLOCK_D), triton.cdiv(channels, block_c))
     args = (
-        x, sizes, destination, cu, merged_cu, out, out_sizes, total, out.shape[0], *x.stride(), channels, _BLOCK_D,
-        _BLOCK_T, block_c,
+        x, sizes, destination, cu, merged_cu, out, out_sizes, out_sizes if log_sizes is None else log_sizes, total,
+        out.shape[0], *x.stride(), channels, _BLOCK_D, _BLOCK_T, block_c, log_sizes is not None,
     )  # fmt: skip
-    ok = aligned(x, sizes, destination, cu, merged_cu, out, out_sizes)
-    key = (x.dtype, sizes.dtype, destination.dtype, channels, *map(int_spec, x.stride())) if ok else None
+    ok = aligned(x, sizes, destination, cu, merged_cu, out, out_sizes, *([] if log_sizes is None else [log_sizes]))
+    has_log = log_sizes is not None
+    key = (x.dtype, sizes.dtype, destination.dtype, channels, has_log, *map(int_spec, x.stride())) if ok else None
     _merge_launcher(key, x.get_device(), grid, args, num_warps=_NUM_WARPS, num_stages=1)
     return out, out_sizes
 
