@@ -244,7 +244,7 @@ def test_cuda_only_backends_refuse_the_cpu(backend, gen):
 def test_selections_must_fit_the_run(gen):
     pv = pipeline("dynamicvit", 0.7)
     ref = pv.run(images(2, gen))
-    with pytest.raises(ValueError, match="selections must hold one TokenSelection per stage"):
+    with pytest.raises(ValueError, match="selections must hold one decision per stage"):
         pv.run(images(2, gen), selections=ref.selections[:2])
     with pytest.raises(ValueError, match=r"selections\[0\].keep must be a \[591\] mask"):
         pv.run(images(3, gen), selections=ref.selections)
