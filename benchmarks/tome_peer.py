@@ -28,25 +28,51 @@ by index are only ties here where the GEMM rounds them alike.
 
 The benchmark (on a CUDA GPU, from the repository root)::
 
-    python -m benchmarks.tome_peer --batches 1,4,64 --r 13 --out FILE.json
+    python -m benchmarks.tome_peer --batches 1,4,64 --adaptive-batches 64 --r 13 --out FILE.json
 
 times DeiT-B 224 in fp16 (random seeded weights, or ``RAGGED_VIT_DEIT_B_CHECKPOINT``, as ``benchmarks.e2e_common``)
-at each batch size: unpruned timm eager and under ``torch.compile(mode="reduce-overhead")``; this peer eager and
-under reduce-overhead, with explicit attention and with SDPA; and our pipeline (``GraphedPrunedViT`` over
-``PrunedViT(model, make_pruner("tome", r=r), "triton", compile_blocks=True)``) where it exists. Before timing,
-each ToMe row's logits are compared with ``tome_forward`` in fp32 (max |diff|, top-1 agreement, and the fraction
-of images whose patches ended in the same rows, from ``sources``); the peer is also run in fp32 against the same
+at each batch size, rotating through 3 input batches (``benchmarks.e2e_common.INPUT_SETS``): unpruned timm eager and
+under ``torch.compile(mode="reduce-overhead")``; this peer eager and under reduce-overhead, with explicit attention
+and with SDPA; and our pipeline, ``GraphedPrunedViT`` over
+``PrunedViT(model, make_pruner("tome", r=r), "triton", compile_blocks=True)`` (row ``ours``). Before timing, each
+ToMe row's logits are compared with ``tome_forward`` in fp32 (max |diff|, top-1 agreement, and the fraction of
+images whose patches ended in the same rows, from ``sources``); the peer is also run in fp32 against the same
 reference (TF32 off): the strict check that its merges are the reference's. fp16 may merge differently where two
-similarities lie within fp16's rounding of each other, so its differences are reported, not bounded. Clocks:
-``benchmarks.timing.forward_times`` (host wall time per forward, one synchronize around each; img/s = B / median).
-The last thing printed is a markdown table: img/s per row and batch, ours vs unpruned reduce-overhead, ours vs the
-peer's best mode (its fastest row at that batch). Nothing asserts a time.
+similarities lie within fp16's rounding of each other, so its differences are reported, not bounded.
+
+**Adaptive rows** (issue 15's target: adaptive merging at the fixed ``r``'s average token count, within 5% of its
+throughput at B=64), at those batch sizes of ``--batches`` that ``--adaptive-batches`` names (default 64): the
+threshold is calibrated on the benchmark's own images (the 3 input batches of that size at once) with
+``ragged_vit.reference.tome.calibrate_threshold`` in fp32 (TF32 off, on the fp32 model, on the GPU: 30 bisection
+steps of ``tome_forward``), with ``r_max = 2 r``, so that the mean rows per image AND block (prefix rows included)
+equal the fixed ``r``'s, ``mean(fixed_r_counts(N, [r] * depth))``. Then
+``GraphedPrunedViT(PrunedViT(model, make_pruner("tome", threshold=t, r_max=2 r), "triton", compile_blocks=True))``
+is timed in fp16 with the default buckets (row ``ours_adaptive``, "reads": a host read of the merged total at every
+block's merge, except where ``B * N <= 1024``, below which the defaults already skip them: B <= 5 at 197 rows) and with
+``TokenBuckets(sync_free_rows=B * N)`` (row ``ours_adaptive_sync_free``: no host read at all; every block then runs
+on the ``B * N`` rows of the unmerged batch, the rows no image owns forming padding images). Each adaptive entry
+reports the calibration (threshold, seconds, the fp32 reference's mean at it), the host reads per forward, the
+pipeline's counts per block over every timed image (patch rows after each block's merge, prefix excluded: mean, min,
+max and population std over the images, beside the fixed ``r``'s), its mean rows per image and block against the
+fixed ``r``'s (``mean_vs_fixed``), its logits against ``tome_forward`` at the same threshold in fp32, and against
+our fixed-``r`` pipeline's on the same images and dtype (``vs_fixed``: max and mean |diff|, top-1 agreement; the
+``ours`` row's logits, or a run of its pipeline when that row is not run).
+
+Clocks: ``benchmarks.timing.forward_times`` (host wall time per forward, one synchronize around each; img/s = B /
+median). The last thing printed is a markdown table: img/s per row and batch, ours vs unpruned reduce-overhead, ours
+vs the peer's best mode (its fastest row at that batch), and adaptive / fixed: the faster adaptive row (named) over
+``ours``. Nothing asserts a time. ``--rows`` runs a subset of the rows.
+
+The CPU dry run (hidden flags ``--device cpu --model NAME --quick``, ``tests/test_tome_peer.py``) runs every row
+that can run on a CPU, in fp32, on one input batch, with 2 timed forwards: our rows without ``compile_blocks``
+(segments run eagerly, the Triton kernels under the interpreter: ``TRITON_INTERPRET=1``).
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
 import os
 import sys
@@ -62,10 +88,15 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import Attention, Block, VisionTransformer
 
 from benchmarks import BASELINES, comma_list
-from benchmarks.e2e_common import CHECKPOINT_ENV, DEIT_B, Lab, logit_diff, logits_of, no_tf32
+from benchmarks.e2e_common import CHECKPOINT_ENV, DEIT_B, INPUT_SETS, Lab, count_summary, logit_diff, no_tf32
 from benchmarks.report_e2e import _cudagraph_skips, torch_threads, write_json
 from benchmarks.timing import describe, elapsed, environment, forward_times, gpu_slug
-from ragged_vit.reference.tome import check_model, per_block, tome_forward
+from ragged_vit.pipelines.buckets import TokenBuckets
+from ragged_vit.pipelines.graphs import GraphedPrunedViT
+from ragged_vit.pipelines.model import PrunedOutput, PrunedViT
+from ragged_vit.reference.merging import fixed_r_counts
+from ragged_vit.reference.pruners import make_pruner
+from ragged_vit.reference.tome import ToMeOutput, calibrate_threshold, check_model, per_block, tome_forward
 
 ATTENTIONS = ("explicit", "sdpa")
 ROW_LABELS = {
@@ -76,9 +107,13 @@ ROW_LABELS = {
     "peer_sdpa_eager": "ToMe peer (patched timm, SDPA + bias mask), eager",
     "peer_sdpa_compiled": 'ToMe peer (patched timm, SDPA + bias mask), torch.compile(mode="reduce-overhead")',
     "ours": "ours: GraphedPrunedViT, Triton, compile_blocks",
+    "ours_adaptive": "ours adaptive (reads)",
+    "ours_adaptive_sync_free": "ours adaptive (sync-free)",
 }
 ROWS = tuple(ROW_LABELS)
 PEER_ROWS = tuple(r for r in ROWS if r.startswith("peer_"))
+ADAPTIVE_ROWS = ("ours_adaptive", "ours_adaptive_sync_free")
+ADAPTIVE_NAMES = {"ours_adaptive": "reads", "ours_adaptive_sync_free": "sync-free"}
 PEER_FP32_BOUND = 1e-3  # fp32 peer vs fp32 reference on the GPU (TF32 off): same merges, summation order only
 
 
@@ -243,9 +278,45 @@ class Settings:
     target_s: float = 0.6
     min_iters: int = 20
     max_iters: int = 120
+    input_sets: int = INPUT_SETS  # input batches per row and batch size (the timed loop rotates through them)
 
 
-QUICK = Settings(warmup=1, target_s=0.0, min_iters=2, max_iters=2)  # the CPU dry run
+QUICK = Settings(warmup=1, target_s=0.0, min_iters=2, max_iters=2, input_sets=1)  # the CPU dry run
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The adaptive rows' threshold at one batch size, calibrated on every input batch of that size (concatenated:
+    the images the timed loop rotates through).
+
+    Attributes:
+        batch: the batch size.
+        threshold: ``calibrate_threshold``'s, on the fp32 model (TF32 off).
+        r_max: the cap per image and block, ``2 r``.
+        fixed_rows: rows of an image after each block with the fixed ``r`` (prefix rows included).
+        target: their mean, the rows per image and block the threshold was calibrated to.
+        reference: ``tome_forward`` in fp32 (TF32 off) at ``threshold`` on the calibration images.
+        seconds: wall time of the calibration and of that reference run.
+    """
+
+    batch: int
+    threshold: float
+    r_max: int
+    fixed_rows: tuple[int, ...]
+    target: float
+    reference: ToMeOutput
+    seconds: float
+
+    def to_dict(self) -> dict:
+        counts = self.reference.counts.double()
+        return {
+            "threshold": self.threshold,
+            "r_max": self.r_max,
+            "target_rows": self.target,
+            "images": counts.shape[1],
+            "reference_mean_rows": round(float(counts.mean()), 4),
+            "seconds": round(self.seconds, 2),
+        }
 
 
 class Bench:
@@ -257,7 +328,10 @@ class Bench:
         self.r = r
         self.s = settings
         self.cuda = lab.device.type == "cuda"
+        self.check_key = "check_fp16" if lab.dtype == torch.float16 else "check"
         self._reference: tuple[torch.Tensor, object] | None = None
+        self._calibration: Calibration | None = None  # of the last batch size
+        self._fixed: tuple[int, torch.Tensor] | None = None  # our fixed-r logits of the last batch size's images
 
     def reference(self, images: torch.Tensor):
         """``tome_forward`` in fp32 (TF32 off) on ``images``: the ground truth of every ToMe row (the last one
@@ -281,7 +355,7 @@ class Bench:
         entry: dict = {"row": row, "label": ROW_LABELS[row], "batch": batch}
         cleanup: Callable[[], None] = lambda: None
         try:
-            images = self.lab.images(self.name, batch)
+            images = self.lab.images(self.name, batch)[: self.s.input_sets]
             calls, cleanup = self.prepare(row, images, entry)
             if calls is not None:
                 times = forward_times(
@@ -317,15 +391,15 @@ class Bench:
             return None, lambda: None
         if row.startswith("timm_"):
             return self.compiled(model, images, entry) if row == "timm_compiled" else self.eager(model, images)
-        if row == "ours":
-            return self.ours(model, images, entry)
+        if row == "ours" or row in ADAPTIVE_ROWS:
+            return self.ours(row, model, images, entry)
         attention = "sdpa" if row.startswith("peer_sdpa") else "explicit"
         peer = patch_tome(model, self.r, attention=attention)
         ref = self.reference(images[0])
         if row.endswith("_eager"):
             with torch.no_grad():
                 logits, _, sources = run_patched(peer, images[0], trace_source=True)
-            entry["check_fp16" if self.lab.dtype == torch.float16 else "check"] = self.check(logits, ref, sources)
+            entry[self.check_key] = self.check(logits, ref, sources)
             if self.cuda:  # the strict check: fp32 on the GPU, the reference's merges
                 fp32 = patch_tome(self.lab.model(self.name, torch.float32), self.r, attention=attention)
                 with torch.no_grad(), no_tf32():
@@ -367,34 +441,127 @@ class Bench:
             entry["check_fp16"] = self.check(logits, ref)
         return [functools.partial(fn, img) for img in images], cleanup
 
-    def ours(
-        self, model: torch.nn.Module, images: list[torch.Tensor], entry: dict
-    ) -> tuple[list | None, Callable[[], None]]:
-        """Our pipeline, imported lazily: it may not exist in this checkout yet ("not available: ...")."""
-        if not self.cuda:
-            entry.update(status="unavailable", reason="the graphed Triton pipeline needs a CUDA device")
-            return None, lambda: None
-        try:
-            from ragged_vit.pipelines.graphs import GraphedPrunedViT
-            from ragged_vit.pipelines.model import PrunedViT
-            from ragged_vit.reference.pruners import make_pruner
+    def graphed(
+        self, model: torch.nn.Module, merger: torch.nn.Module, buckets: TokenBuckets | None = None
+    ) -> GraphedPrunedViT:
+        """Our pipeline: ``GraphedPrunedViT`` over ``PrunedViT(model, merger, "triton", compile_blocks=True)``. On a
+        CPU (the dry run) the blocks are not compiled (Inductor would build C++ for minutes) and the runner runs its
+        segments eagerly, the Triton kernels under the interpreter."""
+        return GraphedPrunedViT(PrunedViT(model, merger, "triton", compile_blocks=self.cuda), buckets)
 
-            pruner = make_pruner("tome", r=self.r)
-            runner = GraphedPrunedViT(PrunedViT(model, pruner, "triton", compile_blocks=True))
-            outs: list[torch.Tensor] = []
-            with torch.no_grad():
-                capture = elapsed([lambda: outs.append(logits_of(runner.run(images[0])).float().clone())])
-        except Exception as exc:
-            entry.update(status="unavailable", reason=describe(exc))
+    def ours(
+        self, row: str, model: torch.nn.Module, images: list[torch.Tensor], entry: dict
+    ) -> tuple[list | None, Callable[[], None]]:
+        """Our pipeline: fixed ``r`` (``ours``), or adaptive at the calibrated threshold with ``r_max = 2 r``
+        (``ours_adaptive``: the default buckets; ``ours_adaptive_sync_free``: ``sync_free_rows = B * N``, no host
+        read). Every input batch runs once before timing (the first call's seconds: compilation and capture): the
+        checks, the host reads per forward and, adaptive, the counts and the logits against the fixed ``r``'s."""
+        depth, batch = len(model.blocks), images[0].shape[0]
+        calibration, buckets = None, None
+        if row == "ours":
+            merger = make_pruner("tome", r=self.r, depth=depth)
+        elif self.r == 0:
+            entry.update(status="unavailable", reason="adaptive merging needs r > 0 (r_max = 2 r)")
             return None, lambda: None
-        entry.update(capture_s=round(capture, 3), check_fp16=self.check(outs[0], self.reference(images[0])))
+        else:
+            calibration = self.calibration(images)
+            fixed = self.fixed_logits(model, images)
+            merger = make_pruner("tome", threshold=calibration.threshold, r_max=calibration.r_max, depth=depth)
+            if row == "ours_adaptive_sync_free":
+                buckets = TokenBuckets(sync_free_rows=batch * _tokens(model))
+        runner = self.graphed(model, merger, buckets)
 
         def cleanup() -> None:
             runner.reset()
-            torch._dynamo.reset()
-            torch.cuda.empty_cache()
+            if self.cuda:
+                torch._dynamo.reset()
+                torch.cuda.empty_cache()
 
+        outs: list[PrunedOutput] = []
+        try:
+            with torch.no_grad():
+                before = runner.counters.replays + runner.counters.eager_segments
+                capture = elapsed([lambda: outs.append(runner.run(images[0]))], self.lab.device)
+                outs += [runner.run(img) for img in images[1:]]
+                launches = runner.counters.replays + runner.counters.eager_segments - before
+        except BaseException:
+            cleanup()
+            raise
+        logits = torch.cat([out.logits.float() for out in outs])
+        entry.update(capture_s=round(capture, 3), host_reads_per_forward=round(launches / len(images) - 1, 2))
+        if calibration is None:
+            entry[self.check_key] = self.check(outs[0].logits.float(), self.reference(images[0]))
+            self._fixed = (batch, logits)
+        else:
+            counts = torch.cat([out.counts for out in outs])
+            entry.update(
+                calibration=calibration.to_dict(),
+                buckets=dataclasses.asdict(runner.buckets),
+                counts=count_stats(counts, calibration, model.patch_embed.num_patches, model.num_prefix_tokens),
+            )
+            entry[self.check_key] = self.check(logits, calibration.reference)
+            diff = logit_diff(logits, fixed)
+            entry["vs_fixed"] = {"max": diff["max"], "mean": diff["mean"], "top1_agree": diff["top1_agree"]}
         return [functools.partial(runner.run, img) for img in images], cleanup
+
+    def calibration(self, images: list[torch.Tensor]) -> Calibration:
+        """The adaptive threshold of this batch size: ``calibrate_threshold`` in fp32 (TF32 off) on the fp32 model,
+        on every input batch at once, to the fixed ``r``'s mean rows per image and block, with ``r_max = 2 r``
+        (kept for the last batch size)."""
+        batch = images[0].shape[0]
+        if self._calibration is None or self._calibration.batch != batch:
+            self._calibration = None  # the previous batch size's reference is freed first
+            model = self.lab.model(self.name, torch.float32)
+            depth, r_max = len(model.blocks), 2 * self.r
+            fixed = tuple(fixed_r_counts(_tokens(model), [self.r] * depth, model.num_prefix_tokens))
+            target = sum(fixed) / depth
+            x = torch.cat(images).float()
+            found: list = []
+
+            def calibrate() -> None:
+                threshold = calibrate_threshold(model, x, target, r_max)
+                found[:] = [threshold, tome_forward(model, x, threshold=threshold, r_max=r_max)]
+
+            with no_tf32():
+                seconds = elapsed([calibrate], self.lab.device)
+            self._calibration = Calibration(batch, found[0], r_max, fixed, target, found[1], seconds)
+        return self._calibration
+
+    def fixed_logits(self, model: torch.nn.Module, images: list[torch.Tensor]) -> torch.Tensor:
+        """Our fixed-``r`` pipeline's logits on ``images`` (concatenated): those of the ``ours`` row at this batch
+        size, or run here when that row was not (``--rows``) or failed."""
+        batch = images[0].shape[0]
+        if self._fixed is None or self._fixed[0] != batch:
+            runner = self.graphed(model, make_pruner("tome", r=self.r, depth=len(model.blocks)))
+            try:
+                with torch.no_grad():
+                    logits = torch.cat([runner.run(img).logits.float() for img in images])
+            finally:
+                runner.reset()
+            self._fixed = (batch, logits)
+        return self._fixed[1]
+
+
+def _tokens(model: torch.nn.Module) -> int:
+    """N: rows of an unmerged image, prefix rows included."""
+    return model.patch_embed.num_patches + model.num_prefix_tokens
+
+
+def count_stats(counts: torch.Tensor, calibration: Calibration, num_patches: int, num_prefix: int) -> dict:
+    """An adaptive run's counts ``[images, blocks]`` (``PrunedOutput.counts``: patch rows after each block's merge,
+    prefix rows excluded): per block their mean, min and max over the images (``count_summary``) and their standard
+    deviation (population), the fixed ``r``'s counts, and the mean rows per image and block (prefix rows included:
+    the calibrated quantity) against the fixed ``r``'s."""
+    mean_rows = float(counts.double().mean()) + num_prefix
+    return {
+        **count_summary(counts, num_patches),
+        "std": [round(float(v), 2) for v in counts.double().std(0, correction=0)],
+        "fixed_r": [rows - num_prefix for rows in calibration.fixed_rows],
+        "images": counts.shape[0],
+        "mean_rows": round(mean_rows, 4),
+        "target_rows": calibration.target,
+        "mean_vs_fixed": round(mean_rows / calibration.target, 4),
+    }
 
 
 # --------------------------------------------------------------------------------------------------- report
@@ -417,7 +584,8 @@ def _ratio(num: dict | None, den: dict | None) -> str:
 
 def markdown_table(rows: list[dict], batches: Sequence[int]) -> str:
     """img/s per row (rows) and batch size (columns), then ours vs unpruned reduce-overhead and vs the peer's best
-    mode (its fastest row at that batch: eager or reduce-overhead, explicit attention or SDPA)."""
+    mode (its fastest row at that batch: eager or reduce-overhead, explicit attention or SDPA), and our faster
+    adaptive row (named) vs our fixed ``r``."""
     at = {(e["row"], e["batch"]): e for e in rows}
     lines = [
         "| row | " + " | ".join(f"B={b} img/s" for b in batches) + " |",
@@ -427,14 +595,20 @@ def markdown_table(rows: list[dict], batches: Sequence[int]) -> str:
         if any((row, b) in at for b in batches):
             lines.append(f"| {ROW_LABELS[row]} | " + " | ".join(_cell(at.get((row, b))) for b in batches) + " |")
 
-    def peer_best(b: int) -> dict | None:
-        ok = [at[(r, b)] for r in PEER_ROWS if at.get((r, b), {}).get("status") == "ok"]
+    def fastest(candidates: Sequence[str], b: int) -> dict | None:
+        ok = [at[(r, b)] for r in candidates if at.get((r, b), {}).get("status") == "ok"]
         return max(ok, key=lambda e: e["img_per_s"], default=None)
 
+    def adaptive_vs_fixed(b: int) -> str:
+        best = fastest(ADAPTIVE_ROWS, b)
+        ratio = _ratio(best, at.get(("ours", b)))
+        return ratio if ratio == "-" else f"{ratio} ({ADAPTIVE_NAMES[best['row']]})"
+
     vs_timm = [_ratio(at.get(("ours", b)), at.get(("timm_compiled", b))) for b in batches]
-    vs_peer = [_ratio(at.get(("ours", b)), peer_best(b)) for b in batches]
+    vs_peer = [_ratio(at.get(("ours", b)), fastest(PEER_ROWS, b)) for b in batches]
     lines.append("| ours vs unpruned reduce-overhead | " + " | ".join(vs_timm) + " |")
     lines.append("| ours vs the peer's best mode | " + " | ".join(vs_peer) + " |")
+    lines.append("| adaptive / fixed (the faster adaptive row) | " + " | ".join(map(adaptive_vs_fixed, batches)) + " |")
     return "\n".join(lines)
 
 
@@ -453,11 +627,38 @@ def check_lines(rows: list[dict]) -> list[str]:
     return lines
 
 
+def adaptive_lines(rows: list[dict]) -> list[str]:
+    """Two lines per adaptive row run: its threshold, host reads, mean rows per image and block against the fixed
+    ``r``'s and logits against our fixed ``r``; then its patch rows after each block over the images."""
+    lines = []
+    for e in rows:
+        if e["row"] not in ADAPTIVE_ROWS or "counts" not in e:
+            continue
+        cal, c, v = e["calibration"], e["counts"], e["vs_fixed"]
+        lines.append(
+            f"- {e['label']}, B={e['batch']}: threshold {cal['threshold']:.6g} (r_max {cal['r_max']}, calibrated on "
+            f"{cal['images']} images in {cal['seconds']:.1f} s), {e['host_reads_per_forward']:g} host reads per "
+            f"forward; rows per image and block {c['mean_rows']:.2f} vs fixed r's {c['target_rows']:.2f} "
+            f"({c['mean_vs_fixed']:.3f}x); vs our fixed r: max |logit diff| {v['max']:.3g}, "
+            f"top-1 agree {v['top1_agree']:.0%}"
+        )
+        lines.append(
+            f"  patch rows after each block over {c['images']} images: mean {c['mean']}, min {c['min']}, "
+            f"max {c['max']}, std {c['std']}; fixed r: {c['fixed_r']}"
+        )
+    return lines
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.tome_peer", description=__doc__.split("\n")[0])
     parser.add_argument("--batches", default="1,4,64", help="comma-separated batch sizes (default 1,4,64)")
     parser.add_argument("--r", type=int, default=13, help="A rows merged per image and block (default 13)")
     parser.add_argument("--rows", default=None, help="comma-separated subset of rows: " + ",".join(ROWS))
+    parser.add_argument(
+        "--adaptive-batches",
+        default="64",
+        help="comma-separated batch sizes (among --batches) at which the adaptive rows run (default 64)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="JSON file (default benchmarks/baselines/<gpu>/...)")
     parser.add_argument("--device", default="cuda", help=argparse.SUPPRESS)  # cpu: the CPU test's dry run
     parser.add_argument("--model", default=DEIT_B, help=argparse.SUPPRESS)  # a smaller model (CPU test)
@@ -466,6 +667,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     try:
         args.batches = comma_list(args.batches, int)
         args.rows = comma_list(args.rows, str, ROWS) or ROWS
+        args.adaptive_batches = comma_list(args.adaptive_batches, int) or ()
     except ValueError as exc:
         parser.error(str(exc))
     if not args.batches or min(args.batches) < 1:
@@ -495,6 +697,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.model,
             "dtype": str(dtype).removeprefix("torch."),
             "r": args.r,
+            "adaptive": {"r_max": 2 * args.r, "batches": [b for b in args.batches if b in args.adaptive_batches]},
             "settings": bench.s.__dict__,
             "rows": {r: ROW_LABELS[r] for r in args.rows},
         },
@@ -505,6 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch_threads(1):
         for batch in args.batches:
             for row in args.rows:
+                if row in ADAPTIVE_ROWS and batch not in args.adaptive_batches:
+                    continue
                 t0 = time.perf_counter()
                 entry = bench.row(row, batch)
                 entry["elapsed_s"] = round(time.perf_counter() - t0, 2)
@@ -512,8 +717,10 @@ def main(argv: list[str] | None = None) -> int:
                 payload["rows"].append(entry)
                 payload["meta"]["elapsed_s"] = round(time.perf_counter() - started, 1)
                 write_json(out, payload)
+    payload["meta"]["elapsed_s"] = round(time.perf_counter() - started, 1)
+    write_json(out, payload)  # also when no row ran (--rows and --adaptive-batches leave none)
     print(f"\n## ToMe peer, {args.model} r={args.r}, {payload['meta']['dtype']}, weights {weights} ({out})\n")
-    print("\n".join(check_lines(payload["rows"])))
+    print("\n".join(check_lines(payload["rows"]) + adaptive_lines(payload["rows"])))
     print()
     print(markdown_table(payload["rows"], args.batches))
     return 0

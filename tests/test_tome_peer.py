@@ -3,7 +3,11 @@
 Tolerance rules: logits against ``tome_forward`` and (``r=0``) against timm's own forward: fp32,
 ``atol = rtol = 1e-5`` (the same modules and merges; the attention and the similarities are summed in another
 order, the merge in fp32 instead of float64); sources, counts and sizes: exact. Models are 4-block, width-64 timm
-models with seeded random weights, as in tests/test_reference_tome.py.
+models with seeded random weights, as in tests/test_reference_tome.py. The benchmark's CPU dry run uses timm's
+``test_vit`` (100 patches, 6 blocks), small enough for our pipeline's Triton kernels under the interpreter; its
+checks against ``tome_forward`` (fixed ``r`` and the calibrated threshold) are bounded by ``1e-4`` (max |diff|) with
+the same top-1, and the calibrated counts land within one row per image and block of the target
+(``calibrate_threshold``'s promise on its own images).
 """
 
 from __future__ import annotations
@@ -139,25 +143,85 @@ def test_markdown_table_ratios():
         {"row": "peer_compiled", "batch": 8, "status": "does not compile", "reason": "X: y"},
         ok("peer_sdpa_compiled", 8, 1000.0),
         ok("ours", 8, 250.0),
+        ok("ours_adaptive", 1, 240.0),
+        ok("ours_adaptive_sync_free", 1, 270.0),
+        ok("ours_adaptive", 8, 240.0),
+        {"row": "ours_adaptive_sync_free", "batch": 8, "status": "failed", "reason": "raised X: y"},
+        ok("ours_adaptive", 16, 100.0),  # no fixed r at this batch
     ]
-    lines = markdown_table(rows, [1, 8]).splitlines()
-    assert lines[-2] == "| ours vs unpruned reduce-overhead | 3.00x | 0.62x |"
-    assert lines[-1] == "| ours vs the peer's best mode | 1.50x | 0.25x |"  # best: explicit compiled; SDPA compiled
+    lines = markdown_table(rows, [1, 8, 16]).splitlines()
+    assert lines[-3] == "| ours vs unpruned reduce-overhead | 3.00x | 0.62x | - |"
+    assert lines[-2] == "| ours vs the peer's best mode | 1.50x | 0.25x | - |"  # best: explicit compiled; SDPA compiled
+    assert lines[-1] == "| adaptive / fixed (the faster adaptive row) | 0.90x (sync-free) | 0.96x (reads) | - |"
+    assert "| ours adaptive (sync-free) | 270 | failed: raised X: y | - |" in lines
     assert "does not compile: X: y" in "\n".join(lines)
 
 
+def dry_run(tmp_path, name: str, *argv: str) -> list[dict]:
+    """``tome_peer.main`` on the CPU (fp32, one input batch, 2 timed forwards) on ``test_vit`` (100 patches, 6
+    blocks: the Triton kernels run under the interpreter), at B=2; its JSON rows."""
+    out = tmp_path / f"{name}.json"
+    base = ["--device", "cpu", "--model", "test_vit", "--quick", "--batches", "2", "--out", str(out)]
+    assert tome_peer.main([*base, *argv]) == 0
+    return json.loads(out.read_text())["rows"]
+
+
 def test_main_dry_run_on_cpu(tmp_path, capsys):
-    out = tmp_path / "peer.json"
-    argv = ["--device", "cpu", "--model", "deit_tiny_patch16_224", "--quick", "--batches", "2", "--out", str(out)]
-    assert tome_peer.main(argv) == 0
-    rows = {e["row"]: e for e in json.loads(out.read_text())["rows"]}
+    """Every row runs or says why; the adaptive rows' statistics hold together. The sync-free adaptive row runs
+    alone in a second run, which makes our fixed-r logits itself (no ``ours`` row): the same as the first run's."""
+    adaptive = tome_peer.ADAPTIVE_ROWS
+    first = [r for r in tome_peer.ROWS if r != "ours_adaptive_sync_free"]
+    rows = {e["row"]: e for e in dry_run(tmp_path, "all", "--adaptive-batches", "2", "--rows", ",".join(first))}
+    printed = capsys.readouterr().out
+    rows |= {e["row"]: e for e in dry_run(tmp_path, "sync_free", "--adaptive-batches", "2", "--rows", adaptive[1])}
     assert set(rows) == set(tome_peer.ROWS)
-    for row in ("timm_eager", "peer_eager", "peer_sdpa_eager"):
+    for row in ("timm_eager", "peer_eager", "peer_sdpa_eager", "ours", *adaptive):
         assert rows[row]["status"] == "ok" and rows[row]["img_per_s"] > 0
     for row in ("peer_eager", "peer_sdpa_eager"):
         check = rows[row]["check"]
         assert check["same_merges"] == 1.0 and check["max"] < 1e-4 and check["finite"]
-    for row in ("timm_compiled", "peer_compiled", "peer_sdpa_compiled", "ours"):  # CUDA-only rows say why
+    for row in ("ours", *adaptive):  # fp32 against tome_forward fp32 (fixed r, or the same threshold)
+        check = rows[row]["check"]
+        assert check["max"] < 1e-4 and check["top1_agree"] == 1.0 and check["finite"]
+    for row in ("timm_compiled", "peer_compiled", "peer_sdpa_compiled"):  # CUDA-only rows say why
         assert rows[row]["status"] == "unavailable" and rows[row]["reason"]
-    printed = capsys.readouterr().out
-    assert printed.rstrip().splitlines()[-1].startswith("| ours vs the peer's best mode |")
+
+    model = timm.create_model("test_vit", pretrained=False)
+    depth, n = len(model.blocks), model.patch_embed.num_patches + 1
+    fixed = fixed_r_counts(n, [13] * depth)
+    target = sum(fixed) / depth
+    fewest = fixed_r_counts(n, [26] * depth)  # every image merging r_max = 2 r everywhere
+    for row in adaptive:
+        e = rows[row]
+        cal, c, vs = e["calibration"], e["counts"], e["vs_fixed"]
+        assert cal["r_max"] == 26 and cal["images"] == c["images"] == 2
+        assert cal["target_rows"] == c["target_rows"] == target
+        assert abs(cal["reference_mean_rows"] - target) <= 1  # calibrate_threshold: within a row on its images
+        assert abs(c["mean_rows"] - target) <= 1  # our pipeline at that threshold on the same images
+        assert c["mean_vs_fixed"] == pytest.approx(c["mean_rows"] / target, abs=1e-4)
+        assert sum(c["mean"]) / depth + 1 == pytest.approx(c["mean_rows"], abs=0.01)  # per block vs over blocks
+        assert c["stages"] == depth and c["fixed_r"] == [k - 1 for k in fixed]
+        for k in range(depth):
+            assert fewest[k] - 1 <= c["min"][k] <= c["mean"][k] <= c["max"][k] <= n - 1
+            assert 0 <= c["std"][k] <= (c["max"][k] - c["min"][k]) / 2 + 1e-9
+        assert c["max"] == sorted(c["max"], reverse=True) and c["min"] == sorted(c["min"], reverse=True)  # no growth
+        assert 0 < vs["mean"] <= vs["max"] and 0 <= vs["top1_agree"] <= 1  # another merge schedule: other logits
+        assert e["host_reads_per_forward"] == 0  # B * N = 202 rows: the default buckets skip reads below 1024 too
+    assert rows["ours_adaptive"]["buckets"]["sync_free_rows"] == 1024
+    assert rows["ours_adaptive_sync_free"]["buckets"]["sync_free_rows"] == 2 * n
+    # Both adaptive rows run the same segments here, against the fixed-r logits of the first run's ``ours`` row and
+    # of the second run's own fixed-r pipeline: bit for bit the same results.
+    a, b = (rows[row] for row in adaptive)
+    assert a["counts"] == b["counts"] and a["vs_fixed"] == b["vs_fixed"] and a["check"] == b["check"]
+    assert a["calibration"]["threshold"] == b["calibration"]["threshold"]
+
+    lines = printed.rstrip().splitlines()
+    assert lines[-2].startswith("| ours vs the peer's best mode |")
+    assert lines[-1].startswith("| adaptive / fixed (the faster adaptive row) | ") and lines[-1].endswith("x (reads) |")
+    assert sum("ours adaptive (reads), B=2: threshold" in line for line in lines) == 1
+
+
+def test_adaptive_rows_only_at_adaptive_batches(tmp_path):
+    """``--adaptive-batches`` (default 64) picks the batch sizes of the adaptive rows: none at B=2 here."""
+    assert tome_peer.parse_args([]).adaptive_batches == (64,)
+    assert dry_run(tmp_path, "none", "--rows", ",".join(tome_peer.ADAPTIVE_ROWS)) == []
