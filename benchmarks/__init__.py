@@ -19,3 +19,17 @@ def comma_list(text: str | None, kind: Callable = str, choices: Sequence[str] | 
     if unknown:
         raise ValueError(f"unknown {unknown}; choose from {list(choices)}")
     return values
+
+
+def bench_device(name: str, prog: str):
+    """``(device, dtype)`` of a benchmark run on ``name`` (fp16 on CUDA, fp32 on the CPU dry runs), or None after a
+    one-line error when CUDA is asked for and there is none."""
+    import sys
+
+    import torch
+
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(f"{prog} needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return None
+    return device, torch.float16 if device.type == "cuda" else torch.float32

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import comma_list
+from benchmarks import bench_device, comma_list
 from benchmarks.e2e_common import DEIT_B, Lab
 from benchmarks.timing import device_us, environment
 from benchmarks.workloads import workload_keeps
@@ -59,10 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         workloads = workload_keeps(args.workloads)
     except ValueError as exc:
         parser.error(f"--batches/--workloads: {exc}")
-    if not torch.cuda.is_available():
-        print("decision_time needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+    picked = bench_device("cuda", "decision_time")
+    if picked is None:
         return 2
-    lab = Lab(torch.device("cuda"), torch.float16)
+    lab = Lab(*picked)
     rows = []
     for workload, keep_rate in workloads:
         for batch in batches:

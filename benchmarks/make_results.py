@@ -184,7 +184,7 @@ STYLE = {  # color and line style of each row's curve
 }
 
 
-def _panels(nrows: int, ncols: int, width: float, height: float):
+def panels(nrows: int, ncols: int, width: float, height: float):
     """A figure of ``nrows x ncols`` panels (matplotlib without a display, deterministic output)."""
     import matplotlib
 
@@ -195,7 +195,7 @@ def _panels(nrows: int, ncols: int, width: float, height: float):
     return plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
 
 
-def _save(fig, path: Path, title: str, **layout: object) -> bool:
+def save_figure(fig, path: Path, title: str, **layout: object) -> bool:
     import matplotlib.pyplot as plt
 
     fig.suptitle(title)
@@ -229,7 +229,7 @@ def throughput_figure(payload: dict, slug: str, path: Path) -> bool:
         return False
     cols = min(3, len(workloads))
     nrows = -(-len(workloads) // cols)
-    fig, axes = _panels(nrows, cols, 4.2, 3.4)
+    fig, axes = panels(nrows, cols, 4.2, 3.4)
     for ax, w in zip(axes.flat, workloads, strict=False):
         batches = sorted({r["batch"] for r in rows if r["workload"] == w and r["model"] == DEIT_B})
         for name in T.ROW_ORDER:
@@ -247,7 +247,7 @@ def throughput_figure(payload: dict, slug: str, path: Path) -> bool:
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=5, fontsize=7, frameon=False)
     title = f"DeiT-B 224, 50% pruning, fp16 -- {slug} (grey: the paper, RTX 4000 Ada)"
-    return _save(fig, path, title, rect=(0, 0.08 + 0.02 * nrows, 1, 0.95))
+    return save_figure(fig, path, title, rect=(0, 0.08 + 0.02 * nrows, 1, 0.95))
 
 
 def pruning_figure(payload: dict, slug: str, path: Path) -> bool:
@@ -258,7 +258,7 @@ def pruning_figure(payload: dict, slug: str, path: Path) -> bool:
     eager = T.unpruned(idx, DEIT_B, batch, "timm_eager")
     if not workloads or not eager:
         return False
-    fig, axes = _panels(1, len(workloads), 4.6, 3.6)
+    fig, axes = panels(1, len(workloads), 4.6, 3.6)
     compiled = T.unpruned(idx, DEIT_B, batch, "timm_compiled")
     for ax, w in zip(axes.flat, workloads, strict=True):
         keeps = sorted({r["keep_rate"] for r in rows if r["workload"] == w}, reverse=True)
@@ -271,7 +271,7 @@ def pruning_figure(payload: dict, slug: str, path: Path) -> bool:
         _axes(ax, f"{w} ({WORKLOADS[w].kind})", "pruned %", "speedup over unpruned timm eager")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    return _save(fig, path, f"DeiT-B 224, B={batch}, fp16 -- {slug}")
+    return save_figure(fig, path, f"DeiT-B 224, B={batch}, fp16 -- {slug}")
 
 
 def resolution_figure(payload: dict, slug: str, path: Path) -> bool:
@@ -281,7 +281,7 @@ def resolution_figure(payload: dict, slug: str, path: Path) -> bool:
     models = [m for m in (DEIT_B, "deit_base_patch16_384") if any(r["model"] == m for r in rows)]
     if not workloads or not models:
         return False
-    fig, axes = _panels(1, len(workloads), 4.6, 3.4)
+    fig, axes = panels(1, len(workloads), 4.6, 3.4)
     for ax, w in zip(axes.flat, workloads, strict=True):
         for m, color in zip(models, ("tab:green", "tab:orange"), strict=False):
             batches = sorted({r["batch"] for r in rows if r["workload"] == w and r["model"] == m})
@@ -298,7 +298,7 @@ def resolution_figure(payload: dict, slug: str, path: Path) -> bool:
         _axes(ax, w, "batch size", "speedup", log2x=True)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
-    return _save(fig, path, f"224 vs 384, 50% pruning, fp16 -- {slug}")
+    return save_figure(fig, path, f"224 vs 384, 50% pruning, fp16 -- {slug}")
 
 
 FIGURES = {

@@ -51,7 +51,7 @@ import timm
 import torch
 from tqdm import tqdm
 
-from benchmarks import BASELINES, comma_list, tables
+from benchmarks import BASELINES, bench_device, comma_list, tables
 from benchmarks.attention_peers import build_peer, make_problem, reference_output
 from benchmarks.e2e_common import (
     CHECKPOINT_ENV,
@@ -356,13 +356,13 @@ class Runner:
             torch.cuda.empty_cache()
 
         cleanup()
-        skips_before = _cudagraph_skips()
+        skips_before = cudagraph_skips()
         try:
             compiled = torch.compile(module, mode="reduce-overhead", dynamic=False)
             with torch.no_grad():  # compile; record the CUDA graph; first replays
                 firsts = [round(elapsed([functools.partial(compiled, *args)], device), 3) for args in inputs]
             entry.update(compile_s=firsts[0], first_calls_s=firsts)
-            entry["cudagraph_skips"] = _cudagraph_skips() - skips_before  # > 0: it ran without CUDA graphs
+            entry["cudagraph_skips"] = cudagraph_skips() - skips_before  # > 0: it ran without CUDA graphs
             built = f"{task.row} {task.model} B={task.batch}: {firsts[0]:.1f} s"
             print(f"\n  compiled {built}", file=sys.stderr, flush=True)
             check = check_logits(self._forward(compiled, *inputs[0]), ref_logits, bound)
@@ -550,7 +550,7 @@ class Runner:
         return entry
 
 
-def _cudagraph_skips() -> int:
+def cudagraph_skips() -> int:
     """Inductor's count of graphs that reduce-overhead ran without CUDA graphs (0 where torch does not count)."""
     try:
         from torch._dynamo.utils import counters
@@ -638,11 +638,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("report_e2e needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+    picked = bench_device(args.device, "report_e2e")
+    if picked is None:
         return 2
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    device, dtype = picked
     out_dir = args.out or BASELINES / gpu_slug() / "e2e"
     minutes = args.max_minutes if args.max_minutes is not None else (QUICK_MINUTES if args.quick else FULL_MINUTES)
     settings = Settings.make(

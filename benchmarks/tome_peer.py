@@ -87,9 +87,9 @@ import torch
 import torch.nn.functional as F
 from timm.models.vision_transformer import Attention, Block, VisionTransformer
 
-from benchmarks import BASELINES, comma_list
+from benchmarks import BASELINES, bench_device, comma_list
 from benchmarks.e2e_common import CHECKPOINT_ENV, DEIT_B, INPUT_SETS, Lab, count_summary, logit_diff, no_tf32
-from benchmarks.report_e2e import _cudagraph_skips, torch_threads, write_json
+from benchmarks.report_e2e import cudagraph_skips, torch_threads, write_json
 from benchmarks.timing import describe, elapsed, environment, forward_times, gpu_slug
 from ragged_vit.pipelines.buckets import TokenBuckets
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
@@ -426,7 +426,7 @@ class Bench:
             torch.cuda.empty_cache()
 
         cleanup()
-        skips = _cudagraph_skips()
+        skips = cudagraph_skips()
         try:
             fn = torch.compile(module, mode="reduce-overhead", dynamic=False)
             with torch.no_grad():
@@ -436,7 +436,7 @@ class Bench:
             cleanup()
             entry.update(status="does not compile", reason=describe(exc))
             return None, lambda: None
-        entry.update(compile_s=firsts[0], first_calls_s=firsts, cudagraph_skips=_cudagraph_skips() - skips)
+        entry.update(compile_s=firsts[0], first_calls_s=firsts, cudagraph_skips=cudagraph_skips() - skips)
         if ref is not None:
             entry["check_fp16"] = self.check(logits, ref)
         return [functools.partial(fn, img) for img in images], cleanup
@@ -679,11 +679,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("tome_peer needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+    picked = bench_device(args.device, "tome_peer")
+    if picked is None:
         return 2
-    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    device, dtype = picked
     out = args.out or BASELINES / gpu_slug() / "tome_peer.json"
     lab = Lab(device, dtype)
     bench = Bench(lab, args.model, args.r, QUICK if args.quick else Settings())

@@ -59,6 +59,7 @@ import timm
 import torch
 
 from benchmarks import comma_list
+from benchmarks.report_e2e import cudagraph_skips
 from benchmarks.timing import describe, elapsed, environment, forward_times
 from benchmarks.workloads import synthetic_images
 from ragged_vit import GraphedPrunedViT, PrunedViT, prune
@@ -286,15 +287,6 @@ def _timed(calls: Sequence[Callable], batch: int) -> dict[str, object]:
     }
 
 
-def _cudagraph_skips() -> int:
-    """Inductor's count of graphs that reduce-overhead ran without CUDA graphs (0 where torch does not count)."""
-    try:
-        from torch._dynamo.utils import counters
-    except ImportError:
-        return 0
-    return int(counters["inductor"].get("cudagraph_skips", 0))
-
-
 def _free() -> None:
     gc.collect()
     torch._dynamo.reset()  # compiled code and reduce-overhead's CUDA-graph pool
@@ -304,13 +296,13 @@ def _free() -> None:
 def timm_compiled(model: torch.nn.Module, imgs: Sequence[torch.Tensor]) -> dict[str, object]:
     """Row (a): the unpruned model under ``torch.compile(mode="reduce-overhead")``, checked, then timed."""
     batch = imgs[0].shape[0]
-    skips = _cudagraph_skips()
+    skips = cudagraph_skips()
     compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
     firsts = [_first(compiled, img) for img in imgs]  # compile; record the CUDA graph; first replays
     entry: dict[str, object] = {
         "compile_s": round(firsts[0][0], 2),
         "first_calls_s": [round(f[0], 3) for f in firsts],
-        "cudagraph_skips": _cudagraph_skips() - skips,  # > 0: it ran without CUDA graphs
+        "cudagraph_skips": cudagraph_skips() - skips,  # > 0: it ran without CUDA graphs
     }
     reason = check_output(firsts[0][1], batch)
     if reason:

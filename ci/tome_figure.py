@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from benchmarks.make_results import _panels, _save
+from benchmarks.make_results import panels, save_figure
 from ragged_vit.pipelines.images import SAMPLE_IMAGES, LoadedImage, load_images, preprocess
 from ragged_vit.pipelines.weights import create_model, load_checkpoint
 from ragged_vit.reference.tome import tome_forward
@@ -103,7 +103,7 @@ def merge_maps(model: nn.Module, images: list[LoadedImage], r: int | Sequence[in
 def draw(maps: MergeMaps, title: str, out: Path) -> Path:
     """Two rows of panels (matplotlib, no display): the model's inputs, then their merge groups outlined."""
     count = len(maps.names)
-    fig, axes = _panels(2, count, 2.6, 2.7)
+    fig, axes = panels(2, count, 2.6, 2.7)
     outlined = torch.where(maps.borders[..., None], torch.tensor(BORDER), maps.painted)
     for i, name in enumerate(maps.names):
         groups = maps.groups[i].unique().numel()
@@ -115,7 +115,7 @@ def draw(maps: MergeMaps, title: str, out: Path) -> Path:
             ax.set_title(label, fontsize=9)
             ax.set_xticks([])
             ax.set_yticks([])
-    _save(fig, out, title)
+    save_figure(fig, out, title)
     return out
 
 
