@@ -101,7 +101,12 @@ def add_pruner_arguments(parser: argparse.ArgumentParser, calibrated_on: str) ->
     )
     parser.add_argument("--fuse-token", action="store_true", default=None, help="evit: fuse dropped tokens into one")
     parser.add_argument("--r", type=_positive, help="tome: rows merged per image and block (default: by --keep-rate)")
-    parser.add_argument("--r-max", type=_positive, help="tome: the most rows merged per image and block (adaptive)")
+    parser.add_argument(
+        "--r-max",
+        type=_positive,
+        help="tome: the most rows merged per image and block; with --threshold: adaptive; alone: calibrated (the "
+        f"threshold set on {calibrated_on} for a mean of --keep-rate of the patches per image and block)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -202,13 +207,14 @@ def pruner_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) 
 
 
 def _check_tome(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """tome's modes: ``--r`` (fixed), ``--threshold`` with ``--r-max`` (adaptive), or neither (``r`` from the keep
-    rate)."""
+    """tome's modes: ``--r`` (fixed), ``--threshold`` with ``--r-max`` (adaptive), ``--r-max`` alone (calibrated: the
+    threshold is calibrated to the keep rate), or none of them (``r`` from the keep rate)."""
     if args.r is not None and args.threshold is not None:
         parser.error("argument --threshold: tome merges a fixed --r or by --threshold (adaptive), not both")
-    if (args.threshold is None) != (args.r_max is None):
-        given, missing = ("--threshold", "--r-max") if args.r_max is None else ("--r-max", "--threshold")
-        parser.error(f"argument {given}: tome's adaptive mode needs {missing} too")
+    if args.r is not None and args.r_max is not None:
+        parser.error("argument --r-max: caps tome's adaptive or calibrated mode, not a fixed --r")
+    if args.threshold is not None and args.r_max is None:
+        parser.error("argument --threshold: tome's adaptive mode needs --r-max too")
     if args.keep_rate is not None and (args.r is not None or args.threshold is not None):
         parser.error("argument --keep-rate: not used with --r or --threshold (they set tome's merges)")
 

@@ -12,8 +12,10 @@ each pruner class maps it onto its own parameters (``Pruner.from_keep_rate``; th
 * ``ats``: inside blocks 3-11; ``keep_rate`` sets the number of CDF samples, ``ceil(keep_rate * 196)``, an upper
   bound on the patches kept (ATS keeps fewer where its scores are peaked; 1.0 is the method's default, N).
 * ``tome``: token merging in every block (ToMe, ``docs/tome.md``): ``r`` rows merged per image and block, or
-  ``threshold`` with ``r_max`` (adaptive); with neither, the constant ``r`` whose mean patch count over the blocks
-  is nearest ``keep_rate * 196`` (r=13: 0.57).
+  ``threshold`` with ``r_max`` (adaptive; ``keep_rate`` unused); ``r_max`` alone: calibrated, the threshold set by
+  :meth:`PrunedViT.calibrate` for a mean of ``keep_rate * 196`` patch rows per image and block (after each block's
+  merge); none of them, the constant ``r`` whose mean patch count over the blocks is nearest ``keep_rate * 196``
+  (r=13: 0.57).
 * ``none``: no pruning (timm's own dense forward).
 
 A keep rate of 1.0 keeps every token with threshold_l2 (ratio), dynamicvit and evit, so their pipelines
@@ -69,7 +71,8 @@ def build_pruner(name: str, model: nn.Module, keep_rate: float = 0.5, **options:
         model: the timm model (its embedding width and patch count size the pruner).
         keep_rate: in ``(0, 1]``, mapped as in the module docstring.
         options: the pruner's own options (:func:`pruner_options`): Threshold-L2's ``threshold_mode`` and
-            ``threshold``, EViT's ``fuse_token``. An option the pruner does not take is an error.
+            ``threshold``, EViT's ``fuse_token``, ToMe's ``r``, ``threshold`` and ``r_max``. An option the pruner
+            does not take is an error.
     """
     if not isinstance(name, str) or name not in PRUNER_NAMES:
         raise ValueError(f"pruner must be one of {', '.join(PRUNER_NAMES)}, got {name!r}")

@@ -359,19 +359,73 @@ class PrunedViT(nn.Module):
 
     @torch.no_grad()
     def calibrate(self, images: torch.Tensor) -> float:
-        """Calibrates a pruner with a ``calibrate(x [B, N, C])`` method (Threshold-L2 ``calibrated`` mode) on the
-        residual stream its (single, before/after-block) stage sees for ``images``; returns its threshold.
+        """Calibrates the pruner's threshold on ``images``; returns it (also set on the pruner).
 
-        The threshold is a norm, not a count: it applies unchanged to every image size of a ``dynamic_img_size``
-        model, and keeps the calibrated rate on average only for images like those it was calibrated on (calibrate
-        on the size you serve; at another size the mean kept fraction may differ).
+        * Threshold-L2 ``calibrated`` mode (a pruner with a ``calibrate(x [B, N, C])`` method): on the residual
+          stream its (single, before/after-block) stage sees for ``images``.
+        * ToMe's ``calibrated`` mode (``ToMeMerger(r_max=..., rate=...)``): the similarity threshold is bisected on
+          this pipeline's own forward (:meth:`run`: its dtype, backend and device) until the mean of
+          ``run(images).counts`` (patch rows per image after each merging stage, prefix rows excluded) is
+          ``rate * num_patches`` of ``images``' size. The bracket is ``[-2, 2]`` (every similarity passes / none
+          does); at most 30 halvings, stopping at an exact hit; the best threshold seen is kept (within about a row of
+          the target unless one similarity decides many rows at once). A forward per halving: calibrate on a
+          calibration batch, not on every batch.
+
+        The threshold is a norm (Threshold-L2) or a cosine similarity (ToMe), not a count: it applies unchanged to
+        every image size of a ``dynamic_img_size`` model, and keeps the calibrated rate on average only for images
+        like those it was calibrated on (calibrate on the size you serve; at another size the mean kept fraction may
+        differ). A :class:`~ragged_vit.pipelines.graphs.GraphedPrunedViT` bound to this pipeline sees the new
+        threshold (the pruner's ``extra_repr``) and raises at its next call: calibrate before graphing, or call its
+        ``reset()`` after.
         """
+        if self.pruner is not None and self.pruner.merges:
+            merger = self.pruner
+            mode = getattr(merger, "mode", None)
+            if mode != "calibrated":
+                raise ValueError(
+                    f"calibrate() needs a merger in the calibrated mode (ToMeMerger(r_max=..., rate=...)), pruner "
+                    f"{merger.name!r} has mode={mode!r}"
+                )
+            images = self.check_images(images)
+            plan = self.plan_for(images.shape[-2:])
+            num_patches = plan.tokens - plan.num_prefix
+            target = merger.check_target(num_patches)
+            fewest = sum(merger.capped_counts(num_patches)) / len(merger.blocks)
+            previous = merger.threshold
+
+            def miss(threshold: float) -> float:
+                merger.threshold = threshold
+                return float(self.run(images).counts.double().mean()) - target
+
+            try:
+                merger.threshold = self._bisect_threshold(miss, fewest - target, num_patches - target)
+            except BaseException:
+                merger.threshold = previous
+                raise
+            return merger.threshold
         if self.pruner is None or not hasattr(self.pruner, "calibrate"):
             raise ValueError(f"pruner {getattr(self.pruner, 'name', None)!r} has no calibrate() method")
         if self._plan.stages[0].placement is Placement.MID_BLOCK:
             raise NotImplementedError("calibrate() supports before/after-block stages only")
         x = _front(self, self.check_images(images).to(self.dtype))
         return self.pruner.calibrate(x, num_prefix=self._plan.num_prefix)
+
+    @staticmethod
+    def _bisect_threshold(miss: Callable[[float], float], miss_low: float, miss_high: float, steps: int = 30) -> float:
+        """The threshold in ``[-2, 2]`` whose ``miss(threshold)`` (rows above the target; it falls as the threshold
+        falls) is nearest 0, by bisection: ``miss_low`` / ``miss_high`` are the ends' (every similarity passes / none
+        does), known without a forward. At most ``steps`` halvings; stops at an exact hit; the best seen wins."""
+        low, high = -2.0, 2.0
+        best, best_miss = min((low, miss_low), (high, miss_high), key=lambda end: abs(end[1]))
+        for _ in range(steps):
+            if best_miss == 0:
+                break
+            mid = (low + high) / 2
+            m = miss(mid)
+            if abs(m) < abs(best_miss):
+                best, best_miss = mid, m
+            low, high = (low, mid) if m > 0 else (mid, high)  # too many rows left: lower the threshold
+        return best
 
     def check_images(self, images: object) -> torch.Tensor:
         """Checks a batch of images for this model (float ``[B, C, H, W]`` at its input size, or with

@@ -22,6 +22,7 @@ import torch
 from ragged_vit import PrunedViT, build_pipeline
 from ragged_vit.core.selection import MergeSelection
 from ragged_vit.pipelines.buckets import TokenBuckets
+from ragged_vit.pipelines.cli import build_parser, pruner_arguments
 from ragged_vit.pipelines.cli import main as cli_main
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.reference.merging import fixed_r_counts
@@ -82,7 +83,31 @@ def test_merger_schedule_and_counts():
     adaptive = merger("adaptive")
     assert adaptive.blocks == (0, 1, 2, 3) and not adaptive.fixed_count
     assert adaptive.count_after(0, 36, 36) is None and adaptive.max_count_after(1, 30, 36) == 30
-    assert repr(fixed) == "ToMeMerger(r=[8, 0, 3, 9])" and "threshold=0.3, r_max=6" in repr(adaptive)
+    assert repr(fixed) == "ToMeMerger(mode='fixed', r=[8, 0, 3, 9])"
+    assert "mode='adaptive', threshold=0.3, r_max=6" in repr(adaptive)
+    assert (fixed.mode, adaptive.mode) == ("fixed", "adaptive")
+
+
+def test_calibrated_merger_waits_for_its_threshold():
+    calibrated = ToMeMerger(r_max=[6, 0, 6, 6], rate=0.8, depth=DEPTH)
+    assert calibrated.mode == "calibrated" and calibrated.rate == 0.8 and calibrated.threshold is None
+    assert calibrated.blocks == (0, 2, 3) and not calibrated.fixed_count and calibrated.merges
+    assert calibrated.count_after(0, 36, 36) is None and calibrated.max_count_after(1, 30, 36) == 30
+    assert calibrated.capped_counts(36) == [30, 24, 18]  # r_max merged in every stage: the fewest rows
+    assert "mode='calibrated', rate=0.8, threshold=None, r_max=[6, 0, 6, 6]" in repr(calibrated)
+    with pytest.raises(RuntimeError, match=r"no threshold yet: call PrunedViT\.calibrate\(images\) first"):
+        calibrated.check_ready()
+    pv = PrunedViT(small_model(), calibrated, "reference")
+    assert pv.plan.stages[0].counts.value == "variable"
+    with pytest.raises(RuntimeError, match="call PrunedViT.calibrate"):
+        pv.run(images(1, 0))
+    calibrated.threshold = 0.4  # what calibrate() sets: the mode stays, the merger decides as the adaptive one
+    calibrated.check_ready()
+    assert calibrated.mode == "calibrated" and "threshold=0.4" in repr(calibrated)
+    adaptive = ToMeMerger(threshold=0.4, r_max=[6, 0, 6, 6], depth=DEPTH)
+    x = images(3, 8)
+    out, ref = pv.run(x), PrunedViT(small_model(), adaptive, "reference").run(x)
+    assert torch.equal(out.counts, ref.counts) and torch.equal(out.logits, ref.logits)
 
 
 def test_from_keep_rate_picks_the_nearest_constant_r():
@@ -91,6 +116,18 @@ def test_from_keep_rate_picks_the_nearest_constant_r():
     assert ToMeMerger.from_keep_rate(0.5, embed_dim=768, num_patches=196, depth=4, r=7).limits == (7,) * 4
     with pytest.raises(ValueError, match="r must be > 0"):
         ToMeMerger.from_keep_rate(1.0, embed_dim=768, num_patches=196)
+
+
+def test_from_keep_rate_with_r_max_alone_is_calibrated():
+    merger = ToMeMerger.from_keep_rate(0.57, embed_dim=768, num_patches=196, r_max=26)
+    assert merger.mode == "calibrated" and merger.rate == 0.57 and merger.limits == (26,) * 12
+    assert merger.threshold is None and merger.check_target(196) == 0.57 * 196
+    # r_max=4 on 196 patches leaves at least mean(196 - 4 * (1..12)) = 170 rows: 0.5 is out of its reach
+    with pytest.raises(ValueError, match=r"keep_rate=0\.5 asks for 98 patch rows.*fewer than the 170.*raise keep_rate"):
+        ToMeMerger.from_keep_rate(0.5, embed_dim=768, num_patches=196, r_max=4)
+    assert ToMeMerger.from_keep_rate(0.87, embed_dim=768, num_patches=196, r_max=4).rate == 0.87  # 170.5 rows
+    with pytest.raises(ValueError, match="keep_rate must be in"):
+        ToMeMerger.from_keep_rate(0.0, embed_dim=768, num_patches=196, r_max=4)
 
 
 @pytest.mark.parametrize(
@@ -102,6 +139,14 @@ def test_from_keep_rate_picks_the_nearest_constant_r():
         ({"threshold": 0.5}, ValueError, "r_max must be given"),
         ({"r": [1, 2]}, ValueError, "r must hold one value per block"),
         ({"threshold": "high", "r_max": 2}, TypeError, "threshold must be a float"),
+        ({"r_max": 4}, ValueError, "r_max caps the adaptive or the calibrated mode: give threshold or rate"),
+        ({"r": 4, "r_max": 4}, ValueError, "r_max caps the adaptive mode"),
+        ({"rate": 0.5, "r": 4, "r_max": 6}, ValueError, "rate sets the calibrated mode .*: not with r=4"),
+        ({"rate": 0.5, "threshold": 0.3, "r_max": 6}, ValueError, "rate sets the calibrated mode .*: not with thresh"),
+        ({"rate": 0.5}, ValueError, "r_max must be given with rate"),
+        ({"rate": 1.5, "r_max": 6}, ValueError, r"rate must be in \(0, 1\]"),
+        ({"rate": "half", "r_max": 6}, TypeError, "rate must be a float"),
+        ({"rate": 0.5, "r_max": 0}, ValueError, "r_max must be > 0 in at least one block"),
     ],
 )
 def test_merger_bad_arguments(kwargs, error, match):
@@ -173,6 +218,102 @@ def test_build_pipeline_and_prune_take_tome():
     assert pv.pruner.limits == (13,) * 12 and pv.num_stages == 12
     pv = build_pipeline("deit_tiny_patch16_224", pruner="tome", backend="reference", threshold=0.8, r_max=16)
     assert pv.pruner.threshold == 0.8 and pv.plan.stages[0].counts.value == "variable"
+    pv = build_pipeline("deit_tiny_patch16_224", pruner="tome", keep_rate=0.57, backend="reference", r_max=26)
+    assert pv.pruner.mode == "calibrated" and pv.pruner.rate == 0.57 and pv.pruner.limits == (26,) * 12
+    assert pv.pruner.threshold is None and pv.plan.stages[0].counts.value == "variable"
+
+
+# --- calibrated mode: PrunedViT.calibrate ---------------------------------------------------------------------
+
+
+def calibrated_pipeline(rate: float, r_max: int | list[int] = 6, pool: str = "token") -> PrunedViT:
+    return PrunedViT(small_model(pool), ToMeMerger(r_max=r_max, rate=rate, depth=DEPTH), "reference")
+
+
+@pytest.mark.parametrize("rate", [0.65, 0.8])
+def test_calibrate_hits_the_mean_count_deciding_per_image(rate):
+    pv, x = calibrated_pipeline(rate), images(8, 11)
+    target = rate * 36  # patch rows per image and stage (r_max=6 merging everywhere leaves 21 = 0.58 of 36)
+    threshold = pv.calibrate(x)
+    assert threshold == pv.pruner.threshold and -2 < threshold < 2 and pv.pruner.mode == "calibrated"
+    out = pv.run(x)
+    assert abs(out.counts.double().mean().item() - target) <= 1.0
+    assert len(set(map(tuple, out.counts.tolist()))) > 1, "equal counts: the calibration decides per image"
+    ref = tome_forward(pv.model, x, threshold=threshold, r_max=6)  # the adaptive mode at that threshold
+    assert torch.equal(out.counts, ref.counts.t() - 1) and torch.equal(out.logits, ref.logits)
+
+
+def test_calibrate_ends_need_no_forward():
+    x = images(2, 12)
+    for rate, r_max, threshold, counts in [(1.0, 6, 2.0, [36] * 4), (0.75, [9, 0, 0, 0], -2.0, [27])]:
+        pv = calibrated_pipeline(rate, r_max)  # every patch kept / r_max merged in every stage: known on the host
+        forwards = []
+        real_run = pv.run
+        pv.run = lambda *a, real_run=real_run, forwards=forwards, **k: forwards.append(1) or real_run(*a, **k)
+        assert pv.calibrate(x) == threshold and forwards == []
+        assert pv.run(x).counts.tolist() == [counts] * 2
+
+
+def test_bisection_stops_at_an_exact_hit_and_keeps_the_best():
+    calls = []
+
+    def step(t: float) -> float:  # rows above the target: 0 at 0.5 exactly
+        calls.append(t)
+        return 0.0 if t == 0.5 else 1.0 if t > 0.5 else -1.0
+
+    assert PrunedViT._bisect_threshold(step, -4.0, 5.0) == 0.5 and calls == [0.0, 1.0, 0.5]
+    calls.clear()
+    best = PrunedViT._bisect_threshold(lambda t: calls.append(t) or t - 0.3, -2.3, 1.7)
+    assert len(calls) == 30 and abs(best - 0.3) <= 4 / 2**30
+    calls.clear()
+    assert PrunedViT._bisect_threshold(lambda t: calls.append(t) or 3.0, -0.5, 7.0) == -2.0  # no mid beats an end
+    assert len(calls) == 30
+
+
+def test_calibrate_errors_and_keeps_the_old_threshold():
+    out_of_reach = r"rate=0\.5 asks for 18 patch rows per image and stage of 36, fewer than the 21 that r_max=6"
+    with pytest.raises(ValueError, match=out_of_reach):
+        calibrated_pipeline(0.5).calibrate(images(2, 0))
+    with pytest.raises(ValueError, match=r"calibrate\(\) needs a merger in the calibrated mode .* has mode='adaptive'"):
+        PrunedViT(small_model(), merger("adaptive"), "reference").calibrate(images(2, 0))
+    pv = calibrated_pipeline(0.8)
+    pv.pruner.threshold = 0.25
+    with pytest.raises(ValueError, match="images must have shape"):
+        pv.calibrate(torch.zeros(2, 3, 64, 64))
+    assert pv.pruner.threshold == 0.25
+    tried = []
+    real_run = pv.run
+
+    def interrupted(*args: object, **kwargs: object):
+        tried.append(pv.pruner.threshold)
+        if len(tried) == 3:
+            raise KeyboardInterrupt
+        return real_run(*args, **kwargs)
+
+    pv.run = interrupted  # this instance only
+    with pytest.raises(KeyboardInterrupt):
+        pv.calibrate(images(2, 0))
+    assert tried[0] == 0.0 and abs(tried[1]) == 1.0 and pv.pruner.threshold == 0.25  # the old one is back
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on the NaN padding rows
+def test_graphed_calibrated_merger_needs_reset_after_recalibrating():
+    pv = PrunedViT(small_model(), ToMeMerger(r_max=6, rate=0.75, depth=DEPTH), "triton")
+    twin = PrunedViT(pv.model, pv.pruner, "reference")  # the same model and merger: calibrates without interpreting
+    runner = GraphedPrunedViT(pv, TokenBuckets(step=6, seqlen_step=4, sync_free_rows=0))
+    x = images(2, 13)
+    with pytest.raises(RuntimeError, match="call PrunedViT.calibrate"):
+        runner.run(x)
+    first = twin.calibrate(images(4, 14))
+    out, ref = runner.run(x), pv.run(x)
+    assert torch.equal(out.counts, ref.counts)
+    torch.testing.assert_close(out.logits, ref.logits, **FP32)
+    assert twin.calibrate(images(4, 15)) != first and pv.pruner.threshold != first
+    with pytest.raises(RuntimeError, match="call reset"):
+        runner.run(x)
+    runner.reset()
+    assert torch.equal(runner.run(x).counts, pv.run(x).counts)
 
 
 # --- graphs (segments run eagerly on a CPU) ------------------------------------------------------------------------
@@ -207,9 +348,10 @@ def test_graphed_adaptive_merges_match_eager_with_nan_padding(sync_free_rows, po
     "argv, match",
     [
         (["--r", "4", "--threshold", "0.5"], "argument --threshold: tome merges a fixed --r or by --threshold"),
-        (["--r-max", "4"], "argument --r-max: tome's adaptive mode needs --threshold too"),
+        (["--r", "4", "--r-max", "4"], "argument --r-max: caps tome's adaptive or calibrated mode, not a fixed --r"),
         (["--threshold", "0.5"], "argument --threshold: tome's adaptive mode needs --r-max too"),
         (["--keep-rate", "0.5", "--r", "4"], "argument --keep-rate: not used with --r or --threshold"),
+        (["--keep-rate", "0.5", "--threshold", "0.4", "--r-max", "4"], "argument --keep-rate: not used with --r or"),
         (["--threshold-mode", "ratio"], "argument --threshold-mode: not an option of --pruner tome"),
         (["--r", "0"], "argument --r: must be a positive integer"),
     ],
@@ -220,6 +362,33 @@ def test_cli_tome_flag_errors(argv, match, capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert match in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv, options",
+    [
+        (["--r-max", "8"], {"r_max": 8}),  # calibrated at the default keep rate
+        (["--r-max", "8", "--keep-rate", "0.7"], {"r_max": 8}),
+        (["--threshold", "0.4", "--r-max", "8"], {"threshold": 0.4, "r_max": 8}),
+        (["--r", "8"], {"r": 8}),
+    ],
+)
+def test_cli_tome_modes_parse(argv, options):
+    parser = build_parser()
+    args = parser.parse_args(["--device", "cpu", "--pruner", "tome", *argv])
+    assert pruner_arguments(parser, args) == options
+
+
+def test_cli_calibrated_tome_runs_the_demo(capsys):
+    pytest.importorskip("skimage")
+    argv = ["--pruner", "tome", "--r-max", "16", "--keep-rate", "0.7", "--images", "chelsea", "--backends",
+            "reference", "--device", "cpu", "--timed-runs", "1", "--warmup", "0"]  # fmt: skip
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    line = next(line for line in out.splitlines() if line.startswith("pruner: tome"))
+    assert "mode='calibrated', rate=0.7, threshold=" in line and "threshold=None" not in line
+    kept = [int(k) for k in out.split("Top-1 per image", 1)[1].split(": kept ", 1)[1].split(":", 1)[0].split("/")]
+    assert len(kept) == 12 and abs(sum(kept) / 12 - 0.7 * 196) <= 1.0  # one image: its own mean is the target
 
 
 def test_cli_r_is_an_option_of_tome_only(capsys):

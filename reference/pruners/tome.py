@@ -11,7 +11,15 @@ average, carry every row's size, and add ``log(size)`` of every key to the atten
   whole forward is one CUDA graph;
 * **adaptive** (``threshold`` with ``r_max``): each image merges its A rows whose best similarity is at least the
   threshold, at most ``min(r_max, patches // 2)`` per block: a different count per image (variable-count stages; a
-  count never grows).
+  count never grows);
+* **calibrated** (``rate`` with ``r_max``): the adaptive mode with its threshold set by
+  :meth:`ragged_vit.pipelines.model.PrunedViT.calibrate`, which bisects it on the pipeline's own forward of a
+  calibration batch until the mean patch rows per image and merging stage (after each stage's merge, prefix rows
+  excluded: the mean of ``PrunedOutput.counts``) is ``rate * num_patches`` (the quantity :meth:`ToMeMerger.
+  from_keep_rate` maps a keep rate onto in the fixed mode: r=13 on 196 patches gives 0.57). Until then
+  ``threshold`` is None and a forward raises ``RuntimeError``; the mode stays ``"calibrated"`` afterwards (calibrate
+  again on other images; a ``GraphedPrunedViT`` sees the new threshold and refuses to run until ``reset()``, so
+  calibrate before graphing).
 
 The decision here is the reference's, on the device it is given; the Triton matching kernel
 (:mod:`ragged_vit.triton_impl.merging`) registers as its fused decision on CUDA.
@@ -34,10 +42,15 @@ from ragged_vit.reference.tome import per_block
 class ToMeMerger(Pruner):
     """ToMe's merge as a pipeline stage in every block with something to merge.
 
+    Exactly one mode: ``r`` (fixed), ``threshold`` with ``r_max`` (adaptive) or ``rate`` with ``r_max`` (calibrated:
+    ``threshold`` is None until :meth:`ragged_vit.pipelines.model.PrunedViT.calibrate` sets it).
+
     Args:
         r: fixed mode: A rows merged per image and block, one int for every block or one per block (``depth``).
         threshold: adaptive mode: the cosine similarity an A row's best match must reach to merge.
-        r_max: adaptive mode's cap per image and block (an int, or one per block).
+        r_max: the adaptive and calibrated modes' cap per image and block (an int, or one per block).
+        rate: calibrated mode: the target in ``(0, 1]``, mean patch rows per image and merging stage over the
+            unmerged patch count.
         depth: the model's blocks (``len(model.blocks)``).
     """
 
@@ -52,17 +65,39 @@ class ToMeMerger(Pruner):
         *,
         threshold: float | None = None,
         r_max: int | Sequence[int] | None = None,
+        rate: float | None = None,
         depth: int = 12,
     ) -> None:
         super().__init__()
-        self.threshold = check_merge_mode(r, threshold, r_max)
-        self.limits = per_block(r if self.threshold is None else r_max, "r" if self.threshold is None else "r_max",
-                                depth)  # fmt: skip
+        if rate is not None:
+            if r is not None or threshold is not None:
+                given = f"r={r!r}" if r is not None else f"threshold={threshold!r}"
+                raise ValueError(f"rate sets the calibrated mode (its threshold is calibrated): not with {given}")
+            if r_max is None:
+                raise ValueError("r_max must be given with rate (the most A rows an image merges per block), got None")
+            self.rate: float | None = check_rate(rate, "rate")
+            self.threshold: float | None = None
+        else:
+            if r is None and threshold is None and r_max is not None:
+                raise ValueError(
+                    "r_max caps the adaptive or the calibrated mode: give threshold or rate with it, got "
+                    f"r_max={r_max!r} alone"
+                )
+            self.rate = None
+            self.threshold = check_merge_mode(r, threshold, r_max)
+        fixed = r is not None
+        self._mode = "fixed" if fixed else "adaptive" if rate is None else "calibrated"
+        self.limits = per_block(r if fixed else r_max, "r" if fixed else "r_max", depth)
         self.blocks = tuple(k for k, limit in enumerate(self.limits) if limit > 0)
         if not self.blocks:
-            raise ValueError(f"{'r' if self.threshold is None else 'r_max'} must be > 0 in at least one block, got 0")
-        self.fixed_count = self.threshold is None
+            raise ValueError(f"{'r' if fixed else 'r_max'} must be > 0 in at least one block, got 0")
+        self.fixed_count = fixed
         self.depth = depth
+
+    @property
+    def mode(self) -> str:
+        """``"fixed"``, ``"adaptive"`` or ``"calibrated"`` (still ``"calibrated"`` once its threshold is set)."""
+        return self._mode
 
     @classmethod
     def from_keep_rate(
@@ -76,10 +111,16 @@ class ToMeMerger(Pruner):
         threshold: float | None = None,
         r_max: int | None = None,
     ) -> ToMeMerger:
-        """``r`` or ``threshold`` with ``r_max`` as given; with neither, the constant ``r`` whose mean patch count
-        over the blocks (after each block's merge) is nearest ``keep_rate * num_patches`` (r=13 on DeiT-B's 196
-        patches: 0.57). A keep rate of 1.0 gives ``r = 0``, which is no merger: refused."""
-        if r is None and threshold is None and r_max is None:
+        """``r``, or ``threshold`` with ``r_max``, as given (``keep_rate`` unused); ``r_max`` alone: the calibrated
+        mode at ``rate=keep_rate`` (refused if ``r_max`` merging in every block cannot get down to ``keep_rate``);
+        none of them: the constant ``r`` whose mean patch count over the blocks (after each block's merge) is nearest
+        ``keep_rate * num_patches`` (r=13 on DeiT-B's 196 patches: 0.57). A keep rate of 1.0 gives ``r = 0``, which
+        is no merger: refused."""
+        if r is None and threshold is None and r_max is not None:
+            merger = cls(r_max=r_max, rate=check_rate(keep_rate, "keep_rate"), depth=depth)
+            merger.check_target(num_patches, "keep_rate")
+            return merger
+        if r is None and threshold is None:
             check_rate(keep_rate, "keep_rate")
             target = keep_rate * num_patches
 
@@ -90,21 +131,54 @@ class ToMeMerger(Pruner):
         return cls(r, threshold=threshold, r_max=r_max, depth=depth)
 
     def extra_repr(self) -> str:
-        if self.threshold is None:
-            return f"r={_compact(self.limits)}"
-        return f"threshold={self.threshold}, r_max={_compact(self.limits)}"
+        if self.mode == "fixed":
+            return f"mode='fixed', r={_compact(self.limits)}"
+        rate = f", rate={self.rate}" if self.mode == "calibrated" else ""
+        return f"mode={self.mode!r}{rate}, threshold={self.threshold}, r_max={_compact(self.limits)}"
+
+    def check_ready(self) -> None:
+        if self.threshold is None and self.mode == "calibrated":
+            raise RuntimeError(
+                "ToMeMerger(mode='calibrated') has no threshold yet: call PrunedViT.calibrate(images) first"
+            )
 
     def limit(self, stage: int) -> int:
-        """``r`` (fixed) or ``r_max`` (adaptive) of stage ``stage``'s block."""
+        """``r`` (fixed) or ``r_max`` (adaptive, calibrated) of stage ``stage``'s block."""
         return self.limits[self.blocks[stage]]
 
+    def capped_counts(self, num_patches: int) -> list[int]:
+        """Patch rows of an image of ``num_patches`` after each stage when it merges its full ``r`` or ``r_max``
+        every time: the fixed mode's counts, the fewest the adaptive and calibrated modes can leave."""
+        counts, patches = [], num_patches
+        for stage in range(len(self.blocks)):
+            patches -= merge_count(patches, self.limit(stage))
+            counts.append(patches)
+        return counts
+
+    def check_target(self, num_patches: int, name: str = "rate") -> float:
+        """The calibrated mode's target for images of ``num_patches`` patches, ``rate * num_patches`` rows per image
+        and stage; ``ValueError`` (naming the rate ``name``) if ``r_max`` merging in every stage leaves more on
+        average (out of reach)."""
+        if self.mode != "calibrated":
+            raise ValueError(f"a target count needs mode='calibrated', this merger has mode={self.mode!r}")
+        target = self.rate * num_patches
+        counts = self.capped_counts(num_patches)
+        fewest = sum(counts) / len(counts)
+        if target < fewest:
+            raise ValueError(
+                f"{name}={self.rate} asks for {target:.4g} patch rows per image and stage of {num_patches}, fewer than "
+                f"the {fewest:.4g} that r_max={_compact(self.limits)} leaves merging its most in every stage: raise "
+                f"{name} or r_max"
+            )
+        return target
+
     def count_after(self, stage: int, patches: int, num_patches: int) -> int | None:
-        if self.threshold is not None:
+        if self.mode != "fixed":
             return None
         return patches - merge_count(patches, self.limit(stage))
 
     def max_count_after(self, stage: int, patches: int, num_patches: int) -> int:
-        return patches if self.threshold is not None else self.count_after(stage, patches, num_patches)
+        return patches if self.mode != "fixed" else self.count_after(stage, patches, num_patches)
 
     def check_input(self, inp: object) -> DecisionInput:
         inp = super().check_input(inp)
@@ -119,7 +193,7 @@ class ToMeMerger(Pruner):
         # every row, so the map stays valid (decide_merges itself refuses them; the kernel ranks their rows last).
         keys = torch.nan_to_num(keys, nan=0.0, posinf=0.0, neginf=0.0)
         ones = torch.ones(keys.shape[0], dtype=torch.int64, device=keys.device)  # sizes: not needed to decide
-        mode = {"r": self.limit(inp.stage)} if self.threshold is None else {
+        mode = {"r": self.limit(inp.stage)} if self.mode == "fixed" else {
             "threshold": self.threshold, "r_max": self.limit(inp.stage)}  # fmt: skip
         merged = decide_merges(keys, inp.cu_seqlens, ones, inp.num_prefix, **mode)
         return MergeSelection(merged.destination, seqlens(merged.cu_seqlens).int(), merged.cu_seqlens,
@@ -129,7 +203,7 @@ class ToMeMerger(Pruner):
 def fixed_count(merger: ToMeMerger, inp: DecisionInput) -> tuple[bool, int | None]:
     """``(fixed_count, count)`` of a merge decision on ``inp``: the host count (prefix rows included) in the fixed
     mode, where every image has the same rows (the batch is uniform: ``T // B`` rows each)."""
-    if merger.threshold is not None:
+    if merger.mode != "fixed":
         return False, None
     batch = inp.cu_seqlens.numel() - 1
     patches = inp.x.shape[0] // batch - inp.num_prefix
