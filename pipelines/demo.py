@@ -92,11 +92,11 @@ def describe_pruner(pv: PrunedViT, options: DemoOptions) -> str:
     }[Placement(pruner.placement)]
     blocks = ", ".join(map(str, pruner.blocks))
     depth = len(pv.model.blocks)
-    rate = "" if getattr(pruner, "mode", None) == "threshold" else f", keep rate {options.keep_rate}"
-    return (
-        f"{pruner.name} ({pruner.extra_repr()}){rate}: {where} {blocks}; "
-        f"blocks 0-{pv.num_dense_blocks - 1} dense, {pv.num_dense_blocks}-{depth - 1} packed"
-    )
+    unused = getattr(pruner, "mode", None) == "threshold" or {"r", "threshold"} & set(options.pruner_options)
+    rate = "" if unused else f", keep rate {options.keep_rate}"  # the keep rate, where it set the pruner
+    dense = pv.num_dense_blocks
+    layout = f"blocks 0-{dense - 1} dense, {dense}-{depth - 1} packed" if dense else "every block packed"
+    return f"{pruner.name} ({pruner.extra_repr()}){rate}: {where} {blocks}; {layout}"
 
 
 def large_batch_repeats(num_images: int, on_gpu: bool) -> int:

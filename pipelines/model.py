@@ -300,8 +300,11 @@ class PrunedViT(nn.Module):
                 offsets.append(state.cu_seqlens)
             else:
                 self.run_step(step, state)
-        counts = [seqlens(cu) - plan.num_prefix for cu in offsets]
-        counts = torch.stack(counts, dim=1) if counts else state.logits.new_zeros((state.batch, 0), dtype=torch.long)
+        if offsets:  # every stage's lengths in one go (a few launches, not two per stage)
+            cu = torch.stack(offsets).long()  # [S, B+1]
+            counts = (cu[:, 1:] - cu[:, :-1] - plan.num_prefix).t().contiguous()
+        else:
+            counts = state.logits.new_zeros((state.batch, 0), dtype=torch.long)
         return PrunedOutput(state.logits, counts, made)
 
     def check_inputs(self, images: object) -> torch.Tensor:
