@@ -50,7 +50,9 @@ equal the fixed ``r``'s, ``mean(fixed_r_counts(N, [r] * depth))``. Then
 is timed in fp16 with the default buckets (row ``ours_adaptive``, "reads": a host read of the merged total at every
 block's merge, except where ``B * N <= 1024``, below which the defaults already skip them: B <= 5 at 197 rows) and with
 ``TokenBuckets(sync_free_rows=B * N)`` (row ``ours_adaptive_sync_free``: no host read at all; every block then runs
-on the ``B * N`` rows of the unmerged batch, the rows no image owns forming padding images). Each adaptive entry
+on the ``B * N`` rows of the unmerged batch, the rows no image owns forming padding images) and with
+``TokenBuckets(lagged_reads=True)`` (row ``ours_adaptive_lagged``: every block's total read one block late, while the
+device runs on, each buffer sized by the total before). Each adaptive entry
 reports the calibration (threshold, seconds, the fp32 reference's mean at it), the host reads per forward, the
 pipeline's counts per block over every timed image (patch rows after each block's merge, prefix excluded: mean, min,
 max and population std over the images, beside the fixed ``r``'s), its mean rows per image and block against the
@@ -109,11 +111,12 @@ ROW_LABELS = {
     "ours": "ours: GraphedPrunedViT, Triton, compile_blocks",
     "ours_adaptive": "ours adaptive (reads)",
     "ours_adaptive_sync_free": "ours adaptive (sync-free)",
+    "ours_adaptive_lagged": "ours adaptive (lagged reads)",
 }
 ROWS = tuple(ROW_LABELS)
 PEER_ROWS = tuple(r for r in ROWS if r.startswith("peer_"))
-ADAPTIVE_ROWS = ("ours_adaptive", "ours_adaptive_sync_free")
-ADAPTIVE_NAMES = {"ours_adaptive": "reads", "ours_adaptive_sync_free": "sync-free"}
+ADAPTIVE_ROWS = ("ours_adaptive", "ours_adaptive_sync_free", "ours_adaptive_lagged")
+ADAPTIVE_NAMES = {"ours_adaptive": "reads", "ours_adaptive_sync_free": "sync-free", "ours_adaptive_lagged": "lagged"}
 PEER_FP32_BOUND = 1e-3  # fp32 peer vs fp32 reference on the GPU (TF32 off): same merges, summation order only
 
 
@@ -454,8 +457,10 @@ class Bench:
     ) -> tuple[list | None, Callable[[], None]]:
         """Our pipeline: fixed ``r`` (``ours``), or adaptive at the calibrated threshold with ``r_max = 2 r``
         (``ours_adaptive``: the default buckets; ``ours_adaptive_sync_free``: ``sync_free_rows = B * N``, no host
-        read). Every input batch runs once before timing (the first call's seconds: compilation and capture): the
-        checks, the host reads per forward and, adaptive, the counts and the logits against the fixed ``r``'s."""
+        read; ``ours_adaptive_lagged``: ``lagged_reads``, every read one stage late). Every input batch runs once
+        before timing (the first call's seconds: compilation and capture): the checks, the host reads per forward
+        (graph launches less one; late ones for the lagged row) and, adaptive, the counts and the logits against the
+        fixed ``r``'s."""
         depth, batch = len(model.blocks), images[0].shape[0]
         calibration, buckets = None, None
         if row == "ours":
@@ -469,6 +474,8 @@ class Bench:
             merger = make_pruner("tome", threshold=calibration.threshold, r_max=calibration.r_max, depth=depth)
             if row == "ours_adaptive_sync_free":
                 buckets = TokenBuckets(sync_free_rows=batch * _tokens(model))
+            elif row == "ours_adaptive_lagged":
+                buckets = TokenBuckets(lagged_reads=True)
         runner = self.graphed(model, merger, buckets)
 
         def cleanup() -> None:

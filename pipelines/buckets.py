@@ -46,17 +46,28 @@ class TokenBuckets:
             bound. With ``sync_free_rows >= B * N`` the forward reads nothing at all. For small batches of multi-stage
             pruners (ATS: 9 reads), where the GEMMs cost about the same for fewer rows. 0 (the default): every stage
             reads its total.
+        lagged_reads: every stage's total is read one stage late, without stalling the device (with
+            ``sync_free_rows`` unused): the segment after stage ``j`` is sized by stage ``j - 1``'s total, which bounds
+            stage ``j``'s (rows never grow), read while the device runs stage ``j``'s segment; the host stays one
+            graph ahead. The price: each buffer holds about one stage's worth of removed rows more than it needs (the
+            first stage's repack the plan's whole bound). For many variable-count stages at large batches (ToMe's
+            adaptive merges: 12), where waiting for every read idles the device between graphs.
     """
 
     step: int = 64
     growth: float = 1.0
     seqlen_step: int = 32
     sync_free_rows: int = 0
+    lagged_reads: bool = False
 
     def __post_init__(self) -> None:
         check_int(self.step, "step", 1)
         check_int(self.seqlen_step, "seqlen_step", 1)
         check_int(self.sync_free_rows, "sync_free_rows", 0)
+        if not isinstance(self.lagged_reads, bool):
+            raise TypeError(f"lagged_reads must be a bool, got {type(self.lagged_reads).__name__}")
+        if self.lagged_reads and self.sync_free_rows:
+            raise ValueError("sync_free_rows skips reads, lagged_reads delays them: give one of them, not both")
         if isinstance(self.growth, bool) or not isinstance(self.growth, (int, float)):
             raise TypeError(f"growth must be a float >= 1, got {type(self.growth).__name__}")
         if not 1.0 <= self.growth < math.inf:

@@ -182,6 +182,23 @@ class _Buffers:
             self.cu = torch.zeros((pipeline.num_stages + 1, width), dtype=torch.int32, device=device)
             self.cu[0, : batch + 1] = torch.arange(batch + 1, dtype=torch.int32, device=device) * tokens
             self.stats = torch.zeros(2, dtype=torch.long, device=device)
+            # lagged reads: every stage's total and longest image, copied to the host behind its segment
+            self.host_stats = torch.zeros((pipeline.num_stages, 2), dtype=torch.long, pin_memory=device.type == "cuda")
+            self.copied: list[torch.cuda.Event | None] = [None] * pipeline.num_stages
+
+    def copy_stats(self, stage: int) -> None:
+        """Queues the copy of ``stats`` (stage ``stage``'s decision, just stored) to the host, without waiting."""
+        self.host_stats[stage].copy_(self.stats, non_blocking=True)
+        if self.stats.is_cuda:
+            self.copied[stage] = torch.cuda.Event()
+            self.copied[stage].record()
+
+    def read_stats(self, stage: int) -> tuple[int, int]:
+        """Stage ``stage``'s kept total and longest image, waiting for their copy only (not for later work)."""
+        if self.copied[stage] is not None:
+            self.copied[stage].synchronize()
+        total, longest = self.host_stats[stage].tolist()
+        return total, longest
 
     def nbytes(self) -> int:
         tensors = [self.images, self.logits, self.counts, *self.x, *self.keep, *self.kept, *self.destination]
@@ -400,6 +417,9 @@ class GraphedPrunedViT:
 
     def _run_segments(self, bufs: _Buffers) -> None:
         """A variable-count forward: the segments from one host read to the next, each run one graph."""
+        if self.buckets.lagged_reads:
+            self._run_lagged(bufs)
+            return
         batch, tokens, plan = bufs.batch, bufs.tokens, bufs.plan
         chain = [SegmentShape(0, batch * tokens, tokens, 0)]  # segment 0: the whole dense batch
         for index in range(1, len(plan.segments)):
@@ -414,6 +434,30 @@ class GraphedPrunedViT:
                 capacity = min(previous.capacity, batch * rows)
                 chain.append(SegmentShape(index, capacity, rows, padding_images(capacity, batch, rows)))
         self._launch_chain(bufs, chain)
+
+    def _run_lagged(self, bufs: _Buffers) -> None:
+        """A variable-count forward with reads one stage behind (``TokenBuckets.lagged_reads``): every segment is
+        one graph; segment ``j`` repacks stage ``j - 1``'s decision into the capacity that holds stage ``j - 2``'s
+        total (an image's rows never grow from stage to stage, so that total bounds the next), read by the host while
+        the device runs segment ``j - 1``: the host waits for a decision only once the next segment is queued
+        behind it. Segment 1 has no earlier total: the plan's bound sizes it."""
+        batch, tokens, plan = bufs.batch, bufs.tokens, bufs.plan
+        stages = len(plan.segments) - 1
+        for index in range(stages + 1):
+            if index == 0:
+                shape = SegmentShape(0, batch * tokens, tokens, 0)
+            else:
+                rows = plan.row_bounds[index]
+                capacity, bound = batch * rows, rows
+                if index >= 2:  # stage index - 2's total and longest image bound stage index - 1's
+                    total, longest = bufs.read_stats(index - 2)
+                    capacity = min(self.buckets.capacity(total, batch, tokens), capacity)
+                    bound = min(self.buckets.seqlen_bound(longest, tokens), rows)
+                bound = max(bound, -(-(capacity - batch) // batch))  # at most B padding images (bufs.cu's width)
+                shape = SegmentShape(index, capacity, bound, padding_images(capacity, batch, bound))
+            self._launch_chain(bufs, [shape])
+            if index < stages:
+                bufs.copy_stats(index)  # queued behind the segment: read when the segment after next needs it
 
     def _launch_chain(self, bufs: _Buffers, chain: list[SegmentShape]) -> None:
         # A chain that hands its decision to the next graph is one segment (the capacity never grows, so once a
@@ -517,7 +561,7 @@ class GraphedPrunedViT:
         the kept total and longest image to ``bufs.stats``)."""
         sel, side, rows = state.selection, shape.index % 2, state.x.shape[0]
         kept = sel.kept[: bufs.batch]
-        if self.buckets.rereads_after(shape.capacity):  # the next stage reads its total and longest image
+        if self.buckets.lagged_reads or self.buckets.rereads_after(shape.capacity):  # a read of them follows
             lens = kept.long()
             bufs.stats.copy_(torch.stack([lens.sum(), lens.max()]))
         bufs.x[side][:rows].copy_(state.x)

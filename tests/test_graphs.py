@@ -23,7 +23,7 @@ import torch
 
 from ragged_vit import PrunedViT, build_pipeline
 from ragged_vit.pipelines.buckets import TokenBuckets, padding_images
-from ragged_vit.pipelines.graphs import AUTO_SYNC_FREE_ROWS, GraphedPrunedViT
+from ragged_vit.pipelines.graphs import AUTO_SYNC_FREE_ROWS, GraphedPrunedViT, _Buffers
 from ragged_vit.reference.pruners import make_pruner
 from ragged_vit.triton_impl import pack as triton_pack
 from tests.helpers import tiny_images, tiny_pipeline
@@ -123,6 +123,8 @@ def test_seqlen_bound(longest, tokens, expected):
         ({"growth": True}, TypeError),
         ({"seqlen_step": 0}, ValueError),
         ({"sync_free_rows": -1}, ValueError),
+        ({"lagged_reads": 1}, TypeError),
+        ({"lagged_reads": True, "sync_free_rows": 64}, ValueError),
     ],
 )
 def test_buckets_reject_bad_settings(kwargs, error):
@@ -269,6 +271,45 @@ def test_chained_segments_equal_separate_ones():
     out_serial = serial.run(images)
     assert not beside and serial.counters.eager_segments == 1  # one chain, MLP halves after the repacks
     assert torch.equal(out_serial.logits, ref.logits) and torch.equal(out_serial.counts, ref.counts)
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("case", list(VARIABLE))
+def test_lagged_reads_size_each_segment_by_the_total_before(case, backend, poisoned, monkeypatch):
+    """``lagged_reads``: one graph per segment; segment 1 at the plan's bound, segment ``j`` at the capacity of stage
+    ``j - 2``'s total (read late), which holds stage ``j - 1``'s; padding (NaN) spread over padding images; results
+    equal the eager pipeline's."""
+    pv = calibrated(tiny_pipeline(VARIABLE[case], backend))
+    buckets = TokenBuckets(step=4, seqlen_step=4, lagged_reads=True)
+    runner = GraphedPrunedViT(pv, buckets)
+    shapes, reads = [], []
+    real_chain, real_read = runner._chain, _Buffers.read_stats
+
+    def chain(bufs, chained):
+        shapes.extend(chained)
+        real_chain(bufs, chained)
+
+    def read(bufs, stage):
+        reads.append(real_read(bufs, stage))
+        return reads[-1]
+
+    monkeypatch.setattr(runner, "_chain", chain)
+    monkeypatch.setattr(_Buffers, "read_stats", read)
+    images = tiny_images(4, 9)
+    out, ref = runner.run(images), pv.run(images)
+    assert_same(out, ref)
+    plan, stages = runner.plan, len(runner.plan.stages)
+    assert [s.index for s in shapes] == list(range(stages + 1)) and len(reads) == max(stages - 1, 0)
+    if stages > 1:
+        assert shapes[1].capacity == 4 * plan.row_bounds[1]
+        for index in range(2, stages + 1):
+            total = reads[index - 2][0]
+            assert shapes[index].capacity == min(buckets.capacity(total, 4, TOKENS), 4 * plan.row_bounds[index])
+    kept = (ref.counts + plan.num_prefix).sum(0).tolist()  # each stage's real total
+    assert all(shape.capacity >= total for shape, total in zip(shapes[1:], kept, strict=True))
+    assert all(cap >= total for cap, total in poisoned)
 
 
 @pytest.mark.interpreter

@@ -329,10 +329,14 @@ def test_graphed_fixed_r_runs_the_pipeline_itself():
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on the NaN padding rows
-@pytest.mark.parametrize("sync_free_rows", [0, 10_000], ids=["reads", "no-reads"])
-def test_graphed_adaptive_merges_match_eager_with_nan_padding(sync_free_rows, poisoned):
+@pytest.mark.parametrize(
+    "reads",
+    [{"sync_free_rows": 0}, {"sync_free_rows": 10_000}, {"lagged_reads": True}],
+    ids=["reads", "no-reads", "lagged"],
+)
+def test_graphed_adaptive_merges_match_eager_with_nan_padding(reads, poisoned):
     pv = PrunedViT(small_model("avg"), merger("adaptive"), "triton")
-    runner = GraphedPrunedViT(pv, TokenBuckets(step=6, seqlen_step=4, sync_free_rows=sync_free_rows))
+    runner = GraphedPrunedViT(pv, TokenBuckets(step=6, seqlen_step=4, **reads))
     x = images(3, 6)
     out, ref = runner.run(x), pv.run(x)
     assert torch.equal(out.counts, ref.counts)
@@ -412,11 +416,12 @@ def test_gpu_fp32_equals_the_reference_forward(mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", ["fixed", "adaptive"])
+@pytest.mark.parametrize("mode", ["fixed", "adaptive", "adaptive-lagged"])
 @pytest.mark.parametrize("batch", [1, 5])
 def test_gpu_graph_equals_eager(mode, batch):
-    pv = PrunedViT(small_model("token").cuda().half(), merger(mode), "triton")
-    runner = GraphedPrunedViT(pv, TokenBuckets(step=16, sync_free_rows=0))
+    """Graphs against eager, fresh images every call; the lagged reads wait on events, not on the stream."""
+    pv = PrunedViT(small_model("token").cuda().half(), merger(mode.split("-")[0]), "triton")
+    runner = GraphedPrunedViT(pv, TokenBuckets(step=16, lagged_reads=mode.endswith("lagged")))
     for seed in range(3):  # new images every call: the replays read the static input
         x = images(batch, 20 + seed).cuda().half()
         out, ref = runner.run(x), pv.run(x)

@@ -206,18 +206,23 @@ def test_main_dry_run_on_cpu(tmp_path, capsys):
             assert 0 <= c["std"][k] <= (c["max"][k] - c["min"][k]) / 2 + 1e-9
         assert c["max"] == sorted(c["max"], reverse=True) and c["min"] == sorted(c["min"], reverse=True)  # no growth
         assert 0 < vs["mean"] <= vs["max"] and 0 <= vs["top1_agree"] <= 1  # another merge schedule: other logits
-        assert e["host_reads_per_forward"] == 0  # B * N = 202 rows: the default buckets skip reads below 1024 too
+        # B * N = 202 rows: the default buckets skip reads below 1024 too; the lagged row reads (late) every stage
+        assert e["host_reads_per_forward"] == (depth if row == "ours_adaptive_lagged" else 0)
     assert rows["ours_adaptive"]["buckets"]["sync_free_rows"] == 1024
     assert rows["ours_adaptive_sync_free"]["buckets"]["sync_free_rows"] == 2 * n
-    # Both adaptive rows run the same segments here, against the fixed-r logits of the first run's ``ours`` row and
-    # of the second run's own fixed-r pipeline: bit for bit the same results.
-    a, b = (rows[row] for row in adaptive)
-    assert a["counts"] == b["counts"] and a["vs_fixed"] == b["vs_fixed"] and a["check"] == b["check"]
-    assert a["calibration"]["threshold"] == b["calibration"]["threshold"]
+    assert rows["ours_adaptive_lagged"]["buckets"]["lagged_reads"]
+    # The first two adaptive rows run the same segments here, against the fixed-r logits of the first run's ``ours``
+    # row and of the second run's own fixed-r pipeline: bit for bit the same results. The lagged row repacks into
+    # other capacities: the same merges.
+    a, b, lagged = (rows[row] for row in adaptive)
+    assert a["counts"] == b["counts"] == lagged["counts"]
+    assert a["vs_fixed"] == b["vs_fixed"] and a["check"] == b["check"]
+    assert a["calibration"]["threshold"] == b["calibration"]["threshold"] == lagged["calibration"]["threshold"]
 
     lines = printed.rstrip().splitlines()
     assert lines[-2].startswith("| ours vs the peer's best mode |")
-    assert lines[-1].startswith("| adaptive / fixed (the faster adaptive row) | ") and lines[-1].endswith("x (reads) |")
+    assert lines[-1].startswith("| adaptive / fixed (the faster adaptive row) | ")
+    assert any(lines[-1].endswith(f"x ({name}) |") for name in tome_peer.ADAPTIVE_NAMES.values())  # the faster one
     assert sum("ours adaptive (reads), B=2: threshold" in line for line in lines) == 1
 
 
