@@ -10,8 +10,9 @@ and host waits) and the per-kind split. ``--compile-blocks`` adds the pipelines 
 ``--sync-free-rows R`` the runners with ``TokenBuckets(sync_free_rows=R)``, ``--serial-decisions`` the runners with
 ``overlap_decisions=False``, ``--eager`` timm eager and the eager pipelines (no graphs; their "host ops" column counts
 the top-level aten ops per forward, the host dispatches besides the Triton launches, which the kernel count includes;
-``--host-profile N`` adds cProfile's top N functions of each eager row). ``--workloads`` takes ``WORKLOAD:KEEP`` (keep
-rate 0.5 by default). Details go to ``--out`` (JSON).
+``--host-profile N`` adds cProfile's top N functions of each eager row; ``--eager-rounds K`` times timm eager and the
+eager pipelines again in turn, K rounds, for ratios that pair timings of one round: the host's speed drifts).
+``--workloads`` takes ``WORKLOAD:KEEP`` (keep rate 0.5 by default). Details go to ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import functools
 import json
 import pstats
 import re
+import statistics
 from collections import defaultdict
 
 import torch
@@ -90,6 +92,37 @@ def profile_forward(forward, images: list[torch.Tensor], replays: int = 20) -> d
     }
 
 
+def eager_rounds(lab: Lab, batch: int, images: list[torch.Tensor], args: argparse.Namespace) -> list[dict]:
+    """timm eager and every workload's eager pipeline timed in turn (``--eager-rounds`` rounds of
+    :func:`benchmarks.timing.span_time` each), so that each ratio to timm eager pairs two timings of one round."""
+    model = lab.model(DEIT_B)
+
+    def timm_eager(x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return model(x)
+
+    forwards = {"timm eager": timm_eager}
+    forwards |= {f"{w} {k:g} eager": lab.pipeline(DEIT_B, w, k, "triton").run for w, k in args.workloads}
+    calls = {label: [functools.partial(f, img) for img in images] for label, f in forwards.items()}
+    for row in calls.values():
+        warmup(row, n=6)
+    spans: dict[str, list[float]] = {label: [] for label in calls}
+    for _ in range(args.eager_rounds):
+        for label, row in calls.items():
+            spans[label].append(span_time(row, 10))
+    rows = []
+    print(f"eager, {args.eager_rounds} rounds in turn, B={batch}: | pipeline | median img/s | median ratio to timm "
+          "eager | min | max |")  # fmt: skip
+    for label, us in spans.items():
+        ratios = sorted(t / u for t, u in zip(spans["timm eager"], us, strict=True))
+        row = {"batch": batch, "pipeline": label, "img_per_s": batch / statistics.median(us) * 1e6,
+               "ratio_median": statistics.median(ratios), "ratio_min": ratios[0], "ratio_max": ratios[-1]}  # fmt: skip
+        rows.append(row)
+        print(f"| {batch} | {label} | {row['img_per_s']:,.0f} | {row['ratio_median']:.2f}x | {row['ratio_min']:.2f}x "
+              f"| {row['ratio_max']:.2f}x |", flush=True)  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,4,64")
@@ -105,12 +138,24 @@ def main() -> None:
     parser.add_argument(
         "--host-profile", type=int, default=0, metavar="N", help="with --eager: cProfile's top N functions per row"
     )
+    parser.add_argument(
+        "--eager-rounds",
+        type=int,
+        default=0,
+        metavar="K",
+        help="with --eager: also time timm eager and the eager pipelines in turn, K rounds, and report each "
+        "pipeline's median ratio to timm eager over the rounds (host-bound timings drift: pairs from one round)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     try:
         args.workloads = workload_keeps(args.workloads)
     except ValueError as exc:
         parser.error(f"--workloads: {exc}")
+    if args.eager_rounds and not args.eager:
+        parser.error("--eager-rounds: times the eager rows, which only --eager adds")
+    if args.eager_rounds < 0:
+        parser.error(f"--eager-rounds: must be >= 0, got {args.eager_rounds}")
     torch.manual_seed(0)
     lab = Lab(torch.device("cuda"), torch.float16)
     results = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
@@ -176,6 +221,8 @@ def main() -> None:
             del forward
             torch._dynamo.reset()
             torch.cuda.empty_cache()
+        if args.eager_rounds:
+            results.setdefault("eager_rounds", []).extend(eager_rounds(lab, batch, images, args))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
