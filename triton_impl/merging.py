@@ -1,24 +1,27 @@
 """ToMe's merge in sync-free Triton kernels: the bipartite matching and the size-weighted merge, beside their
 reference :mod:`ragged_vit.reference.merging` (the rule: ``docs/tome.md``).
 
-:func:`decide_merges` (the reference's ``decide_merges`` without the sizes, which only the merge needs) is one launch
-in the fixed mode and two in the adaptive one:
+:func:`decide_merges` (the reference's ``decide_merges`` without the sizes, which only the merge needs) is three
+launches in the fixed mode and four in the adaptive one, each spread over as many programs as its work allows (one
+program per image doing everything measured ~37 us per block at batch 1-4 on an H100: L1-bound on one SM):
 
-1. ``_match_kernel`` (grid ``(B,)``: one program of 8 warps per image, its rows in tiles), in four phases separated
-   by barriers: the metric of every patch row (the keys summed over heads in head order, divided by ``H``, then by
-   the L2 norm clamped to ``1e-12``: ``F.normalize``; fp32, divisions and square root correctly rounded; ``4096 / D``
-   rows per step with every head's load unrolled, so they are in flight at once) into a ``[T, D]`` fp32 scratch; each
-   A row's best B row, by ``tl.dot`` of fp32 metric tiles (IEEE fp32, not TF32) of up to 64 A rows against B tiles of
-   up to 64 rows in order, the first maximum winning (the lowest B index); each A row's rank among its image's A
-   rows, by counting those that beat it (a higher best similarity, or an equal one and a lower index: the reference's
-   stable descending sort), and the merged ones, of rank ``< min(limit, patches // 2)`` (and best ``>= threshold`` in
-   the adaptive mode), with their running count (``[3, T]`` int32 scratch); then every row's destination (an image of
-   up to 1024 rows in one step): a surviving row moves up by the merged A rows before it, a merged A row goes where
-   its B row goes. In the fixed mode the counts are the rule's, ``n - min(r, patches // 2)`` from the lengths alone,
-   so each program also computes its image's offset in the merged buffer from every image's length, writes its
-   destinations final and its entry of ``cu_seqlens``.
-2. adaptive mode only: ``_offset_kernel`` (grid ``(B,)``) adds to each image's destinations the rows the images
-   before it keep (their counts, from launch 1) and writes the merged ``cu_seqlens``.
+1. ``_metric_kernel`` (grid ``(B, cdiv(patches, 4096 / D))``): the metric of every patch row (the keys summed over
+   heads in head order, every head's load in flight at once, divided by ``H``, then by the L2 norm clamped to
+   ``1e-12``: ``F.normalize``; fp32, divisions and square root correctly rounded) into a ``[T, D]`` fp32 scratch.
+   Every row's metric comes from the same tile shape, so equal keys give equal metrics, bit for bit.
+2. ``_best_kernel`` (grid ``(B, cdiv(patches / 2, 16))``: an image and 16 of its A rows): each A row's best B row,
+   by ``tl.dot`` of fp32 metric tiles (IEEE fp32, not TF32) against B tiles of up to 64 rows in order, the first
+   maximum winning (the lowest B index); its similarity's bits and the B index into a ``[3, T]`` int32 scratch.
+3. ``_match_kernel`` (grid ``(B,)``: an image): each A row's rank among its image's A rows, by counting those that
+   beat it (a higher best similarity, or an equal one and a lower index: the reference's stable descending sort),
+   the merged ones, of rank ``< min(limit, patches // 2)`` (and best ``>= threshold`` in the adaptive mode), with
+   their running count; then every row's destination (an image of up to 1024 rows in one step): a surviving row
+   moves up by the merged A rows before it, a merged A row goes where its B row goes. In the fixed mode the counts
+   are the rule's, ``n - min(r, patches // 2)`` from the lengths alone, so each program also computes its image's
+   offset in the merged buffer from every image's length, writes its destinations final and its entry of
+   ``cu_seqlens``.
+4. adaptive mode only: ``_offset_kernel`` (grid ``(B,)``) adds to each image's destinations the rows the images
+   before it keep (their counts, from launch 3) and writes the merged ``cu_seqlens``.
 
 :func:`merge_rows` is one launch, ``_merge_kernel`` (grid ``(B, cdiv(max_seqlen, 16), cdiv(C, 128))``: an image, 16
 rows of its merged buffer, 128 channels): each merged row gathers its sources, the rows of its image sent to it, in
@@ -96,36 +99,34 @@ _MAX_HEAD_DIM = 256  # D of one metric tile in registers
 _BLOCK_D = 16  # merged rows per program of the merge: a DeiT image spreads over 13 programs per channel block
 _BLOCK_T = 64  # input rows scanned per step for the sources of those rows
 _BLOCK_C = 128  # channels per program of the merge (DeiT-B: 6)
-_MATCH_WARPS = 8  # 4 spill the similarity tiles at D = 64 (sm_90)
+_BLOCK_A = 16  # A rows per program of the best-match search (tl.dot's least): a DeiT-B image over 7 programs
 _NUM_WARPS = 4
 
 
-@triton.jit(do_not_specialize=["total", "batch", "limit", "threshold", "num_prefix"])
-def _match_kernel(
-    KEYS, CU, METRIC, WORK, DEST, COUNTS, CU_OUT,
-    total, batch, stride_kt, stride_kh, stride_kd, limit, threshold, num_prefix,
-    H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_AB: tl.constexpr,
-    BLOCK_DST: tl.constexpr, B_PAD: tl.constexpr, ADAPTIVE: tl.constexpr,
-):  # fmt: skip
-    b = tl.program_id(0)
+@triton.jit
+def _image_sets(CU, b, total, num_prefix, limit):
+    """Image ``b``'s rows, its first patch row, the sizes of A (even positions among its patch rows) and B (odd
+    ones), and its cap ``min(limit, |B|)``."""
     start, end = image_rows(CU, b, total)
-    first = tl.minimum(start + num_prefix, end)  # the image's first patch row
-    num_a = (end - first + 1) // 2  # A: even positions among the patch rows, B: odd ones
+    first = tl.minimum(start + num_prefix, end)
+    num_a = (end - first + 1) // 2
     num_b = (end - first) // 2
-    cap = tl.minimum(limit, num_b)
-    # WORK (int32 [3, T]), at the image's first rows: per A row i, row start + i holds its best similarity's bits,
-    # start + total + i its best B row, start + 2 * total + i the merged A rows up to i (inclusive) * 2 + merged.
-    BEST = WORK + start
-    MATCH = WORK + total + start
-    MERGED = WORK + 2 * total + start
+    return start, end, first, num_a, num_b, tl.minimum(limit, num_b)
+
+
+@triton.jit(do_not_specialize=["total", "limit", "num_prefix"])
+def _metric_kernel(
+    KEYS, CU, METRIC, total, stride_kt, stride_kh, stride_kd, limit, num_prefix,
+    H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """The metric of every patch row of images that merge: the keys' mean over heads, L2-normalised (F.normalize:
+    eps 1e-12), fp32, into ``METRIC [T, D_PAD]``; a program per image and ``BLOCK_M`` rows (grid-stride)."""
+    b = tl.program_id(0)
+    start, end, first, num_a, num_b, cap = _image_sets(CU, b, total, num_prefix, limit)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
-    offs_a = tl.arange(0, BLOCK_AB)
-    offs_b = tl.arange(0, BLOCK_AB)
-    merged_rows = 0
     if cap > 0:
-        # The metric of every patch row: the keys' mean over heads, L2-normalised (F.normalize: eps 1e-12).
-        for r0 in range(first, end, BLOCK_M):
+        for r0 in range(first + tl.program_id(1) * BLOCK_M, end, tl.num_programs(1) * BLOCK_M):
             rows = r0 + offs_m
             mask = (rows < end)[:, None] & (offs_d < D)[None, :]
             keys = KEYS + rows.to(tl.int64)[:, None] * stride_kt + offs_d[None, :] * stride_kd
@@ -136,16 +137,31 @@ def _match_kernel(
             norm = tl.maximum(tl.sqrt_rn(tl.sum(mean * mean, 1)), 1e-12)
             metric = tl.math.div_rn(mean, norm[:, None])
             tl.store(METRIC + rows.to(tl.int64)[:, None] * D_PAD + offs_d[None, :], metric, mask=(rows < end)[:, None])
-        tl.debug_barrier()
-        # Each A row's best B row: the first maximum over B tiles in order, the lowest index inside a tile.
-        for i0 in range(0, num_a, BLOCK_AB):
+
+
+@triton.jit(do_not_specialize=["total", "limit", "num_prefix"])
+def _best_kernel(
+    CU, METRIC, WORK, total, limit, num_prefix,
+    D_PAD: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """Each A row's best B row: the first maximum over B tiles in order, the lowest index inside a tile; a program
+    per image and ``BLOCK_A`` A rows (grid-stride). Writes the best similarity's bits and the B index to ``WORK``."""
+    b = tl.program_id(0)
+    start, end, first, num_a, num_b, cap = _image_sets(CU, b, total, num_prefix, limit)
+    BEST = WORK + start
+    MATCH = WORK + total + start
+    offs_a = tl.arange(0, BLOCK_A)
+    offs_b = tl.arange(0, BLOCK_B)
+    offs_d = tl.arange(0, D_PAD)
+    if cap > 0:
+        for i0 in range(tl.program_id(1) * BLOCK_A, num_a, tl.num_programs(1) * BLOCK_A):
             i = i0 + offs_a
             in_a = i < num_a
             rows_a = (first + 2 * i).to(tl.int64)
             metric_a = tl.load(METRIC + rows_a[:, None] * D_PAD + offs_d[None, :], mask=in_a[:, None], other=0.0)
-            best = tl.full([BLOCK_AB], float("-inf"), tl.float32)
-            match = tl.zeros([BLOCK_AB], dtype=tl.int32)
-            for j0 in range(0, num_b, BLOCK_AB):
+            best = tl.full([BLOCK_A], float("-inf"), tl.float32)
+            match = tl.zeros([BLOCK_A], dtype=tl.int32)
+            for j0 in range(0, num_b, BLOCK_B):
                 j = j0 + offs_b
                 in_b = j < num_b
                 rows_b = (first + 2 * j + 1).to(tl.int64)
@@ -160,7 +176,26 @@ def _match_kernel(
             best = tl.where(best == best, best, float("-inf"))  # NaN (non-finite keys): ranked last
             tl.store(BEST + i, best.to(tl.int32, bitcast=True), mask=in_a)
             tl.store(MATCH + i, match, mask=in_a)
-        tl.debug_barrier()
+
+
+@triton.jit(do_not_specialize=["total", "batch", "limit", "threshold", "num_prefix"])
+def _match_kernel(
+    CU, WORK, DEST, COUNTS, CU_OUT, total, batch, limit, threshold, num_prefix,
+    BLOCK_AB: tl.constexpr, BLOCK_DST: tl.constexpr, B_PAD: tl.constexpr, ADAPTIVE: tl.constexpr,
+):  # fmt: skip
+    """The merged A rows (ranked by best similarity, descending, then index), the image's count and (fixed mode)
+    offsets, and every row's destination; a program per image."""
+    b = tl.program_id(0)
+    start, end, first, num_a, num_b, cap = _image_sets(CU, b, total, num_prefix, limit)
+    # WORK (int32 [3, T]), at the image's first rows: per A row i, row start + i holds its best similarity's bits,
+    # start + total + i its best B row, start + 2 * total + i the merged A rows up to i (inclusive) * 2 + merged.
+    BEST = WORK + start
+    MATCH = WORK + total + start
+    MERGED = WORK + 2 * total + start
+    offs_a = tl.arange(0, BLOCK_AB)
+    offs_b = tl.arange(0, BLOCK_AB)
+    merged_rows = 0
+    if cap > 0:
         # The merged A rows: rank by (best descending, index ascending) below the cap (and passing the threshold).
         for i0 in range(0, num_a, BLOCK_AB):
             i = i0 + offs_a
@@ -277,6 +312,8 @@ def _merge_kernel(
                 tl.store(LOG_SIZES + d, tl.log(weight.to(tl.float64)).to(tl.float32), mask=in_d)
 
 
+_metric_launcher = CompiledLauncher(_metric_kernel)
+_best_launcher = CompiledLauncher(_best_kernel)
 _match_launcher = CompiledLauncher(_match_kernel)
 _offset_launcher = CompiledLauncher(_offset_kernel)
 _merge_launcher = CompiledLauncher(_merge_kernel)
@@ -305,8 +342,8 @@ def decide_merges(
     check_values: bool | None = None,
 ) -> MergeSelection:
     """One block's merges by bipartite soft matching, per image: the kernels' twin of
-    :func:`ragged_vit.reference.merging.decide_merges` (module docstring: the rules), one launch in the fixed mode,
-    two in the adaptive one, no host synchronisation.
+    :func:`ragged_vit.reference.merging.decide_merges` (module docstring: the rules), three launches in the fixed
+    mode, four in the adaptive one, no host synchronisation.
 
     Args:
         keys: ``[T, H, D]`` the block's attention keys (after ``k_norm``), fp16, bf16 or fp32, any strides (e.g. a
@@ -367,18 +404,25 @@ def decide_merges_unchecked(
     block_m = max(1, _METRIC_ELEMENTS // d_pad)
     block_dst = min(_MAX_BLOCK_DST, triton.next_power_of_2(max(max_seqlen, 16)))
     strides = keys.stride()
-    args = (
-        keys, cu, metric, work, out.destination, out.kept, out.cu_seqlens, total, batch, *strides, limit,
-        _fp32_threshold(threshold) if adaptive else 0.0, num_prefix, heads, dim, d_pad, block_m, block_ab, block_dst,
-        b_pad, adaptive,
-    )  # fmt: skip
+    device_index, patches = keys.get_device(), max(max_seqlen - num_prefix, 1)
     ok = aligned(keys, cu, metric, work, out.destination, out.kept, out.cu_seqlens)
-    key = (keys.dtype, heads, dim, block_ab, block_dst, b_pad, adaptive, *map(int_spec, strides)) if ok else None
-    _match_launcher(key, keys.get_device(), (batch,), args, num_warps=_MATCH_WARPS, num_stages=1)
+    args = (keys, cu, metric, total, *strides, limit, num_prefix, heads, dim, d_pad, block_m)
+    key = (keys.dtype, heads, dim, block_m, *map(int_spec, strides)) if ok else None
+    grid = (batch, triton.cdiv(patches, block_m))
+    _metric_launcher(key, device_index, grid, args, num_warps=_NUM_WARPS, num_stages=1)
+    args = (cu, metric, work, total, limit, num_prefix, d_pad, _BLOCK_A, block_ab)
+    grid = (batch, triton.cdiv(-(-patches // 2), _BLOCK_A))
+    _best_launcher((d_pad, block_ab) if ok else None, device_index, grid, args, num_warps=_NUM_WARPS, num_stages=1)
+    args = (
+        cu, work, out.destination, out.kept, out.cu_seqlens, total, batch, limit,
+        _fp32_threshold(threshold) if adaptive else 0.0, num_prefix, block_ab, block_dst, b_pad, adaptive,
+    )  # fmt: skip
+    key = (block_ab, block_dst, b_pad, adaptive) if ok else None
+    _match_launcher(key, device_index, (batch,), args, num_warps=_NUM_WARPS, num_stages=1)
     if adaptive:
         b_pad = triton.next_power_of_2(batch)
         args = (cu, out.kept, out.destination, out.cu_seqlens, total, batch, _BLOCK_R, b_pad)
-        _offset_launcher(b_pad if ok else None, keys.get_device(), (batch,), args, num_warps=_NUM_WARPS, num_stages=1)
+        _offset_launcher(b_pad if ok else None, device_index, (batch,), args, num_warps=_NUM_WARPS, num_stages=1)
     return out
 
 
