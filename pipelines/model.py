@@ -72,6 +72,7 @@ from ragged_vit.pipelines.patch_embed import patch_embed_gemm, supports_gemm
 from ragged_vit.pipelines.plan import ForwardPlan, Step, StepKind, build_plan
 from ragged_vit.reference import merging as ref_merging
 from ragged_vit.reference import packing as ref_packing
+from ragged_vit.reference.tome import bisect_threshold
 from ragged_vit.triton_impl import merging as triton_merging
 from ragged_vit.triton_impl import pack as triton_pack
 
@@ -401,7 +402,7 @@ class PrunedViT(nn.Module):
                 return float(self.run(images).counts.double().mean()) - target
 
             try:
-                merger.threshold = self._bisect_threshold(miss, fewest - target, num_patches - target)
+                merger.threshold = bisect_threshold(miss, fewest - target, num_patches - target)
             except BaseException:
                 merger.threshold = previous
                 raise
@@ -412,23 +413,6 @@ class PrunedViT(nn.Module):
             raise NotImplementedError("calibrate() supports before/after-block stages only")
         x = _front(self, self.check_images(images).to(self.dtype))
         return self.pruner.calibrate(x, num_prefix=self._plan.num_prefix)
-
-    @staticmethod
-    def _bisect_threshold(miss: Callable[[float], float], miss_low: float, miss_high: float, steps: int = 30) -> float:
-        """The threshold in ``[-2, 2]`` whose ``miss(threshold)`` (rows above the target; it falls as the threshold
-        falls) is nearest 0, by bisection: ``miss_low`` / ``miss_high`` are the ends' (every similarity passes / none
-        does), known without a forward. At most ``steps`` halvings; stops at an exact hit; the best seen wins."""
-        low, high = -2.0, 2.0
-        best, best_miss = min((low, miss_low), (high, miss_high), key=lambda end: abs(end[1]))
-        for _ in range(steps):
-            if best_miss == 0:
-                break
-            mid = (low + high) / 2
-            m = miss(mid)
-            if abs(m) < abs(best_miss):
-                best, best_miss = mid, m
-            low, high = (low, mid) if m > 0 else (mid, high)  # too many rows left: lower the threshold
-        return best
 
     def check_images(self, images: object) -> torch.Tensor:
         """Checks a batch of images for this model (float ``[B, C, H, W]`` at its input size, or with

@@ -24,7 +24,7 @@ gradients); the paper's decreasing schedule is not built in (pass its per-block 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -179,9 +179,19 @@ def calibrate_threshold(
         counts = tome_forward(model, images, threshold=threshold, r_max=r_max).counts
         return float(counts.double().mean()) - target
 
-    low, high = -2.0, 2.0  # every similarity passes / none does
-    best, best_miss = min((low, fewest - target), (high, n - target), key=lambda end: abs(end[1]))
-    for _ in range(_CALIBRATION_STEPS):
+    return bisect_threshold(miss, fewest - target, n - target)
+
+
+def bisect_threshold(
+    miss: Callable[[float], float], miss_low: float, miss_high: float, steps: int = _CALIBRATION_STEPS
+) -> float:
+    """The threshold in ``[-2, 2]`` whose ``miss(threshold)`` (rows above the target; it falls as the threshold
+    falls) is nearest 0, by bisection: ``miss_low`` / ``miss_high`` are the ends' (every similarity passes / none
+    does), known without a forward. At most ``steps`` halvings; stops at an exact hit; the best seen wins. The one
+    search of the reference's :func:`calibrate_threshold` and of the pipelines' ``PrunedViT.calibrate``."""
+    low, high = -2.0, 2.0
+    best, best_miss = min((low, miss_low), (high, miss_high), key=lambda end: abs(end[1]))
+    for _ in range(steps):
         if best_miss == 0:
             break
         mid = (low + high) / 2

@@ -27,7 +27,7 @@ from ragged_vit.pipelines.cli import main as cli_main
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.reference.merging import fixed_r_counts
 from ragged_vit.reference.pruners import ToMeMerger, make_pruner
-from ragged_vit.reference.tome import tome_forward
+from ragged_vit.reference.tome import bisect_threshold, tome_forward
 from ragged_vit.triton_impl import merging as triton_merging
 from tests.helpers import no_tf32
 
@@ -261,12 +261,12 @@ def test_bisection_stops_at_an_exact_hit_and_keeps_the_best():
         calls.append(t)
         return 0.0 if t == 0.5 else 1.0 if t > 0.5 else -1.0
 
-    assert PrunedViT._bisect_threshold(step, -4.0, 5.0) == 0.5 and calls == [0.0, 1.0, 0.5]
+    assert bisect_threshold(step, -4.0, 5.0) == 0.5 and calls == [0.0, 1.0, 0.5]
     calls.clear()
-    best = PrunedViT._bisect_threshold(lambda t: calls.append(t) or t - 0.3, -2.3, 1.7)
+    best = bisect_threshold(lambda t: calls.append(t) or t - 0.3, -2.3, 1.7)
     assert len(calls) == 30 and abs(best - 0.3) <= 4 / 2**30
     calls.clear()
-    assert PrunedViT._bisect_threshold(lambda t: calls.append(t) or 3.0, -0.5, 7.0) == -2.0  # no mid beats an end
+    assert bisect_threshold(lambda t: calls.append(t) or 3.0, -0.5, 7.0) == -2.0  # no mid beats an end
     assert len(calls) == 30
 
 
