@@ -2,7 +2,7 @@
 # The GPU suite, in one call on the device machine (no nox there): card facts, GPU tests, compute-sanitizer
 # memcheck on a representative case, then whatever extra steps are named (tune, bench-quick, bench).
 # Usage: bash ci/gpu_suite.sh [tests] [sanitize] [tune|tune-quick] [bench|bench-quick] [dispatch] [profile]
-#        [table3-small] [forward-profile] [ats-kernels] [validate-ranks (2+ GPUs)]
+#        [table3-small] [forward-profile] [ats-kernels] [tome-peer] [families] [validate-ranks (2+ GPUs)]
 # Set RAGGED_BENCH_COMMIT to the commit's short sha for the e2e steps (the device copy has no .git).
 # Results go under $OUT (default /tmp/ragged-vit-out).
 set -uo pipefail
@@ -45,6 +45,9 @@ for step in "${steps[@]}"; do
     forward-profile) "$PY" -m ci.forward_profile --compile-blocks --serial-decisions --workloads l2_calibrated,ats \
                        --out "$OUT/forward_profile.json" 2>&1 | grep "^|" ;;
     ats-kernels) "$PY" -m ci.ats_kernels 2>&1 | tail -5 ;;
+    tome-peer) "$PY" -m benchmarks.tome_peer --batches 1,4,64 --adaptive-batches 64 --r 13 --out "$OUT/tome_peer.json" \
+                 2>&1 | grep -v Warning | tee "$OUT/tome_peer.log" | tail -40 ;;
+    families) "$PY" -m ci.model_families --speed --max-minutes 8.2 --out "$OUT/families.json" 2>&1 | tail -20 ;;
     validate-ranks) "$PY" -m ci.validate_ranks --out "$OUT/validate_ranks" 2>&1 | tail -12 || status=1 ;;
     *) echo "unknown step: $step"; status=2 ;;
   esac
