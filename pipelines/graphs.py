@@ -140,7 +140,7 @@ class _Buffers:
     """The static tensors of one input shape ``(B, H, W)``, allocated outside the graph pool and kept until
     ``reset()``, with the plan of that image size."""
 
-    def __init__(self, pipeline: PrunedViT, batch: int, size: tuple[int, int]) -> None:
+    def __init__(self, pipeline: PrunedViT, batch: int, size: tuple[int, int], lagged_reads: bool = False) -> None:
         model = pipeline.model
         dtype, device = pipeline.dtype, pipeline.device
         channels = model.patch_embed.proj.in_channels
@@ -182,9 +182,12 @@ class _Buffers:
             self.cu = torch.zeros((pipeline.num_stages + 1, width), dtype=torch.int32, device=device)
             self.cu[0, : batch + 1] = torch.arange(batch + 1, dtype=torch.int32, device=device) * tokens
             self.stats = torch.zeros(2, dtype=torch.long, device=device)
-            # lagged reads: every stage's total and longest image, copied to the host behind its segment
+        # Lagged reads (TokenBuckets.lagged_reads): every stage's total and longest image, copied to pinned host
+        # memory behind its segment.
+        self.host_stats: torch.Tensor | None = None
+        self.copied: list[torch.cuda.Event | None] = [None] * pipeline.num_stages
+        if variable and lagged_reads:
             self.host_stats = torch.zeros((pipeline.num_stages, 2), dtype=torch.long, pin_memory=device.type == "cuda")
-            self.copied: list[torch.cuda.Event | None] = [None] * pipeline.num_stages
 
     def copy_stats(self, stage: int) -> None:
         """Queues the copy of ``stats`` (stage ``stage``'s decision, just stored) to the host, without waiting."""
@@ -372,7 +375,7 @@ class GraphedPrunedViT:
     def _allocate(self, key: tuple[int, int, int]) -> _Buffers:
         batch, *size = key
         with torch.inference_mode(False):  # normal tensors: writable inside and outside inference mode
-            self._buffers[key] = _Buffers(self.pipeline, batch, tuple(size))
+            self._buffers[key] = _Buffers(self.pipeline, batch, tuple(size), self.buckets.lagged_reads)
         return self._buffers[key]
 
     def _launch(self, key: GraphKey, fn: Callable[[], None]) -> None:
@@ -561,7 +564,7 @@ class GraphedPrunedViT:
         the kept total and longest image to ``bufs.stats``)."""
         sel, side, rows = state.selection, shape.index % 2, state.x.shape[0]
         kept = sel.kept[: bufs.batch]
-        if self.buckets.lagged_reads or self.buckets.rereads_after(shape.capacity):  # a read of them follows
+        if self.buckets.rereads_after(shape.capacity):  # the next stage reads its total (late, if lagged_reads)
             lens = kept.long()
             bufs.stats.copy_(torch.stack([lens.sum(), lens.max()]))
         bufs.x[side][:rows].copy_(state.x)
