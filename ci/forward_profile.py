@@ -12,7 +12,8 @@ and host waits) and the per-kind split. ``--compile-blocks`` adds the pipelines 
 the top-level aten ops per forward, the host dispatches besides the Triton launches, which the kernel count includes;
 ``--host-profile N`` adds cProfile's top N functions of each eager row; ``--eager-rounds K`` times timm eager and the
 eager pipelines again in turn, K rounds, for ratios that pair timings of one round: the host's speed drifts).
-``--workloads`` takes ``WORKLOAD:KEEP`` (keep rate 0.5 by default). Details go to ``--out`` (JSON).
+``--workloads`` takes ``WORKLOAD:KEEP`` (keep rate 0.5 by default); ``--tome R`` adds ToMe with a fixed ``r = R`` per
+block (one graph per forward). Details go to ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from benchmarks.timing import elapsed, schedule, span_time, warmup
 from benchmarks.workloads import workload_keeps
 from ragged_vit.pipelines.buckets import TokenBuckets
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
+from ragged_vit.pipelines.model import PrunedViT
 from ragged_vit.pipelines.patch_embed import with_gemm_patch_embed
+from ragged_vit.reference.pruners import make_pruner
 
 KINDS = (
     ("attention", r"_ragged|flash|fmha|attention|sdpa"),
@@ -92,6 +95,18 @@ def profile_forward(forward, images: list[torch.Tensor], replays: int = 20) -> d
     }
 
 
+def pipeline(lab: Lab, workload: str, keep: float) -> PrunedViT:
+    """A workload's Triton pipeline on DeiT-B; ``("tome", r)``: ToMe with a fixed ``r`` per block."""
+    if workload == "tome":
+        model = lab.model(DEIT_B)
+        return PrunedViT(model, make_pruner("tome", r=int(keep), depth=len(model.blocks)), "triton")
+    return lab.pipeline(DEIT_B, workload, keep, "triton")
+
+
+def label_of(workload: str, keep: float) -> str:
+    return f"tome r={keep:g}" if workload == "tome" else f"{workload} {keep:g}"
+
+
 def eager_rounds(lab: Lab, batch: int, images: list[torch.Tensor], args: argparse.Namespace) -> list[dict]:
     """timm eager and every workload's eager pipeline timed in turn (``--eager-rounds`` rounds of
     :func:`benchmarks.timing.span_time` each), so that each ratio to timm eager pairs two timings of one round."""
@@ -102,7 +117,7 @@ def eager_rounds(lab: Lab, batch: int, images: list[torch.Tensor], args: argpars
             return model(x)
 
     forwards = {"timm eager": timm_eager}
-    forwards |= {f"{w} {k:g} eager": lab.pipeline(DEIT_B, w, k, "triton").run for w, k in args.workloads}
+    forwards |= {f"{label_of(w, k)} eager": pipeline(lab, w, k).run for w, k in args.workloads}
     calls = {label: [functools.partial(f, img) for img in images] for label, f in forwards.items()}
     for row in calls.values():
         warmup(row, n=6)
@@ -146,6 +161,7 @@ def main() -> None:
         help="with --eager: also time timm eager and the eager pipelines in turn, K rounds, and report each "
         "pipeline's median ratio to timm eager over the rounds (host-bound timings drift: pairs from one round)",
     )
+    parser.add_argument("--tome", type=int, default=0, metavar="R", help="also ToMe with a fixed r = R per block")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     try:
@@ -156,6 +172,10 @@ def main() -> None:
         parser.error("--eager-rounds: times the eager rows, which only --eager adds")
     if args.eager_rounds < 0:
         parser.error(f"--eager-rounds: must be >= 0, got {args.eager_rounds}")
+    if args.tome < 0:
+        parser.error(f"--tome: r must be >= 0, got {args.tome}")
+    if args.tome:
+        args.workloads.append(("tome", args.tome))
     torch.manual_seed(0)
     lab = Lab(torch.device("cuda"), torch.float16)
     results = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
@@ -173,7 +193,7 @@ def main() -> None:
         if args.eager:
             configs.append(("timm eager", None, 1.0, False, False, 0, True))
         for w, keep in args.workloads:
-            name = f"{w} {keep:g}"
+            name = label_of(w, keep)
             if args.eager:
                 configs.append((name + " eager", w, keep, False, False, 0, True))
             for compiled in (False, True) if args.compile_blocks else (False,):
@@ -195,7 +215,7 @@ def main() -> None:
                     with torch.no_grad():
                         return model(x)
             else:
-                pv = lab.pipeline(DEIT_B, workload, keep, "triton")
+                pv = pipeline(lab, workload, keep)
                 pv.compile_blocks = compiled
                 buckets = TokenBuckets(sync_free_rows=sync_free_rows) if sync_free_rows else None
                 forward = GraphedPrunedViT(pv, buckets, overlap_decisions=overlap).run if graphed else pv.run

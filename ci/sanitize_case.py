@@ -56,8 +56,9 @@ def decisions(device: str, gen: torch.Generator) -> None:
     for prefix in (0, 1, 5):
         for mode in ({"r": 13}, {"threshold": 0.0, "r_max": 40}):
             merged = merging.decide_merges(keys, cu, 577, prefix, **mode)
-            merging.merge_rows(qkv[:, :768], sizes, merged.destination, cu, merged.cu_seqlens, 577)
-            merging.merge_rows(qkv[:, :768], sizes, merged.destination, cu, merged.cu_seqlens, 577, capacity=total + 9)
+            sources = (merged.sources, merged.source_offsets)
+            merging.merge_rows(qkv[:, :768], sizes, merged.destination, cu, merged.cu_seqlens, sources=sources)
+            merging.merge_rows(qkv[:, :768], sizes, merged.destination, cu, merged.cu_seqlens, capacity=total + 9)
 
 
 def tome_pipeline() -> None:

@@ -122,6 +122,11 @@ class MergeSelection:
         cu_seqlens: int32 ``[B+1]`` offsets of the merged buffer (``T' = cu_seqlens[-1]``, on the device).
         fixed_count: True when every image has the same number of rows after the merge.
         count: rows per image after the merge (prefix rows included) when ``fixed_count``, a host int; else None.
+        sources: optional int32 ``[T]``, the map as source lists: the input rows grouped by destination, in row
+            order inside a group (``ragged_vit.reference.merging.merge_sources`` defines them); the Triton matching
+            writes them so that the merge reads its rows directly. None: the merge derives them from the map.
+        source_offsets: int32 ``[T + 1]`` with ``sources``: where each merged row's group starts; entry ``T'`` is
+            ``T``, the entries after it are unspecified.
     """
 
     destination: torch.Tensor
@@ -129,6 +134,8 @@ class MergeSelection:
     cu_seqlens: torch.Tensor
     fixed_count: bool = False
     count: int | None = None
+    sources: torch.Tensor | None = None
+    source_offsets: torch.Tensor | None = None
 
 
 Decision = TokenSelection | MergeSelection

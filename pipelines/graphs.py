@@ -83,7 +83,7 @@ from ragged_vit.core.selection import MergeSelection, TokenSelection
 from ragged_vit.core.validation import check_int
 from ragged_vit.pipelines.backends import BACKENDS
 from ragged_vit.pipelines.buckets import TokenBuckets, padding_images
-from ragged_vit.pipelines.model import ForwardState, PrunedOutput, PrunedViT
+from ragged_vit.pipelines.model import ForwardState, PrunedOutput, PrunedViT, merge_sources_of
 from ragged_vit.pipelines.plan import ForwardPlan, Step, StepKind
 from ragged_vit.triton_impl import merging as triton_merging
 from ragged_vit.triton_impl import pack as triton_pack
@@ -163,9 +163,12 @@ class _Buffers:
         # (the kernels' cached launches need that).
         self.cu: torch.Tensor | None = None
         self.stats: torch.Tensor | None = None  # int64 [2]: kept total and longest image of the last decision
-        # A merging pruner (ToMe) hands over a destination map (int32 [B*N]) and the merged offsets (int32 [B+1])
-        # instead of the keep mask, and the rows' sizes (int32 [B*N]: the patches each holds) with the stream.
+        # A merging pruner (ToMe) hands over a destination map (int32 [B*N]), its source lists (int32 [B*N] and
+        # [B*N + 1]) and the merged offsets (int32 [B+1]) instead of the keep mask, and the rows' sizes (int32 [B*N]:
+        # the patches each holds) with the stream.
         self.destination: tuple[torch.Tensor, ...] = ()
+        self.sources: tuple[torch.Tensor, ...] = ()
+        self.source_offsets: tuple[torch.Tensor, ...] = ()
         self.merged_cu: tuple[torch.Tensor, ...] = ()
         self.sizes: tuple[torch.Tensor, ...] = ()
         if variable:
@@ -174,6 +177,8 @@ class _Buffers:
             self.kept = tuple(torch.zeros(batch, dtype=torch.int32, device=device) for _ in sides)
             if pipeline.pruner.merges:
                 self.destination = tuple(torch.zeros(rows, dtype=torch.int32, device=device) for _ in sides)
+                self.sources = tuple(torch.zeros(rows, dtype=torch.int32, device=device) for _ in sides)
+                self.source_offsets = tuple(torch.zeros(rows + 1, dtype=torch.int32, device=device) for _ in sides)
                 self.merged_cu = tuple(torch.zeros(batch + 1, dtype=torch.int32, device=device) for _ in sides)
                 self.sizes = tuple(torch.ones(rows, dtype=torch.int32, device=device) for _ in sides)
             else:
@@ -205,7 +210,7 @@ class _Buffers:
 
     def nbytes(self) -> int:
         tensors = [self.images, self.logits, self.counts, *self.x, *self.keep, *self.kept, *self.destination]
-        tensors += [*self.merged_cu, *self.sizes]
+        tensors += [*self.sources, *self.source_offsets, *self.merged_cu, *self.sizes]
         tensors += [t for t in (self.cu, self.stats) if t is not None]
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -512,7 +517,10 @@ class GraphedPrunedViT:
         num_patches = bufs.tokens - bufs.plan.num_prefix  # FRONT sets it in segment 0
         cu = bufs.cu[index - 1, : batch + 1]
         if bufs.sizes:
-            selection = MergeSelection(bufs.destination[side], bufs.kept[side], bufs.merged_cu[side])
+            selection = MergeSelection(
+                bufs.destination[side], bufs.kept[side], bufs.merged_cu[side], sources=bufs.sources[side],
+                source_offsets=bufs.source_offsets[side],
+            )  # fmt: skip
             sizes = bufs.sizes[side]
         else:
             selection, sizes = TokenSelection(bufs.keep[side], bufs.kept[side]), None
@@ -553,8 +561,8 @@ class GraphedPrunedViT:
         sizes = state.sizes if state.sizes is not None else torch.ones(x.shape[0], dtype=torch.int32, device=x.device)
         state.key_bias = torch.empty(shape.capacity, dtype=torch.float32, device=x.device)  # log(size), by the kernel
         state.x, state.sizes = triton_merging.merge_rows_unchecked(
-            x, sizes, sel.destination, state.cu_seqlens[: batch + 1], merged_cu, bufs.plan.row_bounds[shape.index - 1],
-            x.new_empty((shape.capacity, x.shape[1])), sizes.new_empty(shape.capacity), state.key_bias,
+            x, sizes, *merge_sources_of(sel), merged_cu, x.new_empty((shape.capacity, x.shape[1])),
+            sizes.new_empty(shape.capacity), state.key_bias,
         )  # fmt: skip  # rows from the real total on are not written (the padding images': theirs only)
         state.cu_seqlens, state.max_seqlen = cu, shape.max_seqlen
         state.selection = state.qkv = None
@@ -571,6 +579,9 @@ class GraphedPrunedViT:
         bufs.kept[side].copy_(kept)
         if isinstance(sel, MergeSelection):
             bufs.destination[side][:rows].copy_(sel.destination)
+            sources, offsets = merge_sources_of(sel)
+            bufs.sources[side][:rows].copy_(sources)
+            bufs.source_offsets[side][: rows + 1].copy_(offsets)
             bufs.merged_cu[side].copy_(sel.cu_seqlens[: bufs.batch + 1])
             if state.sizes is None:  # before the first merge every row holds one patch
                 bufs.sizes[side][:rows].fill_(1)

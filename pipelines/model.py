@@ -542,7 +542,7 @@ def _merge_exact(state: ForwardState, index: int, num_prefix: int) -> None:
     """Applies stage ``index``'s merge (a :class:`MergeSelection`) to the packed buffer at its exact size (eager
     REPACK of a merging stage): each merged row the size-weighted average of the rows sent to it, its size their sum;
     then ``key_bias = log(sizes)`` for the attention of the blocks after it."""
-    sel, x, cu = state.selection, state.x, state.cu_seqlens
+    sel, x = state.selection, state.x
     dest, kept = sel.destination, sel.kept
     if dest.shape != (x.shape[0],) or dest.device != x.device or kept.shape != (state.batch,):
         raise ValueError(
@@ -566,12 +566,20 @@ def _merge_exact(state: ForwardState, index: int, num_prefix: int) -> None:
             rows, longest = torch.stack([lens.sum(), lens.max()]).tolist()
         log_sizes = torch.empty(rows, dtype=torch.float32, device=x.device)  # the kernel writes log(size) too
         merged, new_sizes = triton_merging.merge_rows_unchecked(
-            x, sizes, dest, cu, sel.cu_seqlens, state.max_seqlen, x.new_empty((rows, x.shape[1])),
-            sizes.new_empty(rows), log_sizes,
+            x, sizes, *merge_sources_of(sel), sel.cu_seqlens, x.new_empty((rows, x.shape[1])), sizes.new_empty(rows),
+            log_sizes,
         )  # fmt: skip
     state.x, state.cu_seqlens, state.max_seqlen, state.sizes = merged, sel.cu_seqlens, longest, new_sizes
     state.key_bias = log_sizes if x.is_cuda else new_sizes.double().log().float()  # rounded once, as the reference
     state.selection = state.qkv = None
+
+
+def merge_sources_of(sel: MergeSelection) -> tuple[torch.Tensor, torch.Tensor]:
+    """A merge decision's source lists: the ones its decision wrote, else derived from its map (a selection built
+    by hand)."""
+    if sel.sources is not None and sel.source_offsets is not None:
+        return sel.sources, sel.source_offsets
+    return ref_merging.merge_sources(sel.destination)
 
 
 def _check_model(model: object) -> None:

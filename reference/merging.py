@@ -197,6 +197,25 @@ def merge_rows(x: torch.Tensor, sizes: torch.Tensor, destination: torch.Tensor, 
     return (acc / weight[:, None]).to(dt)
 
 
+def merge_sources(destination: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A destination map as source lists: the input rows grouped by the merged row they go to, in row order inside
+    each group, and where each group starts. What the Triton merge reads instead of searching the map (the Triton
+    matching writes them beside the map; this is their definition, and the merge's fallback for a bare map).
+
+    Args:
+        destination: int ``[T]``, values in ``[0, T')``.
+
+    Returns:
+        ``(sources, offsets)``, int32: ``sources [T]`` the rows sorted by destination (stable: row order within a
+        group), and ``offsets [T + 1]`` with ``offsets[d]`` the rows sent below ``d`` (group ``d`` is
+        ``sources[offsets[d]:offsets[d + 1]]``; ``offsets[d] = T`` from ``d = T'`` on, where a kernel's lists need
+        only entry ``T'``). No host synchronisation.
+    """
+    order, sources = torch.sort(destination, stable=True)
+    steps = torch.arange(destination.shape[0] + 1, dtype=order.dtype, device=destination.device)
+    return sources.int(), torch.searchsorted(order, steps).int()
+
+
 def check_sizes(sizes: object, total: int, device: torch.device) -> torch.Tensor:
     """Checks the per-row sizes: an int32/int64 ``[T]`` tensor on ``device``, every value >= 1 (read on a CPU)."""
     sizes = check_tensor(sizes, "sizes", ndim=1, dtypes=_SIZE_DTYPES, device=device)

@@ -15,6 +15,7 @@ from ci import forward_profile
         (["--eager-rounds", "3"], "--eager-rounds: times the eager rows, which only --eager adds"),
         (["--eager", "--eager-rounds", "-1"], "--eager-rounds: must be >= 0"),
         (["--workloads", "tome_v2"], "--workloads:"),
+        (["--tome", "-1"], "--tome: r must be >= 0"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_flag(argv, match, monkeypatch, capsys):

@@ -166,6 +166,7 @@ def dry_run(tmp_path, name: str, *argv: str) -> list[dict]:
     return json.loads(out.read_text())["rows"]
 
 
+@pytest.mark.interpreter  # our rows run the Triton kernels on the CPU; the GPU run is ci/gpu_suite.sh's tome-peer step
 def test_main_dry_run_on_cpu(tmp_path, capsys):
     """Every row runs or says why; the adaptive rows' statistics hold together. The sync-free adaptive row runs
     alone in a second run, which makes our fixed-r logits itself (no ``ours`` row): the same as the first run's."""

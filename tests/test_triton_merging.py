@@ -160,6 +160,12 @@ def _check_decision(keys, cu, max_seqlen, num_prefix, mode):
     assert torch.equal(got.kept.cpu(), seqlens(want.cu_seqlens).int())
     differ = (got.destination.cpu().long() != want.destination).nonzero().flatten()
     assert differ.numel() == 0, f"{differ.numel()} destinations differ, first at row {differ[:1].tolist()}"
+    # The source lists are the map's (merge_sources), up to T' for the offsets (the kernel writes no more).
+    sources, offsets = ref.merge_sources(want.destination)
+    merged = int(want.cu_seqlens[-1])
+    assert got.sources.shape == keys.shape[:1] and got.source_offsets.shape == (keys.shape[0] + 1,)
+    assert torch.equal(got.sources.cpu(), sources)
+    assert torch.equal(got.source_offsets[: merged + 1].cpu(), offsets[: merged + 1])
     return got
 
 
@@ -304,18 +310,16 @@ def _merges(device, lengths, channels, dtype, gen, kind, num_prefix=1, mode=None
         x_dev = wide[:, 8 : 8 + channels]
     for destination in (decision.destination, kernel_map.destination.cpu()):
         got, got_sizes = ker.merge_rows(
-            x_dev, sizes.to(device), destination.to(device), cu.to(device), decision.cu_seqlens.to(device),
-            max(max(lengths), 1),
-        )  # fmt: skip
+            x_dev, sizes.to(device), destination.to(device), cu.to(device), decision.cu_seqlens.to(device)
+        )
         assert got.shape == (total, channels) and got_sizes.shape == (total,) and got.device == x_dev.device
         _check_rows(got, got_sizes, x, sizes, destination, decision.cu_seqlens, kind)
     # The pipelines' entry also writes log(size) (float64, rounded once to fp32: the reference's key bias).
     rows = int(decision.cu_seqlens[-1])
     log_sizes = torch.full((total,), float("nan"), device=device)
     _, got_sizes = ker.merge_rows_unchecked(
-        x_dev, sizes.to(device), decision.destination.to(device), cu.to(device), decision.cu_seqlens.to(device),
-        max(max(lengths), 1), torch.empty_like(x_dev, memory_format=torch.contiguous_format),
-        torch.empty_like(sizes.to(device)), log_sizes,
+        x_dev, sizes.to(device), kernel_map.sources, kernel_map.source_offsets, decision.cu_seqlens.to(device),
+        torch.empty_like(x_dev, memory_format=torch.contiguous_format), torch.empty_like(sizes.to(device)), log_sizes,
     )  # fmt: skip
     assert torch.equal(log_sizes[:rows].cpu(), got_sizes[:rows].cpu().double().log().float())
 
@@ -363,7 +367,7 @@ def _isolated(device, shape, channels, dtype, gen):
         results = []
         for k, rows_in in ((keys, x), (keys2, x2)):
             got = ker.decide_merges(k, cu, 65, 1, **mode)
-            rows, new_sizes = ker.merge_rows(rows_in, sizes, got.destination, cu, got.cu_seqlens, 65)
+            rows, new_sizes = ker.merge_rows(rows_in, sizes, got.destination, cu, got.cu_seqlens)
             results.append((got, rows, new_sizes))
         if "threshold" in mode:
             assert results[0][0].kept[1] != results[1][0].kept[1]
@@ -382,7 +386,7 @@ def _isolated(device, shape, channels, dtype, gen):
             alone = ker.decide_merges(keys[start:end], alone_cu, 65, 1, **mode)
             assert torch.equal(alone.destination, got.destination[start:end] - new_start)
             alone_rows, _ = ker.merge_rows(x[start:end], sizes[start:end], alone.destination, alone_cu,
-                                           alone.cu_seqlens, 65)  # fmt: skip
+                                           alone.cu_seqlens)  # fmt: skip
             assert torch.equal(alone_rows[: new_end - new_start], rows[new_start:new_end])
 
 
@@ -408,19 +412,24 @@ def _poisoned(device, shape, channels, dtype, gen, mode):
     x, sizes = x.to(device), sizes.to(device)
     limit, threshold = _limit_threshold(mode)
     want = ker.decide_merges(keys, cu, 65, 1, **mode)
-    out = MergeSelection(*(torch.full((n,), -7, dtype=torch.int32, device=device) for n in (total, batch, batch + 1)))
+    out = MergeSelection(
+        *(torch.full((n,), -7, dtype=torch.int32, device=device) for n in (total, batch, batch + 1)),
+        sources=torch.full((total,), -7, dtype=torch.int32, device=device),
+        source_offsets=torch.full((total + 1,), -7, dtype=torch.int32, device=device),
+    )
     got = ker.decide_merges_unchecked(keys, cu, 65, 1, limit, threshold, out)
     assert got is out
-    for name in ("destination", "kept", "cu_seqlens"):
+    for name in ("destination", "kept", "cu_seqlens", "sources"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
-    want_rows, want_sizes = ker.merge_rows(x, sizes, want.destination, cu, want.cu_seqlens, 65)
+    merged = int(want.cu_seqlens[-1])
+    assert torch.equal(got.source_offsets[: merged + 1], want.source_offsets[: merged + 1])
+    want_rows, want_sizes = ker.merge_rows(x, sizes, want.destination, cu, want.cu_seqlens)
     rows = torch.full((total + 5, channels), float("nan"), dtype=dtype, device=device)
     new_sizes = torch.full((total + 5,), -1, dtype=sizes.dtype, device=device)
-    ker.merge_rows_unchecked(x, sizes, want.destination, cu, want.cu_seqlens, 65, rows, new_sizes)
-    merged = int(want.cu_seqlens[-1])
+    ker.merge_rows_unchecked(x, sizes, want.sources, want.source_offsets, want.cu_seqlens, rows, new_sizes)
     assert torch.equal(rows[:merged], want_rows[:merged]) and torch.equal(new_sizes[:merged], want_sizes[:merged])
     assert bool(rows[merged:].isnan().all()) and bool((new_sizes[merged:] == -1).all())
-    short, short_sizes = ker.merge_rows(x, sizes, want.destination, cu, want.cu_seqlens, 65, capacity=merged - 3)
+    short, short_sizes = ker.merge_rows(x, sizes, want.destination, cu, want.cu_seqlens, capacity=merged - 3)
     assert torch.equal(short, want_rows[: merged - 3]) and torch.equal(short_sizes, want_sizes[: merged - 3])
     return keys, cu, x, sizes, want, want_rows
 
@@ -444,12 +453,13 @@ def test_poisoned_outputs_replayed_from_a_graph_gpu(mode, dtype, gen):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             got = ker.decide_merges(keys, cu, 65, 1, **mode)
-            rows, new_sizes = ker.merge_rows(x, sizes, got.destination, cu, got.cu_seqlens, 65)
+            sources = (got.sources, got.source_offsets)
+            rows, new_sizes = ker.merge_rows(x, sizes, got.destination, cu, got.cu_seqlens, sources=sources)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     merged = int(want.cu_seqlens[-1])
     for _ in range(2):
-        for t in (got.destination, got.kept, got.cu_seqlens, new_sizes):
+        for t in (got.destination, got.kept, got.cu_seqlens, got.sources, got.source_offsets, new_sizes):
             t.fill_(-7)
         rows.fill_(float("nan"))
         graph.replay()
@@ -465,7 +475,7 @@ def _empty(device):
         got = ker.decide_merges(torch.randn(0, 2, 8, device=device), cu, 1, 1, **mode)
         assert got.destination.shape == (0,) and got.kept.tolist() == [0, 0] and got.cu_seqlens.tolist() == [0] * 3
         sizes = torch.ones(0, dtype=torch.int64, device=device)
-        rows, new_sizes = ker.merge_rows(torch.randn(0, 5, device=device), sizes, got.destination, cu, cu, 1)
+        rows, new_sizes = ker.merge_rows(torch.randn(0, 5, device=device), sizes, got.destination, cu, cu)
         assert rows.shape == (0, 5) and new_sizes.shape == (0,)
 
 
@@ -491,7 +501,7 @@ def _bad_calls():
         return lambda: ker.decide_merges(**args)
 
     def merge(**kw):
-        args = dict(x=x, sizes=sizes, destination=dest, cu_seqlens=cu, merged_cu_seqlens=cu, max_seqlen=6) | kw
+        args = dict(x=x, sizes=sizes, destination=dest, cu_seqlens=cu, merged_cu_seqlens=cu) | kw
         return lambda: ker.merge_rows(**args)
 
     return [
@@ -530,7 +540,8 @@ def _bad_calls():
         (merge(merged_cu_seqlens=cu.long()), "merged_cu_seqlens"),
         (merge(merged_cu_seqlens=torch.tensor([0, 10], dtype=torch.int32)), "merged_cu_seqlens"),
         (merge(merged_cu_seqlens=torch.tensor([1, 4, 10], dtype=torch.int32)), "merged_cu_seqlens"),
-        (merge(max_seqlen=-3), "max_seqlen"),
+        (merge(sources=(dest, dest)), r"sources\[1\]"),
+        (merge(sources=(dest.long(), torch.arange(11, dtype=torch.int32))), r"sources\[0\]"),
         (merge(capacity=-1), "capacity"),
         (merge(capacity=4.0), "capacity"),
     ]

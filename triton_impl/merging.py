@@ -5,7 +5,7 @@ reference :mod:`ragged_vit.reference.merging` (the rule: ``docs/tome.md``).
 launches in the fixed mode and four in the adaptive one, each spread over as many programs as its work allows (one
 program per image doing everything measured ~37 us per block at batch 1-4 on an H100: L1-bound on one SM):
 
-1. ``_metric_kernel`` (grid ``(B, cdiv(patches, 4096 / D))``): the metric of every patch row (the keys summed over
+1. ``_metric_kernel`` (grid ``(B, cdiv(patches, 1024 / D))``): the metric of every patch row (the keys summed over
    heads in head order, every head's load in flight at once, divided by ``H``, then by the L2 norm clamped to
    ``1e-12``: ``F.normalize``; fp32, divisions and square root correctly rounded) into a ``[T, D]`` fp32 scratch.
    Every row's metric comes from the same tile shape, so equal keys give equal metrics, bit for bit.
@@ -16,22 +16,28 @@ program per image doing everything measured ~37 us per block at batch 1-4 on an 
    beat it (a higher best similarity, or an equal one and a lower index: the reference's stable descending sort),
    the merged ones, of rank ``< min(limit, patches // 2)`` (and best ``>= threshold`` in the adaptive mode), with
    their running count; then every row's destination (an image of up to 1024 rows in one step): a surviving row
-   moves up by the merged A rows before it, a merged A row goes where its B row goes. In the fixed mode the counts
-   are the rule's, ``n - min(r, patches // 2)`` from the lengths alone, so each program also computes its image's
-   offset in the merged buffer from every image's length, writes its destinations final and its entry of
+   moves up by the merged A rows before it, a merged A row goes where its B row goes; then the *source lists*
+   (``MergeSelection.sources``, :func:`ragged_vit.reference.merging.merge_sources`): the rows grouped by
+   destination, in row order inside a group, and where each group starts, by counting the merged A rows sent below
+   or beside each row (``[64, 64]`` tiles of rows against A rows). In the fixed mode the counts are the rule's,
+   ``n - min(r, patches // 2)`` from the lengths alone, so each program also computes its image's offset in the
+   merged buffer from every image's length, writes its destinations and group starts final and its entry of
    ``cu_seqlens``.
 4. adaptive mode only: ``_offset_kernel`` (grid ``(B,)``) adds to each image's destinations the rows the images
-   before it keep (their counts, from launch 3) and writes the merged ``cu_seqlens``.
+   before it keep (their counts, from launch 3), moves its group starts to their merged rows and writes the merged
+   ``cu_seqlens``.
 
-:func:`merge_rows` is one launch, ``_merge_kernel`` (grid ``(B, cdiv(max_seqlen, 16), cdiv(C, 128))``: an image, 16
-rows of its merged buffer, 128 channels): each merged row gathers its sources, the rows of its image sent to it, in
-row order (a ``[16, 64]`` match of destinations per step of the image's rows, then one gather of the k-th source of
-every row at a time), sums ``size * x`` in fp32 and the sizes in their integer dtype, divides (correctly rounded)
-and writes the quotient in ``x``'s dtype; a row that receives a single row is that row, bit for bit, whatever its
-size (as in the reference, whose float64 products are exact); for the pipelines' merge stage it also writes
-``log(size)`` of every merged row (float64, rounded once to fp32: the key bias of the blocks after it, as the
-reference rounds it), so no separate launch computes it. No atomics: every row's sum runs in row order, so the
-same bits on every run, eager or replayed from a CUDA graph, whatever the tile sizes.
+:func:`merge_rows` is one launch, ``_merge_kernel`` (grid ``(cdiv(capacity, 16), cdiv(C, 128))``: 16 rows of the
+merged buffer, 128 channels, grid-stride up to ``T' = merged_cu_seqlens[B]``): each merged row reads its group of
+sources from the source lists (derived from the map by a stable sort when the caller has none), gathers them in row
+order (the k-th source of every row at a time), sums ``size * x`` in fp32 and the sizes in their integer dtype,
+divides (correctly rounded) and writes the quotient in ``x``'s dtype; a row that receives a single row is that row,
+bit for bit, whatever its size (as in the reference, whose float64 products are exact); for the pipelines' merge
+stage it also writes ``log(size)`` of every merged row (float64, rounded once to fp32: the key bias of the blocks
+after it, as the reference rounds it), so no separate launch computes it. No atomics: every row's sum runs in row
+order, so the same bits on every run, eager or replayed from a CUDA graph, whatever the tile sizes. (It searched the
+destination map before: a ``[16, 64]`` match per step of the image's rows, 61 us per DeiT-B block at B=64 on an
+H100, against the decision's 30.)
 
 The rules (``tests/test_triton_merging.py``):
 
@@ -68,13 +74,15 @@ ranks need every A row's best), and fp16/TF32 tiles would lose the fp32 exactnes
 
 Not supported: fp64 (the reference's fp64 metric and float64 sums); non-finite keys (the reference refuses them;
 here a NaN best similarity ranks last, as ``-inf``, and the map stays valid: every destination inside its image's
-merged rows, the fixed counts the rule's); maps that break :func:`merge_rows`'s contract are not detected (a
-destination outside its image's merged rows is ignored, a merged row that receives no row is zeros of size 0).
+merged rows, the fixed counts the rule's); maps that break :func:`merge_rows`'s contract are not detected (a row
+sent outside its image's merged rows joins the group of the row it names, one sent past ``T'`` is ignored, a merged
+row that receives no row is zeros of size 0).
 The pipelines' merge stage (:class:`ragged_vit.reference.pruners.ToMeMerger`, registered below) runs on these kernels.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import torch
@@ -84,20 +92,20 @@ import triton.language as tl
 from ragged_vit.core.decisions import register_decision
 from ragged_vit.core.selection import DecisionInput, MergeSelection
 from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
-from ragged_vit.reference.merging import check_merge_mode, check_sizes
+from ragged_vit.reference.merging import check_merge_mode, check_sizes, merge_sources
 from ragged_vit.reference.pruners.tome import ToMeMerger, fixed_count
 from ragged_vit.triton_impl.cls_attention import image_rows
 from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, int_spec
 
 _BLOCK_R = 32  # rows per step of the adaptive mode's offsets
-_METRIC_ELEMENTS = 4096  # keys per head of one metric step (DeiT-B: 64 rows of 64), every head loaded at once
+_METRIC_ELEMENTS = 1024  # keys per head of one metric step (DeiT-B: 16 rows of 64), every head loaded at once
 _MAX_BLOCK_DST = 1024  # rows per step of the destinations (an image's rows in one step up to this)
 # A rows and B rows per similarity tile (DeiT-B: 98 x 98 in 2 x 2 tiles), also the rank's tiles; 32 for D > 64, which
 # spills at 64 (sm_90, 8 warps)
 _BLOCK_AB = 64
 _MAX_HEAD_DIM = 256  # D of one metric tile in registers
-_BLOCK_D = 16  # merged rows per program of the merge: a DeiT image spreads over 13 programs per channel block
-_BLOCK_T = 64  # input rows scanned per step for the sources of those rows
+_BLOCK_D = 16  # merged rows per step of the merge
+_BLOCK_S = 64  # rows per step of the source lists (against _BLOCK_AB A rows)
 _BLOCK_C = 128  # channels per program of the merge (DeiT-B: 6)
 _BLOCK_A = 16  # A rows per program of the best-match search (tl.dot's least): a DeiT-B image over 7 programs
 _NUM_WARPS = 4
@@ -180,11 +188,12 @@ def _best_kernel(
 
 @triton.jit(do_not_specialize=["total", "batch", "limit", "threshold", "num_prefix"])
 def _match_kernel(
-    CU, WORK, DEST, COUNTS, CU_OUT, total, batch, limit, threshold, num_prefix,
-    BLOCK_AB: tl.constexpr, BLOCK_DST: tl.constexpr, B_PAD: tl.constexpr, ADAPTIVE: tl.constexpr,
+    CU, WORK, DEST, COUNTS, CU_OUT, SRC, SRC_OFF, total, batch, limit, threshold, num_prefix,
+    BLOCK_AB: tl.constexpr, BLOCK_DST: tl.constexpr, BLOCK_S: tl.constexpr, B_PAD: tl.constexpr,
+    ADAPTIVE: tl.constexpr,
 ):  # fmt: skip
     """The merged A rows (ranked by best similarity, descending, then index), the image's count and (fixed mode)
-    offsets, and every row's destination; a program per image."""
+    offsets, every row's destination and the source lists; a program per image."""
     b = tl.program_id(0)
     start, end, first, num_a, num_b, cap = _image_sets(CU, b, total, num_prefix, limit)
     # WORK (int32 [3, T]), at the image's first rows: per A row i, row start + i holds its best similarity's bits,
@@ -243,70 +252,106 @@ def _match_kernel(
         state_j = tl.load(MERGED + j, mask=merges, other=0)
         local = tl.where(merges, first - start + 2 * j + 1 - (state_j >> 1), rows - start - (state >> 1))
         tl.store(DEST + rows, base + local, mask=in_r)
+    # Source lists: image b's rows grouped by destination in SRC[start:end), row order inside a group; the group of
+    # its merged row d (local) starts at start + d + (merged A rows sent below d): the rows sent below d are the d
+    # surviving rows before it and those. Its start goes to SRC_OFF[base + d] (adaptive: to SRC_OFF[start + d], moved
+    # by _offset_kernel, which knows base).
+    tl.debug_barrier()  # the destinations above, read back
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_k = tl.arange(0, BLOCK_AB)
+    for r0 in range(start, end, BLOCK_S):
+        rows = r0 + offs_s
+        in_r = rows < end
+        dest = tl.load(DEST + rows, mask=in_r, other=0)
+        patch = rows - first
+        slot = tl.maximum(patch, 0) // 2
+        state = tl.load(MERGED + slot, mask=in_r & (patch >= 0) & (patch % 2 == 0) & (cap > 0), other=0)
+        merges = in_r & (patch >= 0) & (patch % 2 == 0) & ((state & 1) == 1)
+        joins = first + 2 * tl.load(MATCH + slot, mask=merges, other=0) + 1  # the B row a merged A row joins
+        below = tl.zeros([BLOCK_S], dtype=tl.int32)  # merged A rows sent below the row's destination
+        ahead = tl.zeros([BLOCK_S], dtype=tl.int32)  # merged A rows before it sent to its destination
+        if cap > 0:
+            for k0 in range(0, num_a, BLOCK_AB):
+                k = k0 + offs_k
+                in_k = k < num_a
+                merged_k = in_k & ((tl.load(MERGED + k, mask=in_k, other=0) & 1) == 1)
+                dest_k = tl.load(DEST + first + 2 * k, mask=merged_k, other=0)
+                to_k = merged_k[None, :] & (dest_k[None, :] <= dest[:, None])
+                below += tl.sum((to_k & (dest_k[None, :] < dest[:, None])).to(tl.int32), 1)
+                same = to_k & (dest_k[None, :] == dest[:, None]) & ((first + 2 * k)[None, :] < rows[:, None])
+                ahead += tl.sum(same.to(tl.int32), 1)
+        group = start + dest - base + below
+        tl.store(SRC + group + ahead + (merges & (joins < rows)).to(tl.int32), rows, mask=in_r)
+        if ADAPTIVE:  # base is 0 here: into the starts scratch, by input row
+            tl.store(SRC_OFF + start + dest, group, mask=in_r & ~merges)
+        else:
+            tl.store(SRC_OFF + dest, group, mask=in_r & ~merges)
+    if not ADAPTIVE:
+        tl.store(SRC_OFF + base + count, end)  # the end of the last group (T at T'; equal values elsewhere)
 
 
 @triton.jit(do_not_specialize=["total", "batch"])
-def _offset_kernel(CU, COUNTS, DEST, CU_OUT, total, batch, BLOCK_R: tl.constexpr, B_PAD: tl.constexpr):
+def _offset_kernel(
+    CU, COUNTS, DEST, CU_OUT, STARTS, SRC_OFF, total, batch, BLOCK_R: tl.constexpr, B_PAD: tl.constexpr,
+):  # fmt: skip
+    """Adaptive mode: image b's offset in the merged buffer (the counts before it) added to its destinations, its
+    entry of the merged offsets, and its source groups' starts moved from ``STARTS[start + d]`` to
+    ``SRC_OFF[base + d]``."""
     b = tl.program_id(0)
     start, end = image_rows(CU, b, total)
     offs_img = tl.arange(0, B_PAD)
     counts = tl.load(COUNTS + offs_img, mask=offs_img < batch, other=0)
     base = tl.sum(tl.where(offs_img < b, counts, 0), 0)
-    tl.store(CU_OUT + b + 1, base + tl.sum(tl.where(offs_img == b, counts, 0), 0))
+    count = tl.sum(tl.where(offs_img == b, counts, 0), 0)
+    tl.store(CU_OUT + b + 1, base + count)
     if b == 0:
         tl.store(CU_OUT, 0)
     offs_r = tl.arange(0, BLOCK_R)
     for r0 in range(start, end, BLOCK_R):
         rows = r0 + offs_r
         tl.store(DEST + rows, tl.load(DEST + rows, mask=rows < end) + base, mask=rows < end)
+        d = rows - start
+        tl.store(SRC_OFF + base + d, tl.load(STARTS + rows, mask=d < count), mask=d < count)
+    tl.store(SRC_OFF + base + count, end)
 
 
-@triton.jit(do_not_specialize=["total", "capacity"])
+@triton.jit(do_not_specialize=["batch", "capacity"])
 def _merge_kernel(
-    X, SIZES, DEST, CU, NEW_CU, OUT, OUT_SIZES, LOG_SIZES, total, capacity, stride_xt, stride_xc,
-    CHANNELS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, HAS_LOG: tl.constexpr,
+    X, SIZES, SRC, SRC_OFF, NEW_CU, OUT, OUT_SIZES, LOG_SIZES, batch, capacity, stride_xt, stride_xc,
+    CHANNELS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, HAS_LOG: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    start, end = image_rows(CU, b, total)
-    new_start, new_end = image_rows(NEW_CU, b, capacity)
+    """``BLOCK_D`` merged rows and ``BLOCK_C`` channels per step (grid-stride over the ``T'`` merged rows): each row
+    gathers its group of sources, the k-th source of every row at a time, in row order."""
+    merged_total = tl.minimum(tl.load(NEW_CU + batch), capacity)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_t = tl.arange(0, BLOCK_T)
-    offs_c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_c = offs_c < CHANNELS
-    # Grid-stride loop over the image's merged rows: the grid's second axis is only a bound on the work.
-    for d0 in range(new_start + tl.program_id(1) * BLOCK_D, new_end, tl.num_programs(1) * BLOCK_D):
+    for d0 in range(tl.program_id(0) * BLOCK_D, merged_total, tl.num_programs(0) * BLOCK_D):
         d = d0 + offs_d
-        in_d = d < new_end
+        in_d = d < merged_total
+        lo = tl.load(SRC_OFF + d, mask=in_d, other=0)
+        sources = tl.load(SRC_OFF + d + 1, mask=in_d, other=0) - lo
         acc = tl.zeros([BLOCK_D, BLOCK_C], dtype=tl.float32)
         lone = tl.zeros([BLOCK_D, BLOCK_C], dtype=tl.float32)  # the first source: the row if it is the only one
         weight = tl.zeros([BLOCK_D], dtype=SIZES.dtype.element_ty)
-        sources = tl.zeros([BLOCK_D], dtype=tl.int32)
-        for t0 in range(start, end, BLOCK_T):
-            t = t0 + offs_t
-            to = tl.load(DEST + t, mask=t < end, other=-1)
-            size = tl.load(SIZES + t, mask=t < end, other=0)
-            hit = (to[None, :] == d[:, None]) & in_d[:, None]  # [D, T]: t is a source of d
-            order = tl.cumsum(hit.to(tl.int32), 1)
-            hits = tl.sum(hit.to(tl.int32), 1)
-            weight += tl.sum(tl.where(hit, size[None, :], 0), 1)
-            for k in range(0, tl.max(hits, 0)):  # the k-th source of every row in this tile, in row order
-                pick = hit & (order == k + 1)
-                row = tl.sum(tl.where(pick, t[None, :], 0), 1)
-                has = hits > k
-                vals = tl.load(
-                    X + row.to(tl.int64)[:, None] * stride_xt + offs_c[None, :] * stride_xc,
-                    mask=has[:, None] & in_c[None, :],
-                    other=0.0,
-                ).to(tl.float32)
-                acc += tl.sum(tl.where(pick, size[None, :], 0), 1).to(tl.float32)[:, None] * vals
-                lone = tl.where((has & (sources == 0))[:, None], vals, lone)
-                sources += has.to(tl.int32)
+        for k in range(0, tl.max(sources, 0)):
+            has = sources > k
+            row = tl.load(SRC + lo + k, mask=has, other=0)
+            size = tl.load(SIZES + row, mask=has, other=0)
+            vals = tl.load(
+                X + row.to(tl.int64)[:, None] * stride_xt + offs_c[None, :] * stride_xc,
+                mask=has[:, None] & in_c[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            acc += size.to(tl.float32)[:, None] * vals
+            weight += size
+            lone = tl.where(k == 0, vals, lone)
         divisor = tl.where(weight > 0, weight, 1).to(tl.float32)  # a row no row is sent to (a broken map): zeros
         mean = tl.math.div_rn(acc, tl.broadcast_to(divisor[:, None], [BLOCK_D, BLOCK_C]))
         rows = tl.where((sources == 1)[:, None], lone, mean)
         out = OUT + d.to(tl.int64)[:, None] * CHANNELS + offs_c[None, :]
         tl.store(out, rows.to(OUT.dtype.element_ty), mask=in_d[:, None] & in_c[None, :])
-        if tl.program_id(2) == 0:
+        if tl.program_id(1) == 0:
             tl.store(OUT_SIZES + d, weight, mask=in_d)
             if HAS_LOG:  # log(size) in float64, rounded once to fp32 (as the reference rounds it)
                 tl.store(LOG_SIZES + d, tl.log(weight.to(tl.float64)).to(tl.float32), mask=in_d)
@@ -390,11 +435,10 @@ def decide_merges_unchecked(
     batch = cu.shape[0] - 1
     device = keys.device
     if out is None:
-        out = MergeSelection(
-            torch.empty(total, dtype=torch.int32, device=device),
-            torch.empty(batch, dtype=torch.int32, device=device),
-            torch.empty(batch + 1, dtype=torch.int32, device=device),
-        )
+        out = MergeSelection(*(torch.empty(n, dtype=torch.int32, device=device) for n in (total, batch, batch + 1)))
+    if out.sources is None or out.source_offsets is None:
+        sources = (torch.empty(n, dtype=torch.int32, device=device) for n in (total, total + 1))
+        out = dataclasses.replace(out, sources=next(sources), source_offsets=next(sources))
     adaptive = threshold is not None
     d_pad = _tile(dim, _MAX_HEAD_DIM)
     metric = torch.empty(total, d_pad, dtype=torch.float32, device=device)
@@ -405,7 +449,9 @@ def decide_merges_unchecked(
     block_dst = min(_MAX_BLOCK_DST, triton.next_power_of_2(max(max_seqlen, 16)))
     strides = keys.stride()
     device_index, patches = keys.get_device(), max(max_seqlen - num_prefix, 1)
-    ok = aligned(keys, cu, metric, work, out.destination, out.kept, out.cu_seqlens)
+    starts = torch.empty(total, dtype=torch.int32, device=device) if adaptive else out.source_offsets
+    ok = aligned(keys, cu, metric, work, out.destination, out.kept, out.cu_seqlens, out.sources, out.source_offsets,
+                 starts)  # fmt: skip
     args = (keys, cu, metric, total, *strides, limit, num_prefix, heads, dim, d_pad, block_m)
     key = (keys.dtype, heads, dim, block_m, *map(int_spec, strides)) if ok else None
     grid = (batch, triton.cdiv(patches, block_m))
@@ -414,14 +460,15 @@ def decide_merges_unchecked(
     grid = (batch, triton.cdiv(-(-patches // 2), _BLOCK_A))
     _best_launcher((d_pad, block_ab) if ok else None, device_index, grid, args, num_warps=_NUM_WARPS, num_stages=1)
     args = (
-        cu, work, out.destination, out.kept, out.cu_seqlens, total, batch, limit,
-        _fp32_threshold(threshold) if adaptive else 0.0, num_prefix, block_ab, block_dst, b_pad, adaptive,
+        cu, work, out.destination, out.kept, out.cu_seqlens, out.sources, starts, total, batch, limit,
+        _fp32_threshold(threshold) if adaptive else 0.0, num_prefix, block_ab, block_dst, _BLOCK_S, b_pad, adaptive,
     )  # fmt: skip
     key = (block_ab, block_dst, b_pad, adaptive) if ok else None
     _match_launcher(key, device_index, (batch,), args, num_warps=_NUM_WARPS, num_stages=1)
     if adaptive:
         b_pad = triton.next_power_of_2(batch)
-        args = (cu, out.kept, out.destination, out.cu_seqlens, total, batch, _BLOCK_R, b_pad)
+        args = (cu, out.kept, out.destination, out.cu_seqlens, starts, out.source_offsets, total, batch, _BLOCK_R,
+                b_pad)  # fmt: skip
         _offset_launcher(b_pad if ok else None, device_index, (batch,), args, num_warps=_NUM_WARPS, num_stages=1)
     return out
 
@@ -432,14 +479,14 @@ def merge_rows(
     destination: torch.Tensor,
     cu_seqlens: torch.Tensor,
     merged_cu_seqlens: torch.Tensor,
-    max_seqlen: int,
     *,
+    sources: tuple[torch.Tensor, torch.Tensor] | None = None,
     capacity: int | None = None,
     check_values: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Applies a destination map as a size-weighted average, per image: the kernel's twin of
-    :func:`ragged_vit.reference.merging.merge_rows` (module docstring: the rules), one launch, no host
-    synchronisation.
+    :func:`ragged_vit.reference.merging.merge_rows` (module docstring: the rules), one launch (two torch ops more
+    without ``sources``), no host synchronisation.
 
     Args:
         x: ``[T, C]`` rows, fp16, bf16 or fp32, any strides.
@@ -448,8 +495,9 @@ def merge_rows(
             rows (``merged_cu_seqlens``); every merged row receives at least one row. Not read on the host.
         cu_seqlens: int32 ``[B+1]`` offsets of ``x``.
         merged_cu_seqlens: int32 ``[B+1]`` offsets of the merged rows.
-        max_seqlen: a bound on the image lengths (before the merge) that sizes the grid (an underestimate is slower,
-            never wrong).
+        sources: the map's source lists ``(sources [T], offsets [T + 1])``, int32, as :func:`decide_merges` writes
+            them (:func:`ragged_vit.reference.merging.merge_sources` defines them); derived from ``destination``
+            when None.
         capacity: rows of the merged buffer, ``>= T'`` (default ``T``: always enough); rows past ``T'`` are left
             as allocated, rows past ``capacity`` are not written.
         check_values: read both offsets to validate them (default: only on the CPU).
@@ -478,39 +526,43 @@ def merge_rows(
             f"merged_cu_seqlens must have one offset per image like cu_seqlens ({cu.shape[0]}), got "
             f"{merged_cu.shape[0]}"
         )
-    check_max_seqlen(max_seqlen)
+    if sources is None:
+        sources = merge_sources(destination)
+    else:
+        for name, value, n in (("sources[0]", sources[0], total), ("sources[1]", sources[1], total + 1)):
+            check_tensor(value, name, ndim=1, dtypes=(torch.int32,), device=x.device)
+            if value.shape[0] != n or not value.is_contiguous():
+                raise ValueError(f"{name} must be contiguous of shape ({n},), got {tuple(value.shape)}")
     out = x.new_empty((capacity, channels))
     out_sizes = sizes.new_empty(capacity)
-    return merge_rows_unchecked(x, sizes, destination, cu, merged_cu, max_seqlen, out, out_sizes)
+    return merge_rows_unchecked(x, sizes, *sources, merged_cu, out, out_sizes)
 
 
 def merge_rows_unchecked(
     x: torch.Tensor,
     sizes: torch.Tensor,
-    destination: torch.Tensor,
-    cu: torch.Tensor,
+    sources: torch.Tensor,
+    source_offsets: torch.Tensor,
     merged_cu: torch.Tensor,
-    max_seqlen: int,
     out: torch.Tensor,
     out_sizes: torch.Tensor,
     log_sizes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`merge_rows` without its checks, written into ``out`` (contiguous ``[capacity, C]`` in ``x``'s dtype)
-    and ``out_sizes`` (contiguous ``[capacity]`` in ``sizes``' dtype), rows ``[0, T')`` overwritten, and returned: for
-    a merge stage that built its input itself. With ``log_sizes`` (contiguous fp32 ``[capacity]``) the kernel also
-    writes ``log(size)`` of the merged rows there (in float64, rounded once: the reference's key bias), for the
-    attention of the blocks after the merge."""
-    total, channels = x.shape
-    batch = cu.shape[0] - 1
+    """:func:`merge_rows` from the source lists, without its checks, written into ``out`` (contiguous
+    ``[capacity, C]`` in ``x``'s dtype) and ``out_sizes`` (contiguous ``[capacity]`` in ``sizes``' dtype), rows
+    ``[0, T')`` overwritten, and returned: for a merge stage that built its input itself. With ``log_sizes``
+    (contiguous fp32 ``[capacity]``) the kernel also writes ``log(size)`` of the merged rows there (in float64,
+    rounded once: the reference's key bias), for the attention of the blocks after the merge."""
+    channels, capacity = x.shape[1], out.shape[0]
     block_c = min(_BLOCK_C, triton.next_power_of_2(channels))
-    grid = (batch, triton.cdiv(max_seqlen, _BLOCK_D), triton.cdiv(channels, block_c))
-    args = (
-        x, sizes, destination, cu, merged_cu, out, out_sizes, out_sizes if log_sizes is None else log_sizes, total,
-        out.shape[0], *x.stride(), channels, _BLOCK_D, _BLOCK_T, block_c, log_sizes is not None,
-    )  # fmt: skip
-    ok = aligned(x, sizes, destination, cu, merged_cu, out, out_sizes, *([] if log_sizes is None else [log_sizes]))
+    grid = (max(1, triton.cdiv(capacity, _BLOCK_D)), triton.cdiv(channels, block_c))
     has_log = log_sizes is not None
-    key = (x.dtype, sizes.dtype, destination.dtype, channels, has_log, *map(int_spec, x.stride())) if ok else None
+    args = (
+        x, sizes, sources, source_offsets, merged_cu, out, out_sizes, log_sizes if has_log else out_sizes,
+        merged_cu.shape[0] - 1, capacity, *x.stride(), channels, _BLOCK_D, block_c, has_log,
+    )  # fmt: skip
+    ok = aligned(x, sizes, sources, source_offsets, merged_cu, out, out_sizes, *([log_sizes] if has_log else []))
+    key = (x.dtype, sizes.dtype, channels, has_log, *map(int_spec, x.stride())) if ok else None
     _merge_launcher(key, x.get_device(), grid, args, num_warps=_NUM_WARPS, num_stages=1)
     return out, out_sizes
 
@@ -523,4 +575,5 @@ def _decide(merger: ToMeMerger, inp: DecisionInput) -> MergeSelection:
     keys = qkv.view(qkv.shape[0], 3, heads, qkv.shape[1] // (3 * heads))[:, 1]  # [T, H, D], strided
     merged = decide_merges_unchecked(keys, inp.cu_seqlens, inp.row_bound, inp.num_prefix, merger.limit(inp.stage),
                                      merger.threshold)  # fmt: skip
-    return MergeSelection(merged.destination, merged.kept, merged.cu_seqlens, *fixed_count(merger, inp))
+    fixed, count = fixed_count(merger, inp)
+    return dataclasses.replace(merged, fixed_count=fixed, count=count)
