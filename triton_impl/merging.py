@@ -105,10 +105,11 @@ _MAX_BLOCK_DST = 1024  # rows per step of the destinations (an image's rows in o
 _BLOCK_AB = 64
 _MAX_HEAD_DIM = 256  # D of one metric tile in registers
 _BLOCK_D = 16  # merged rows per step of the merge
-_BLOCK_S = 64  # rows per step of the source lists (against _BLOCK_AB A rows)
+_BLOCK_S = 128  # rows per step of the source lists (against _BLOCK_AB A rows)
 _BLOCK_C = 128  # channels per program of the merge (DeiT-B: 6)
 _BLOCK_A = 16  # A rows per program of the best-match search (tl.dot's least): a DeiT-B image over 7 programs
 _NUM_WARPS = 4
+_MATCH_WARPS = 8  # the match kernel: one program per image (8 warps: 10% faster than 4 at B 1-64, H200)
 
 
 @triton.jit
@@ -463,8 +464,8 @@ def decide_merges_unchecked(
         cu, work, out.destination, out.kept, out.cu_seqlens, out.sources, starts, total, batch, limit,
         _fp32_threshold(threshold) if adaptive else 0.0, num_prefix, block_ab, block_dst, _BLOCK_S, b_pad, adaptive,
     )  # fmt: skip
-    key = (block_ab, block_dst, b_pad, adaptive) if ok else None
-    _match_launcher(key, device_index, (batch,), args, num_warps=_NUM_WARPS, num_stages=1)
+    key = (block_ab, block_dst, _BLOCK_S, b_pad, adaptive) if ok else None
+    _match_launcher(key, device_index, (batch,), args, num_warps=_MATCH_WARPS, num_stages=1)
     if adaptive:
         b_pad = triton.next_power_of_2(batch)
         args = (cu, out.kept, out.destination, out.cu_seqlens, starts, out.source_offsets, total, batch, _BLOCK_R,
