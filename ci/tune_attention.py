@@ -15,9 +15,9 @@ the fp32 reference (max abs error <= ``benchmarks.attention_peers.TOLERANCE``); 
 Other geometries: ``--head-dim`` takes any multiple of 8 up to 256 (the kernel's range; it pads a head dim that is not
 a power of two to the next one inside, with masked lanes: 80 and 96 run 128-wide tiles), ``--heads`` the head count,
 ``--patches`` the unpruned patch count (every cell's per-image counts are the DeiT-B cell's, scaled by P / 196).
-``configs.py`` has tuned SM90 entries for head dims 16/32/64/128 only; any other (80, 96) runs its untuned default
-(64x64 tiles, 4 warps, 2 stages, a program per query tile; 32x32 past 128). To tune ViT-H/14 at 224 (H=16, D=80,
-256 patches) and D=96 (e.g. width 1152 at 12 heads)::
+``configs.py`` has tuned SM90 entries for head dims 16/32/64/80/96/128; any other runs its untuned default (64x64
+tiles, 4 warps, 2 stages, a program per query tile; 32x32 past 128). The sweeps behind the 80 (ViT-H/14 at 224:
+H=16, 256 patches) and 96 (e.g. width 1152 at 12 heads) entries::
 
     python -m ci.tune_attention --quick --heads 16 --head-dim 80 --patches 256 --out tune_h16_d80.json
     python -m ci.tune_attention --quick --heads 12 --head-dim 96 --out tune_h12_d96.json

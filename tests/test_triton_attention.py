@@ -17,6 +17,7 @@ import ragged_vit.reference
 from ragged_vit.core.segments import cu_seqlens_from_counts
 from ragged_vit.testing import assert_attention_close, attention_suite
 from ragged_vit.triton_impl import attention as ta
+from ragged_vit.triton_impl import configs
 from ragged_vit.triton_impl.configs import AttentionConfig
 
 # Every case of the lab, on both entry points: under the interpreter (quick), on a GPU (full, every supported head
@@ -249,3 +250,15 @@ def test_cuda_graph_capture_and_compile_gpu(with_bias, gen):
 
     compiled = torch.compile(layer, fullgraph=True)
     torch.testing.assert_close(compiled(qkv), expect, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 80, 96, 128])
+def test_sm90_table_has_two_bands_per_tuned_head_dim(head_dim, monkeypatch):
+    """On an SM90 card every tuned head dim (80 and 96 since their sweeps, docs/kernel_tuning.md) takes the short
+    band up to a mean of 64 rows per image and the long band past it; an untuned one takes the default."""
+    monkeypatch.setattr(configs, "_capability", lambda index: (9, 0))
+    cuda = torch.device("cuda", 0)
+    assert configs.attention_config(cuda, head_dim, 40.0) == configs._SM90_SHORT
+    assert configs.attention_config(cuda, head_dim, 64.0) == configs._SM90_SHORT
+    assert configs.attention_config(cuda, head_dim, 197.0) == configs._SM90_LONG
+    assert configs.attention_config(cuda, 40, 197.0) == configs._DEFAULT[0][1]  # untuned

@@ -52,11 +52,14 @@ _SM90_LONG = AttentionConfig(64, 32, 4, 3, True)
 
 _TABLE: dict[tuple[int, int], dict[int, _Bands]] = {
     (8, 9): {d: ((_OPEN, _SM89),) for d in (16, 32, 64, 128)},
-    (9, 0): {d: ((64.0, _SM90_SHORT), (_OPEN, _SM90_LONG)) for d in (16, 32, 64, 128)},
+    # 80 (ViT-H/14) and 96 run 128-wide padded tiles; their sweeps (H100, docs/kernel_tuning.md) pick the same two
+    # bands: 3.5-13% faster than the untuned default below in every cell.
+    (9, 0): {d: ((64.0, _SM90_SHORT), (_OPEN, _SM90_LONG)) for d in (16, 32, 64, 80, 96, 128)},
 }
 
-# Untuned head dims (any multiple of 8 up to 256): 64x64 tiles, or 32x32 past 128 channels, where a 64-row
-# accumulator of BLOCK_D = 256 fp32 lanes would spill registers. Correct everywhere; tune before relying on speed.
+# Untuned head dims (any other multiple of 8 up to 256, or any head dim off SM90): 64x64 tiles, or 32x32 past 128
+# channels, where a 64-row accumulator of BLOCK_D = 256 fp32 lanes would spill registers. Correct everywhere; tune
+# before relying on speed.
 _DEFAULT: _Bands = ((_OPEN, AttentionConfig(64, 64, 4, 2, True)),)
 _DEFAULT_WIDE: _Bands = ((_OPEN, AttentionConfig(32, 32, 4, 2, True)),)
 
