@@ -33,7 +33,7 @@ from ragged_vit.reference.pruners import DynamicViTPruner
 from ragged_vit.testing import decision_suite
 from ragged_vit.triton_impl import dynamicvit, select
 
-LAUNCHERS = ("_in_conv_launcher", "_global_launcher", "_out_conv_launcher")
+LAUNCHERS = ("_in_conv_launcher", "_global_launcher", "_out_conv_launcher", "_out_head_launcher")
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 

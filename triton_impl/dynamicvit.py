@@ -1,4 +1,4 @@
-"""DynamicViT's keep decision in four Triton launches (the reference: ``reference/pruners/dynamicvit.py``).
+"""DynamicViT's keep decision in four or five Triton launches (the reference: ``reference/pruners/dynamicvit.py``).
 
 The reference runs the predictor (``PredictorLG``) as ~25 small torch ops and ranks with ~35 more (sorts, scans,
 gathers): 100-280 us per stage of a graphed DeiT-B forward on an H100, slower than the blocks it saves. Here:
@@ -15,6 +15,10 @@ gathers): 100-280 us per stage of a graphed DeiT-B forward on an H100, slower th
    order), ``h1 = GELU(z[:, :C/2] @ W2[:, :C/2]^T + g)`` in chunks of 64 columns, each chunk accumulated at once
    into ``h2 += h1_chunk @ W3^T[chunk]`` (``h1`` never leaves the program), then ``GELU(h2 + b3) @ W4^T + b4`` and
    the keep log-probability, fp32 ``[T]`` (every row's, prefix rows included, as the reference computes them).
+   Small batches (up to ``_SMALL_ROWS`` rows) give each 64-column chunk its own program (DeiT-B: 6 per row tile;
+   one program walking all six was 21.5 us of a 47 us stage at B = 1 on an H100), which writes its share of ``h2``
+   (fp32 ``[T, 6, C/4]``); ``_out_head_kernel`` (a program per 32 rows) adds the shares in chunk order and computes
+   the rest.
 4. the rank-select kernel of :mod:`ragged_vit.triton_impl.select` (``count`` mode, after a memset of the kept
    counts): each image's top ``max(keep_patches, min_patches)`` patches, NaN first and ties to the earlier row as
    the reference ranks them (``segment_rank``: ``torch.sort`` order), and the kept counts.
@@ -160,12 +164,33 @@ def _global_kernel(
         tl.store(parts + offs_h, tl.sum(w.to(tl.float32) * glob[None, :], 1), mask=in_h)
 
 
+@triton.jit
+def _keep_score(h2, B3, W4, B4, stride_w4n, stride_w4k, offs_n, NARROW: tl.constexpr, DTYPE: tl.constexpr):
+    """The predictor's last layers on the third layer's fp32 sums ``h2 [rows, BLOCK_N]``: ``GELU(h2 + b3) @ W4^T +
+    b4`` and the keep log-probability, rounded as the reference rounds them."""
+    in_n = offs_n < NARROW
+    b3 = tl.load(B3 + offs_n, mask=in_n, other=0.0).to(tl.float32)
+    w4_keep = tl.load(W4 + offs_n * stride_w4k, mask=in_n, other=0.0).to(tl.float32)
+    w4_drop = tl.load(W4 + stride_w4n + offs_n * stride_w4k, mask=in_n, other=0.0).to(tl.float32)
+    h2 = _rounded(_gelu(_rounded(h2 + b3[None, :], DTYPE)), DTYPE)
+    keep = _rounded(tl.sum(h2 * w4_keep[None, :], 1) + tl.load(B4).to(tl.float32), DTYPE)
+    drop = _rounded(tl.sum(h2 * w4_drop[None, :], 1) + tl.load(B4 + 1).to(tl.float32), DTYPE)
+    # log_softmax(logits)[0] in torch's form; a NaN logit makes the score NaN (NaN compares false).
+    peak = tl.where(keep >= drop, keep, drop)
+    return _rounded((keep - peak) - tl.log(tl.exp(keep - peak) + tl.exp(drop - peak)), DTYPE)
+
+
 @triton.jit(do_not_specialize=["total"])
 def _out_conv_kernel(
-    Z, CU, PARTS, W2, B2, W3, B3, W4, B4, SCORES, total, stride_w2n, stride_w2k, stride_w3n, stride_w3k,
+    Z, CU, PARTS, W2, B2, W3, B3, W4, B4, SCORES, H2, total, stride_w2n, stride_w2k, stride_w3n, stride_w3k,
     stride_w4n, stride_w4k, C: tl.constexpr, LOCAL: tl.constexpr, HIDDEN: tl.constexpr, NARROW: tl.constexpr,
     CHUNKS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
 ):  # fmt: skip
+    """Rows of image ``program_id(0)``, a tile per step (grid-stride over axis 1), and the second layer's hidden
+    chunks ``program_id(2)``, ``program_id(2) + num_programs(2)``, ... (grid-stride over axis 2). ``SPLIT``: the
+    third layer's partial sums over those chunks go to ``H2 [T, num_programs(2), BLOCK_N]`` for
+    ``_out_head_kernel``; else (one program per row tile, every chunk) the scores go to ``SCORES`` directly."""
     dtype = Z.dtype.element_ty
     b = tl.program_id(0)
     start, end = image_rows(CU, b, total)
@@ -173,18 +198,12 @@ def _out_conv_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = tl.arange(0, BLOCK_N)
     in_n = offs_n < NARROW
-    b3 = tl.load(B3 + offs_n, mask=in_n, other=0.0).to(tl.float32)
-    w4_keep = tl.load(W4 + offs_n * stride_w4k, mask=in_n, other=0.0).to(tl.float32)
-    w4_drop = tl.load(W4 + stride_w4n + offs_n * stride_w4k, mask=in_n, other=0.0).to(tl.float32)
-    b4_keep = tl.load(B4).to(tl.float32)
-    b4_drop = tl.load(B4 + 1).to(tl.float32)
-    # Grid-stride loop over this image's row tiles: the grid's second axis is only a bound on the work.
     for r0 in range(start + tl.program_id(1) * BLOCK_M, end, tl.num_programs(1) * BLOCK_M):
         rows = r0 + offs_m
         in_rows = rows < end
         z_rows = Z + rows.to(tl.int64)[:, None] * C
         h2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for h0 in range(0, HIDDEN, BLOCK_H):
+        for h0 in range(tl.program_id(2) * BLOCK_H, HIDDEN, tl.num_programs(2) * BLOCK_H):
             offs_h = h0 + tl.arange(0, BLOCK_H)
             in_h = offs_h < HIDDEN
             h1 = tl.zeros([BLOCK_M, BLOCK_H], dtype=tl.float32)
@@ -203,18 +222,37 @@ def _out_conv_kernel(
             w = tl.load(W3 + offs_n[None, :] * stride_w3n + offs_h[:, None] * stride_w3k,
                         mask=in_h[:, None] & in_n[None, :], other=0.0)  # fmt: skip  # W3^T [BLOCK_H, BLOCK_N]
             h2 = tl.dot(h1, w, h2, input_precision="ieee")
-        h2 = _rounded(_gelu(_rounded(h2 + b3[None, :], dtype)), dtype)
-        keep = _rounded(tl.sum(h2 * w4_keep[None, :], 1) + b4_keep, dtype)
-        drop = _rounded(tl.sum(h2 * w4_drop[None, :], 1) + b4_drop, dtype)
-        # log_softmax(logits)[0] in torch's form; a NaN logit makes the score NaN (NaN compares false).
-        peak = tl.where(keep >= drop, keep, drop)
-        score = (keep - peak) - tl.log(tl.exp(keep - peak) + tl.exp(drop - peak))
-        tl.store(SCORES + rows, _rounded(score, dtype), mask=in_rows)
+        if SPLIT:
+            part = H2 + (rows.to(tl.int64)[:, None] * tl.num_programs(2) + tl.program_id(2)) * BLOCK_N
+            tl.store(part + offs_n[None, :], h2, mask=in_rows[:, None] & in_n[None, :])
+        else:
+            score = _keep_score(h2, B3, W4, B4, stride_w4n, stride_w4k, offs_n, NARROW, dtype)
+            tl.store(SCORES + rows, score, mask=in_rows)
+
+
+@triton.jit(do_not_specialize=["total"])
+def _out_head_kernel(
+    H2, B3, W4, B4, SCORES, Z, total, stride_w4n, stride_w4k,
+    NARROW: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The scores of ``BLOCK_M`` rows from the ``SPLITS`` partial sums of the third layer, added in split order
+    (``Z``: the first layer's output, of which only the dtype is used: the model's)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    in_rows = rows < total
+    offs_n = tl.arange(0, BLOCK_N)
+    parts = H2 + rows.to(tl.int64)[:, None] * (SPLITS * BLOCK_N) + offs_n[None, :]
+    mask = in_rows[:, None] & (offs_n < NARROW)[None, :]
+    h2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for s in tl.static_range(SPLITS):
+        h2 += tl.load(parts + s * BLOCK_N, mask=mask, other=0.0)
+    score = _keep_score(h2, B3, W4, B4, stride_w4n, stride_w4k, offs_n, NARROW, Z.dtype.element_ty)
+    tl.store(SCORES + rows, score, mask=in_rows)
 
 
 _in_conv_launcher = CompiledLauncher(_in_conv_kernel)
 _global_launcher = CompiledLauncher(_global_kernel)
 _out_conv_launcher = CompiledLauncher(_out_conv_kernel)
+_out_head_launcher = CompiledLauncher(_out_head_kernel)
 
 
 @dataclass(frozen=True)
@@ -225,11 +263,13 @@ class _Tiles:
     cols_in: int  # output columns per step of the first layer
     rows_out: int  # rows per program of the second to fourth layers
     num_warps: int
+    split_hidden: bool  # a program per hidden chunk of the second layer (and a launch to add them up)
 
 
 _SMALL_ROWS = 2048  # up to ~10 DeiT images: small tiles for more programs; larger batches want larger tiles
-_SMALL = _Tiles(rows_in=32, cols_in=64, rows_out=16, num_warps=4)
-_LARGE = _Tiles(rows_in=64, cols_in=128, rows_out=64, num_warps=8)
+_SMALL = _Tiles(rows_in=32, cols_in=64, rows_out=16, num_warps=4, split_hidden=True)
+_LARGE = _Tiles(rows_in=64, cols_in=128, rows_out=64, num_warps=8, split_hidden=False)
+_HEAD_ROWS = 32  # rows per program of the scores from the split sums
 _TARGET_PROGRAMS = 256  # the first layer splits its columns among programs until about this many (H100: 132 SMs)
 _BLOCK_K = 64  # reduction step of every GEMM
 _BLOCK_H = 64  # hidden columns of the second layer per step of the third
@@ -257,8 +297,8 @@ def _layers(predictor: PredictorLG) -> tuple[torch.nn.Module, ...]:
 def _scores(
     predictor: PredictorLG, x: torch.Tensor, cu: torch.Tensor, max_seqlen: int, num_prefix: int
 ) -> torch.Tensor:
-    """The predictor's keep log-probability of every row, fp32 ``[T]`` (prefix rows included), in three launches;
-    inputs checked (``x`` in the predictor's dtype and width, on its device)."""
+    """The predictor's keep log-probability of every row, fp32 ``[T]`` (prefix rows included), in three or four
+    launches; inputs checked (``x`` in the predictor's dtype and width, on its device)."""
     norm, fc1, fc2, fc3, fc4 = _layers(predictor)
     total, channels = x.shape
     batch = cu.shape[0] - 1
@@ -291,13 +331,21 @@ def _scores(
     _global_launcher(key, device, (batch, chunks), args, num_warps=1, num_stages=3)
 
     blocks = (_block(local, _BLOCK_K), _block(hidden, _BLOCK_H), max(16, triton.next_power_of_2(narrow)))
+    # Small batches split the second layer's hidden chunks over programs (one each), then add the partial sums of
+    # the third layer in a second launch; large ones have programs enough without it.
+    splits = triton.cdiv(hidden, blocks[1]) if tiles.split_hidden else 1
+    h2 = torch.empty(total, splits, blocks[2], dtype=torch.float32, device=x.device) if splits > 1 else scores
     args = (
-        z, cu, parts, w2, fc2.bias, w3, fc3.bias, w4, fc4.bias, scores, total, *w2.stride(), *w3.stride(),
-        *w4.stride(), channels, local, hidden, narrow, chunks, tiles.rows_out, *blocks,
+        z, cu, parts, w2, fc2.bias, w3, fc3.bias, w4, fc4.bias, scores, h2, total, *w2.stride(), *w3.stride(),
+        *w4.stride(), channels, local, hidden, narrow, chunks, tiles.rows_out, *blocks, splits > 1,
     )  # fmt: skip
-    key = (x.dtype, channels, tiles, w2.stride(), w3.stride(), w4.stride()) if ok else None
-    grid = (batch, triton.cdiv(max_seqlen, tiles.rows_out))
+    key = (x.dtype, channels, tiles, splits, w2.stride(), w3.stride(), w4.stride()) if ok else None
+    grid = (batch, triton.cdiv(max_seqlen, tiles.rows_out), splits)
     _out_conv_launcher(key, device, grid, args, num_warps=tiles.num_warps, num_stages=2)
+    if splits > 1:
+        args = (h2, fc3.bias, w4, fc4.bias, scores, z, total, *w4.stride(), narrow, splits, _HEAD_ROWS, blocks[2])
+        key = (x.dtype, splits, blocks[2], w4.stride()) if ok and aligned(h2) else None
+        _out_head_launcher(key, device, (triton.cdiv(total, _HEAD_ROWS),), args, num_warps=4, num_stages=1)
     return scores
 
 
@@ -325,8 +373,9 @@ def dynamicvit_scores(
     num_prefix: int = 1,
     check_values: bool | None = None,
 ) -> torch.Tensor:
-    """DynamicViT's predictor in three launches: the kernels' twin of ``predictor(x, cu_seqlens, num_prefix)[:, 0]``
-    as fp32 (see the module docstring for the rounding), no host synchronisation.
+    """DynamicViT's predictor in three or four launches: the kernels' twin of
+    ``predictor(x, cu_seqlens, num_prefix)[:, 0]`` as fp32 (see the module docstring for the rounding), no host
+    synchronisation.
 
     Args:
         predictor: a :class:`PredictorLG` in ``x``'s dtype, on its device.
@@ -349,7 +398,7 @@ def dynamicvit_scores(
 
 
 def dynamicvit_select(pruner: DynamicViTPruner, inp: DecisionInput) -> TokenSelection:
-    """``pruner(inp)`` in four launches: the same :class:`TokenSelection` (up to the score rounding the module
+    """``pruner(inp)`` in four or five launches: the same :class:`TokenSelection` (up to the score rounding the module
     docstring states), kept counts included."""
     if not isinstance(pruner, DynamicViTPruner):
         raise TypeError(f"pruner must be a DynamicViTPruner, got {type(pruner).__name__}")
