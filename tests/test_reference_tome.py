@@ -23,7 +23,7 @@ import timm
 import torch
 
 from ragged_vit.core.segments import cu_seqlens_from_counts, seqlens
-from ragged_vit.reference.merging import decide_merges, fixed_r_counts, merge_rows
+from ragged_vit.reference.merging import decide_merges, fixed_r_counts, merge_rows, merge_sources
 from ragged_vit.reference.tome import calibrate_threshold, tome_attention, tome_forward, tome_head
 
 SMALL = dict(depth=4, embed_dim=64, num_heads=2, num_classes=10)
@@ -199,6 +199,17 @@ def test_random_ragged_batch_invariants(num_prefix):
         mass = (x[start:end].double() * sizes[start:end, None]).sum(0)
         new_mass = (merged[new_start:new_end].double() * decision.sizes[new_start:new_end, None]).sum(0)
         torch.testing.assert_close(new_mass, mass, atol=1e-5, rtol=1e-6)
+
+
+def test_merge_sources_group_rows_by_destination_in_row_order():
+    """Rows 0 and 2 go to merged row 0, 1 and 4 to row 1, 3 to row 2: groups in destination order, rows ascending
+    inside each; offsets count the rows sent below each merged row (T from T' on)."""
+    for dtype in (torch.int64, torch.int32):
+        sources, offsets = merge_sources(torch.tensor([0, 1, 0, 2, 1], dtype=dtype))
+        assert sources.dtype == offsets.dtype == torch.int32
+        assert sources.tolist() == [0, 2, 1, 4, 3] and offsets.tolist() == [0, 2, 4, 5, 5, 5]
+    sources, offsets = merge_sources(torch.zeros(0, dtype=torch.int64))
+    assert sources.shape == (0,) and offsets.tolist() == [0]
 
 
 # --- proportional attention and the size-weighted head --------------------------------------------------------------
