@@ -550,6 +550,16 @@ def _merge_exact(state: ForwardState, index: int, num_prefix: int) -> None:
             f"{x.device} (this batch's packed rows), got {tuple(dest.shape)} and {tuple(kept.shape)} on "
             f"{dest.device}: replay selections only on the images they were made for"
         )
+    lists = (sel.sources, sel.source_offsets)
+    if any(t is not None for t in lists) and not all(
+        t is not None and t.shape == (x.shape[0] + i,) and t.dtype == torch.int32 and t.device == x.device
+        and t.is_contiguous()
+        for i, t in enumerate(lists)
+    ):  # fmt: skip
+        raise ValueError(
+            f"selections[{index}].sources and .source_offsets must both be None or contiguous int32 [{x.shape[0]}] "
+            f"and [{x.shape[0] + 1}] on {x.device} (the decision's source lists)"
+        )
     sizes = state.sizes
     if sizes is None:
         sizes = torch.ones(x.shape[0], dtype=torch.int32, device=x.device)

@@ -15,6 +15,8 @@ GPU twins (``gpu``): fp32 against the reference forward, graph == eager, the fus
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import timm
 import torch
@@ -185,6 +187,19 @@ def test_triton_backend_and_replayed_merges(mode):
     torch.testing.assert_close(out.logits, ref.logits, **FP32)
     again = pv.run(x, selections=out.selections)
     assert torch.equal(again.logits, out.logits)
+
+
+def test_replayed_source_lists_are_checked():
+    """A replayed merge's source lists: both or neither, int32 of the stage's rows (and one more offset)."""
+    pv = PrunedViT(small_model(), merger("fixed"), "reference")
+    x = images(2, 5)
+    sels = pv.run(x).selections
+    rows = sels[0].destination.shape[0]
+    good = torch.zeros(rows, dtype=torch.int32), torch.zeros(rows + 1, dtype=torch.int32)
+    for sources, offsets in ((good[0], None), (good[0].long(), good[1]), (good[0], good[1][:-1])):
+        bad = [dataclasses.replace(sels[0], sources=sources, source_offsets=offsets), *sels[1:]]
+        with pytest.raises(ValueError, match=r"selections\[0\]\.sources and \.source_offsets must both be None"):
+            pv.run(x, selections=bad)
 
 
 def test_isolation_bitwise():

@@ -468,6 +468,34 @@ def test_poisoned_outputs_replayed_from_a_graph_gpu(mode, dtype, gen):
         assert torch.equal(got.kept, want.kept) and torch.equal(rows[:merged], want_rows[:merged])
 
 
+def _garbage_lists(device, gen):
+    """Source lists that break the contract (random offsets and rows, inside and far outside ``[0, T]``) give wrong
+    rows but stay inside the buffers (clamped): the run completes, rows past ``T'`` untouched."""
+    total, channels = 40, 24
+    x = torch.randn(total, channels, generator=gen).to(device)
+    sizes = torch.ones(total, dtype=torch.int32, device=device)
+    sources = torch.randint(-100, 3 * total, (total,), generator=gen, dtype=torch.int32).to(device)
+    offsets = torch.randint(-100, 3 * total, (total + 1,), generator=gen, dtype=torch.int32).to(device)
+    merged_cu = torch.tensor([0, 10, 3 * total], dtype=torch.int32, device=device)  # T' past T: clamped to T
+    out = torch.full((total + 4, channels), float("nan"), device=device)
+    out_sizes = torch.full((total + 4,), -1, dtype=torch.int32, device=device)
+    ker.merge_rows_unchecked(x, sizes, sources, offsets, merged_cu, out, out_sizes)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert bool(out[total:].isnan().all()) and bool((out_sizes[total:] == -1).all())
+    assert bool((out_sizes[:total] >= 0).all())
+
+
+@pytest.mark.interpreter
+def test_garbage_source_lists_stay_in_bounds_interpreter(gen):
+    _garbage_lists("cpu", gen)
+
+
+@pytest.mark.gpu
+def test_garbage_source_lists_stay_in_bounds_gpu(gen):
+    _garbage_lists("cuda", gen)
+
+
 def _empty(device):
     """A batch of empty images: nothing to merge, offsets of zeros."""
     cu = torch.zeros(3, dtype=torch.int32, device=device)

@@ -315,28 +315,29 @@ def _offset_kernel(
     tl.store(SRC_OFF + base + count, end)
 
 
-@triton.jit(do_not_specialize=["batch", "capacity"])
+@triton.jit(do_not_specialize=["total", "batch", "capacity"])
 def _merge_kernel(
-    X, SIZES, SRC, SRC_OFF, NEW_CU, OUT, OUT_SIZES, LOG_SIZES, batch, capacity, stride_xt, stride_xc,
+    X, SIZES, SRC, SRC_OFF, NEW_CU, OUT, OUT_SIZES, LOG_SIZES, total, batch, capacity, stride_xt, stride_xc,
     CHANNELS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, HAS_LOG: tl.constexpr,
 ):  # fmt: skip
     """``BLOCK_D`` merged rows and ``BLOCK_C`` channels per step (grid-stride over the ``T'`` merged rows): each row
-    gathers its group of sources, the k-th source of every row at a time, in row order."""
-    merged_total = tl.minimum(tl.load(NEW_CU + batch), capacity)
+    gathers its group of sources, the k-th source of every row at a time, in row order. Offsets and source rows are
+    clamped into ``[0, T]``: lists that break the contract give wrong rows, never an access outside the buffers."""
+    merged_total = tl.minimum(tl.minimum(tl.load(NEW_CU + batch), capacity), total)
     offs_d = tl.arange(0, BLOCK_D)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_c = offs_c < CHANNELS
     for d0 in range(tl.program_id(0) * BLOCK_D, merged_total, tl.num_programs(0) * BLOCK_D):
         d = d0 + offs_d
         in_d = d < merged_total
-        lo = tl.load(SRC_OFF + d, mask=in_d, other=0)
-        sources = tl.load(SRC_OFF + d + 1, mask=in_d, other=0) - lo
+        lo = tl.minimum(tl.maximum(tl.load(SRC_OFF + d, mask=in_d, other=0), 0), total)
+        sources = tl.minimum(tl.maximum(tl.load(SRC_OFF + d + 1, mask=in_d, other=0), lo), total) - lo
         acc = tl.zeros([BLOCK_D, BLOCK_C], dtype=tl.float32)
         lone = tl.zeros([BLOCK_D, BLOCK_C], dtype=tl.float32)  # the first source: the row if it is the only one
         weight = tl.zeros([BLOCK_D], dtype=SIZES.dtype.element_ty)
         for k in range(0, tl.max(sources, 0)):
             has = sources > k
-            row = tl.load(SRC + lo + k, mask=has, other=0)
+            row = tl.minimum(tl.maximum(tl.load(SRC + lo + k, mask=has, other=0), 0), total - 1)
             size = tl.load(SIZES + row, mask=has, other=0)
             vals = tl.load(
                 X + row.to(tl.int64)[:, None] * stride_xt + offs_c[None, :] * stride_xc,
@@ -559,7 +560,7 @@ def merge_rows_unchecked(
     has_log = log_sizes is not None
     args = (
         x, sizes, sources, source_offsets, merged_cu, out, out_sizes, log_sizes if has_log else out_sizes,
-        merged_cu.shape[0] - 1, capacity, *x.stride(), channels, _BLOCK_D, block_c, has_log,
+        x.shape[0], merged_cu.shape[0] - 1, capacity, *x.stride(), channels, _BLOCK_D, block_c, has_log,
     )  # fmt: skip
     ok = aligned(x, sizes, sources, source_offsets, merged_cu, out, out_sizes, *([log_sizes] if has_log else []))
     key = (x.dtype, sizes.dtype, channels, has_log, *map(int_spec, x.stride())) if ok else None
