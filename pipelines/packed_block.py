@@ -266,9 +266,7 @@ def _backend_attend(
     max_seqlen: int,
     key_bias: torch.Tensor | None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``qkv [T, 3*H*D] -> [T, H*D]`` through ``backend`` (``key_bias`` passed only when given)."""
-    if key_bias is None:
-        return lambda qkv: backend.attend(qkv, cu_seqlens, max_seqlen, attn.num_heads, attn.scale)
+    """``qkv [T, 3*H*D] -> [T, H*D]`` through ``backend`` (``attend`` itself skips a ``key_bias`` of None)."""
     return lambda qkv: backend.attend(qkv, cu_seqlens, max_seqlen, attn.num_heads, attn.scale, key_bias=key_bias)
 
 

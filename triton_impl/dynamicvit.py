@@ -344,7 +344,7 @@ def _scores(
     _out_conv_launcher(key, device, grid, args, num_warps=tiles.num_warps, num_stages=2)
     if splits > 1:
         args = (h2, fc3.bias, w4, fc4.bias, scores, z, total, *w4.stride(), narrow, splits, _HEAD_ROWS, blocks[2])
-        key = (x.dtype, splits, blocks[2], w4.stride()) if ok and aligned(h2) else None
+        key = (x.dtype, narrow, splits, blocks[2], w4.stride()) if ok and aligned(h2) else None
         _out_head_launcher(key, device, (triton.cdiv(total, _HEAD_ROWS),), args, num_warps=4, num_stages=1)
     return scores
 

@@ -19,7 +19,7 @@ program per image doing everything measured ~37 us per block at batch 1-4 on an 
    moves up by the merged A rows before it, a merged A row goes where its B row goes; then the *source lists*
    (``MergeSelection.sources``, :func:`ragged_vit.reference.merging.merge_sources`): the rows grouped by
    destination, in row order inside a group, and where each group starts, by counting the merged A rows sent below
-   or beside each row (``[64, 64]`` tiles of rows against A rows). In the fixed mode the counts are the rule's,
+   or beside each row (``[128, 64]`` tiles of rows against A rows). In the fixed mode the counts are the rule's,
    ``n - min(r, patches // 2)`` from the lengths alone, so each program also computes its image's offset in the
    merged buffer from every image's length, writes its destinations and group starts final and its entry of
    ``cu_seqlens``.
@@ -430,16 +430,20 @@ def decide_merges_unchecked(
     out: MergeSelection | None = None,
 ) -> MergeSelection:
     """:func:`decide_merges` without its checks (``limit``: ``r``, or ``r_max`` with a ``threshold``), written into
-    ``out`` (contiguous int32 tensors of the right shapes, every element overwritten) when given: for a merge stage
-    that built its input itself."""
+    ``out`` (contiguous int32 tensors of the right shapes, every element overwritten but the source offsets past
+    ``T'``) when given: for a merge stage that built its input itself. An ``out`` without source lists gets new ones
+    (a copy of ``out`` with them is returned)."""
     total, heads, dim = keys.shape
     batch = cu.shape[0] - 1
     device = keys.device
     if out is None:
         out = MergeSelection(*(torch.empty(n, dtype=torch.int32, device=device) for n in (total, batch, batch + 1)))
     if out.sources is None or out.source_offsets is None:
-        sources = (torch.empty(n, dtype=torch.int32, device=device) for n in (total, total + 1))
-        out = dataclasses.replace(out, sources=next(sources), source_offsets=next(sources))
+        out = dataclasses.replace(
+            out,
+            sources=torch.empty(total, dtype=torch.int32, device=device),
+            source_offsets=torch.empty(total + 1, dtype=torch.int32, device=device),
+        )
     adaptive = threshold is not None
     d_pad = _tile(dim, _MAX_HEAD_DIM)
     metric = torch.empty(total, d_pad, dtype=torch.float32, device=device)
