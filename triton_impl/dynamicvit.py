@@ -4,8 +4,9 @@ The reference runs the predictor (``PredictorLG``) as ~25 small torch ops and ra
 gathers): 100-280 us per stage of a graphed DeiT-B forward on an H100, slower than the blocks it saves. Here:
 
 1. ``_in_conv_kernel`` (a program per 32 or 64 rows and a share of the ``C`` output columns): each row's LayerNorm
-   statistics (two passes, recomputed by every program of a row tile: a re-read of its rows from L2 instead of a
-   launch), then ``z = GELU(LayerNorm(x) @ W1^T + b1)`` with ``tl.dot``, stored ``[T, C]`` in the model dtype.
+   statistics (two passes, each unrolled so that its loads are in flight at once, recomputed by every program of a
+   row tile: a re-read of its rows from L2 instead of a launch), then ``z = GELU(LayerNorm(x) @ W1^T + b1)`` with
+   ``tl.dot``, stored ``[T, C]`` in the model dtype.
 2. ``_global_kernel`` (a program per image and 32 columns of the global half ``z[:, C/2:]``): the image's sum over
    its patch rows (prefix rows excluded) in the reference's order, row after row (``torch.segment_reduce``), then
    the mean (an image without patches divides by 1) and that chunk's share of the second layer's global half,
@@ -17,7 +18,7 @@ gathers): 100-280 us per stage of a graphed DeiT-B forward on an H100, slower th
    the keep log-probability, fp32 ``[T]`` (every row's, prefix rows included, as the reference computes them).
    Small batches (up to ``_SMALL_ROWS`` rows) give each 64-column chunk its own program (DeiT-B: 6 per row tile;
    one program walking all six was 21.5 us of a 47 us stage at B = 1 on an H100), which writes its share of ``h2``
-   (fp32 ``[T, 6, C/4]``); ``_out_head_kernel`` (a program per 32 rows) adds the shares in chunk order and computes
+   (fp32 ``[T, 6, C/4]``); ``_out_head_kernel`` (a program per 8 rows) adds the shares in chunk order and computes
    the rest.
 4. the rank-select kernel of :mod:`ragged_vit.triton_impl.select` (``count`` mode, after a memset of the kept
    counts): each image's top ``max(keep_patches, min_patches)`` patches, NaN first and ties to the earlier row as
@@ -85,23 +86,25 @@ def _rounded(v, DTYPE: tl.constexpr):
 @triton.jit(do_not_specialize=["total"])
 def _in_conv_kernel(
     X, LN_W, LN_B, W1, B1, Z, total, stride_xt, stride_xc, stride_wn, stride_wk, eps,
-    C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
 ):  # fmt: skip
     dtype = Z.dtype.element_ty
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     in_rows = rows < total
     x_rows = X + rows.to(tl.int64)[:, None] * stride_xt
     offs_k = tl.arange(0, BLOCK_K)
-    # LayerNorm statistics in two passes (mean, then the mean square of x - mean), fp32.
+    # LayerNorm statistics in two passes (mean, then the mean square of x - mean), fp32, each unrolled over
+    # BLOCK_S-wide chunks: their loads do not wait for one another, so a pass costs one trip to L2, not one a chunk.
+    offs_s = tl.arange(0, BLOCK_S)
     acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, C, BLOCK_K):
-        k = k0 + offs_k
+    for k0 in tl.static_range(0, C, BLOCK_S):
+        k = k0 + offs_s
         mask = in_rows[:, None] & (k < C)[None, :]
         acc += tl.sum(tl.load(x_rows + k[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32), 1)
     mean = acc / C
     acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, C, BLOCK_K):
-        k = k0 + offs_k
+    for k0 in tl.static_range(0, C, BLOCK_S):
+        k = k0 + offs_s
         mask = in_rows[:, None] & (k < C)[None, :]
         v = tl.load(x_rows + k[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
         d = tl.where(mask, v - mean[:, None], 0.0)
@@ -269,14 +272,15 @@ class _Tiles:
 _SMALL_ROWS = 2048  # up to ~10 DeiT images: small tiles for more programs; larger batches want larger tiles
 _SMALL = _Tiles(rows_in=32, cols_in=64, rows_out=16, num_warps=4, split_hidden=True)
 _LARGE = _Tiles(rows_in=64, cols_in=128, rows_out=64, num_warps=8, split_hidden=False)
-_HEAD_ROWS = 32  # rows per program of the scores from the split sums
+_HEAD_ROWS = 8  # rows per program of the scores from the split sums (32 spilled its SPLITS loads: 13 us at B=1, H100)
 _TARGET_PROGRAMS = 256  # the first layer splits its columns among programs until about this many (H100: 132 SMs)
 _BLOCK_K = 64  # reduction step of every GEMM
+_STATS_ELEMENTS = 8192  # elements per load of the LayerNorm statistics (rows of a tile x a chunk of channels)
 _BLOCK_H = 64  # hidden columns of the second layer per step of the third
 _GLOBAL_COLUMNS = 32  # columns of the global half per program of the mean (12 programs per DeiT-B image)
-# Rows of the mean's sequential sum loaded at once: one L2 round trip per 32 rows (the interpreter, which runs the
+# Rows of the mean's sequential sum loaded at once: one L2 round trip per 64 rows (the interpreter, which runs the
 # unrolled loads one by one, takes fewer: the same sum).
-_MEAN_UNROLL = 4 if INTERPRETED else 32
+_MEAN_UNROLL = 4 if INTERPRETED else 64
 
 
 def _tiles(total: int) -> _Tiles:
@@ -318,9 +322,10 @@ def _scores(
     col_tiles = triton.cdiv(channels, tiles.cols_in)
     grid = (row_tiles, min(col_tiles, triton.cdiv(_TARGET_PROGRAMS, row_tiles)))
     block_k = _block(channels, _BLOCK_K)
+    block_s = min(triton.next_power_of_2(channels), _STATS_ELEMENTS // tiles.rows_in)
     args = (
         x, norm.weight, norm.bias, w1, fc1.bias, z, total, *x.stride(), *w1.stride(), float(norm.eps), channels,
-        tiles.rows_in, tiles.cols_in, block_k,
+        tiles.rows_in, tiles.cols_in, block_k, block_s,
     )  # fmt: skip
     key = (x.dtype, channels, tiles, x.stride(), w1.stride()) if ok else None
     _in_conv_launcher(key, device, grid, args, num_warps=tiles.num_warps, num_stages=2)
