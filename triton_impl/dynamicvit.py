@@ -1,12 +1,13 @@
-"""DynamicViT's keep decision in four or five Triton launches (the reference: ``reference/pruners/dynamicvit.py``).
+"""DynamicViT's keep decision: the predictor's first layer as the reference computes it, then three or four Triton
+launches (the reference: ``reference/pruners/dynamicvit.py``).
 
 The reference runs the predictor (``PredictorLG``) as ~25 small torch ops and ranks with ~35 more (sorts, scans,
 gathers): 100-280 us per stage of a graphed DeiT-B forward on an H100, slower than the blocks it saves. Here:
 
-1. ``_in_conv_kernel`` (a program per 32 or 64 rows and a share of the ``C`` output columns): each row's LayerNorm
-   statistics (two passes, each unrolled so that its loads are in flight at once, recomputed by every program of a
-   row tile: a re-read of its rows from L2 instead of a launch), then ``z = GELU(LayerNorm(x) @ W1^T + b1)`` with
-   ``tl.dot``, stored ``[T, C]`` in the model dtype.
+1. The first layer, ``z = GELU(LayerNorm(x) @ W1^T + b1)`` ``[T, C]``, is the reference's own three ops (cuBLAS's
+   GEMM), bit for bit the reference's ``z``. A fused Triton kernel (LayerNorm statistics per row tile, then the GEMM
+   with ``tl.dot``) was slower at every batch size on an H100: 13.4 against 9.6 us at B = 1, 27 against 11 at B = 4,
+   116 against 65 at B = 64 (DeiT-B, graph replay).
 2. ``_global_kernel`` (a program per image and 32 columns of the global half ``z[:, C/2:]``): the image's sum over
    its patch rows (prefix rows excluded) in the reference's order, row after row (``torch.segment_reduce``), then
    the mean (an image without patches divides by 1) and that chunk's share of the second layer's global half,
@@ -26,17 +27,17 @@ gathers): 100-280 us per stage of a graphed DeiT-B forward on an H100, slower th
 
 The kernels read the predictor's own parameters in the model dtype, through their strides (no copies, no cache: a
 changed parameter is read at the next call); every GEMM accumulates in fp32 (``tl.dot``; IEEE fp32, not TF32, for
-an fp32 model). They round where the reference's ops round, to the model dtype: the LayerNorm's output, each
-Linear's output, each GELU's output, every step of the mean's sum, the patch count and the quotient (the reference
+an fp32 model). They round where the reference's ops round, to the model dtype: each Linear's output, each GELU's
+output, every step of the mean's sum, the patch count and the quotient (the reference
 divides in the model dtype), the logits and the log-probability, computed as torch's CUDA ``log_softmax`` computes
 it: ``(l0 - m) - log(exp(l0 - m) + exp(l1 - m))`` in fp32, ``m = max(l0, l1)`` (a saturated keep scores exactly 0
 as in torch, where ``-softplus`` would give a tiny negative; non-finite logits give what torch gives). So in fp16
 and bf16 the scores are quantised as the reference's are, and the ties that quantisation makes are broken by row as
 the reference breaks them.
 
-What still differs: the order of the GEMMs' fp32 sums and of the LayerNorm statistics, and the exp/log
-approximations; where the two sides round an intermediate differently it moves by one unit in the last place. The
-scores agree to ``rtol = 1e-5`` in fp32, ``2 eps`` relative in fp16 and ``8 eps`` in bf16
+What still differs (after the first layer, which is the reference's): the order of the later GEMMs' fp32 sums,
+and the exp/log approximations; where the two sides round an intermediate differently it moves by one unit in the
+last place. The scores agree to ``rtol = 1e-5`` in fp32, ``2 eps`` relative in fp16 and ``8 eps`` in bf16
 (``tests/test_triton_dynamicvit.py``; measured on an H100: bf16 up to 4.8 eps, where an intermediate rounded one unit
 apart in bf16 moves every later layer; on the CPU, whose fp16 ``log_softmax`` also rounds its log-sum to fp16, fp16
 one unit). Rule for the decisions, with ``b`` that bound at an image's cut: the kept
@@ -45,8 +46,9 @@ first dropped) the image's mask is the pruner's; closer, only rows within ``2 b`
 Equal rows of an image score bit for bit alike (ties go to the earlier row, as in the reference); a NaN patch row
 makes its image's mean, hence every score of the image, NaN, as in the reference, and the image is decided as the
 reference decides it (NaN first, then by row). An image's scores never depend on another image's values, bit for
-bit. The tile shapes depend on the batch's total rows (``_tiles``), so an image's scores may differ in their last
-bits between batches of different totals; never between runs, nor between a graph and eager calls.
+bit. The tile shapes (``_tiles``, and cuBLAS's choice of GEMM) depend on the batch's total rows, so an image's
+scores may differ in their last bits between batches of different totals; never between runs, nor between a graph
+and eager calls.
 
 :func:`dynamicvit_select` is the drop-in for ``pruner(inp)``; it is registered as the pruner's fused decision on CUDA
 (:mod:`ragged_vit.core.decisions`), which the pipelines use. :func:`dynamicvit_scores` is the predictor alone. No
@@ -58,6 +60,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -81,55 +84,6 @@ def _gelu(v):
 def _rounded(v, DTYPE: tl.constexpr):
     """``v`` rounded to the model dtype, as fp32 (a no-op for an fp32 model)."""
     return v.to(DTYPE).to(tl.float32)
-
-
-@triton.jit(do_not_specialize=["total"])
-def _in_conv_kernel(
-    X, LN_W, LN_B, W1, B1, Z, total, stride_xt, stride_xc, stride_wn, stride_wk, eps,
-    C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_S: tl.constexpr,
-):  # fmt: skip
-    dtype = Z.dtype.element_ty
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    in_rows = rows < total
-    x_rows = X + rows.to(tl.int64)[:, None] * stride_xt
-    offs_k = tl.arange(0, BLOCK_K)
-    # LayerNorm statistics in two passes (mean, then the mean square of x - mean), fp32, each unrolled over
-    # BLOCK_S-wide chunks: their loads do not wait for one another, so a pass costs one trip to L2, not one a chunk.
-    offs_s = tl.arange(0, BLOCK_S)
-    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in tl.static_range(0, C, BLOCK_S):
-        k = k0 + offs_s
-        mask = in_rows[:, None] & (k < C)[None, :]
-        acc += tl.sum(tl.load(x_rows + k[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32), 1)
-    mean = acc / C
-    acc = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for k0 in tl.static_range(0, C, BLOCK_S):
-        k = k0 + offs_s
-        mask = in_rows[:, None] & (k < C)[None, :]
-        v = tl.load(x_rows + k[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
-        d = tl.where(mask, v - mean[:, None], 0.0)
-        acc += tl.sum(d * d, 1)
-    rstd = tl.math.rsqrt(acc / C + eps)
-    # Grid-stride loop over the output column tiles: the grid's second axis splits them among programs.
-    for n0 in range(tl.program_id(1) * BLOCK_N, C, tl.num_programs(1) * BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        in_n = offs_n < C
-        out = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, C, BLOCK_K):
-            k = k0 + offs_k
-            in_k = k < C
-            mask = in_rows[:, None] & in_k[None, :]
-            v = tl.load(x_rows + k[None, :] * stride_xc, mask=mask, other=0.0).to(tl.float32)
-            gamma = tl.load(LN_W + k, mask=in_k, other=0.0).to(tl.float32)
-            beta = tl.load(LN_B + k, mask=in_k, other=0.0).to(tl.float32)
-            normed = (v - mean[:, None]) * rstd[:, None] * gamma[None, :] + beta[None, :]
-            normed = tl.where(mask, normed, 0.0).to(dtype)  # the LayerNorm's output, in the model dtype
-            w = tl.load(W1 + offs_n[None, :] * stride_wn + k[:, None] * stride_wk,
-                        mask=in_k[:, None] & in_n[None, :], other=0.0)  # fmt: skip  # W1^T [BLOCK_K, BLOCK_N]
-            out = tl.dot(normed, w, out, input_precision="ieee")
-        bias = tl.load(B1 + offs_n, mask=in_n, other=0.0).to(tl.float32)
-        z = _gelu(_rounded(out + bias[None, :], dtype)).to(dtype)
-        tl.store(Z + rows.to(tl.int64)[:, None] * C + offs_n[None, :], z, mask=in_rows[:, None] & in_n[None, :])
 
 
 @triton.jit(do_not_specialize=["total", "num_prefix"])
@@ -252,7 +206,6 @@ def _out_head_kernel(
     tl.store(SCORES + rows, score, mask=in_rows)
 
 
-_in_conv_launcher = CompiledLauncher(_in_conv_kernel)
 _global_launcher = CompiledLauncher(_global_kernel)
 _out_conv_launcher = CompiledLauncher(_out_conv_kernel)
 _out_head_launcher = CompiledLauncher(_out_head_kernel)
@@ -262,20 +215,16 @@ _out_head_launcher = CompiledLauncher(_out_head_kernel)
 class _Tiles:
     """Launch shape of the predictor's kernels for a batch size (untuned: chosen for enough programs at T=197)."""
 
-    rows_in: int  # rows per program of the first layer
-    cols_in: int  # output columns per step of the first layer
     rows_out: int  # rows per program of the second to fourth layers
     num_warps: int
     split_hidden: bool  # a program per hidden chunk of the second layer (and a launch to add them up)
 
 
 _SMALL_ROWS = 2048  # up to ~10 DeiT images: small tiles for more programs; larger batches want larger tiles
-_SMALL = _Tiles(rows_in=32, cols_in=64, rows_out=16, num_warps=4, split_hidden=True)
-_LARGE = _Tiles(rows_in=64, cols_in=128, rows_out=64, num_warps=8, split_hidden=False)
-_HEAD_ROWS = 8  # rows per program of the scores from the split sums (32 spilled its SPLITS loads: 13 us at B=1, H100)
-_TARGET_PROGRAMS = 256  # the first layer splits its columns among programs until about this many (H100: 132 SMs)
+_SMALL = _Tiles(rows_out=16, num_warps=4, split_hidden=True)
+_LARGE = _Tiles(rows_out=64, num_warps=8, split_hidden=False)
+_HEAD_ROWS = 8  # rows per program of the scores from the split sums (32 left 7 programs at B=1: 13 us, H100)
 _BLOCK_K = 64  # reduction step of every GEMM
-_STATS_ELEMENTS = 8192  # elements per load of the LayerNorm statistics (rows of a tile x a chunk of channels)
 _BLOCK_H = 64  # hidden columns of the second layer per step of the third
 _GLOBAL_COLUMNS = 32  # columns of the global half per program of the mean (12 programs per DeiT-B image)
 # Rows of the mean's sequential sum loaded at once: one L2 round trip per 64 rows (the interpreter, which runs the
@@ -293,42 +242,39 @@ def _block(width: int, cap: int) -> int:
 
 
 def _layers(predictor: PredictorLG) -> tuple[torch.nn.Module, ...]:
-    """The predictor's LayerNorm and four Linears (their checkpoint names: in_conv.0/1, out_conv.0/2/4)."""
-    (norm, fc1, _), (fc2, _, fc3, _, fc4, _) = predictor.in_conv, predictor.out_conv
-    return norm, fc1, fc2, fc3, fc4
+    """The predictor's first GELU and last three Linears (checkpoint names out_conv.0/2/4)."""
+    (_, _, gelu), (fc2, _, fc3, _, fc4, _) = predictor.in_conv, predictor.out_conv
+    return gelu, fc2, fc3, fc4
+
+
+def _first_layer(predictor: PredictorLG, x: torch.Tensor) -> torch.Tensor:
+    """``GELU(LayerNorm(x) @ W1^T + b1)``, contiguous ``[T, C]``: the reference's own ops, as functional calls on the
+    module's parameters (no module calls: fewer host ops in an eager forward)."""
+    norm, fc1, gelu = predictor.in_conv
+    normed = F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    return F.gelu(F.linear(normed, fc1.weight, fc1.bias), approximate=gelu.approximate)
 
 
 def _scores(
     predictor: PredictorLG, x: torch.Tensor, cu: torch.Tensor, max_seqlen: int, num_prefix: int
 ) -> torch.Tensor:
-    """The predictor's keep log-probability of every row, fp32 ``[T]`` (prefix rows included), in three or four
-    launches; inputs checked (``x`` in the predictor's dtype and width, on its device)."""
-    norm, fc1, fc2, fc3, fc4 = _layers(predictor)
+    """The predictor's keep log-probability of every row, fp32 ``[T]`` (prefix rows included): the first layer's
+    three torch ops, then two or three launches; inputs checked (``x`` in the predictor's dtype and width, on its
+    device)."""
+    gelu, fc2, fc3, fc4 = _layers(predictor)
     total, channels = x.shape
     batch = cu.shape[0] - 1
     local, hidden, narrow = channels // 2, fc2.out_features, fc3.out_features
     scores = torch.empty(total, dtype=torch.float32, device=x.device)
     if total == 0:
         return scores
-    z = torch.empty(total, channels, dtype=x.dtype, device=x.device)
+    z = _first_layer(predictor, x)  # [T, C] contiguous, in the model dtype
     chunks = triton.cdiv(channels - local, _GLOBAL_COLUMNS)
     parts = torch.empty(batch, chunks, hidden, dtype=torch.float32, device=x.device)
     device = x.get_device()
     tiles = _tiles(total)
-    ok = aligned(x, cu, z, parts, scores, *predictor.parameters())
-    w1, w2, w3, w4 = fc1.weight, fc2.weight, fc3.weight, fc4.weight
-
-    row_tiles = triton.cdiv(total, tiles.rows_in)
-    col_tiles = triton.cdiv(channels, tiles.cols_in)
-    grid = (row_tiles, min(col_tiles, triton.cdiv(_TARGET_PROGRAMS, row_tiles)))
-    block_k = _block(channels, _BLOCK_K)
-    block_s = min(triton.next_power_of_2(channels), _STATS_ELEMENTS // tiles.rows_in)
-    args = (
-        x, norm.weight, norm.bias, w1, fc1.bias, z, total, *x.stride(), *w1.stride(), float(norm.eps), channels,
-        tiles.rows_in, tiles.cols_in, block_k, block_s,
-    )  # fmt: skip
-    key = (x.dtype, channels, tiles, x.stride(), w1.stride()) if ok else None
-    _in_conv_launcher(key, device, grid, args, num_warps=tiles.num_warps, num_stages=2)
+    ok = aligned(cu, z, parts, scores, *predictor.parameters())
+    w2, w3, w4 = fc2.weight, fc3.weight, fc4.weight
 
     args = (z, cu, w2, parts, total, num_prefix, *w2.stride(), channels, local, hidden, _GLOBAL_COLUMNS, _BLOCK_H,
             _MEAN_UNROLL)  # fmt: skip
@@ -378,7 +324,7 @@ def dynamicvit_scores(
     num_prefix: int = 1,
     check_values: bool | None = None,
 ) -> torch.Tensor:
-    """DynamicViT's predictor in three or four launches: the kernels' twin of
+    """DynamicViT's predictor: the first layer's three torch ops, then two or three launches; the kernels' twin of
     ``predictor(x, cu_seqlens, num_prefix)[:, 0]`` as fp32 (see the module docstring for the rounding), no host
     synchronisation.
 
@@ -403,8 +349,8 @@ def dynamicvit_scores(
 
 
 def dynamicvit_select(pruner: DynamicViTPruner, inp: DecisionInput) -> TokenSelection:
-    """``pruner(inp)`` in four or five launches: the same :class:`TokenSelection` (up to the score rounding the module
-    docstring states), kept counts included."""
+    """``pruner(inp)``: the first layer's three torch ops, then three or four launches; the same
+    :class:`TokenSelection` (up to the score rounding the module docstring states), kept counts included."""
     if not isinstance(pruner, DynamicViTPruner):
         raise TypeError(f"pruner must be a DynamicViTPruner, got {type(pruner).__name__}")
     inp = pruner.check_input(inp)
