@@ -273,7 +273,7 @@ def build_ours(problem: Problem) -> BuiltPeer:
     h, d = problem.num_heads, problem.head_dim
     outs = [qkv.new_full((problem.total, h * d), float("nan")) for qkv in problem.qkv_sets]  # poisoned
     calls = [
-        functools.partial(ragged_attention_qkv, qkv, problem.cu_seqlens, MAX_SEQLEN, h, problem.scale, out)
+        functools.partial(ragged_attention_qkv, qkv, problem.cu_seqlens, MAX_SEQLEN, h, problem.scale, out=out)
         for qkv, out in zip(problem.qkv_sets, outs, strict=True)
     ]
     return BuiltPeer("ours", calls, note=f"direct call, out= preallocated, max_seqlen={MAX_SEQLEN}")

@@ -11,6 +11,8 @@ import torch
 
 from benchmarks.attention_peers import (
     BuiltPeer,
+    build_ours,
+    build_ours_op,
     build_padded_sdpa,
     check_peer,
     make_problem,
@@ -131,6 +133,18 @@ def test_padded_sdpa_peer_on_cpu(batch: int, pruned: int, variable: bool) -> Non
         assert "mask" in peer.note
     else:
         assert "no padding" in peer.note
+
+
+@pytest.mark.interpreter
+def test_our_peers_on_cpu() -> None:
+    """The benchmark's own peers (the direct call into a preallocated ``out`` and the custom op) as the suite calls
+    them, under Triton's interpreter: a signature change they miss fails here, not on the GPU machine."""
+    problem = make_problem(make_workload(2, 50, variable=True), 2, "cpu", torch.float32)
+    for build in (build_ours, build_ours_op):
+        peer = build(problem)
+        for i in range(2):
+            check = check_peer(peer, problem, reference_output(problem, i), set_index=i, tol=FP32_TOL)
+            assert check.ok, (peer.name, check.reason)
 
 
 def test_check_peer_flags_wrong_and_raising_peers() -> None:

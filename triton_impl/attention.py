@@ -248,6 +248,7 @@ def ragged_attention(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     scale: float | None = None,
+    *,
     key_bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     check_values: bool | None = None,
@@ -287,6 +288,7 @@ def ragged_attention_qkv(
     max_seqlen: int,
     num_heads: int,
     scale: float | None = None,
+    *,
     key_bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     check_values: bool | None = None,
@@ -377,7 +379,7 @@ def _op_impl(
     scale: float,
     key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return ragged_attention_qkv(qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias)
+    return ragged_attention_qkv(qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias=key_bias)
 
 
 _LIBRARY.impl("ragged_attention_qkv", _op_impl, "CompositeExplicitAutograd")
