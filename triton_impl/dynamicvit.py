@@ -5,9 +5,10 @@ The reference runs the predictor (``PredictorLG``) as ~25 small torch ops and ra
 gathers): 100-280 us per stage of a graphed DeiT-B forward on an H100, slower than the blocks it saves. Here:
 
 1. The first layer, ``z = GELU(LayerNorm(x) @ W1^T + b1)`` ``[T, C]``, is the reference's own three ops (cuBLAS's
-   GEMM), bit for bit the reference's ``z``. A fused Triton kernel (LayerNorm statistics per row tile, then the GEMM
-   with ``tl.dot``) was slower at every batch size on an H100: 13.4 against 9.6 us at B = 1, 27 against 11 at B = 4,
-   116 against 65 at B = 64 (DeiT-B, graph replay).
+   GEMM), bit for bit the reference's ``z``: it follows torch's matmul settings as the reference does (TF32 for an
+   fp32 model only where the caller allows it). A fused Triton kernel (LayerNorm statistics per row tile, then the
+   GEMM with ``tl.dot``) was slower at every batch size on an H100: 13.4 against 9.6 us at B = 1, 27 against 11 at
+   B = 4, 116 against 65 at B = 64 (DeiT-B, graph replay).
 2. ``_global_kernel`` (a program per image and 32 columns of the global half ``z[:, C/2:]``): the image's sum over
    its patch rows (prefix rows excluded) in the reference's order, row after row (``torch.segment_reduce``), then
    the mean (an image without patches divides by 1) and that chunk's share of the second layer's global half,
