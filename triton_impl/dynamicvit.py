@@ -243,9 +243,9 @@ def _block(width: int, cap: int) -> int:
 
 
 def _layers(predictor: PredictorLG) -> tuple[torch.nn.Module, ...]:
-    """The predictor's first GELU and last three Linears (checkpoint names out_conv.0/2/4)."""
-    (_, _, gelu), (fc2, _, fc3, _, fc4, _) = predictor.in_conv, predictor.out_conv
-    return gelu, fc2, fc3, fc4
+    """The predictor's last three Linears (checkpoint names out_conv.0/2/4), which the kernels read."""
+    fc2, _, fc3, _, fc4, _ = predictor.out_conv
+    return fc2, fc3, fc4
 
 
 def _first_layer(predictor: PredictorLG, x: torch.Tensor) -> torch.Tensor:
@@ -262,7 +262,7 @@ def _scores(
     """The predictor's keep log-probability of every row, fp32 ``[T]`` (prefix rows included): the first layer's
     three torch ops, then two or three launches; inputs checked (``x`` in the predictor's dtype and width, on its
     device)."""
-    gelu, fc2, fc3, fc4 = _layers(predictor)
+    fc2, fc3, fc4 = _layers(predictor)
     total, channels = x.shape
     batch = cu.shape[0] - 1
     local, hidden, narrow = channels // 2, fc2.out_features, fc3.out_features
