@@ -182,10 +182,12 @@ class Lab:
 
 
 def forward_calls(pv: PrunedViT, ref: Reference, replayed: bool) -> list[Call]:
-    """One zero-argument forward per input batch: the pipeline's own decisions, or the drawn masks replayed."""
+    """One zero-argument forward per input batch: the drawn masks replayed (``pv.run``), or the pipeline's own
+    decisions as a user calls it (``pv(images)``: logits only, so no selections to record and no host read where a
+    bound suffices, :meth:`PrunedViT.forward`)."""
     if replayed:
         return [functools.partial(pv.run, img, sels) for img, sels in zip(ref.images, ref.selections, strict=True)]
-    return [functools.partial(pv.run, img) for img in ref.images]
+    return [functools.partial(pv, img) for img in ref.images]
 
 
 # --------------------------------------------------------------------------------------------------- checks

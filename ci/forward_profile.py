@@ -11,7 +11,9 @@ and host waits) and the per-kind split. ``--compile-blocks`` adds the pipelines 
 ``overlap_decisions=False``, ``--eager`` timm eager and the eager pipelines (no graphs; their "host ops" column counts
 the top-level aten ops per forward, the host dispatches besides the Triton launches, which the kernel count includes;
 ``--host-profile N`` adds cProfile's top N functions of each eager row; ``--eager-rounds K`` times timm eager and the
-eager pipelines again in turn, K rounds, for ratios that pair timings of one round: the host's speed drifts).
+eager pipelines again in turn, K rounds, for ratios that pair timings of one round: the host's speed drifts;
+``--eager-only`` keeps the eager rows alone, without the compiles of the graphed ones). An eager pipeline is called as
+a user calls it, ``pv(images)`` (:meth:`ragged_vit.pipelines.model.PrunedViT.forward`).
 ``--workloads`` takes ``WORKLOAD:KEEP`` (keep rate 0.5 by default); ``--tome R`` adds ToMe with a fixed ``r = R`` per
 block (one graph per forward). Details go to ``--out`` (JSON).
 """
@@ -117,7 +119,7 @@ def eager_rounds(lab: Lab, batch: int, images: list[torch.Tensor], args: argpars
             return model(x)
 
     forwards = {"timm eager": timm_eager}
-    forwards |= {f"{label_of(w, k)} eager": pipeline(lab, w, k).run for w, k in args.workloads}
+    forwards |= {f"{label_of(w, k)} eager": pipeline(lab, w, k) for w, k in args.workloads}  # pv(images)
     calls = {label: [functools.partial(f, img) for img in images] for label, f in forwards.items()}
     for row in calls.values():
         warmup(row, n=6)
@@ -151,6 +153,9 @@ def main() -> None:
     parser.add_argument("--serial-decisions", action="store_true", help="also the runners with overlap_decisions=False")
     parser.add_argument("--eager", action="store_true", help="also timm eager and the eager pipelines (no graphs)")
     parser.add_argument(
+        "--eager-only", action="store_true", help="with --eager: only timm eager and the eager pipelines (no compiles)"
+    )
+    parser.add_argument(
         "--host-profile", type=int, default=0, metavar="N", help="with --eager: cProfile's top N functions per row"
     )
     parser.add_argument(
@@ -170,6 +175,10 @@ def main() -> None:
         parser.error(f"--workloads: {exc}")
     if args.eager_rounds and not args.eager:
         parser.error("--eager-rounds: times the eager rows, which only --eager adds")
+    if args.eager_only and not args.eager:
+        parser.error("--eager-only: keeps the eager rows, which only --eager adds")
+    if args.eager_only and (args.compile_blocks or args.sync_free_rows or args.serial_decisions):
+        parser.error("--eager-only: --compile-blocks, --sync-free-rows and --serial-decisions set graphed rows")
     if args.eager_rounds < 0:
         parser.error(f"--eager-rounds: must be >= 0, got {args.eager_rounds}")
     if args.tome < 0:
@@ -189,14 +198,14 @@ def main() -> None:
         configs: list[tuple[str, str | None, float, bool, bool, int, bool]] = [
             ("timm reduce-overhead", None, 1.0, True, False, 0, True),
             ("timm reduce-overhead +gemm embed", None, 1.0, True, False, 0, True),
-        ]
+        ][: 0 if args.eager_only else 2]
         if args.eager:
             configs.append(("timm eager", None, 1.0, False, False, 0, True))
         for w, keep in args.workloads:
             name = label_of(w, keep)
             if args.eager:
                 configs.append((name + " eager", w, keep, False, False, 0, True))
-            for compiled in (False, True) if args.compile_blocks else (False,):
+            for compiled in () if args.eager_only else (False, True) if args.compile_blocks else (False,):
                 for rows in sorted({0, args.sync_free_rows}):
                     label = name + (" +compile" if compiled else "") + (f" +sync-free {rows}" if rows else "")
                     configs.append((label, w, keep, True, compiled, rows, True))
@@ -218,7 +227,7 @@ def main() -> None:
                 pv = pipeline(lab, workload, keep)
                 pv.compile_blocks = compiled
                 buckets = TokenBuckets(sync_free_rows=sync_free_rows) if sync_free_rows else None
-                forward = GraphedPrunedViT(pv, buckets, overlap_decisions=overlap).run if graphed else pv.run
+                forward = GraphedPrunedViT(pv, buckets, overlap_decisions=overlap).run if graphed else pv
             first_s = elapsed([functools.partial(forward, images[0])], lab.device)
             r = profile_forward(forward, images)
             if args.host_profile and not graphed:

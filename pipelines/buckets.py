@@ -24,6 +24,16 @@ from dataclasses import dataclass
 
 from ragged_vit.core.validation import check_int
 
+AUTO_SYNC_FREE_ROWS = 1024
+"""``sync_free_rows`` of a forward with several variable-count stages (:func:`default_sync_free_rows`), in the
+graph runner's default buckets and in the eager ``PrunedViT.forward``."""
+
+
+def default_sync_free_rows(variable_stages: int) -> int:
+    """:data:`AUTO_SYNC_FREE_ROWS` for a forward with several variable-count stages (ATS: 9), else 0: a single
+    stage reads its total, which sizes everything after it."""
+    return AUTO_SYNC_FREE_ROWS if variable_stages > 1 else 0
+
 
 @dataclass(frozen=True)
 class TokenBuckets:

@@ -82,16 +82,13 @@ import torch
 from ragged_vit.core.selection import MergeSelection, TokenSelection
 from ragged_vit.core.validation import check_int
 from ragged_vit.pipelines.backends import BACKENDS
-from ragged_vit.pipelines.buckets import TokenBuckets, padding_images
+from ragged_vit.pipelines.buckets import TokenBuckets, default_sync_free_rows, padding_images
 from ragged_vit.pipelines.model import ForwardState, PrunedOutput, PrunedViT, merge_sources_of
 from ragged_vit.pipelines.plan import ForwardPlan, Step, StepKind
 from ragged_vit.triton_impl import merging as triton_merging
 from ragged_vit.triton_impl import pack as triton_pack
 from ragged_vit.triton_impl.launcher import INTERPRETED
 
-AUTO_SYNC_FREE_ROWS = 1024
-"""``sync_free_rows`` of the default buckets for pruners with several variable-count stages (see
-:class:`GraphedPrunedViT`)."""
 
 class SegmentShape(NamedTuple):
     """How one segment of a variable-count forward is replayed (part of its graph's key)."""
@@ -298,7 +295,7 @@ class GraphedPrunedViT:
         self.counters = GraphCounters()
         self._plan = pipeline.plan  # the steps, segments and fixedness are the same at every image size
         if buckets is None:
-            buckets = TokenBuckets(sync_free_rows=AUTO_SYNC_FREE_ROWS if len(self._plan.segments) > 2 else 0)
+            buckets = TokenBuckets(sync_free_rows=default_sync_free_rows(len(self._plan.segments) - 1))
         self.buckets = buckets
         self._pool = pool
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}

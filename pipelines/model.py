@@ -58,6 +58,7 @@ from ragged_vit.core.segments import seqlens, uniform_cu_seqlens
 from ragged_vit.core.selection import Decision, DecisionInput, MergeSelection, Placement, Pruner, TokenSelection
 from ragged_vit.core.validation import check_tensor
 from ragged_vit.pipelines.backends import AttentionBackend, make_backend
+from ragged_vit.pipelines.buckets import default_sync_free_rows, padding_images
 from ragged_vit.pipelines.heads import MERGE_POOLS, head_logits, pool_of
 from ragged_vit.pipelines.packed_block import (
     check_packable,
@@ -262,12 +263,14 @@ class PrunedViT(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[B, classes]`` of ``images [B, 3, H, W]``; with ``return_counts`` also the counts ``[B, S]``.
 
-        See :meth:`run` for the arguments and for the recorded selections.
+        The same forward as :meth:`run` (see it for the arguments), which it leaves the selections to. Without them it
+        needs no stage's decision over exactly the real rows, so on CUDA a variable-count stage (ATS, Threshold-L2
+        threshold/calibrated) reads its kept total only where the host holds no bound on it (:func:`_repack_bounded`):
+        the eager forward waits for the device far less often (ATS: nine waits per forward before).
         """
-        out = self.run(images, selections)
+        out = self._execute(images, selections, None, lean=selections is None)
         return (out.logits, out.counts) if return_counts else out.logits
 
-    @torch.no_grad()
     def run(
         self,
         images: torch.Tensor,
@@ -284,12 +287,23 @@ class PrunedViT(nn.Module):
                 instead of deciding.
             on_step: called with each step of :attr:`plan` before it runs (instrumentation; see :data:`OnStep`).
         """
+        return self._execute(images, selections, on_step, lean=False)
+
+    @torch.no_grad()
+    def _execute(
+        self, images: object, selections: Sequence[Decision] | None, on_step: OnStep | None, lean: bool
+    ) -> PrunedOutput:
+        """:meth:`run`; ``lean``: on CUDA, variable-count stages repack into bounds (:func:`_repack_bounded`) and no
+        selections are returned (theirs cover padding rows too)."""
         images = self.check_inputs(images)
         selections = self._check_selections(selections)
         plan = self.plan_for(images.shape[-2:])
         state = ForwardState(images.shape[0], images.to(self.dtype))
         made: list[Decision] = []
         offsets: list[torch.Tensor] = []
+        reads = None
+        if lean and not self._merges and not plan.fixed and _packs_with_triton(images.device):
+            reads = _KeptReads(len(plan.stages), images.device)
         for step in plan.steps:
             if on_step is not None:
                 on_step(step, state)
@@ -297,8 +311,12 @@ class PrunedViT(nn.Module):
                 state.selection = selections[step.stage]
             elif step.kind is StepKind.REPACK:
                 made.append(state.selection)
-                (_merge_exact if self._merges else _repack_exact)(state, step.stage, plan.num_prefix)
-                offsets.append(state.cu_seqlens)
+                if reads is not None:
+                    _repack_bounded(state, plan.stages[step.stage].rows_after, reads, step.stage)
+                else:
+                    (_merge_exact if self._merges else _repack_exact)(state, step.stage, plan.num_prefix)
+                cu = state.cu_seqlens
+                offsets.append(cu if cu.shape[0] == state.batch + 1 else cu[: state.batch + 1])
             else:
                 self.run_step(step, state)
         if offsets:  # every stage's lengths in one go (a few launches, not two per stage)
@@ -306,7 +324,7 @@ class PrunedViT(nn.Module):
             counts = (cu[:, 1:] - cu[:, :-1] - plan.num_prefix).t().contiguous()
         else:
             counts = state.logits.new_zeros((state.batch, 0), dtype=torch.long)
-        return PrunedOutput(state.logits, counts, made)
+        return PrunedOutput(state.logits, counts, [] if reads is not None else made)
 
     def check_inputs(self, images: object) -> torch.Tensor:
         """Everything a forward checks before its first launch: eval mode, ``images`` (returned), the backend against
@@ -522,7 +540,7 @@ def _repack_exact(state: ForwardState, index: int, num_prefix: int) -> None:
             "replay selections only on the images they were made for"
         )
     extra = None if sel.extra_token is None else sel.extra_token.to(x.dtype)
-    if x.device.type != "cuda":
+    if not _packs_with_triton(x.device):
         state.x, state.cu_seqlens, state.max_seqlen = ref_packing.repack(x, cu, keep, extra, num_prefix)
     elif sel.fixed_count and sel.count is not None:
         state.x, state.cu_seqlens, state.max_seqlen = triton_pack.repack_unchecked(
@@ -535,6 +553,92 @@ def _repack_exact(state: ForwardState, index: int, num_prefix: int) -> None:
             x, cu, keep, state.max_seqlen, capacity=total, extra_token=extra, kept=kept
         )
         state.max_seqlen = longest
+    state.selection = state.qkv = None
+
+
+def _packs_with_triton(device: torch.device) -> bool:
+    """Whether the forward packs with the Triton kernels on ``device`` (CUDA; the CPU packs with the reference)."""
+    return device.type == "cuda"
+
+
+class _KeptReads:
+    """The host's copies of the stages' kept counts in :meth:`PrunedViT.forward`: each queued on the device as its
+    stage repacks (one copy into pinned memory and an event) and read when a stage needs it, one stage later where
+    that suffices (:func:`_repack_bounded`)."""
+
+    def __init__(self, stages: int, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.host: torch.Tensor | None = None  # [S, B] int32, pinned on CUDA: allocated by the first read
+        self.queued: list[torch.cuda.Event | bool] = [False] * stages  # an event on CUDA, once queued
+        self.sync_free_rows = default_sync_free_rows(stages)
+
+    def start(self, index: int, kept: torch.Tensor) -> None:
+        """Queues the copy of stage ``index``'s kept counts ``[B]``."""
+        if self.host is None:
+            self.host = torch.empty((len(self.queued), kept.shape[0]), dtype=torch.int32, pin_memory=self.cuda)
+        self.host[index].copy_(kept, non_blocking=self.cuda)
+        self.queued[index] = True
+        if self.cuda:
+            self.queued[index] = torch.cuda.Event()
+            self.queued[index].record()
+
+    def started(self, index: int) -> bool:
+        return index >= 0 and self.queued[index] is not False
+
+    def total_longest(self, index: int) -> tuple[int, int]:
+        """Stage ``index``'s kept total and longest image (waits for its copy)."""
+        if self.cuda:
+            self.queued[index].synchronize()
+        row = self.host.numpy()[index]
+        return int(row.sum()), int(row.max())
+
+
+def _repack_bounded(state: ForwardState, rows_after: int, reads: _KeptReads, index: int) -> None:
+    """Eager REPACK of a variable-count stage with Triton packing into a buffer the host sizes from what it holds,
+    as the graph runner's segments do (:mod:`ragged_vit.pipelines.graphs`):
+
+    * an input of at most ``reads.sync_free_rows`` rows: no read at all; the input's rows, or the pruner's bound
+      ``rows_after`` per image if fewer, hold the kept total (an image never grows);
+    * after a stage that was read: that stage's total and longest image, which bound this one's, read one stage late
+      (the device still has this stage's blocks and decision queued, so it does not idle while the host waits);
+    * the first read stage: its own total, read at once (the eager ``run``'s one wait per stage).
+
+    Rows past the real total form padding images after the ``B`` real ones (each at most the new ``max_seqlen``,
+    at most ``B`` of them), which every later step handles as the graph runner's do; the counts and the head read
+    the real images only. The selections then cover padding rows too, so :meth:`PrunedViT.forward` returns none."""
+    sel, x, batch = state.selection, state.x, state.batch
+    images = state.cu_seqlens.shape[0] - 1
+    kept = sel.kept if images == batch else sel.kept[:batch]  # after a padded stage: the real images' only
+    cu = state.cu_seqlens if images == batch else state.cu_seqlens[: batch + 1]
+    extra = None if sel.extra_token is None else sel.extra_token.to(x.dtype)
+    if sel.fixed_count and sel.count is not None:  # known on the host: exact, as in run()
+        state.x, state.cu_seqlens, state.max_seqlen = triton_pack.repack_unchecked(
+            x, cu, sel.keep, state.max_seqlen, count=sel.count, extra_token=extra, kept=kept
+        )
+        state.selection = state.qkv = None
+        return
+    if extra is not None:
+        raise NotImplementedError(
+            "a variable-count stage that appends an extra token is not supported by the eager forward's bounded "
+            "repack: call PrunedViT.run"
+        )
+    full = batch * rows_after
+    if x.shape[0] <= reads.sync_free_rows:
+        capacity, longest, exact = min(x.shape[0], full), rows_after, False
+    else:
+        reads.start(index, kept)
+        lagged = reads.started(index - 1)
+        total, longest = reads.total_longest(index - 1 if lagged else index)
+        capacity, longest, exact = min(total, full), min(longest, rows_after), not lagged
+    pads = 0
+    if not exact:  # at most B padding images, as many as the rows past the smallest possible total need
+        longest = max(longest, -(-(capacity - batch) // batch))
+        pads = padding_images(capacity, batch, longest)
+    state.x, state.cu_seqlens, _ = triton_pack.repack_unchecked(
+        x, cu, sel.keep, state.max_seqlen, capacity=capacity, kept=kept, padding_images=pads,
+        padding_len=longest if pads else None,
+    )  # fmt: skip
+    state.max_seqlen = longest
     state.selection = state.qkv = None
 
 

@@ -16,6 +16,8 @@ from ci import forward_profile
         (["--eager", "--eager-rounds", "-1"], "--eager-rounds: must be >= 0"),
         (["--workloads", "tome_v2"], "--workloads:"),
         (["--tome", "-1"], "--tome: r must be >= 0"),
+        (["--eager-only"], "--eager-only: keeps the eager rows, which only --eager adds"),
+        (["--eager", "--eager-only", "--compile-blocks"], "--eager-only: --compile-blocks"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_flag(argv, match, monkeypatch, capsys):

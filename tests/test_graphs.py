@@ -18,12 +18,16 @@ The GPU twins (capture, replay, sync-freedom, memory) are in ``test_graphs_gpu.p
 
 from __future__ import annotations
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from ragged_vit import PrunedViT, build_pipeline
-from ragged_vit.pipelines.buckets import TokenBuckets, padding_images
-from ragged_vit.pipelines.graphs import AUTO_SYNC_FREE_ROWS, GraphedPrunedViT, _Buffers
+from ragged_vit.pipelines import model as model_module
+from ragged_vit.pipelines.buckets import AUTO_SYNC_FREE_ROWS, TokenBuckets, padding_images
+from ragged_vit.pipelines.graphs import GraphedPrunedViT, _Buffers
 from ragged_vit.reference.pruners import make_pruner
 from ragged_vit.triton_impl import pack as triton_pack
 from tests.helpers import tiny_images, tiny_pipeline
@@ -330,6 +334,58 @@ def test_deit_tiny_ats_default_buckets(poisoned):
     images = torch.randn(2, 3, 224, 224, generator=torch.Generator().manual_seed(4))
     assert_same(GraphedPrunedViT(pv).run(images), pv.run(images))
     assert len(poisoned) == 9
+
+
+# --- the eager forward's bounded repack (sized as the segments are, without graphs) -----------------------------
+
+
+@pytest.fixture
+def triton_packing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``PrunedViT`` packs with the Triton kernels on the CPU too (under the interpreter), as it does on CUDA."""
+    monkeypatch.setattr(model_module, "_packs_with_triton", lambda device: True)
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("sync_free_rows", [0, 40, 1024], ids=["reads", "first-read", "no-read"])
+@pytest.mark.parametrize("case", list(VARIABLE))
+def test_lean_forward_bounds_capacities_like_the_segments(case, sync_free_rows, backend, poisoned, triton_packing,
+                                                           monkeypatch):  # fmt: skip
+    """``PrunedViT.forward`` (no selections to record): a stage whose input has at most ``sync_free_rows`` rows reads
+    nothing and takes that many rows, or ``B`` times the plan's bound if fewer; the first stage above it reads its own
+    total, every later one the total before it (lagged); padding rows (NaN) never reach the real images' logits or
+    counts, which equal ``run``'s."""
+    monkeypatch.setattr(model_module, "default_sync_free_rows", lambda stages: sync_free_rows)
+    pv = calibrated(tiny_pipeline(VARIABLE[case], backend))
+    images = tiny_images(4, 7)
+    ref = pv.run(images)
+    del poisoned[:]  # run()'s own repacks: exact
+    logits, counts = pv(images, return_counts=True)
+    assert_same(SimpleNamespace(logits=logits, counts=counts), ref)
+    totals = (ref.counts + 1).sum(0).tolist()  # each stage's real total (one CLS row per image)
+    bounds, expected, rows, read_before = pv.plan.row_bounds, [], 4 * TOKENS, False
+    for index, total in enumerate(totals):
+        if rows <= sync_free_rows:
+            rows = min(rows, 4 * bounds[index + 1])
+        else:  # read: its own total the first time, else the one before
+            rows, read_before = min(totals[index - 1] if read_before else total, 4 * bounds[index + 1]), True
+        expected.append(rows)
+    assert [(cap, total) for cap, total in poisoned] == list(zip(expected, totals, strict=True))
+    if sync_free_rows == 1024 and case == "ats":
+        assert any(cap > total for cap, total in poisoned), "no padding rows: the test proves nothing"
+
+
+@pytest.mark.interpreter
+def test_lean_forward_refuses_a_variable_stage_with_an_extra_token(triton_packing, monkeypatch):
+    pruner = make_pruner("evit", rate=0.5, blocks=(1, 3), fuse_token=True)
+    pruner.fixed_count = False
+    decide = pruner.decide
+    monkeypatch.setattr(pruner, "decide", lambda inp: dataclasses.replace(decide(inp), fixed_count=False, count=None))
+    pv = tiny_pipeline(lambda: pruner)
+    with pytest.raises(NotImplementedError, match="extra token"):
+        pv(tiny_images(2, 3))
+    assert pv.run(tiny_images(2, 3)).counts.shape == (2, 2)  # run() repacks exactly
 
 
 # --- fixed counts, fallback, outputs, memory ---------------------------------------------------------------------

@@ -280,6 +280,40 @@ def test_variable_counts_read_once_per_stage(lab, case, stages, buckets):
     assert runner.counters.captures == stages + 1  # the segments between two reads are one graph
 
 
+# --- the eager forward's bounded repack -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", VARIABLE)
+def test_lean_eager_forward_matches_run_in_fp32(lab, case):
+    """``pv(images)`` (``PrunedViT.forward``: no selections, so buffers sized from bounds and lagged reads) against
+    ``pv.run`` (exact sizes, one read per stage) in fp32 with TF32 off: counts exact, logits ``1e-4``; at B=4 ATS's
+    forward reads nothing (no synchronising call at all)."""
+    pv = lab.pipeline(SMALL, case, "triton", torch.float32)
+    with no_tf32():
+        for call, batch in enumerate([4, 1, 64]):
+            images = lab.batch(batch, seed=40 + call)
+            logits, counts = pv(images, return_counts=True)
+            ref = pv.run(images)
+            assert torch.equal(counts, ref.counts), f"call {call} (B={batch}): decisions differ"
+            torch.testing.assert_close(logits, ref.logits, atol=1e-4, rtol=1e-4)
+    if case == "ats":
+        images = lab.batch(4, seed=3)
+        assert [_syncs(pv, images), _syncs(pv.run, images)] == [0, 9]  # run(): one read per stage
+
+
+def _syncs(forward, images: torch.Tensor) -> int:
+    """Synchronising calls of one ``forward(images)``."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            forward(images)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return len([w for w in caught if "synchroniz" in str(w.message)])
+
+
 # --- fallback, memory, misuse ------------------------------------------------------------------------------------
 
 
