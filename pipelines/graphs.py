@@ -536,9 +536,8 @@ class GraphedPrunedViT:
             )
         cu = bufs.cu[index, : batch + 1 + shape.pads]
         state.x, _, _ = triton_pack.repack_unchecked(
-            state.x, state.cu_seqlens[: batch + 1], sel.keep, bufs.plan.row_bounds[index - 1],
-            capacity=shape.capacity, kept=sel.kept[:batch], padding_images=shape.pads, padding_len=shape.max_seqlen,
-            cu_out=cu,
+            state.x, state.cu_seqlens, sel.keep, bufs.plan.row_bounds[index - 1], capacity=shape.capacity,
+            kept=sel.kept, padding_images=shape.pads, padding_len=shape.max_seqlen, cu_out=cu, batch=batch,
         )  # fmt: skip  # [capacity, C]; rows from the real total on are not written
         state.cu_seqlens, state.max_seqlen = cu, shape.max_seqlen
         state.selection = state.qkv = None

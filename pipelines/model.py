@@ -21,8 +21,10 @@ attention. A replayed selection is used as recorded, EViT's fused token included
 dtype): it is part of the decision.
 
 Packing: on CUDA the sync-free kernels of :mod:`ragged_vit.triton_impl.pack` (fixed-count stages pass ``count``
-from the host, so nothing synchronises; a variable-count stage reads its total and longest image once, in one
-transfer, so that every backend gets the exact longest length). On the CPU :mod:`ragged_vit.reference.packing` is
+from the host, so nothing synchronises; in :meth:`PrunedViT.run` a variable-count stage reads its kept counts once,
+in one transfer, for the exact total and longest image; :meth:`PrunedViT.forward`, which returns no selections,
+reads them only where the host holds no bound on the total, and otherwise packs into the bound with padding images,
+as the graph runner does: :func:`_repack_bounded`). On the CPU :mod:`ragged_vit.reference.packing` is
 used: the CPU path exists to run the reference backend without a GPU, and Triton's pack kernels would only run there
 under the interpreter, slowly.
 
@@ -264,9 +266,9 @@ class PrunedViT(nn.Module):
         """Logits ``[B, classes]`` of ``images [B, 3, H, W]``; with ``return_counts`` also the counts ``[B, S]``.
 
         The same forward as :meth:`run` (see it for the arguments), which it leaves the selections to. Without them it
-        needs no stage's decision over exactly the real rows, so on CUDA a variable-count stage (ATS, Threshold-L2
-        threshold/calibrated) reads its kept total only where the host holds no bound on it (:func:`_repack_bounded`):
-        the eager forward waits for the device far less often (ATS: nine waits per forward before).
+        needs no stage's decision over exactly the real rows, so on CUDA a variable-count stage reads its kept total
+        only where the host holds no bound on it (:func:`_repack_bounded`): ATS's forward waits for the device at none
+        of its nine stages (``run``: at each), Threshold-L2 threshold/calibrated's at its one stage, as ``run``.
         """
         out = self._execute(images, selections, None, lean=selections is None)
         return (out.logits, out.counts) if return_counts else out.logits
@@ -293,17 +295,16 @@ class PrunedViT(nn.Module):
     def _execute(
         self, images: object, selections: Sequence[Decision] | None, on_step: OnStep | None, lean: bool
     ) -> PrunedOutput:
-        """:meth:`run`; ``lean``: on CUDA, variable-count stages repack into bounds (:func:`_repack_bounded`) and no
-        selections are returned (theirs cover padding rows too)."""
+        """:meth:`run`; ``lean``: with Triton packing (CUDA), token-selection stages repack into host bounds
+        (:func:`_repack_bounded`) and no selections are returned (theirs cover padding rows too)."""
         images = self.check_inputs(images)
         selections = self._check_selections(selections)
         plan = self.plan_for(images.shape[-2:])
         state = ForwardState(images.shape[0], images.to(self.dtype))
         made: list[Decision] = []
         offsets: list[torch.Tensor] = []
-        reads = None
-        if lean and not self._merges and not plan.fixed and _packs_with_triton(images.device):
-            reads = _KeptReads(len(plan.stages), images.device)
+        bounded = lean and not self._merges and not plan.fixed and _packs_with_triton(images.device)
+        sync_free_rows, may_read = default_sync_free_rows(len(plan.stages)), True
         for step in plan.steps:
             if on_step is not None:
                 on_step(step, state)
@@ -311,8 +312,9 @@ class PrunedViT(nn.Module):
                 state.selection = selections[step.stage]
             elif step.kind is StepKind.REPACK:
                 made.append(state.selection)
-                if reads is not None:
-                    _repack_bounded(state, plan.stages[step.stage].rows_after, reads, step.stage)
+                if bounded:
+                    rows_after = plan.stages[step.stage].rows_after
+                    may_read = _repack_bounded(state, rows_after, sync_free_rows, may_read)
                 else:
                     (_merge_exact if self._merges else _repack_exact)(state, step.stage, plan.num_prefix)
                 cu = state.cu_seqlens
@@ -324,7 +326,7 @@ class PrunedViT(nn.Module):
             counts = (cu[:, 1:] - cu[:, :-1] - plan.num_prefix).t().contiguous()
         else:
             counts = state.logits.new_zeros((state.batch, 0), dtype=torch.long)
-        return PrunedOutput(state.logits, counts, [] if reads is not None else made)
+        return PrunedOutput(state.logits, counts, [] if bounded else made)
 
     def check_inputs(self, images: object) -> torch.Tensor:
         """Everything a forward checks before its first launch: eval mode, ``images`` (returned), the backend against
@@ -547,12 +549,12 @@ def _repack_exact(state: ForwardState, index: int, num_prefix: int) -> None:
             x, cu, keep, state.max_seqlen, count=sel.count, extra_token=extra, kept=kept
         )
     else:
-        lens = kept.long() + (extra is not None)
-        total, longest = torch.stack([lens.sum(), lens.max()]).tolist()  # the one sync of a variable-count stage
+        lens = kept.tolist()  # the one sync of a variable-count stage
         state.x, state.cu_seqlens, _ = triton_pack.repack_unchecked(
-            x, cu, keep, state.max_seqlen, capacity=total, extra_token=extra, kept=kept
-        )
-        state.max_seqlen = longest
+            x, cu, keep, state.max_seqlen, capacity=sum(lens) + len(lens) * (extra is not None), extra_token=extra,
+            kept=kept,
+        )  # fmt: skip
+        state.max_seqlen = max(lens) + (extra is not None)
     state.selection = state.qkv = None
 
 
@@ -561,85 +563,51 @@ def _packs_with_triton(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-class _KeptReads:
-    """The host's copies of the stages' kept counts in :meth:`PrunedViT.forward`: each queued on the device as its
-    stage repacks (one copy into pinned memory and an event) and read when a stage needs it, one stage later where
-    that suffices (:func:`_repack_bounded`)."""
+def _repack_bounded(state: ForwardState, rows_after: int, sync_free_rows: int, may_read: bool) -> bool:
+    """Eager REPACK of a token-selection stage with Triton packing (:meth:`PrunedViT.forward`), into a buffer the
+    host sizes without waiting for the device wherever it holds a bound, as the graph runner's sync-free segments do
+    (:mod:`ragged_vit.pipelines.graphs`); returns whether a later stage may still read (``may_read`` for the next).
 
-    def __init__(self, stages: int, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.host: torch.Tensor | None = None  # [S, B] int32, pinned on CUDA: allocated by the first read
-        self.queued: list[torch.cuda.Event | bool] = [False] * stages  # an event on CUDA, once queued
-        self.sync_free_rows = default_sync_free_rows(stages)
+    * a fixed count: exact, as in ``run``;
+    * a variable count whose bound ``B * rows_after`` (the pruner's) is below the input's rows, or an input of at most
+      ``sync_free_rows`` rows, or any stage after one that did not read: no read; the smaller of the input's rows and
+      that bound holds the kept total (an image never grows);
+    * otherwise (nothing bounds the total below the input: Threshold-L2 threshold/calibrated) the exact total and
+      longest image, read from the kept counts: the stage's one wait.
 
-    def start(self, index: int, kept: torch.Tensor) -> None:
-        """Queues the copy of stage ``index``'s kept counts ``[B]``."""
-        if self.host is None:
-            self.host = torch.empty((len(self.queued), kept.shape[0]), dtype=torch.int32, pin_memory=self.cuda)
-        self.host[index].copy_(kept, non_blocking=self.cuda)
-        self.queued[index] = True
-        if self.cuda:
-            self.queued[index] = torch.cuda.Event()
-            self.queued[index].record()
-
-    def started(self, index: int) -> bool:
-        return index >= 0 and self.queued[index] is not False
-
-    def total_longest(self, index: int) -> tuple[int, int]:
-        """Stage ``index``'s kept total and longest image (waits for its copy)."""
-        if self.cuda:
-            self.queued[index].synchronize()
-        row = self.host.numpy()[index]
-        return int(row.sum()), int(row.max())
-
-
-def _repack_bounded(state: ForwardState, rows_after: int, reads: _KeptReads, index: int) -> None:
-    """Eager REPACK of a variable-count stage with Triton packing into a buffer the host sizes from what it holds,
-    as the graph runner's segments do (:mod:`ragged_vit.pipelines.graphs`):
-
-    * an input of at most ``reads.sync_free_rows`` rows: no read at all; the input's rows, or the pruner's bound
-      ``rows_after`` per image if fewer, hold the kept total (an image never grows);
-    * after a stage that was read: that stage's total and longest image, which bound this one's, read one stage late
-      (the device still has this stage's blocks and decision queued, so it does not idle while the host waits);
-    * the first read stage: its own total, read at once (the eager ``run``'s one wait per stage).
-
-    Rows past the real total form padding images after the ``B`` real ones (each at most the new ``max_seqlen``,
-    at most ``B`` of them), which every later step handles as the graph runner's do; the counts and the head read
-    the real images only. The selections then cover padding rows too, so :meth:`PrunedViT.forward` returns none."""
-    sel, x, batch = state.selection, state.x, state.batch
-    images = state.cu_seqlens.shape[0] - 1
-    kept = sel.kept if images == batch else sel.kept[:batch]  # after a padded stage: the real images' only
-    cu = state.cu_seqlens if images == batch else state.cu_seqlens[: batch + 1]
+    An eager forward's host dispatches about as fast as the device runs (DeiT-B fp16 on an H100: timm's 227 ops take
+    about as long as its kernels at B=64), so every wait serialises the two; a bound costs GEMM rows instead. Rows past
+    the real total form padding images after the ``B`` real ones (at most ``B``, each at most the new ``max_seqlen``),
+    which every later step handles as the graph runner's do; the counts and the head read the real images only. The
+    selections then cover padding rows too, so :meth:`PrunedViT.forward` returns none."""
+    sel, x, batch, cu, kept = state.selection, state.x, state.batch, state.cu_seqlens, state.selection.kept
     extra = None if sel.extra_token is None else sel.extra_token.to(x.dtype)
-    if sel.fixed_count and sel.count is not None:  # known on the host: exact, as in run()
+    if sel.fixed_count and sel.count is not None:  # (the real images only: batch=)
         state.x, state.cu_seqlens, state.max_seqlen = triton_pack.repack_unchecked(
-            x, cu, sel.keep, state.max_seqlen, count=sel.count, extra_token=extra, kept=kept
+            x, cu, sel.keep, state.max_seqlen, count=sel.count, extra_token=extra, kept=kept, batch=batch
         )
         state.selection = state.qkv = None
-        return
+        return may_read
     if extra is not None:
         raise NotImplementedError(
             "a variable-count stage that appends an extra token is not supported by the eager forward's bounded "
             "repack: call PrunedViT.run"
         )
-    full = batch * rows_after
-    if x.shape[0] <= reads.sync_free_rows:
-        capacity, longest, exact = min(x.shape[0], full), rows_after, False
-    else:
-        reads.start(index, kept)
-        lagged = reads.started(index - 1)
-        total, longest = reads.total_longest(index - 1 if lagged else index)
-        capacity, longest, exact = min(total, full), min(longest, rows_after), not lagged
-    pads = 0
-    if not exact:  # at most B padding images, as many as the rows past the smallest possible total need
-        longest = max(longest, -(-(capacity - batch) // batch))
-        pads = padding_images(capacity, batch, longest)
+    rows = x.shape[0]
+    capacity = min(rows, batch * rows_after)
+    if may_read and capacity == rows and rows > sync_free_rows:  # every earlier stage read: no padding images
+        lens = kept.tolist()  # the one wait of this stage
+        capacity, longest, pads = sum(lens), max(lens), 0
+    else:  # at most B padding images, as many as the rows past the smallest possible total need
+        longest = max(rows_after, -(-(capacity - batch) // batch))
+        pads, may_read = padding_images(capacity, batch, longest), False
     state.x, state.cu_seqlens, _ = triton_pack.repack_unchecked(
         x, cu, sel.keep, state.max_seqlen, capacity=capacity, kept=kept, padding_images=pads,
-        padding_len=longest if pads else None,
+        padding_len=longest if pads else None, batch=batch,
     )  # fmt: skip
     state.max_seqlen = longest
     state.selection = state.qkv = None
+    return may_read
 
 
 def _merge_exact(state: ForwardState, index: int, num_prefix: int) -> None:

@@ -285,9 +285,9 @@ def test_variable_counts_read_once_per_stage(lab, case, stages, buckets):
 
 @pytest.mark.parametrize("case", VARIABLE)
 def test_lean_eager_forward_matches_run_in_fp32(lab, case):
-    """``pv(images)`` (``PrunedViT.forward``: no selections, so buffers sized from bounds and lagged reads) against
-    ``pv.run`` (exact sizes, one read per stage) in fp32 with TF32 off: counts exact, logits ``1e-4``; at B=4 ATS's
-    forward reads nothing (no synchronising call at all)."""
+    """``pv(images)`` (``PrunedViT.forward``: no selections, so buffers sized from the host's bounds) against
+    ``pv.run`` (exact sizes, one read per stage) in fp32 with TF32 off: counts exact, logits ``1e-4``; ATS's forward
+    reads nothing (no synchronising call at all) at B=4 and B=64, ``run`` at each of its nine stages."""
     pv = lab.pipeline(SMALL, case, "triton", torch.float32)
     with no_tf32():
         for call, batch in enumerate([4, 1, 64]):
@@ -297,8 +297,9 @@ def test_lean_eager_forward_matches_run_in_fp32(lab, case):
             assert torch.equal(counts, ref.counts), f"call {call} (B={batch}): decisions differ"
             torch.testing.assert_close(logits, ref.logits, atol=1e-4, rtol=1e-4)
     if case == "ats":
-        images = lab.batch(4, seed=3)
-        assert [_syncs(pv, images), _syncs(pv.run, images)] == [0, 9]  # run(): one read per stage
+        for batch in (4, 64):
+            images = lab.batch(batch, seed=3)
+            assert [_syncs(pv, images), _syncs(pv.run, images)] == [0, 9], f"B={batch}"
 
 
 def _syncs(forward, images: torch.Tensor) -> int:

@@ -100,6 +100,24 @@ def _check_padding(x, keep, gen):
         assert got[0].shape[0] == capacity and torch.equal(got[0][:total].cpu(), ref[0])
         assert got[2] == bound + (fused is not None)
 
+    # batch=: the images of an earlier padded buffer before its padding images; their offsets and counts after the
+    # real ones (garbage here) are never read, so the result is that of the sliced arguments.
+    ref = _reference_repack(tokens, cu, keep2, None)
+    total = ref[0].shape[0]
+    noise = torch.tensor([total + 3, 2**30], dtype=torch.int32, device=cu.device)
+    more_cu, more_kept = torch.cat([cu, noise]), torch.cat([kept, noise])
+    for fused, kept_arg in ((None, more_kept), (extra, None)):  # kept given, or counted (for the B images only)
+        got = tp.repack_unchecked(
+            tokens, more_cu, keep2, bound, extra_token=fused, capacity=total + 2 * batch + 5, kept=kept_arg,
+            padding_images=2, padding_len=bound, batch=batch,
+        )  # fmt: skip
+        want = tp.repack(
+            tokens, cu, keep2, bound, extra_token=fused, capacity=total + 2 * batch + 5,
+            kept=None if kept_arg is None else kept, padding_images=2, padding_len=bound,
+        )  # fmt: skip
+        rows = int(want[1][batch])
+        assert torch.equal(got[1], want[1]) and torch.equal(got[0][:rows], want[0][:rows])
+
     # Default padding_len: the returned bound (max_seqlen + 1 with a fused token).
     ref = _reference_repack(tokens, cu, keep2, extra)
     total, step = ref[0].shape[0], bound + 1

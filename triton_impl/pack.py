@@ -403,12 +403,17 @@ def repack_unchecked(
     padding_images: int = 0,
     padding_len: int | None = None,
     cu_out: torch.Tensor | None = None,
+    batch: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """:func:`repack` without its checks, for callers that built (and so validated) every argument themselves:
-    the pipelines' hot path. Wrong arguments here give wrong results, not errors."""
+    the pipelines' hot path. Wrong arguments here give wrong results, not errors.
+
+    ``batch``: repack the first ``batch`` images of ``cu_seqlens`` only (default: all of them); the entries of
+    ``cu_seqlens`` and ``kept`` after theirs (an earlier buffer's padding images) are not read, so a caller passes
+    them whole instead of slicing them (one host op less each)."""
     return _repack(
-        tokens, keep, cu_seqlens, cu_seqlens.shape[0] - 1, max_seqlen, extra_token, count, capacity,
-        kept=kept, padding_images=padding_images, padding_len=padding_len, cu_out=cu_out,
+        tokens, keep, cu_seqlens, cu_seqlens.shape[0] - 1 if batch is None else batch, max_seqlen, extra_token,
+        count, capacity, kept=kept, padding_images=padding_images, padding_len=padding_len, cu_out=cu_out,
     )  # fmt: skip
 
 
