@@ -22,9 +22,9 @@ gathers): 100-280 us per stage of a graphed DeiT-B forward on an H100, slower th
    one program walking all six was 21.5 us of a 47 us stage at B = 1 on an H100), which writes its share of ``h2``
    (fp32 ``[T, 6, C/4]``); ``_out_head_kernel`` (a program per 8 rows) adds the shares in chunk order and computes
    the rest.
-4. the rank-select kernel of :mod:`ragged_vit.triton_impl.select` (``count`` mode, after a memset of the kept
-   counts): each image's top ``max(keep_patches, min_patches)`` patches, NaN first and ties to the earlier row as
-   the reference ranks them (``segment_rank``: ``torch.sort`` order), and the kept counts.
+4. the rank-select kernel of :mod:`ragged_vit.triton_impl.select` (``count`` mode): each image's top
+   ``max(keep_patches, min_patches)`` patches, NaN first and ties to the earlier row as the reference ranks them
+   (``segment_rank``: ``torch.sort`` order), and the kept counts.
 
 The kernels read the predictor's own parameters in the model dtype, through their strides (no copies, no cache: a
 changed parameter is read at the next call); every GEMM accumulates in fp32 (``tl.dot``; IEEE fp32, not TF32, for

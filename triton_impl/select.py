@@ -5,9 +5,11 @@
 The reference ranks every patch inside its image with two stable argsorts over the packed rows, then compares ranks;
 on a GPU that is ~40 small kernels (sorts, scans, gathers, comparisons): ~60-140 us of a graphed DeiT-B forward at
 batch 1-4 on an H200, more than the attention itself. Here programs of 16 rows each rank their image's patches by
-counting, for each patch, the patches that beat it, and write the keep mask and add to the image's kept count
-(integer atomics: order-free). ``N`` patches cost ``N^2`` comparisons in 16x64 tiles, nothing next to a GEMM; one
-program per image took 14 us at B=4 on an H200, too serial.
+counting, for each patch, the patches that beat it, and write the keep mask; the image's kept count is
+``min(k, patches)`` plus its prefix rows, written by its first program (the ranks are a permutation), except in the
+threshold mode, where every program adds its kept rows to it (integer atomics: order-free). ``N`` patches cost
+``N^2`` comparisons in 16x64 tiles, nothing next to a GEMM; one program per image took 14 us at B=4 on an H200, too
+serial.
 
 Three ways to choose ``k``, each a pruner's rule: ``rate`` keeps ``ceil(rate * patches)`` (Threshold-L2 ratio, EViT;
 computed in float64 from the exact bits of ``rate``, as the reference's ``ceil_rate``), ``count`` keeps
@@ -80,7 +82,10 @@ def _keep_kernel(
     if tl.program_id(1) == 0:
         for r0 in range(start, first, BLOCK_I):
             tl.store(KEEP + r0 + offs_i, tl.full([BLOCK_I], 1, tl.int8), mask=r0 + offs_i < first)
-    tl.atomic_add(KEPT + b, kept)  # integer adds: the same total in any order
+    if THRESHOLD:
+        tl.atomic_add(KEPT + b, kept)  # integer adds: the same total in any order
+    elif tl.program_id(1) == 0:  # the ranks are a permutation: exactly min(k, patches) of them are below k
+        tl.store(KEPT + b, first - start + tl.minimum(tl.maximum(k, 0), patches))
 
 
 _launcher = CompiledLauncher(_keep_kernel)
@@ -156,8 +161,9 @@ def rank_keep_unchecked(
     decisions, which built their input themselves."""
     total, batch = scores.shape[0], cu.shape[0] - 1
     keep = torch.empty(total, dtype=torch.bool, device=scores.device)
-    kept = torch.zeros(batch, dtype=torch.int32, device=scores.device)
     ratio, by_threshold = rate is not None, threshold is not None
+    # Only the threshold's counts are summed by the programs (atomics on zeros); the others are written once.
+    kept = (torch.zeros if by_threshold else torch.empty)(batch, dtype=torch.int32, device=scores.device)
     args = (
         scores, cu, keep.view(torch.int8), kept, total, _float_bits(rate) if ratio else 0,
         threshold if by_threshold else 0.0, count if count is not None else min_keep, num_prefix, ratio, by_threshold,
