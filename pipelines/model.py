@@ -643,9 +643,9 @@ def _merge_exact(state: ForwardState, index: int, num_prefix: int) -> None:
     else:
         if sel.fixed_count and sel.count is not None:
             rows, longest = state.batch * sel.count, sel.count
-        else:  # the one sync of a variable-count stage
-            lens = kept.long()
-            rows, longest = torch.stack([lens.sum(), lens.max()]).tolist()
+        else:
+            lens = kept.tolist()  # the one sync of a variable-count stage
+            rows, longest = sum(lens), max(lens)
         log_sizes = torch.empty(rows, dtype=torch.float32, device=x.device)  # the kernel writes log(size) too
         merged, new_sizes = triton_merging.merge_rows_unchecked(
             x, sizes, *merge_sources_of(sel), sel.cu_seqlens, x.new_empty((rows, x.shape[1])), sizes.new_empty(rows),
