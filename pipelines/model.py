@@ -295,7 +295,8 @@ class PrunedViT(nn.Module):
     def _execute(
         self, images: object, selections: Sequence[Decision] | None, on_step: OnStep | None, lean: bool
     ) -> PrunedOutput:
-        """:meth:`run`; ``lean``: with Triton packing (CUDA), token-selection stages repack into host bounds
+        """:meth:`run`; ``lean``: with Triton packing (CUDA) and a backend the graph runner takes (``capturable``:
+        the others read the host per call anyway), token-selection stages repack into host bounds
         (:func:`_repack_bounded`) and no selections are returned (theirs cover padding rows too)."""
         images = self.check_inputs(images)
         selections = self._check_selections(selections)
@@ -303,7 +304,10 @@ class PrunedViT(nn.Module):
         state = ForwardState(images.shape[0], images.to(self.dtype))
         made: list[Decision] = []
         offsets: list[torch.Tensor] = []
-        bounded = lean and not self._merges and not plan.fixed and _packs_with_triton(images.device)
+        bounded = (
+            lean and not self._merges and not plan.fixed and _packs_with_triton(images.device)
+            and self._backend.capabilities.capturable  # the graph runner's backends: they take padding images
+        )  # fmt: skip
         sync_free_rows, may_read = default_sync_free_rows(len(plan.stages)), True
         for step in plan.steps:
             if on_step is not None:

@@ -347,7 +347,7 @@ def triton_packing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("backend", ["padded_sdpa", "triton"])
 @pytest.mark.parametrize("sync_free_rows", [0, 40, 1024], ids=["reads", "first-read", "no-read"])
 @pytest.mark.parametrize("case", list(VARIABLE))
 def test_lean_forward_bounds_capacities_like_the_segments(case, sync_free_rows, backend, poisoned, triton_packing,
@@ -377,12 +377,22 @@ def test_lean_forward_bounds_capacities_like_the_segments(case, sync_free_rows, 
 
 
 @pytest.mark.interpreter
+def test_lean_forward_only_with_backends_that_take_padding_images(triton_packing, poisoned):
+    """``reference`` (and ``nested_sdpa``) read the host at every call anyway: ``pv(images)`` repacks exactly."""
+    pv = tiny_pipeline(VARIABLE["ats"], "reference")
+    images = tiny_images(4, 7)
+    logits, counts = pv(images, return_counts=True)
+    assert poisoned and all(cap == total for cap, total in poisoned)
+    assert torch.equal(counts, pv.run(images).counts)
+
+
+@pytest.mark.interpreter
 def test_lean_forward_refuses_a_variable_stage_with_an_extra_token(triton_packing, monkeypatch):
     pruner = make_pruner("evit", rate=0.5, blocks=(1, 3), fuse_token=True)
     pruner.fixed_count = False
     decide = pruner.decide
     monkeypatch.setattr(pruner, "decide", lambda inp: dataclasses.replace(decide(inp), fixed_count=False, count=None))
-    pv = tiny_pipeline(lambda: pruner)
+    pv = tiny_pipeline(lambda: pruner, "triton")
     with pytest.raises(NotImplementedError, match="extra token"):
         pv(tiny_images(2, 3))
     assert pv.run(tiny_images(2, 3)).counts.shape == (2, 2)  # run() repacks exactly
