@@ -61,7 +61,7 @@ def _keep_kernel(
         k = min_keep  # the count, or the threshold's floor
     offs_i = tl.arange(0, BLOCK_I)
     offs_j = tl.arange(0, BLOCK_J)
-    kept = tl.where(tl.program_id(1) == 0, first - start, 0)  # the prefix rows, counted once
+    kept = tl.where(tl.program_id(1) == 0, first - start, 0)  # threshold mode: the prefix rows, counted once
     # Grid-stride loop over this image's row blocks: the grid's second axis is only a bound on the work.
     for i0 in range(first + tl.program_id(1) * BLOCK_I, end, tl.num_programs(1) * BLOCK_I):
         i = i0 + offs_i
@@ -77,8 +77,8 @@ def _keep_kernel(
         keep = rank < k
         if THRESHOLD:
             keep = keep | (s_i >= threshold)
+            kept += tl.sum((keep & in_i).to(tl.int32), 0)
         tl.store(KEEP + i, keep.to(tl.int8), mask=in_i)
-        kept += tl.sum((keep & in_i).to(tl.int32), 0)
     if tl.program_id(1) == 0:
         for r0 in range(start, first, BLOCK_I):
             tl.store(KEEP + r0 + offs_i, tl.full([BLOCK_I], 1, tl.int8), mask=r0 + offs_i < first)
