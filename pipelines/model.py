@@ -64,12 +64,15 @@ from ragged_vit.pipelines.buckets import default_sync_free_rows, padding_images
 from ragged_vit.pipelines.heads import MERGE_POOLS, head_logits, pool_of
 from ragged_vit.pipelines.packed_block import (
     check_packable,
+    compiled_attention_parts,
     compiled_blocks,
     compiled_halves,
     dense_block,
     packed_attention,
+    packed_attention_residual,
     packed_blocks,
     packed_mlp,
+    packed_qkv,
 )
 from ragged_vit.pipelines.patch_embed import patch_embed_gemm, supports_gemm
 from ragged_vit.pipelines.plan import ForwardPlan, Step, StepKind, build_plan
@@ -171,6 +174,7 @@ class PrunedViT(nn.Module):
             check_packable(model.blocks[k], f"model.blocks[{k}]")
         self._head_dims = {blk.attn.head_dim for blk in model.blocks[self._plan.dense_blocks :]}
         self._merges = self.pruner is not None and self.pruner.merges
+        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}  # where merge decisions run in a graph
         self.eval()
 
     @property
@@ -309,11 +313,19 @@ class PrunedViT(nn.Module):
             and self._backend.capabilities.capturable  # the graph runner's backends: they take padding images
         )  # fmt: skip
         sync_free_rows, may_read = default_sync_free_rows(len(plan.stages)), True
-        for step in plan.steps:
+        # A merging stage decides from its block's keys alone: beside the block's attention core (in a CUDA graph).
+        split = self._merges and selections is None and on_step is None
+        decided = None  # the stage whose decision ran with its block's attention half
+        for index, step in enumerate(plan.steps):
             if on_step is not None:
                 on_step(step, state)
             if step.kind is StepKind.DECIDE and selections is not None:
                 state.selection = selections[step.stage]
+            elif step.kind is StepKind.DECIDE and step.stage == decided:
+                pass
+            elif step.kind is StepKind.ATTENTION and split and plan.steps[index + 1].kind is StepKind.DECIDE:
+                decided = plan.steps[index + 1].stage
+                self._attention_beside_decision(step, decided, state)
             elif step.kind is StepKind.REPACK:
                 made.append(state.selection)
                 if bounded:
@@ -384,6 +396,32 @@ class PrunedViT(nn.Module):
             state.logits = head_logits(self.model, state.x, state.cu_seqlens, state.batch, state.sizes)
         else:
             raise ValueError(f"{step!r} is run by the executor itself (its buffers decide the repack's sizes)")
+
+    def _attention_beside_decision(self, step: Step, stage: int, state: ForwardState) -> None:
+        """An ATTENTION step and the DECIDE step after it, for a merging stage (its decision reads only the block's
+        keys): the qkv projection, then the attention core, projection and residual, and beside them the decision.
+        While a CUDA graph is captured the decision runs on a second stream, so the graph holds the two as parallel
+        branches (at small batch both are latency-bound and fill few SMs); otherwise one after the other, the same
+        kernels (the graph runner's warm-up compiles the same parts it captures)."""
+        (block,) = step.blocks
+        qkv_part, residual_part = compiled_attention_parts() if self.compile_blocks else (
+            packed_qkv, packed_attention_residual)  # fmt: skip
+        block, x = self.model.blocks[block], state.x
+        normed, state.qkv = qkv_part(block, x)
+        rest = (block, x, normed, state.qkv, state.cu_seqlens, state.max_seqlen, self._backend, state.key_bias)
+        device = x.device
+        if device.type == "cuda" and device not in self._side_streams:  # made outside a capture (the warm-up)
+            self._side_streams[device] = torch.cuda.Stream(device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            state.selection = self._decide(stage, state)
+            state.x = residual_part(*rest)
+            return
+        main, side = torch.cuda.current_stream(device), self._side_streams[device]
+        side.wait_stream(main)
+        with torch.cuda.stream(side):  # reads the qkv projection (and the rows' count) only
+            state.selection = self._decide(stage, state)
+        state.x = residual_part(*rest)  # (``rest`` keeps the pre-residual rows alive until the join)
+        main.wait_stream(side)  # the decision's tensors are used (and freed) on the main stream from here on
 
     @torch.no_grad()
     def calibrate(self, images: torch.Tensor) -> float:

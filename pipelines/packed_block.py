@@ -252,7 +252,18 @@ def _attention_half(
     """``x + attn_out(attend(qkv(norm1(x))))`` and the qkv projection, on any leading shape ``attend`` takes."""
     normed = parts.norm1(x)
     qkv = parts.qkv(normed)
-    return x + parts.attn_out(attend(qkv), normed), qkv
+    return _attention_residual(parts, x, normed, qkv, attend), qkv
+
+
+def _attention_residual(
+    parts: LeanBlock | _ModulePath,
+    x: torch.Tensor,
+    normed: torch.Tensor,
+    qkv: torch.Tensor,
+    attend: Callable[[torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """The attention half after its qkv projection: ``x + attn_out(attend(qkv))``."""
+    return x + parts.attn_out(attend(qkv), normed)
 
 
 def _mlp_half(parts: LeanBlock | _ModulePath, x: torch.Tensor) -> torch.Tensor:
@@ -299,6 +310,30 @@ def packed_attention(
     """
     attend = _backend_attend(backend, block.attn, cu_seqlens, max_seqlen, key_bias)
     return _attention_half(_parts(block), x, attend)
+
+
+def packed_qkv(block: Block, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first part of :func:`packed_attention`: ``norm1(x)`` and the block's qkv projection ``[T, 3*H*D]``. With
+    :func:`packed_attention_residual` it is :func:`packed_attention`, split where a decision that reads only the qkv
+    projection can start (a ToMe merge beside the attention core)."""
+    parts = _parts(block)
+    normed = parts.norm1(x)
+    return normed, parts.qkv(normed)
+
+
+def packed_attention_residual(
+    block: Block,
+    x: torch.Tensor,
+    normed: torch.Tensor,
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    backend: AttentionBackend,
+    key_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The rest of :func:`packed_attention` from :func:`packed_qkv`'s ``(normed, qkv)``: ``x + ls1(proj(attend))``."""
+    attend = _backend_attend(backend, block.attn, cu_seqlens, max_seqlen, key_bias)
+    return _attention_residual(_parts(block), x, normed, qkv, attend)
 
 
 def packed_mlp(block: Block, x: torch.Tensor) -> torch.Tensor:
@@ -362,6 +397,13 @@ def compiled_halves() -> tuple[Callable, Callable]:
     """:func:`packed_attention` and :func:`packed_mlp` under ``torch.compile`` (Inductor fuses the LayerNorms,
     residual adds and GELU around the GEMMs; the attention backend stays one opaque op). Compiled on first use."""
     return torch.compile(packed_attention), torch.compile(packed_mlp)
+
+
+@functools.cache
+def compiled_attention_parts() -> tuple[Callable, Callable]:
+    """:func:`packed_qkv` and :func:`packed_attention_residual` under ``torch.compile`` (as :func:`compiled_halves`).
+    Compiled on first use."""
+    return torch.compile(packed_qkv), torch.compile(packed_attention_residual)
 
 
 @functools.cache

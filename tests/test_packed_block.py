@@ -29,9 +29,11 @@ from ragged_vit.pipelines.packed_block import (
     dense_block,
     lean_block,
     packed_attention,
+    packed_attention_residual,
     packed_block,
     packed_blocks,
     packed_mlp,
+    packed_qkv,
 )
 from ragged_vit.pipelines.plan import StepKind
 from ragged_vit.testing.ops import count_ops, op_names
@@ -279,6 +281,21 @@ def test_key_bias_reaches_the_backend_only_when_given(lean, gen):
         assert len(backend.calls) == 4 and all(call["key_bias"] is bias for call in backend.calls)
         with pytest.raises(ValueError, match="does not take a key_bias"):
             packed_block(block, x, cu, max_seqlen, Recording(key_bias=False), key_bias=bias)
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "modules"])
+def test_attention_half_split_at_its_qkv_projection_is_bitwise_the_half(lean, gen):
+    """:func:`packed_qkv` then :func:`packed_attention_residual` (where a merge decision starts beside the attention
+    core) are :func:`packed_attention`, bit for bit, key bias and all."""
+    block = make_block(gen, qkv_bias=True, init_values=1e-2)
+    x, cu, max_seqlen = packed_input(gen)
+    bias = torch.rand(x.shape[0], generator=gen)
+    backend = make_backend("reference")
+    with torch.no_grad(), contextlib.nullcontext() if lean else module_path(block):
+        whole, whole_qkv = packed_attention(block, x, cu, max_seqlen, backend, key_bias=bias)
+        normed, qkv = packed_qkv(block, x)
+        split = packed_attention_residual(block, x, normed, qkv, cu, max_seqlen, backend, key_bias=bias)
+    assert torch.equal(qkv, whole_qkv) and torch.equal(split, whole)
 
 
 def test_key_bias_changes_the_reference_attention(gen):
