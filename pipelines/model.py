@@ -83,6 +83,13 @@ from ragged_vit.triton_impl import merging as triton_merging
 from ragged_vit.triton_impl import pack as triton_pack
 
 OnStep = Callable[[Step, "ForwardState"], None]
+
+OVERLAP_MAX_IMAGES = 1
+"""Batches of at most this many images run a merging stage's decision beside its block's attention core while a
+CUDA graph is captured (:meth:`PrunedViT._attention_beside_decision`). One image's attention leaves most SMs idle;
+at batch 4 its programs fill the GPU and the side branch only adds its fork and join (ToMe r = 13, graphs +
+compile_blocks, H100: -14% time per forward at B = 1; beside it at every batch size, +5% at B = 4 and +1% at
+B = 64; ``docs/tome.md``)."""
 """``on_step(step, state)``: called by :meth:`PrunedViT.run` before each step, with the forward's state as that step
 will find it (instrumentation: a CUDA event per region, or a stage's decision input to time); it must not change it."""
 
@@ -313,8 +320,9 @@ class PrunedViT(nn.Module):
             and self._backend.capabilities.capturable  # the graph runner's backends: they take padding images
         )  # fmt: skip
         sync_free_rows, may_read = default_sync_free_rows(len(plan.stages)), True
-        # A merging stage decides from its block's keys alone: beside the block's attention core (in a CUDA graph).
-        split = self._merges and selections is None and on_step is None
+        # A merging stage decides from its block's keys alone: beside the block's attention core (in a CUDA graph),
+        # where that core leaves the GPU idle (``OVERLAP_MAX_IMAGES``).
+        split = self._merges and selections is None and on_step is None and state.batch <= OVERLAP_MAX_IMAGES
         decided = None  # the stage whose decision ran with its block's attention half
         for index, step in enumerate(plan.steps):
             if on_step is not None:
