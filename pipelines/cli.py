@@ -10,21 +10,24 @@ Examples::
     python -m ragged_vit --device cuda --backends triton,padded_sdpa,fa2_varlen,nested_sdpa --batch-repeats 16
     python -m ragged_vit validate ~/imagenet/val --checkpoint deit_base.pth --compare-unpruned   # the subcommand
 
-The device is read first, with only argparse, os and torch imported: on a CPU the Triton kernels run under
-Triton's interpreter, which must be switched on (``TRITON_INTERPRET=1``) before timm (which imports
-``triton.language``) is imported. Then the registries are imported and give the parser its choices: the attention
-backends (:data:`ragged_vit.pipelines.backends.BACKENDS`) and the pruners (:data:`ragged_vit.reference.pruners
-.PRUNERS`). Errors in the arguments (unknown names, keep rate outside (0, 1], missing files, a backend that cannot
-run on the device, an option the pruner does not take, an option that does nothing with the others given) and
-unusable inputs (an image or checkpoint file that cannot be read, a model that is not a timm ViT) exit with
-status 2 and a one-line message.
+The device is read first, with only argparse, os and torch imported: on a CPU the Triton kernels run under Triton's
+interpreter, which must be switched on (``TRITON_INTERPRET=1``) before timm (which imports ``triton.language``) is
+imported; :func:`interpreter_env` switches it on for the run only (a caller that runs ``main`` in its own process
+keeps compiled kernels afterwards: Inductor's, on its GPU). Then the registries are imported and give the parser its
+choices: the attention backends (:data:`ragged_vit.pipelines.backends.BACKENDS`) and the pruners
+(:data:`ragged_vit.reference.pruners.PRUNERS`). Errors in the arguments (unknown names, keep rate outside (0, 1],
+missing files, a backend that cannot run on the device, an option the pruner does not take, an option that does
+nothing with the others given) and unusable inputs (an image or checkpoint file that cannot be read, a model that is
+not a timm ViT) exit with status 2 and a one-line message.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -240,8 +243,28 @@ def main(argv: list[str] | None = None) -> int:
 
         return validate(words[1:], prog=f"{_PROG} validate")
     device = _device_of(argv)
-    if device is not None and device.type == "cpu":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before timm imports triton.language (see docstring)
+    with interpreter_env(device is not None and device.type == "cpu"):
+        return _demo(argv)
+
+
+@contextlib.contextmanager
+def interpreter_env(cpu: bool) -> Iterator[None]:
+    """``TRITON_INTERPRET=1`` for a CPU run, unless the variable is set (before timm imports triton.language: see
+    the module docstring), then the variable as it was: the flag is read whenever a ``@triton.jit`` kernel is
+    defined, so a caller running the CLI in its own process would otherwise get its later kernels (Inductor's, on a
+    GPU) built for the interpreter."""
+    before = os.environ.get("TRITON_INTERPRET")
+    if cpu and before is None:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+
+
+def _demo(argv: list[str] | None) -> int:
+    """The demo command (:func:`main` without the subcommand), in the interpreter setting of its device."""
     parser = build_parser()
     args = parser.parse_args(argv)
     device = args.device

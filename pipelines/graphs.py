@@ -48,7 +48,8 @@ that holds about the largest graph's temporaries, not their sum. :meth:`GraphedP
 pool's reserved bytes and the buffers' bytes. A graph is captured on first use: warm-up on a side stream, then
 capture, as ``torch.cuda.graph`` requires.
 
-**Eager fallback.** A batch size outside ``batch_sizes`` runs ``PrunedViT.run``. Once ``max_graphs`` graphs
+**Eager fallback.** A batch size outside ``batch_sizes`` runs the pipeline's eager forward (``pipeline(images)``:
+no selections, so the fewest host reads, :meth:`PrunedViT.forward`). Once ``max_graphs`` graphs
 exist, a missing one runs the same segment code eagerly on the same buffers (identical results, dispatch paid).
 On a CPU nothing is captured and every segment runs eagerly (packing under Triton's interpreter): that is how the
 CPU tests check the buckets and the padding image.
@@ -125,7 +126,7 @@ class GraphMemory:
 @dataclass
 class GraphCounters:
     """How calls were served: graphs captured and replayed, segments run eagerly (graph budget spent, or CPU),
-    and calls handed to ``PrunedViT.run`` (batch size outside ``batch_sizes``)."""
+    and calls handed to the pipeline's eager forward (batch size outside ``batch_sizes``)."""
 
     captures: int = 0
     replays: int = 0
@@ -252,8 +253,8 @@ class GraphedPrunedViT:
             ``sync_free_rows=1024`` when the pruner has several variable-count stages (ATS: 9 host reads per
             forward; skipping them below 1024 rows measured 1.15-1.26x faster at batch 1-4 on an H100) and 0 for
             one (Threshold-L2 threshold/calibrated: 0.96-1.02x, so its one read stays).
-        batch_sizes: the batch sizes graphs are captured for (at every image size); others run ``PrunedViT.run``.
-            None: any.
+        batch_sizes: the batch sizes graphs are captured for (at every image size); others run the pipeline's eager
+            forward. None: any.
         max_graphs: at most this many graphs; beyond, segments run eagerly on the static buffers. None: no limit.
         pool: a CUDA graph memory pool (``torch.cuda.graph_pool_handle()``) to share, e.g. with other runners
             replayed on the same stream; None creates one.
@@ -327,7 +328,8 @@ class GraphedPrunedViT:
         batch = images.shape[0]
         if self.batch_sizes is not None and batch not in self.batch_sizes:
             self.counters.eager_calls += 1
-            return pipeline.run(images)
+            logits, counts = pipeline(images, return_counts=True)  # the lean eager forward: as few host reads
+            return PrunedOutput(logits, counts, [])
         if self._binding is None:
             self._bind(images)
         key = (batch, *images.shape[-2:])

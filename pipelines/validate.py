@@ -1160,12 +1160,18 @@ def _early_device(argv: list[str]) -> str:
 
 def main(argv: list[str] | None = None, prog: str = "ragged-vit validate") -> int:
     """Parses ``argv`` (default ``sys.argv[1:]``), validates; returns the exit status (2: a one-line error)."""
-    from ragged_vit.pipelines.cli import _DTYPES
+    from ragged_vit.pipelines.cli import interpreter_env
 
     argv = sys.argv[1:] if argv is None else list(argv)
     early = _early_device(argv)
-    if early == "cpu" or (early == "auto" and not torch.cuda.is_available()):
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before timm imports triton.language (as the demo's CLI)
+    with interpreter_env(early == "cpu" or (early == "auto" and not torch.cuda.is_available())):
+        return _validate_command(argv, prog)
+
+
+def _validate_command(argv: list[str], prog: str) -> int:
+    """:func:`main` in the interpreter setting of its device."""
+    from ragged_vit.pipelines.cli import _DTYPES
+
     group = Distributed()
     parser = build_parser(prog)
     args = parser.parse_args(argv)

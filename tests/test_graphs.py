@@ -419,7 +419,8 @@ def test_batch_sizes_outside_the_set_run_the_pipeline():
     runner = GraphedPrunedViT(pv, batch_sizes=[2])
     images = tiny_images(1, 5)
     out = runner.run(images)
-    assert torch.equal(out.logits, pv.run(images).logits) and len(out.selections) == 2
+    ref = pv.run(images)  # on a CPU the eager forward is run's, with no selections returned
+    assert torch.equal(out.logits, ref.logits) and torch.equal(out.counts, ref.counts) and out.selections == []
     assert runner.counters.eager_calls == 1 and not runner._buffers
 
 

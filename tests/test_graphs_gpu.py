@@ -29,6 +29,7 @@ from ragged_vit.pipelines.backends import BACKENDS as REGISTRY
 from ragged_vit.pipelines.buckets import TokenBuckets
 from ragged_vit.pipelines.factory import build_pruner
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
+from ragged_vit.pipelines.model import PrunedOutput
 from ragged_vit.pipelines.weights import create_model
 from tests.helpers import no_tf32
 
@@ -320,14 +321,20 @@ def _syncs(forward, images: torch.Tensor) -> int:
 
 def test_eager_fallback(lab):
     """Beyond ``max_graphs`` the segments run eagerly (same results as the graphs); batch sizes outside
-    ``batch_sizes`` run ``PrunedViT.run``."""
+    ``batch_sizes`` run the pipeline's eager forward (``pv(images)``, the lean one: no selections)."""
     pv = lab.pipeline(SMALL, "ats", "triton")
     full = GraphedPrunedViT(pv)
     capped = GraphedPrunedViT(pv, max_graphs=3, batch_sizes=[4, 64])
     for call, batch in enumerate([4, 1, 64, 4]):
         images = lab.batch(batch, seed=20 + call)
         out = capped.run(images)
-        _assert_bitwise(out, pv.run(images) if batch == 1 else full.run(images), f"call {call} (B={batch})")
+        if batch == 1:
+            logits, counts = pv(images, return_counts=True)
+            ref = PrunedOutput(logits, counts, [])
+            assert out.selections == []
+        else:
+            ref = full.run(images)
+        _assert_bitwise(out, ref, f"call {call} (B={batch})")
     assert capped.memory_report().graphs == 3
     assert capped.counters.eager_calls == 1 and capped.counters.eager_segments > 0
 

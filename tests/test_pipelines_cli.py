@@ -272,3 +272,25 @@ def test_version(capsys):
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"ragged-vit {ragged_vit.__version__}"
+
+
+@pytest.mark.parametrize("command", ["demo", "validate"])
+@pytest.mark.parametrize("before", [None, "0"])
+def test_cpu_run_sets_triton_interpret_for_its_own_run_only(monkeypatch, command, before):
+    """A CPU run switches Triton's interpreter on while it runs, unless the caller set the variable, and leaves it
+    as it was: a process that runs the CLI in-process and then compiles GPU kernels (Inductor's) must get compiled
+    ones (the GPU suite does exactly that)."""
+    from ragged_vit.pipelines import cli, validate
+
+    if before is None:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", before)
+    seen = []
+    body = "_demo" if command == "demo" else "_validate_command"
+    monkeypatch.setattr(cli if command == "demo" else validate, body,
+                        lambda *args: seen.append(os.environ.get("TRITON_INTERPRET")) or 3)  # fmt: skip
+    argv = ["--device", "cpu"] if command == "demo" else ["validate", "data", "--device", "cpu"]
+    assert main(argv) == 3
+    assert seen == ["1" if before is None else before]
+    assert os.environ.get("TRITON_INTERPRET") == before
