@@ -281,7 +281,7 @@ class PrunedViT(nn.Module):
         only where the host holds no bound on it (:func:`_repack_bounded`): ATS's forward waits for the device at none
         of its nine stages (``run``: at each), Threshold-L2 threshold/calibrated's at its one stage, as ``run``.
         """
-        out = self._execute(images, selections, None, lean=selections is None)
+        out = self._execute(images, selections, None, lean=selections is None, counts=return_counts)
         return (out.logits, out.counts) if return_counts else out.logits
 
     def run(
@@ -304,11 +304,18 @@ class PrunedViT(nn.Module):
 
     @torch.no_grad()
     def _execute(
-        self, images: object, selections: Sequence[Decision] | None, on_step: OnStep | None, lean: bool
+        self,
+        images: object,
+        selections: Sequence[Decision] | None,
+        on_step: OnStep | None,
+        lean: bool,
+        counts: bool = True,
     ) -> PrunedOutput:
         """:meth:`run`; ``lean``: with Triton packing (CUDA) and a backend the graph runner takes (``capturable``:
         the others read the host per call anyway), token-selection stages repack into host bounds
-        (:func:`_repack_bounded`) and no selections are returned (theirs cover padding rows too)."""
+        (:func:`_repack_bounded`) and no selections are returned (theirs cover padding rows too); without
+        ``counts`` the output's counts are an empty ``[B, 0]`` tensor (their ops are a share of an eager forward's
+        host dispatches: ATS's nine stages, ~20 of ~250)."""
         images = self.check_inputs(images)
         selections = self._check_selections(selections)
         plan = self.plan_for(images.shape[-2:])
@@ -341,16 +348,16 @@ class PrunedViT(nn.Module):
                     may_read = _repack_bounded(state, rows_after, sync_free_rows, may_read)
                 else:
                     (_merge_exact if self._merges else _repack_exact)(state, step.stage, plan.num_prefix)
-                cu = state.cu_seqlens
-                offsets.append(cu if cu.shape[0] == state.batch + 1 else cu[: state.batch + 1])
+                offsets.append(state.cu_seqlens)
             else:
                 self.run_step(step, state)
-        if offsets:  # every stage's lengths in one go (a few launches, not two per stage)
-            cu = torch.stack(offsets).long()  # [S, B+1]
-            counts = (cu[:, 1:] - cu[:, :-1] - plan.num_prefix).t().contiguous()
+        if offsets and counts:  # every stage's lengths in one go (a few launches, not two per stage)
+            cu = torch.stack([c if c.shape[0] == state.batch + 1 else c[: state.batch + 1] for c in offsets])
+            lengths = (cu[:, 1:] - cu[:, :-1] - plan.num_prefix).t()  # [B, S] int32, transposed
+            lengths = lengths.to(torch.long, memory_format=torch.contiguous_format)
         else:
-            counts = state.logits.new_zeros((state.batch, 0), dtype=torch.long)
-        return PrunedOutput(state.logits, counts, [] if bounded else made)
+            lengths = state.logits.new_zeros((state.batch, 0), dtype=torch.long)
+        return PrunedOutput(state.logits, lengths, [] if bounded else made)
 
     def check_inputs(self, images: object) -> torch.Tensor:
         """Everything a forward checks before its first launch: eval mode, ``images`` (returned), the backend against

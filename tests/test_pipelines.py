@@ -23,6 +23,7 @@ from ragged_vit import PrunedViT, build_pipeline
 from ragged_vit.core.selection import TokenSelection
 from ragged_vit.pipelines.factory import build_pruner, pruner_options
 from ragged_vit.reference.pruners import make_pruner
+from ragged_vit.testing.ops import count_ops
 from tests.helpers import PRUNER_CASES as CASES
 
 MODEL = "deit_tiny_patch16_224"
@@ -323,3 +324,17 @@ def test_compiled_decisions_trace_and_agree(case):
     assert (got.fixed_count, got.count) == (ref.fixed_count, ref.count)
     if ref.extra_token is not None:
         torch.testing.assert_close(got.extra_token, ref.extra_token, atol=1e-5, rtol=1e-5)
+
+
+def test_forward_computes_counts_only_when_asked(gen):
+    """``pv(images)`` skips the per-stage counts (host dispatches of their own in an eager forward); with
+    ``return_counts`` they are ``run``'s: contiguous int64 ``[B, S]``."""
+    pv = pipeline("ats", 0.7)
+    x = images(2, gen)
+    with torch.no_grad():
+        plain, counted = count_ops(pv, x), count_ops(pv, x, return_counts=True)
+    assert counted >= plain + 5, (plain, counted)  # stack, slices, subtractions, cast
+    logits, counts = pv(x, return_counts=True)
+    ref = pv.run(x)
+    assert counts.dtype == torch.long and counts.is_contiguous() and torch.equal(counts, ref.counts)
+    assert torch.equal(logits, ref.logits) and torch.equal(pv(x), ref.logits)
