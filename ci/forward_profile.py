@@ -15,7 +15,8 @@ eager pipelines again in turn, K rounds, for ratios that pair timings of one rou
 ``--eager-only`` keeps the eager rows alone, without the compiles of the graphed ones). An eager pipeline is called as
 a user calls it, ``pv(images)`` (:meth:`ragged_vit.pipelines.model.PrunedViT.forward`).
 ``--workloads`` takes ``WORKLOAD:KEEP`` (keep rate 0.5 by default); ``--tome R`` adds ToMe with a fixed ``r = R`` per
-block (one graph per forward). Details go to ``--out`` (JSON).
+block (one graph per forward), ``--tome-adaptive R`` its adaptive merging at the same mean rows (a graph per block,
+sized by each block's total). Details go to ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from ragged_vit.pipelines.buckets import TokenBuckets
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.model import PrunedViT
 from ragged_vit.pipelines.patch_embed import with_gemm_patch_embed
+from ragged_vit.reference.merging import fixed_r_counts
 from ragged_vit.reference.pruners import make_pruner
 
 KINDS = (
@@ -97,16 +99,28 @@ def profile_forward(forward, images: list[torch.Tensor], replays: int = 20) -> d
     }
 
 
-def pipeline(lab: Lab, workload: str, keep: float) -> PrunedViT:
-    """A workload's Triton pipeline on DeiT-B; ``("tome", r)``: ToMe with a fixed ``r`` per block."""
+def pipeline(lab: Lab, workload: str, keep: float, images: list[torch.Tensor]) -> PrunedViT:
+    """A workload's Triton pipeline on DeiT-B; ``("tome", r)``: ToMe with a fixed ``r`` per block;
+    ``("tome_adaptive", r)``: ToMe's calibrated mode with ``r_max = 2 r``, its threshold calibrated on ``images`` to
+    the fixed ``r``'s mean patch rows per image and block (the counts vary per image; the same rows on average)."""
+    if workload not in ("tome", "tome_adaptive"):
+        return lab.pipeline(DEIT_B, workload, keep, "triton")
+    model = lab.model(DEIT_B)
+    depth, r = len(model.blocks), int(keep)
     if workload == "tome":
-        model = lab.model(DEIT_B)
-        return PrunedViT(model, make_pruner("tome", r=int(keep), depth=len(model.blocks)), "triton")
-    return lab.pipeline(DEIT_B, workload, keep, "triton")
+        return PrunedViT(model, make_pruner("tome", r=r, depth=depth), "triton")
+    prefix, patches = model.num_prefix_tokens, model.patch_embed.num_patches
+    rows = fixed_r_counts(prefix + patches, [r] * depth, prefix)  # prefix rows included
+    rate = (sum(rows) / depth - prefix) / patches
+    pv = PrunedViT(model, make_pruner("tome", r_max=2 * r, rate=rate, depth=depth), "triton")
+    pv.calibrate(torch.cat(images))
+    return pv
 
 
 def label_of(workload: str, keep: float) -> str:
-    return f"tome r={keep:g}" if workload == "tome" else f"{workload} {keep:g}"
+    if workload in ("tome", "tome_adaptive"):
+        return f"tome {'adaptive, mean of ' if workload == 'tome_adaptive' else ''}r={keep:g}"
+    return f"{workload} {keep:g}"
 
 
 def eager_rounds(lab: Lab, batch: int, images: list[torch.Tensor], args: argparse.Namespace) -> list[dict]:
@@ -119,7 +133,7 @@ def eager_rounds(lab: Lab, batch: int, images: list[torch.Tensor], args: argpars
             return model(x)
 
     forwards = {"timm eager": timm_eager}
-    forwards |= {f"{label_of(w, k)} eager": pipeline(lab, w, k) for w, k in args.workloads}  # pv(images)
+    forwards |= {f"{label_of(w, k)} eager": pipeline(lab, w, k, images) for w, k in args.workloads}  # pv(images)
     calls = {label: [functools.partial(f, img) for img in images] for label, f in forwards.items()}
     for row in calls.values():
         warmup(row, n=6)
@@ -171,6 +185,14 @@ def main() -> None:
         "and the ratio of each one's fastest round",
     )
     parser.add_argument("--tome", type=int, default=0, metavar="R", help="also ToMe with a fixed r = R per block")
+    parser.add_argument(
+        "--tome-adaptive",
+        type=int,
+        default=0,
+        metavar="R",
+        help="also ToMe's adaptive merging at the same mean rows as r = R (threshold calibrated on the images, "
+        "r_max = 2 R; the graph runner's default buckets)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     try:
@@ -187,8 +209,12 @@ def main() -> None:
         parser.error(f"--eager-rounds: must be >= 0, got {args.eager_rounds}")
     if args.tome < 0:
         parser.error(f"--tome: r must be >= 0, got {args.tome}")
+    if args.tome_adaptive < 0:
+        parser.error(f"--tome-adaptive: r must be >= 0, got {args.tome_adaptive}")
     if args.tome:
         args.workloads.append(("tome", args.tome))
+    if args.tome_adaptive:
+        args.workloads.append(("tome_adaptive", args.tome_adaptive))
     torch.manual_seed(0)
     lab = Lab(torch.device("cuda"), torch.float16)
     results = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
@@ -228,7 +254,7 @@ def main() -> None:
                     with torch.no_grad():
                         return model(x)
             else:
-                pv = pipeline(lab, workload, keep)
+                pv = pipeline(lab, workload, keep, images)
                 pv.compile_blocks = compiled
                 buckets = TokenBuckets(sync_free_rows=sync_free_rows) if sync_free_rows else None
                 forward = GraphedPrunedViT(pv, buckets, overlap_decisions=overlap).run if graphed else pv

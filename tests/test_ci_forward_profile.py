@@ -16,6 +16,7 @@ from ci import forward_profile
         (["--eager", "--eager-rounds", "-1"], "--eager-rounds: must be >= 0"),
         (["--workloads", "tome_v2"], "--workloads:"),
         (["--tome", "-1"], "--tome: r must be >= 0"),
+        (["--tome-adaptive", "-2"], "--tome-adaptive: r must be >= 0"),
         (["--eager-only"], "--eager-only: keeps the eager rows, which only --eager adds"),
         (["--eager", "--eager-only", "--compile-blocks"], "--eager-only: --compile-blocks"),
     ],
