@@ -83,6 +83,8 @@ from ragged_vit.triton_impl import merging as triton_merging
 from ragged_vit.triton_impl import pack as triton_pack
 
 OnStep = Callable[[Step, "ForwardState"], None]
+"""``on_step(step, state)``: called by :meth:`PrunedViT.run` before each step, with the forward's state as that step
+will find it (instrumentation: a CUDA event per region, or a stage's decision input to time); it must not change it."""
 
 OVERLAP_MAX_IMAGES = 1
 """Batches of at most this many images run a merging stage's decision beside its block's attention core while a
@@ -90,8 +92,6 @@ CUDA graph is captured (:meth:`PrunedViT._attention_beside_decision`). One image
 at batch 4 its programs fill the GPU and the side branch only adds its fork and join (ToMe r = 13, graphs +
 compile_blocks, H100: -14% time per forward at B = 1; beside it at every batch size, +5% at B = 4 and +1% at
 B = 64; ``docs/tome.md``)."""
-"""``on_step(step, state)``: called by :meth:`PrunedViT.run` before each step, with the forward's state as that step
-will find it (instrumentation: a CUDA event per region, or a stage's decision input to time); it must not change it."""
 
 
 @dataclass
