@@ -181,7 +181,6 @@ class PrunedViT(nn.Module):
             check_packable(model.blocks[k], f"model.blocks[{k}]")
         self._head_dims = {blk.attn.head_dim for blk in model.blocks[self._plan.dense_blocks :]}
         self._merges = self.pruner is not None and self.pruner.merges
-        self._side_streams: dict[torch.device, torch.cuda.Stream] = {}  # where merge decisions run in a graph
         self.eval()
 
     @property
@@ -425,13 +424,13 @@ class PrunedViT(nn.Module):
         normed, state.qkv = qkv_part(block, x)
         rest = (block, x, normed, state.qkv, state.cu_seqlens, state.max_seqlen, self._backend, state.key_bias)
         device = x.device
-        if device.type == "cuda" and device not in self._side_streams:  # made outside a capture (the warm-up)
-            self._side_streams[device] = torch.cuda.Stream(device)
+        if device.type == "cuda":
+            _side_stream(device)  # made outside a capture (the graph runner's warm-up runs first)
         if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             state.selection = self._decide(stage, state)
             state.x = residual_part(*rest)
             return
-        main, side = torch.cuda.current_stream(device), self._side_streams[device]
+        main, side = torch.cuda.current_stream(device), _side_stream(device)
         side.wait_stream(main)
         with torch.cuda.stream(side):  # reads the qkv projection (and the rows' count) only
             state.selection = self._decide(stage, state)
@@ -618,6 +617,14 @@ def _repack_exact(state: ForwardState, index: int, num_prefix: int) -> None:
 def _packs_with_triton(device: torch.device) -> bool:
     """Whether the forward packs with the Triton kernels on ``device`` (CUDA; the CPU packs with the reference)."""
     return device.type == "cuda"
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream a merging stage's decision runs on beside its block's attention core while a graph is captured: one
+    per device and process, not held by the module (a CUDA stream cannot be copied or pickled: ``copy.deepcopy(pv)``
+    must work). A captured graph keeps the fork and join as edges; no replay uses the stream."""
+    return torch.cuda.Stream(device)
 
 
 def _repack_bounded(state: ForwardState, rows_after: int, sync_free_rows: int, may_read: bool) -> bool:
