@@ -20,6 +20,7 @@ from ragged_vit.reference.cls_attention import cls_attention
 from ragged_vit.reference.pruners import ATSPruner
 from ragged_vit.reference.pruners.ats import sample_keep, significance
 from ragged_vit.testing import decision_suite
+from ragged_vit.testing.ops import op_names
 from ragged_vit.triton_impl import ats
 from ragged_vit.triton_impl import cls_attention as cls_kernels
 
@@ -251,3 +252,18 @@ def test_scores_match_reference_gpu(shape, dtype, gen):
     scale = head_dim**-0.5
     scores = ats.ats_scores(qkv, cu, heads, scale, n)
     torch.testing.assert_close(scores, _reference_scores(qkv, cu, heads, scale), rtol=2e-5, atol=1e-7)
+
+
+def test_fused_decision_host_ops(monkeypatch, gen):
+    """The host dispatches of one ATS stage's fused decision besides its two launches (an eager forward at batch 1-4
+    pays each): the fp32 scratch in one allocation split four ways, the keep mask, the counts, the mask's int8 view.
+    The launches are stubbed out: only the torch ops around them are counted."""
+    monkeypatch.setattr(cls_kernels, "_logits_launcher", lambda *args, **kwargs: None)
+    monkeypatch.setattr(ats, "_sample_launcher", lambda *args, **kwargs: None)
+    heads, head_dim, lengths = 3, 8, (17, 9)
+    cu = cu_seqlens_from_counts(torch.tensor(lengths))
+    qkv = torch.randn(int(cu[-1]), 3 * heads * head_dim, generator=gen)
+    inp = _inp(qkv, cu, 16, heads, head_dim**-0.5, max_seqlen=17)
+    names = op_names(ats._select, ATSPruner(num_samples=6, min_keep=2), inp)
+    assert sorted(names) == sorted(["aten::empty", "aten::split_with_sizes", "aten::empty", "aten::empty",
+                                    "aten::view"]), names  # fmt: skip

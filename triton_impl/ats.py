@@ -161,15 +161,18 @@ def _sample_shape(max_seqlen: int) -> tuple[int, int]:
     return width, width.bit_length() - 1
 
 
-def _sample(logits, squares, scores, cu, max_seqlen, num_samples, min_keep, num_prefix, *, from_logits, sample):
-    total = scores.shape[0]
+def _sample(logits, squares, scores, cu, max_seqlen, num_samples, min_keep, num_prefix, *, from_logits, sample,
+            work=None, total=None, heads=None):  # fmt: skip
+    """The sampling kernel's launch; ``work``, ``total`` and ``heads`` for flat scratch views (``_select``)."""
+    total = scores.shape[0] if total is None else total
+    heads = logits.shape[1] if heads is None else heads
     batch = cu.shape[0] - 1
     device = scores.device
     width, log_w = _sample_shape(max_seqlen)
     keep = torch.empty(total, dtype=torch.bool, device=device) if sample else scores
     kept = torch.empty(batch, dtype=torch.int32, device=device) if sample else cu
-    work = torch.empty(batch, 2, width, dtype=torch.float32, device=device) if sample else scores
-    heads = logits.shape[1]
+    if work is None:
+        work = torch.empty(batch, 2, width, dtype=torch.float32, device=device) if sample else scores
     args = (
         logits, squares, scores, work, cu, keep.view(torch.int8) if sample else keep, kept, total, num_samples,
         min_keep, num_prefix, heads, from_logits, sample, width, triton.next_power_of_2(heads), log_w,
@@ -279,8 +282,12 @@ def _select(pruner: ATSPruner, inp: DecisionInput) -> TokenSelection:
     """:func:`ats_select` on checked input: the fused decision the pipelines look up."""
     qkv, cu, bound = inp.qkv, inp.cu_seqlens, inp.row_bound
     samples = pruner.samples(inp.num_patches)
-    logits, squares = cls_attention_logits(qkv, cu, inp.num_heads, inp.scale, bound, values=True)
-    scores = torch.empty(qkv.shape[0], dtype=torch.float32, device=qkv.device)
+    # The fp32 scratch (logits, squared values, scores, the sampler's work) in one allocation: two host ops, not
+    # four, at every stage of an eager forward; each part starts 16-byte aligned (a multiple of 4 floats).
+    cells, batch = qkv.shape[0] * inp.num_heads, cu.shape[0] - 1
+    sizes = [-(-n // 4) * 4 for n in (cells, cells, qkv.shape[0])] + [batch * 2 * _sample_shape(bound)[0]]
+    logits, squares, scores, work = torch.empty(sum(sizes), dtype=torch.float32, device=qkv.device).split(sizes)
+    cls_attention_logits(qkv, cu, inp.num_heads, inp.scale, bound, values=True, out=(logits, squares))
     keep, kept = _sample(logits, squares, scores, cu, bound, samples, pruner.min_keep, inp.num_prefix,
-                         from_logits=True, sample=True)  # fmt: skip
+                         from_logits=True, sample=True, work=work, total=qkv.shape[0], heads=inp.num_heads)  # fmt: skip
     return TokenSelection(keep, kept)

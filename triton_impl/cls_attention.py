@@ -99,13 +99,23 @@ def check_qkv_input(inp: DecisionInput, method: str) -> None:
 
 
 def cls_attention_logits(
-    qkv: torch.Tensor, cu: torch.Tensor, heads: int, scale: float, max_seqlen: int, values: bool
+    qkv: torch.Tensor,
+    cu: torch.Tensor,
+    heads: int,
+    scale: float,
+    max_seqlen: int,
+    values: bool,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 ``[T, H]`` CLS-query logits of every row (scaled), and with ``values`` the squared norm of every row's
-    value per head (else None), from a checked qkv projection ``[T, 3*H*D]`` (contiguous rows)."""
+    value per head (else None), from a checked qkv projection ``[T, 3*H*D]`` (contiguous rows); into ``out`` (two
+    contiguous fp32 buffers of at least ``T * H`` elements, any shape: views of one allocation) when given."""
     total, head_dim = qkv.shape[0], qkv.shape[1] // (3 * heads)
-    logits = torch.empty(total, heads, dtype=torch.float32, device=qkv.device)
-    squares = torch.empty(total, heads, dtype=torch.float32, device=qkv.device) if values else logits
+    if out is not None:
+        logits, squares = out
+    else:
+        logits = torch.empty(total, heads, dtype=torch.float32, device=qkv.device)
+        squares = torch.empty(total, heads, dtype=torch.float32, device=qkv.device) if values else logits
     block_d = triton.next_power_of_2(head_dim)
     args = (qkv, cu, logits, squares, total, qkv.stride(0), float(scale), heads, head_dim, _BLOCK_T, block_d, values)
     key = (qkv.dtype, heads, head_dim, values) if aligned(qkv, cu, logits, squares) else None
