@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from ragged_vit.core.segments import cu_seqlens_from_counts, seqlens
 from ragged_vit.core.selection import MergeSelection
 from ragged_vit.reference import merging as ref
+from ragged_vit.testing.ops import op_names
 from ragged_vit.triton_impl import merging as ker
 
 MARGIN = 1e-5  # far above fp32's rounding of a similarity (~1e-7), far below the gaps of random keys
@@ -581,3 +582,16 @@ def test_bad_input_raises_before_launch(index, forbid_launch):
     call, word = _bad_calls()[index]
     with pytest.raises((ValueError, TypeError), match=word):
         call()
+
+
+@pytest.mark.parametrize("mode", [{"r": 2}, {"threshold": 0.5, "r_max": 2}], ids=_mode_id)
+def test_decision_host_ops(mode, monkeypatch):
+    """The host dispatches of one block's merge decision besides its launches (an eager ToMe forward pays them at each
+    of its twelve stages): every int32 output and scratch buffer a view of one allocation, and the fp32 metric. The
+    launches are stubbed out: only the torch ops around them are counted."""
+    for name in ("_metric_launcher", "_best_launcher", "_match_launcher", "_offset_launcher"):
+        monkeypatch.setattr(ker, name, lambda *args, **kwargs: None)
+    keys, cu = torch.randn(10, 2, 8), torch.tensor([0, 4, 10], dtype=torch.int32)
+    limit, threshold = _limit_threshold(mode)
+    names = op_names(ker.decide_merges_unchecked, keys, cu, 6, 1, limit, threshold)
+    assert sorted(names) == ["aten::empty", "aten::empty", "aten::split_with_sizes"], names

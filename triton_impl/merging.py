@@ -436,25 +436,26 @@ def decide_merges_unchecked(
     total, heads, dim = keys.shape
     batch = cu.shape[0] - 1
     device = keys.device
-    if out is None:
-        out = MergeSelection(*(torch.empty(n, dtype=torch.int32, device=device) for n in (total, batch, batch + 1)))
-    if out.sources is None or out.source_offsets is None:
-        out = dataclasses.replace(
-            out,
-            sources=torch.empty(total, dtype=torch.int32, device=device),
-            source_offsets=torch.empty(total + 1, dtype=torch.int32, device=device),
-        )
     adaptive = threshold is not None
+    # Every int32 output and scratch buffer is a view of one allocation (two host ops instead of five to seven, at
+    # each of a ToMe forward's twelve stages when it runs eagerly), each view 16-byte aligned (a multiple of 4 apart).
+    lengths = [total, batch, batch + 1, total, total + 1, 3 * total] + [total] * adaptive
+    sizes = [part for n in lengths for part in (n, -n % 4)]  # each buffer, then its padding to 4 elements
+    views = torch.empty(sum(sizes), dtype=torch.int32, device=device).split(sizes)[::2]
+    if out is None:
+        out = MergeSelection(*views[:3], sources=views[3], source_offsets=views[4])
+    elif out.sources is None or out.source_offsets is None:
+        out = dataclasses.replace(out, sources=views[3], source_offsets=views[4])
+    work = views[5]  # [3, T] flat: best similarities' bits, best B rows, merged A rows
     d_pad = _tile(dim, _MAX_HEAD_DIM)
     metric = torch.empty(total, d_pad, dtype=torch.float32, device=device)
-    work = torch.empty(3, total, dtype=torch.int32, device=device)
     block_ab = _tile(-(-max(max_seqlen - num_prefix, 1) // 2), _BLOCK_AB if d_pad <= 64 else _BLOCK_AB // 2)
     b_pad = 1 if adaptive else triton.next_power_of_2(batch)  # the fixed mode's offsets read every image's length
     block_m = max(1, _METRIC_ELEMENTS // d_pad)
     block_dst = min(_MAX_BLOCK_DST, triton.next_power_of_2(max(max_seqlen, 16)))
     strides = keys.stride()
     device_index, patches = keys.get_device(), max(max_seqlen - num_prefix, 1)
-    starts = torch.empty(total, dtype=torch.int32, device=device) if adaptive else out.source_offsets
+    starts = views[6] if adaptive else out.source_offsets
     ok = aligned(keys, cu, metric, work, out.destination, out.kept, out.cu_seqlens, out.sources, out.source_offsets,
                  starts)  # fmt: skip
     args = (keys, cu, metric, total, *strides, limit, num_prefix, heads, dim, d_pad, block_m)
