@@ -439,14 +439,17 @@ def decide_merges_unchecked(
     adaptive = threshold is not None
     # Every int32 output and scratch buffer is a view of one allocation (two host ops instead of five to seven, at
     # each of a ToMe forward's twelve stages when it runs eagerly), each view 16-byte aligned (a multiple of 4 apart).
-    lengths = [total, batch, batch + 1, total, total + 1, 3 * total] + [total] * adaptive
+    # Only the buffers ``out`` does not bring: the map, counts and offsets, the source lists, the matching's work and
+    # (adaptive) the group starts.
+    need_out, need_lists = out is None, out is None or out.sources is None or out.source_offsets is None
+    lengths = [total, batch, batch + 1] * need_out + [total, total + 1] * need_lists + [3 * total] + [total] * adaptive
     sizes = [part for n in lengths for part in (n, -n % 4)]  # each buffer, then its padding to 4 elements
-    views = torch.empty(sum(sizes), dtype=torch.int32, device=device).split(sizes)[::2]
-    if out is None:
-        out = MergeSelection(*views[:3], sources=views[3], source_offsets=views[4])
-    elif out.sources is None or out.source_offsets is None:
-        out = dataclasses.replace(out, sources=views[3], source_offsets=views[4])
-    work = views[5]  # [3, T] flat: best similarities' bits, best B rows, merged A rows
+    views = iter(torch.empty(sum(sizes), dtype=torch.int32, device=device).split(sizes)[::2])
+    if need_out:
+        out = MergeSelection(next(views), next(views), next(views))
+    if need_lists:
+        out = dataclasses.replace(out, sources=next(views), source_offsets=next(views))
+    work = next(views)  # [3, T] flat: best similarities' bits, best B rows, merged A rows
     d_pad = _tile(dim, _MAX_HEAD_DIM)
     metric = torch.empty(total, d_pad, dtype=torch.float32, device=device)
     block_ab = _tile(-(-max(max_seqlen - num_prefix, 1) // 2), _BLOCK_AB if d_pad <= 64 else _BLOCK_AB // 2)
@@ -455,7 +458,7 @@ def decide_merges_unchecked(
     block_dst = min(_MAX_BLOCK_DST, triton.next_power_of_2(max(max_seqlen, 16)))
     strides = keys.stride()
     device_index, patches = keys.get_device(), max(max_seqlen - num_prefix, 1)
-    starts = views[6] if adaptive else out.source_offsets
+    starts = next(views) if adaptive else out.source_offsets
     ok = aligned(keys, cu, metric, work, out.destination, out.kept, out.cu_seqlens, out.sources, out.source_offsets,
                  starts)  # fmt: skip
     args = (keys, cu, metric, total, *strides, limit, num_prefix, heads, dim, d_pad, block_m)
