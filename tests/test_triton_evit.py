@@ -81,6 +81,23 @@ def test_scores_match_the_reference_interpreter(lengths, kind, gen):
     )
 
 
+@pytest.mark.interpreter
+def test_scores_write_every_row_of_every_image_interpreter(gen, monkeypatch):
+    """No zero-fill before the mean kernel: on NaN-poisoned buffers every row of every image is written, the rows
+    of an image past ``max_seqlen`` (the tile) with 0, and an empty image costs nothing."""
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *args, **kwargs: empty(*args, **kwargs).fill_(float("nan")))
+    qkv, cu = _case((17, 0, 40, 5), 2, 16, "cpu", gen)
+    scores = cls_kernels.cls_attention_mean(qkv, cu, 2, 0.25, 17)  # the 40-row image: rows 16 on past the tile
+    assert not bool(scores.isnan().any())
+    ref = _reference_scores(qkv, cu, 2)
+    long = slice(int(cu[2]), int(cu[3]))  # scored on the tile's 32 rows (17 rounded up), the rest 0
+    others = torch.ones_like(scores, dtype=torch.bool)
+    others[long] = False
+    torch.testing.assert_close(scores[others], ref[others], rtol=1e-5, atol=1e-7)
+    assert bool((scores[long][:32] > 0).all()) and bool((scores[long][32:] == 0).all())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(1, 197), (64, 197), (16, 577)])

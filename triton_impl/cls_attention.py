@@ -128,9 +128,12 @@ def cls_attention_mean(
     qkv: torch.Tensor, cu: torch.Tensor, heads: int, scale: float, max_seqlen: int
 ) -> torch.Tensor:
     """fp32 ``[T]``: the CLS query's attention probability of every row of its image, averaged over the heads (EViT's
-    score; prefix rows get theirs too), from a checked qkv projection; rows past ``max_seqlen`` in an image get 0."""
+    score; prefix rows get theirs too), from a checked qkv projection; rows past ``max_seqlen`` in an image get 0,
+    rows outside every image are not written."""
     logits, _ = cls_attention_logits(qkv, cu, heads, scale, max_seqlen, values=False)
-    scores = torch.zeros(qkv.shape[0], dtype=torch.float32, device=qkv.device)
+    # Every row of every image is written (a tail past the tile: 0), so no zero-fill launch first; rows outside
+    # every image (a buffer longer than ``cu[-1]``) are left as allocated: no decision reads them.
+    scores = torch.empty(qkv.shape[0], dtype=torch.float32, device=qkv.device)
     width, block_h = triton.next_power_of_2(max(max_seqlen, 16)), triton.next_power_of_2(heads)
     args = (logits, cu, scores, qkv.shape[0], heads, width, block_h)
     key = (heads, width) if aligned(logits, cu, scores) else None
