@@ -160,7 +160,7 @@ class _Buffers:
         # padding images (at most B); row 0 is the dense batch's, written once here. Rows start 16-byte aligned
         # (the kernels' cached launches need that).
         self.cu: torch.Tensor | None = None
-        self.stats: torch.Tensor | None = None  # int64 [2]: kept total and longest image of the last decision
+        self.stats: torch.Tensor | None = None  # int32 [2]: kept total and longest image of the last decision
         # A merging pruner (ToMe) hands over a destination map (int32 [B*N]), its source lists (int32 [B*N] and
         # [B*N + 1]) and the merged offsets (int32 [B+1]) instead of the keep mask, and the rows' sizes (int32 [B*N]:
         # the patches each holds) with the stream.
@@ -184,13 +184,13 @@ class _Buffers:
             width = -(-(2 * batch + 1) // 4) * 4
             self.cu = torch.zeros((pipeline.num_stages + 1, width), dtype=torch.int32, device=device)
             self.cu[0, : batch + 1] = torch.arange(batch + 1, dtype=torch.int32, device=device) * tokens
-            self.stats = torch.zeros(2, dtype=torch.long, device=device)
+            self.stats = torch.zeros(2, dtype=torch.int32, device=device)
         # Lagged reads (TokenBuckets.lagged_reads): every stage's total and longest image, copied to pinned host
         # memory behind its segment.
         self.host_stats: torch.Tensor | None = None
         self.copied: list[torch.cuda.Event | None] = [None] * pipeline.num_stages
         if variable and lagged_reads:
-            self.host_stats = torch.zeros((pipeline.num_stages, 2), dtype=torch.long, pin_memory=device.type == "cuda")
+            self.host_stats = torch.zeros((pipeline.num_stages, 2), dtype=torch.int32, pin_memory=device.type == "cuda")
 
     def copy_stats(self, stage: int) -> None:
         """Queues the copy of ``stats`` (stage ``stage``'s decision, just stored) to the host, without waiting."""
@@ -571,21 +571,25 @@ class GraphedPrunedViT:
         sel, side, rows = state.selection, shape.index % 2, state.x.shape[0]
         kept = sel.kept[: bufs.batch]
         if self.buckets.rereads_after(shape.capacity):  # the next stage reads its total (late, if lagged_reads)
-            lens = kept.long()
-            bufs.stats.copy_(torch.stack([lens.sum(), lens.max()]))
+            torch.sum(kept, dim=0, dtype=torch.int32, out=bufs.stats[0])  # two launches (a cast, two reductions, a
+            torch.amax(kept, dim=0, out=bufs.stats[1])  # stack and a copy were five)
         bufs.x[side][:rows].copy_(state.x)
-        bufs.kept[side].copy_(kept)
         if isinstance(sel, MergeSelection):
-            bufs.destination[side][:rows].copy_(sel.destination)
             sources, offsets = merge_sources_of(sel)
-            bufs.sources[side][:rows].copy_(sources)
-            bufs.source_offsets[side][: rows + 1].copy_(offsets)
-            bufs.merged_cu[side].copy_(sel.cu_seqlens[: bufs.batch + 1])
+            pairs = [(bufs.kept[side], kept), (bufs.destination[side][:rows], sel.destination),
+                     (bufs.sources[side][:rows], sources), (bufs.source_offsets[side][: rows + 1], offsets),
+                     (bufs.merged_cu[side], sel.cu_seqlens[: bufs.batch + 1])]  # fmt: skip
             if state.sizes is None:  # before the first merge every row holds one patch
                 bufs.sizes[side][:rows].fill_(1)
             else:
-                bufs.sizes[side][:rows].copy_(state.sizes)
+                pairs.append((bufs.sizes[side][:rows], state.sizes))
+            if all(src.dtype == torch.int32 for _, src in pairs):  # ATen's fused route: one dtype in the lists
+                torch._foreach_copy_([dst for dst, _ in pairs], [src for _, src in pairs])  # one launch, not six
+            else:  # (the CPU reference's int64 map)
+                for dst, src in pairs:
+                    dst.copy_(src)
         else:
+            bufs.kept[side].copy_(kept)
             bufs.keep[side][:rows].copy_(sel.keep)
 
     def _overlaps(self, step: Step) -> bool:
