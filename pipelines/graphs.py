@@ -84,7 +84,7 @@ from ragged_vit.core.selection import MergeSelection, TokenSelection
 from ragged_vit.core.validation import check_int
 from ragged_vit.pipelines.backends import BACKENDS
 from ragged_vit.pipelines.buckets import TokenBuckets, default_sync_free_rows, padding_images
-from ragged_vit.pipelines.model import ForwardState, PrunedOutput, PrunedViT, merge_sources_of
+from ragged_vit.pipelines.model import ForwardState, PrunedOutput, PrunedViT, beside, merge_sources_of
 from ragged_vit.pipelines.plan import ForwardPlan, Step, StepKind
 from ragged_vit.triton_impl import merging as triton_merging
 from ragged_vit.triton_impl import pack as triton_pack
@@ -302,7 +302,6 @@ class GraphedPrunedViT:
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._buffers: dict[tuple[int, int, int], _Buffers] = {}  # by (B, H, W)
         self._binding: _Binding | None = None
-        self._side_stream: torch.cuda.Stream | None = None  # where decisions run beside an MLP half
 
     @property
     def plan(self) -> ForwardPlan:
@@ -608,16 +607,8 @@ class GraphedPrunedViT:
             pipeline.run_step(step, state)
             pipeline.run_step(mlp, state)
             return
-        main = torch.cuda.current_stream(state.x.device)
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(state.x.device)
-        side = self._side_stream
-        side.wait_stream(main)
         scored = state.x  # what the decision reads, kept alive until the side stream is done with it
-        with torch.cuda.stream(side):
-            pipeline.run_step(step, state)
-        pipeline.run_step(mlp, state)
-        main.wait_stream(side)  # the decision's tensors are used (and freed) on the main stream from here on
+        beside(scored.device, lambda: pipeline.run_step(step, state), lambda: pipeline.run_step(mlp, state))
         del scored
 
 

@@ -425,17 +425,13 @@ class PrunedViT(nn.Module):
         rest = (block, x, normed, state.qkv, state.cu_seqlens, state.max_seqlen, self._backend, state.key_bias)
         device = x.device
         if device.type == "cuda":
-            _side_stream(device)  # made outside a capture (the graph runner's warm-up runs first)
+            side_stream(device)  # made outside a capture (the graph runner's warm-up runs first)
         if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             state.selection = self._decide(stage, state)
             state.x = residual_part(*rest)
             return
-        main, side = torch.cuda.current_stream(device), _side_stream(device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):  # reads the qkv projection (and the rows' count) only
-            state.selection = self._decide(stage, state)
-        state.x = residual_part(*rest)  # (``rest`` keeps the pre-residual rows alive until the join)
-        main.wait_stream(side)  # the decision's tensors are used (and freed) on the main stream from here on
+        # the decision reads the qkv projection (and the rows' count) only; ``rest`` keeps the pre-residual rows
+        state.selection, state.x = beside(device, lambda: self._decide(stage, state), lambda: residual_part(*rest))
 
     @torch.no_grad()
     def calibrate(self, images: torch.Tensor) -> float:
@@ -620,11 +616,25 @@ def _packs_with_triton(device: torch.device) -> bool:
 
 
 @functools.cache
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream a merging stage's decision runs on beside its block's attention core while a graph is captured: one
-    per device and process, not held by the module (a CUDA stream cannot be copied or pickled: ``copy.deepcopy(pv)``
-    must work). A captured graph keeps the fork and join as edges; no replay uses the stream."""
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The second stream of ``device`` on which work runs beside the current stream's (:func:`beside`): one per device
+    and process, not held by a module (a CUDA stream cannot be copied or pickled: ``copy.deepcopy(pv)`` must work). A
+    captured graph keeps the fork and join as edges; no replay uses the stream."""
     return torch.cuda.Stream(device)
+
+
+def beside(device: torch.device, side: Callable[[], object], main: Callable[[], object]) -> tuple[object, object]:
+    """``(side(), main())``: ``side`` on :func:`side_stream` beside ``main`` on the current stream of ``device``,
+    forked after the work queued so far and joined before anything queued after (while a CUDA graph is captured: two
+    parallel branches). Tensors ``side`` reads must stay alive until the join (the caller holds them); those it
+    makes are used (and freed) on the current stream after it."""
+    current, stream = torch.cuda.current_stream(device), side_stream(device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        first = side()
+    second = main()
+    current.wait_stream(stream)
+    return first, second
 
 
 def _repack_bounded(state: ForwardState, rows_after: int, sync_free_rows: int, may_read: bool) -> bool:
