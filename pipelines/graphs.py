@@ -12,8 +12,9 @@ first use, per input shape (batch size and image size), running every step but t
   repack into segments (:attr:`ForwardPlan.segments`). Segment 0 runs the embedding, the dense blocks and the packed
   blocks up to stage 0's decision; segment ``j`` repacks stage ``j - 1``'s decision into a buffer of ``capacity`` rows
   (``ragged_vit.triton_impl.pack.repack(capacity=...)``) and runs the blocks up to the next decision (the last one ends
-  with the head). Before a segment the host may read the kept total and the longest image (one 16-byte read per stage:
-  the read the eager pipeline makes too), take the smallest capacity holding that total
+  with the head). Before a segment the host may read the kept total and the longest image (one read per stage, as
+  the eager pipeline makes; a kernel writes the two integers straight into pinned host memory and the host polls
+  them, so it neither waits for the rest of the stream nor copies), take the smallest capacity holding that total
   (:class:`ragged_vit.pipelines.buckets.TokenBuckets`) and replay the segment as captured for that capacity. With
   ``sync_free_rows`` (on by default for pruners with several variable-count stages), a stage whose input has at most
   that many rows skips the read: it takes the previous capacity, or the pruner's own bound on the rows it keeps
@@ -138,7 +139,7 @@ class _Buffers:
     """The static tensors of one input shape ``(B, H, W)``, allocated outside the graph pool and kept until
     ``reset()``, with the plan of that image size."""
 
-    def __init__(self, pipeline: PrunedViT, batch: int, size: tuple[int, int], lagged_reads: bool = False) -> None:
+    def __init__(self, pipeline: PrunedViT, batch: int, size: tuple[int, int]) -> None:
         model = pipeline.model
         dtype, device = pipeline.dtype, pipeline.device
         channels = model.patch_embed.proj.in_channels
@@ -160,7 +161,10 @@ class _Buffers:
         # padding images (at most B); row 0 is the dense batch's, written once here. Rows start 16-byte aligned
         # (the kernels' cached launches need that).
         self.cu: torch.Tensor | None = None
-        self.stats: torch.Tensor | None = None  # int32 [2]: kept total and longest image of the last decision
+        # int32 [stages, 4], in pinned host memory on a GPU: row j holds stage j's kept total and longest image,
+        # written by a kernel straight into host memory (ragged_vit.triton_impl.pack.total_and_longest) and polled by
+        # the host (read_stats), -1 until written; 16-byte rows (the kernel's cached launch wants aligned pointers).
+        self.stats: torch.Tensor | None = None
         # A merging pruner (ToMe) hands over a destination map (int32 [B*N]), its source lists (int32 [B*N] and
         # [B*N + 1]) and the merged offsets (int32 [B+1]) instead of the keep mask, and the rows' sizes (int32 [B*N]:
         # the patches each holds) with the stream.
@@ -184,32 +188,27 @@ class _Buffers:
             width = -(-(2 * batch + 1) // 4) * 4
             self.cu = torch.zeros((pipeline.num_stages + 1, width), dtype=torch.int32, device=device)
             self.cu[0, : batch + 1] = torch.arange(batch + 1, dtype=torch.int32, device=device) * tokens
-            self.stats = torch.zeros(2, dtype=torch.int32, device=device)
-        # Lagged reads (TokenBuckets.lagged_reads): every stage's total and longest image, copied to pinned host
-        # memory behind its segment.
-        self.host_stats: torch.Tensor | None = None
-        self.copied: list[torch.cuda.Event | None] = [None] * pipeline.num_stages
-        if variable and lagged_reads:
-            self.host_stats = torch.zeros((pipeline.num_stages, 2), dtype=torch.int32, pin_memory=device.type == "cuda")
-
-    def copy_stats(self, stage: int) -> None:
-        """Queues the copy of ``stats`` (stage ``stage``'s decision, just stored) to the host, without waiting."""
-        self.host_stats[stage].copy_(self.stats, non_blocking=True)
-        if self.stats.is_cuda:
-            self.copied[stage] = torch.cuda.Event()
-            self.copied[stage].record()
+            self.stats = torch.full((pipeline.num_stages, 4), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
+        self.device = device
 
     def read_stats(self, stage: int) -> tuple[int, int]:
-        """Stage ``stage``'s kept total and longest image, waiting for their copy only (not for later work)."""
-        if self.copied[stage] is not None:
-            self.copied[stage].synchronize()
-        total, longest = self.host_stats[stage].tolist()
+        """Stage ``stage``'s kept total and longest image, as soon as the kernel that writes them has run: the host
+        polls the pinned row while the device goes on with the rest of the graph (the hand-over copies), instead of
+        waiting for the whole stream and then copying. Raises if the stream is done and the row was never written
+        (no hang)."""
+        row = self.stats[stage]
+        total, longest, _, _ = row.tolist()
+        while total < 0 or longest < 0:
+            done = not self.stats.is_pinned() or torch.cuda.current_stream(self.device).query()
+            total, longest, _, _ = row.tolist()  # read after the query: a finished stream's writes are visible
+            if done and (total < 0 or longest < 0):
+                raise RuntimeError(f"stage {stage}'s kept total was never written by its graph (internal error)")
         return total, longest
 
     def nbytes(self) -> int:
         tensors = [self.images, self.logits, self.counts, *self.x, *self.keep, *self.kept, *self.destination]
         tensors += [*self.sources, *self.source_offsets, *self.merged_cu, *self.sizes]
-        tensors += [t for t in (self.cu, self.stats) if t is not None]
+        tensors += [t for t in (self.cu,) if t is not None]  # (stats: host memory)
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -378,7 +377,7 @@ class GraphedPrunedViT:
     def _allocate(self, key: tuple[int, int, int]) -> _Buffers:
         batch, *size = key
         with torch.inference_mode(False):  # normal tensors: writable inside and outside inference mode
-            self._buffers[key] = _Buffers(self.pipeline, batch, tuple(size), self.buckets.lagged_reads)
+            self._buffers[key] = _Buffers(self.pipeline, batch, tuple(size))
         return self._buffers[key]
 
     def _launch(self, key: GraphKey, fn: Callable[[], None]) -> None:
@@ -423,6 +422,7 @@ class GraphedPrunedViT:
 
     def _run_segments(self, bufs: _Buffers) -> None:
         """A variable-count forward: the segments from one host read to the next, each run one graph."""
+        bufs.stats.fill_(-1)  # on the host: no stage's total is in yet
         if self.buckets.lagged_reads:
             self._run_lagged(bufs)
             return
@@ -431,8 +431,8 @@ class GraphedPrunedViT:
         for index in range(1, len(plan.segments)):
             previous, rows = chain[-1], plan.row_bounds[index]
             if self.buckets.rereads_after(previous.capacity):
-                self._launch_chain(bufs, chain)  # ends with the decision's total and longest image in bufs.stats
-                total, longest = bufs.stats.tolist()  # the one read of this stage
+                self._launch_chain(bufs, chain)  # writes the decision's total and longest image to bufs.stats
+                total, longest = bufs.read_stats(index - 1)  # the one read of this stage
                 capacity = min(self.buckets.capacity(total, batch, tokens), batch * rows)
                 bound = self.buckets.seqlen_bound(max(longest, capacity - total), tokens)
                 chain = [SegmentShape(index, capacity, bound, 1)]
@@ -461,9 +461,7 @@ class GraphedPrunedViT:
                     bound = min(self.buckets.seqlen_bound(longest, tokens), rows)
                 bound = max(bound, -(-(capacity - batch) // batch))  # at most B padding images (bufs.cu's width)
                 shape = SegmentShape(index, capacity, bound, padding_images(capacity, batch, bound))
-            self._launch_chain(bufs, [shape])
-            if index < stages:
-                bufs.copy_stats(index)  # queued behind the segment: read when the segment after next needs it
+            self._launch_chain(bufs, [shape])  # its stage's total, if read (index <= stages - 2), to bufs.stats
 
     def _launch_chain(self, bufs: _Buffers, chain: list[SegmentShape]) -> None:
         # A chain that hands its decision to the next graph is one segment (the capacity never grows, so once a
@@ -565,13 +563,13 @@ class GraphedPrunedViT:
         state.selection = state.qkv = None
 
     def _store(self, bufs: _Buffers, shape: SegmentShape, state: ForwardState) -> None:
-        """Writes a chain's last decision to the static buffers' side ``shape.index % 2`` (and, when a read follows,
-        the kept total and longest image to ``bufs.stats``)."""
+        """Writes a chain's last decision to the static buffers' side ``shape.index % 2`` and, first, when the host
+        reads it, the kept total and longest image to ``bufs.stats`` (host memory): the host reads them while the
+        device makes the copies."""
         sel, side, rows = state.selection, shape.index % 2, state.x.shape[0]
         kept = sel.kept[: bufs.batch]
-        if self.buckets.rereads_after(shape.capacity):  # the next stage reads its total (late, if lagged_reads)
-            torch.sum(kept, dim=0, dtype=torch.int32, out=bufs.stats[0])  # two launches (a cast, two reductions, a
-            torch.amax(kept, dim=0, out=bufs.stats[1])  # stack and a copy were five)
+        if self._reads(bufs, shape):
+            triton_pack.total_and_longest_unchecked(kept, bufs.stats[shape.index])
         bufs.x[side][:rows].copy_(state.x)
         if isinstance(sel, MergeSelection):
             sources, offsets = merge_sources_of(sel)
@@ -590,6 +588,14 @@ class GraphedPrunedViT:
         else:
             bufs.kept[side].copy_(kept)
             bufs.keep[side][:rows].copy_(sel.keep)
+
+    def _reads(self, bufs: _Buffers, shape: SegmentShape) -> bool:
+        """Whether the host reads the total of the stage that ends segment ``shape``: after it (``_run_segments``;
+        a stored chain always ends at a read), or two segments later (``_run_lagged``: the last stage's total is
+        never read, so never written: no write lands after the call returns)."""
+        if self.buckets.lagged_reads:
+            return shape.index <= len(bufs.plan.segments) - 3
+        return True
 
     def _overlaps(self, step: Step) -> bool:
         """Whether a decision inside a chain runs beside the MLP half that follows its repack (the same at every

@@ -7,6 +7,16 @@ layer down, in :mod:`ragged_vit.core`.
 
 from ragged_vit.reference.attention import padded_attention, ragged_attention, split_qkv
 from ragged_vit.reference.cls_attention import cls_attention
-from ragged_vit.reference.packing import cls_rows, pack, repack, unpack
+from ragged_vit.reference.packing import cls_rows, pack, repack, total_and_longest, unpack
 
-__all__ = ["cls_attention", "cls_rows", "pack", "padded_attention", "ragged_attention", "repack", "split_qkv", "unpack"]
+__all__ = [
+    "cls_attention",
+    "cls_rows",
+    "pack",
+    "padded_attention",
+    "ragged_attention",
+    "repack",
+    "split_qkv",
+    "total_and_longest",
+    "unpack",
+]

@@ -126,3 +126,12 @@ def cls_rows(tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     if bool((seqlens(cu_seqlens) == 0).any()):
         raise ValueError("cu_seqlens describes an empty image: every image needs its CLS row")
     return tokens[cu_seqlens[:-1].long()]
+
+
+def total_and_longest(kept: torch.Tensor) -> tuple[int, int]:
+    """The rows of a batch's images all told and its longest image's rows, from the rows each image keeps
+    (``kept``: int ``[B]``, B >= 1): what a graph runner reads back to size the buffer after a variable-count stage."""
+    check_tensor(kept, "kept", ndim=1, dtypes=(torch.int32, torch.int64))
+    if kept.shape[0] == 0:
+        raise ValueError("kept must hold at least one image's count, got an empty tensor")
+    return int(kept.sum()), int(kept.max())

@@ -28,7 +28,7 @@ from ragged_vit import PrunedViT
 from ragged_vit.pipelines.backends import BACKENDS as REGISTRY
 from ragged_vit.pipelines.buckets import TokenBuckets
 from ragged_vit.pipelines.factory import build_pruner
-from ragged_vit.pipelines.graphs import GraphedPrunedViT
+from ragged_vit.pipelines.graphs import GraphedPrunedViT, _Buffers
 from ragged_vit.pipelines.model import PrunedOutput
 from ragged_vit.pipelines.weights import create_model
 from tests.helpers import no_tf32
@@ -261,23 +261,35 @@ def test_empty_padding_image(lab, backend):
     ],
     ids=["ats", "threshold", "ats-sync-free-after-one", "ats-sync-free"],
 )
-def test_variable_counts_read_once_per_stage(lab, case, stages, buckets):
+def test_variable_counts_read_once_per_stage(lab, case, stages, buckets, monkeypatch):
     """One read per variable-count stage; with ``sync_free_rows`` below ``B * N`` (but above the first stage's
-    capacity) one read in all; from ``B * N`` on, none."""
+    capacity) one read in all; from ``B * N`` on, none. A read polls pinned host memory that a kernel writes: no
+    synchronising call at all, and the values read are the stage's real total and longest image."""
     pv = lab.pipeline(SMALL, case, "fa2_varlen")
     runner = GraphedPrunedViT(pv, buckets)
     images = lab.batch(4, seed=3)
     runner.run(images)  # captures every graph these images need
     torch.cuda.synchronize()
+    reads, real_read = [], _Buffers.read_stats
+
+    def read(bufs, stage):
+        reads.append((stage, real_read(bufs, stage)))
+        return reads[-1][1]
+
+    monkeypatch.setattr(_Buffers, "read_stats", read)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            runner.run(images)
+            out = runner.run(images)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    assert len(syncs) == stages, [str(w.message) for w in syncs]
+    assert not syncs, [str(w.message) for w in syncs]
+    assert len(reads) == stages
+    rows = (out.counts + pv.plan.num_prefix).cpu()  # [B, S]: each image's rows after each stage
+    for stage, (total, longest) in reads:
+        assert (total, longest) == (int(rows[:, stage].sum()), int(rows[:, stage].max()))
     assert runner.counters.captures == stages + 1  # the segments between two reads are one graph
 
 

@@ -31,7 +31,7 @@ test_repack_unchecked_gpu = pytest.mark.gpu(
 
 def test_contract_bad_inputs_raise_before_launch(forbid_launch):
     """The lab's argument errors, on CPU tensors (the value checks included), with the kernels' launches forbidden."""
-    forbid_launch(tp, "_repack", "_unpack_kernel")
+    forbid_launch(tp, "_repack", "_unpack_kernel", "total_and_longest_unchecked")
     [case] = [case for case in pack_cases(bad_inputs=True) if case.kind == "bad_inputs"]
     raise_failures("packing (pack, repack, unpack, cls_rows)", run_pack_case(case, **_FAMILY))
 
@@ -205,6 +205,7 @@ def _bad_pack_calls():
     cu = torch.tensor([0, 5, 10], dtype=torch.int32)
     ones = torch.ones(10, dtype=torch.bool)
     kept = torch.tensor([5, 5], dtype=torch.int32)
+    two = torch.empty(2, dtype=torch.int32)
     return [
         ("x", lambda: tp.pack(x[..., ::2], keep)),
         ("tokens", lambda: tp.unpack(tokens.int(), cu, 5)),
@@ -229,13 +230,38 @@ def _bad_pack_calls():
         ("cu_out", lambda: tp.repack(tokens, cu, ones, 5, cu_out=torch.zeros(6, dtype=torch.int32)[::2])),
         ("cu_out", lambda: tp.repack(tokens, cu, ones, 5, cu_out=cu.to("meta"))),
         ("cu_out", lambda: tp.pack(x, keep, cu_out=cu[:2].clone())),
+        ("kept", lambda: tp.total_and_longest(kept.long(), two)),
+        ("kept", lambda: tp.total_and_longest(kept[:0], two)),
+        ("kept", lambda: tp.total_and_longest(torch.zeros(4, dtype=torch.int32)[::2], two)),
+        ("out", lambda: tp.total_and_longest(kept, two[:1])),
+        ("out", lambda: tp.total_and_longest(kept, torch.empty(2))),
+        ("out", lambda: tp.total_and_longest(kept, torch.empty(4, dtype=torch.int32)[::2])),
+        ("out", lambda: tp.total_and_longest(kept, torch.empty(2, dtype=torch.int32, device="meta"))),
     ]  # fmt: skip
+
+
+def _check_total_and_longest(batch: int, device: str, out: torch.Tensor, gen: torch.Generator) -> None:
+    """Fresh random counts (a tie for the longest among them), against the reference; ``out`` poisoned first."""
+    kept = torch.randint(1, 300, (batch,), generator=gen, dtype=torch.int32)
+    kept[batch // 2] = kept.max()
+    out.fill_(-1)
+    got = tp.total_and_longest(kept.to(device), out)
+    if got.is_cuda:
+        torch.cuda.synchronize()
+    assert got is out and out[:2].tolist() == list(ragged_vit.reference.total_and_longest(kept))
+    assert out[2:].eq(-1).all()  # nothing past the two values
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("batch", [1, 5, 1100])
+def test_total_and_longest_interpreter(batch, gen):
+    _check_total_and_longest(batch, "cpu", torch.empty(4, dtype=torch.int32), gen)
 
 
 @pytest.mark.parametrize("index", range(len(_bad_pack_calls())))
 def test_bad_input_raises_before_launch(index, forbid_launch):
     name, call = _bad_pack_calls()[index]
-    forbid_launch(tp, "_repack", "_unpack_kernel")
+    forbid_launch(tp, "_repack", "_unpack_kernel", "total_and_longest_unchecked")
     with pytest.raises((ValueError, TypeError), match=name):
         call()
 
@@ -278,3 +304,13 @@ def test_repack_cu_out_in_place_gpu(batch, n, channels, gen, monkeypatch):
     """The aligned call caches the compiled kernel; the unaligned slice after it must not reuse that handle."""
     x, keep = _batch(batch, n, channels, torch.float16, "cuda", gen)
     _check_cu_out(x, keep, gen, monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 64, 1100])
+@pytest.mark.parametrize("where", ["device", "pinned"])
+def test_total_and_longest_gpu(batch, where, gen):
+    """On the GPU's memory, and straight into pinned host memory (the graph runner's read-back)."""
+    out = torch.empty(4, dtype=torch.int32, device="cuda") if where == "device" else torch.empty(
+        4, dtype=torch.int32, pin_memory=True)  # fmt: skip
+    _check_total_and_longest(batch, "cuda", out, gen)

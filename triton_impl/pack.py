@@ -149,8 +149,24 @@ def _unpack_kernel(
         tl.store(dst + c0 + offs_c[None, :], vals, mask=inside[:, None])
 
 
+@triton.jit(do_not_specialize=["batch"])
+def _total_longest_kernel(KEPT, OUT, batch, BLOCK_B: tl.constexpr):
+    # One program: the sum and the max of kept[:batch], stored as OUT[0] then OUT[1] (OUT may be pinned host memory:
+    # a host polling it sees each value once it lands).
+    offs = tl.arange(0, BLOCK_B)
+    total = tl.zeros([BLOCK_B], dtype=tl.int32)
+    longest = tl.zeros([BLOCK_B], dtype=tl.int32)
+    for b0 in range(0, batch, BLOCK_B):
+        k = tl.load(KEPT + b0 + offs, mask=b0 + offs < batch, other=0)
+        total += k
+        longest = tl.maximum(longest, k)
+    tl.store(OUT, tl.sum(total, axis=0))
+    tl.store(OUT + 1, tl.max(longest, axis=0))
+
+
 _count_launcher = CompiledLauncher(_count_kernel)
 _pack_launcher = CompiledLauncher(_pack_kernel)
+_total_longest_launcher = CompiledLauncher(_total_longest_kernel)
 
 
 def _channel_block(channels: int) -> int:
@@ -438,6 +454,45 @@ def unpack(
     lens = (cu_seqlens[1:] - cu_seqlens[:-1])[:, None]
     mask = torch.arange(max_seqlen, device=tokens.device, dtype=torch.int32)[None, :] < lens
     return out, mask
+
+
+def total_and_longest(kept: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Writes the rows of the images all told and the longest image's rows, ``kept.sum()`` and ``kept.max()``, to
+    ``out[0]`` and ``out[1]`` in one launch, and returns ``out``: the two integers the graph runner reads back after
+    a variable-count stage (``ragged_vit.pipelines.graphs``), written straight into pinned host memory, so the host
+    sees them without a copy or a wait for the rest of the stream.
+
+    Args:
+        kept: int32 ``[B]`` (B >= 1, contiguous): the rows each image keeps (each ``>= 0``).
+        out: int32, at least 2 elements, contiguous: on ``kept``'s device, or pinned host memory when ``kept`` is
+            on a GPU.
+    """
+    check_tensor(kept, "kept", ndim=1, dtypes=(torch.int32,))
+    check_tensor(out, "out", ndim=1, dtypes=(torch.int32,))
+    if kept.shape[0] == 0:
+        raise ValueError("kept must hold at least one image's count, got an empty tensor")
+    if out.shape[0] < 2:
+        raise ValueError(f"out must have at least 2 elements, got {out.shape[0]}")
+    for t, name in ((kept, "kept"), (out, "out")):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    if out.device != kept.device and not (kept.is_cuda and out.device.type == "cpu" and out.is_pinned()):
+        raise ValueError(
+            f"out must be on kept's device ({kept.device}) or in pinned host memory, got a tensor on {out.device}"
+        )
+    return total_and_longest_unchecked(kept, out)
+
+
+def total_and_longest_unchecked(kept: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """:func:`total_and_longest` without its checks (the graph runner's hot path)."""
+    batch = kept.shape[0]
+    block = min(triton.next_power_of_2(batch), 1024)
+    is_aligned = kept.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0
+    _total_longest_launcher(
+        (block,) if is_aligned and kept.is_cuda else None, kept.get_device(), (1,), (kept, out, batch, block),
+        num_warps=4, num_stages=1,
+    )  # fmt: skip
+    return out
 
 
 def cls_rows(tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
