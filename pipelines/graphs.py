@@ -542,22 +542,19 @@ class GraphedPrunedViT:
         state.selection = state.qkv = None
 
     def _merge(self, bufs: _Buffers, shape: SegmentShape, state: ForwardState) -> None:
-        """A merging stage's REPACK into ``shape.capacity`` rows: the real images' merged rows and sizes
-        (:func:`ragged_vit.triton_impl.merging.merge_rows_unchecked`), their offsets then the padding images' (each
-        ``shape.max_seqlen`` rows, clamped to the capacity, as the pack kernel writes them) into
-        ``bufs.cu[shape.index]``, and ``log(sizes)`` for the attention after it."""
+        """A merging stage's REPACK into ``shape.capacity`` rows, in one launch
+        (:func:`ragged_vit.triton_impl.merging.merge_rows_unchecked`): the real images' merged rows and sizes, their
+        offsets then the padding images' (each ``shape.max_seqlen`` rows, clamped to the capacity, as the pack kernel
+        writes them) into ``bufs.cu[shape.index]``, and ``log(sizes)`` for the attention after it."""
         batch, sel, x = bufs.batch, state.selection, state.x
         cu = bufs.cu[shape.index, : batch + 1 + shape.pads]
         merged_cu = sel.cu_seqlens[: batch + 1]  # the real images come first, so their offsets ignore the padding
-        cu[: batch + 1].copy_(merged_cu)
-        if shape.pads:
-            steps = torch.arange(1, shape.pads + 1, dtype=torch.int32, device=x.device) * shape.max_seqlen
-            torch.clamp(merged_cu[batch] + steps, max=shape.capacity, out=cu[batch + 1 :])
         sizes = state.sizes if state.sizes is not None else torch.ones(x.shape[0], dtype=torch.int32, device=x.device)
         state.key_bias = torch.empty(shape.capacity, dtype=torch.float32, device=x.device)  # log(size), by the kernel
         state.x, state.sizes = triton_merging.merge_rows_unchecked(
             x, sizes, *merge_sources_of(sel), merged_cu, x.new_empty((shape.capacity, x.shape[1])),
-            sizes.new_empty(shape.capacity), state.key_bias,
+            sizes.new_empty(shape.capacity), state.key_bias, cu_out=cu, padding_images=shape.pads,
+            padding_len=shape.max_seqlen,
         )  # fmt: skip  # rows from the real total on are not written (the padding images': theirs only)
         state.cu_seqlens, state.max_seqlen = cu, shape.max_seqlen
         state.selection = state.qkv = None

@@ -61,8 +61,8 @@ def poisoned(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     real = triton_merging.merge_rows_unchecked
     seen: list[tuple[int, int]] = []
 
-    def merge(x, sizes, sources, offsets, merged_cu, out, out_sizes, log_sizes=None):
-        rows, new_sizes = real(x, sizes, sources, offsets, merged_cu, out, out_sizes, log_sizes)
+    def merge(x, sizes, sources, offsets, merged_cu, out, out_sizes, log_sizes=None, **offsets_out):
+        rows, new_sizes = real(x, sizes, sources, offsets, merged_cu, out, out_sizes, log_sizes, **offsets_out)
         total = int(merged_cu[-1])
         rows[total:] = float("nan")
         new_sizes[total:] = -3

@@ -430,6 +430,16 @@ def _poisoned(device, shape, channels, dtype, gen, mode):
     ker.merge_rows_unchecked(x, sizes, want.sources, want.source_offsets, want.cu_seqlens, rows, new_sizes)
     assert torch.equal(rows[:merged], want_rows[:merged]) and torch.equal(new_sizes[:merged], want_sizes[:merged])
     assert bool(rows[merged:].isnan().all()) and bool((new_sizes[merged:] == -1).all())
+    # The graph runner's call: the merged offsets and 3 padding images of 2 rows over the 5 spare rows (the last one
+    # clamped to the capacity) in the same launch, into a poisoned slice; the rows and sizes as without them.
+    cu_out = torch.full((batch + 6,), -7, dtype=torch.int32, device=device)
+    again = torch.full((merged + 5, channels), float("nan"), dtype=dtype, device=device)
+    ker.merge_rows_unchecked(x, sizes, want.sources, want.source_offsets, want.cu_seqlens, again,
+                             new_sizes[: merged + 5], cu_out=cu_out[: batch + 4], padding_images=3,
+                             padding_len=2)  # fmt: skip
+    pads = [merged + 2, merged + 4, merged + 5]
+    assert cu_out.tolist() == want.cu_seqlens.tolist() + pads + [-7, -7]
+    assert torch.equal(again[:merged], want_rows[:merged]) and bool(again[merged:].isnan().all())
     short, short_sizes = ker.merge_rows(x, sizes, want.destination, cu, want.cu_seqlens, capacity=merged - 3)
     assert torch.equal(short, want_rows[: merged - 3]) and torch.equal(short_sizes, want_sizes[: merged - 3])
     return keys, cu, x, sizes, want, want_rows

@@ -12,16 +12,18 @@ program per image doing everything measured ~37 us per block at batch 1-4 on an 
 2. ``_best_kernel`` (grid ``(B, cdiv(patches / 2, 16))``: an image and 16 of its A rows): each A row's best B row,
    by ``tl.dot`` of fp32 metric tiles (IEEE fp32, not TF32) against B tiles of up to 64 rows in order, the first
    maximum winning (the lowest B index); its similarity's bits and the B index into a ``[3, T]`` int32 scratch.
-3. ``_match_kernel`` (grid ``(B,)``: an image): each A row's rank among its image's A rows, by counting those that
-   beat it (a higher best similarity, or an equal one and a lower index: the reference's stable descending sort),
-   the merged ones, of rank ``< min(limit, patches // 2)`` (and best ``>= threshold`` in the adaptive mode), with
-   their running count; then every row's destination (an image of up to 1024 rows in one step): a surviving row
-   moves up by the merged A rows before it, a merged A row goes where its B row goes; then the *source lists*
-   (``MergeSelection.sources``, :func:`ragged_vit.reference.merging.merge_sources`): the rows grouped by
-   destination, in row order inside a group, and where each group starts, by counting the merged A rows sent below
-   or beside each row (``[128, 64]`` tiles of rows against A rows). In the fixed mode the counts are the rule's,
-   ``n - min(r, patches // 2)`` from the lengths alone, so each program also computes its image's offset in the
-   merged buffer from every image's length, writes its destinations and group starts final and its entry of
+3. ``_match_kernel`` (grid ``(B, cdiv(n, 128))``: an image and 128 of its rows): each A row's rank among its image's
+   A rows, by counting those that beat it (a higher best similarity, or an equal one and a lower index: the
+   reference's stable descending sort), the merged ones, of rank ``< min(limit, patches // 2)`` (and best
+   ``>= threshold`` in the adaptive mode), with their running count; then every row's destination (an image of up to
+   1024 rows in one step): a surviving row moves up by the merged A rows before it, a merged A row goes where its B row
+   goes; then the *source lists* (``MergeSelection.sources``, :func:`ragged_vit.reference.merging.merge_sources`):
+   the rows grouped by destination, in row order inside a group, and where each group starts, by counting the merged
+   A rows sent below or beside each row (``[128, 64]`` tiles of rows against A rows). Every program of an image
+   ranks and writes all its destinations (the same values; the source lists read every merged A row's), then lists
+   its own 128 rows: the image's longest serial phase spread over programs. In the fixed mode the counts are the
+   rule's, ``n - min(r, patches // 2)`` from the lengths alone, so each program also computes its image's offset in
+   the merged buffer from every image's length, writes its destinations and group starts final and its entry of
    ``cu_seqlens``.
 4. adaptive mode only: ``_offset_kernel`` (grid ``(B,)``) adds to each image's destinations the rows the images
    before it keep (their counts, from launch 3), moves its group starts to their merged rows and writes the merged
@@ -68,8 +70,10 @@ slower, never wrong. ``T'`` is not known on the host: :func:`merge_rows` writes 
 for ``T'`` where it matters). No zero-fills: every output is written by the kernels.
 
 Cost (``docs/tome.md``, H100, DeiT-B r = 13, per block): at B = 1 the metric 5, the best match 6, the match 11 and
-the merge 4 us; at B = 64 about 12 us each. One program per image doing the whole matching took ~37 us per block at
-B = 1-4 (L1-bound on one SM); fp16/TF32 similarity tiles would lose the fp32 exactness above.
+the merge 4 us; at B = 64 about 12 us each. Spreading the match's source lists over programs of 128 rows took the
+whole decision (graph replay) from 25.9 / 26.8 / 44.4 to 21.6 / 22.4 / 39.8 us at B = 1 / 4 / 64. One program per
+image doing the whole matching took ~37 us per block at B = 1-4 (L1-bound on one SM); fp16/TF32 similarity tiles
+would lose the fp32 exactness above.
 
 Not supported: fp64 (the reference's fp64 metric and float64 sums); non-finite keys (the reference refuses them;
 here a NaN best similarity ranks last, as ``-inf``, and the map stays valid: every destination inside its image's
@@ -193,8 +197,11 @@ def _match_kernel(
     ADAPTIVE: tl.constexpr,
 ):  # fmt: skip
     """The merged A rows (ranked by best similarity, descending, then index), the image's count and (fixed mode)
-    offsets, every row's destination and the source lists; a program per image."""
+    offsets, every row's destination and the source lists; a program per image and ``BLOCK_S`` of its rows: each
+    program ranks the image's A rows and writes every destination (the same values as its image's other programs),
+    then the source lists of its own rows, which read the destinations of every merged A row."""
     b = tl.program_id(0)
+    lead = tl.program_id(1) == 0  # the program that writes the image's count and offsets
     start, end, first, num_a, num_b, cap = _image_sets(CU, b, total, num_prefix, limit)
     # WORK (int32 [3, T]), at the image's first rows: per A row i, row start + i holds its best similarity's bits,
     # start + total + i its best B row, start + 2 * total + i the merged A rows up to i (inclusive) * 2 + merged.
@@ -226,7 +233,8 @@ def _match_kernel(
     count = end - start - merged_rows
     if ADAPTIVE:  # offsets in the merged buffer: _offset_kernel adds the images before this one
         base = 0
-        tl.store(COUNTS + b, count)
+        if lead:
+            tl.store(COUNTS + b, count)
     else:  # the rule's counts, n - min(r, patches // 2), from every image's length
         offs_img = tl.arange(0, B_PAD)
         lo = tl.load(CU + offs_img, mask=offs_img < batch, other=0)
@@ -235,10 +243,11 @@ def _match_kernel(
         hi = tl.minimum(tl.maximum(hi, lo), total)
         rows_left = hi - lo - tl.minimum(limit, tl.maximum(hi - lo - num_prefix, 0) // 2)
         base = tl.sum(tl.where(offs_img < b, rows_left, 0), 0)
-        tl.store(COUNTS + b, count)
-        tl.store(CU_OUT + b + 1, base + count)
-        if b == 0:
-            tl.store(CU_OUT, 0)
+        if lead:
+            tl.store(COUNTS + b, count)
+            tl.store(CU_OUT + b + 1, base + count)
+            if b == 0:
+                tl.store(CU_OUT, 0)
     # Destinations: a surviving row moves up by the merged A rows before it; a merged A row goes where its B row goes.
     offs_r = tl.arange(0, BLOCK_DST)
     for r0 in range(start, end, BLOCK_DST):  # one step for an image of up to BLOCK_DST rows: its gathers at once
@@ -259,7 +268,7 @@ def _match_kernel(
     tl.debug_barrier()  # the destinations above, read back
     offs_s = tl.arange(0, BLOCK_S)
     offs_k = tl.arange(0, BLOCK_AB)
-    for r0 in range(start, end, BLOCK_S):
+    for r0 in range(start + tl.program_id(1) * BLOCK_S, end, tl.num_programs(1) * BLOCK_S):
         rows = r0 + offs_s
         in_r = rows < end
         dest = tl.load(DEST + rows, mask=in_r, other=0)
@@ -286,7 +295,7 @@ def _match_kernel(
             tl.store(SRC_OFF + start + dest, group, mask=in_r & ~merges)
         else:
             tl.store(SRC_OFF + dest, group, mask=in_r & ~merges)
-    if not ADAPTIVE:
+    if not ADAPTIVE and lead:
         tl.store(SRC_OFF + base + count, end)  # the end of the last group (T at T'; equal values elsewhere)
 
 
@@ -315,14 +324,27 @@ def _offset_kernel(
     tl.store(SRC_OFF + base + count, end)
 
 
-@triton.jit(do_not_specialize=["total", "batch", "capacity"])
+@triton.jit(do_not_specialize=["total", "batch", "capacity", "pads", "pad_len"])
 def _merge_kernel(
-    X, SIZES, SRC, SRC_OFF, NEW_CU, OUT, OUT_SIZES, LOG_SIZES, total, batch, capacity, stride_xt, stride_xc,
-    CHANNELS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, HAS_LOG: tl.constexpr,
+    X, SIZES, SRC, SRC_OFF, NEW_CU, OUT, OUT_SIZES, LOG_SIZES, CU_OUT, total, batch, capacity, pads, pad_len,
+    stride_xt, stride_xc, CHANNELS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_LOG: tl.constexpr, HAS_CU: tl.constexpr, BLOCK_B: tl.constexpr, PADS_PAD: tl.constexpr,
 ):  # fmt: skip
     """``BLOCK_D`` merged rows and ``BLOCK_C`` channels per step (grid-stride over the ``T'`` merged rows): each row
     gathers its group of sources, the k-th source of every row at a time, in row order. Offsets and source rows are
-    clamped into ``[0, T]``: lists that break the contract give wrong rows, never an access outside the buffers."""
+    clamped into ``[0, T]``: lists that break the contract give wrong rows, never an access outside the buffers.
+    With ``HAS_CU`` the first program also writes the merged offsets to ``CU_OUT`` and after them ``pads`` padding
+    images' offsets, ``min(T' + (i + 1) * pad_len, capacity)``."""
+    if HAS_CU:
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            offs_b = tl.arange(0, BLOCK_B)
+            for b0 in range(0, batch + 1, BLOCK_B):
+                b = b0 + offs_b
+                tl.store(CU_OUT + b, tl.load(NEW_CU + b, mask=b <= batch), mask=b <= batch)
+            if PADS_PAD > 0:
+                i = tl.arange(0, PADS_PAD)
+                ends = tl.minimum(tl.load(NEW_CU + batch) + (i + 1) * pad_len, capacity)
+                tl.store(CU_OUT + batch + 1 + i, ends, mask=i < pads)
     merged_total = tl.minimum(tl.minimum(tl.load(NEW_CU + batch), capacity), total)
     offs_d = tl.arange(0, BLOCK_D)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -473,7 +495,8 @@ def decide_merges_unchecked(
         _fp32_threshold(threshold) if adaptive else 0.0, num_prefix, block_ab, block_dst, _BLOCK_S, b_pad, adaptive,
     )  # fmt: skip
     key = (block_ab, block_dst, _BLOCK_S, b_pad, adaptive) if ok else None
-    _match_launcher(key, device_index, (batch,), args, num_warps=_MATCH_WARPS, num_stages=1)
+    grid = (batch, triton.cdiv(max(max_seqlen, 1), _BLOCK_S))  # the source lists' row tiles over programs
+    _match_launcher(key, device_index, grid, args, num_warps=_MATCH_WARPS, num_stages=1)
     if adaptive:
         b_pad = triton.next_power_of_2(batch)
         args = (cu, out.kept, out.destination, out.cu_seqlens, starts, out.source_offsets, total, batch, _BLOCK_R,
@@ -556,22 +579,35 @@ def merge_rows_unchecked(
     out: torch.Tensor,
     out_sizes: torch.Tensor,
     log_sizes: torch.Tensor | None = None,
+    *,
+    cu_out: torch.Tensor | None = None,
+    padding_images: int = 0,
+    padding_len: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`merge_rows` from the source lists, without its checks, written into ``out`` (contiguous
     ``[capacity, C]`` in ``x``'s dtype) and ``out_sizes`` (contiguous ``[capacity]`` in ``sizes``' dtype), rows
     ``[0, T')`` overwritten, and returned: for a merge stage that built its input itself. With ``log_sizes``
     (contiguous fp32 ``[capacity]``) the kernel also writes ``log(size)`` of the merged rows there (in float64,
-    rounded once: the reference's key bias), for the attention of the blocks after the merge."""
-    channels, capacity = x.shape[1], out.shape[0]
+    rounded once: the reference's key bias), for the attention of the blocks after the merge.
+
+    With ``cu_out`` (contiguous int32 ``[B + 1 + padding_images]``) the same launch writes the merged offsets there,
+    then the offsets of ``padding_images`` padding images of ``padding_len`` rows over the rows ``[T', capacity)``
+    (each clamped to ``capacity``): the graph runner's offsets for a buffer of ``capacity`` rows, as the pack kernel
+    writes them for a pruning stage (``ragged_vit.triton_impl.pack``)."""
+    channels, capacity, batch = x.shape[1], out.shape[0], merged_cu.shape[0] - 1
     block_c = min(_BLOCK_C, triton.next_power_of_2(channels))
     grid = (max(1, triton.cdiv(capacity, _BLOCK_D)), triton.cdiv(channels, block_c))
-    has_log = log_sizes is not None
+    has_log, has_cu = log_sizes is not None, cu_out is not None
+    block_b = min(triton.next_power_of_2(batch + 1), 1024) if has_cu else 1
+    pads_pad = triton.next_power_of_2(padding_images) if has_cu and padding_images else 0
     args = (
         x, sizes, sources, source_offsets, merged_cu, out, out_sizes, log_sizes if has_log else out_sizes,
-        x.shape[0], merged_cu.shape[0] - 1, capacity, *x.stride(), channels, _BLOCK_D, block_c, has_log,
+        cu_out if has_cu else merged_cu, x.shape[0], batch, capacity, padding_images, padding_len, *x.stride(),
+        channels, _BLOCK_D, block_c, has_log, has_cu, block_b, pads_pad,
     )  # fmt: skip
-    ok = aligned(x, sizes, sources, source_offsets, merged_cu, out, out_sizes, *([log_sizes] if has_log else []))
-    key = (x.dtype, sizes.dtype, channels, has_log, *map(int_spec, x.stride())) if ok else None
+    extra = [t for t in (log_sizes, cu_out) if t is not None]
+    ok = aligned(x, sizes, sources, source_offsets, merged_cu, out, out_sizes, *extra)
+    key = (x.dtype, sizes.dtype, channels, has_log, block_b, pads_pad, *map(int_spec, x.stride())) if ok else None
     _merge_launcher(key, x.get_device(), grid, args, num_warps=_NUM_WARPS, num_stages=1)
     return out, out_sizes
 
