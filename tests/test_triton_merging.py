@@ -605,3 +605,9 @@ def test_decision_host_ops(mode, monkeypatch):
     limit, threshold = _limit_threshold(mode)
     names = op_names(ker.decide_merges_unchecked, keys, cu, 6, 1, limit, threshold)
     assert sorted(names) == ["aten::empty", "aten::empty", "aten::split_with_sizes"], names
+
+
+def test_source_list_tiles_fill_one_wave():
+    """The match's rows per program: the least tile whose programs all run at once (DeiT-B's 197 rows on 132 SMs:
+    32 up to B = 18, 64 up to B = 33, then 128)."""
+    assert [ker._list_rows(b, 197, 132) for b in (1, 4, 18, 19, 33, 34, 64)] == [32, 32, 32, 64, 64, 128, 128]

@@ -12,18 +12,19 @@ program per image doing everything measured ~37 us per block at batch 1-4 on an 
 2. ``_best_kernel`` (grid ``(B, cdiv(patches / 2, 16))``: an image and 16 of its A rows): each A row's best B row,
    by ``tl.dot`` of fp32 metric tiles (IEEE fp32, not TF32) against B tiles of up to 64 rows in order, the first
    maximum winning (the lowest B index); its similarity's bits and the B index into a ``[3, T]`` int32 scratch.
-3. ``_match_kernel`` (grid ``(B, cdiv(n, 128))``: an image and 128 of its rows): each A row's rank among its image's
-   A rows, by counting those that beat it (a higher best similarity, or an equal one and a lower index: the
-   reference's stable descending sort), the merged ones, of rank ``< min(limit, patches // 2)`` (and best
-   ``>= threshold`` in the adaptive mode), with their running count; then every row's destination (an image of up to
-   1024 rows in one step): a surviving row moves up by the merged A rows before it, a merged A row goes where its B row
-   goes; then the *source lists* (``MergeSelection.sources``, :func:`ragged_vit.reference.merging.merge_sources`):
-   the rows grouped by destination, in row order inside a group, and where each group starts, by counting the merged
-   A rows sent below or beside each row (``[128, 64]`` tiles of rows against A rows). Every program of an image
-   ranks and writes all its destinations (the same values; the source lists read every merged A row's), then lists
-   its own 128 rows: the image's longest serial phase spread over programs. In the fixed mode the counts are the
-   rule's, ``n - min(r, patches // 2)`` from the lengths alone, so each program also computes its image's offset in
-   the merged buffer from every image's length, writes its destinations and group starts final and its entry of
+3. ``_match_kernel`` (grid ``(B, cdiv(n, S))``: an image and ``S`` of its rows, 32, 64 or 128, the least whose
+   programs all fit on the SMs at once): each A row's rank among its image's A rows, by counting those that beat it
+   (a higher best similarity, or an equal one and a lower index: the reference's stable descending sort), the merged
+   ones, of rank ``< min(limit, patches // 2)`` (and best ``>= threshold`` in the adaptive mode), with their running
+   count; then every row's destination (an image of up to 1024 rows in one step): a surviving row moves up by the
+   merged A rows before it, a merged A row goes where its B row goes; then the *source lists*
+   (``MergeSelection.sources``, :func:`ragged_vit.reference.merging.merge_sources`): the rows grouped by
+   destination, in row order inside a group, and where each group starts, by counting the merged A rows sent below
+   or beside each row (``[S, 64]`` tiles of rows against A rows). Every program of an image ranks and writes all
+   its destinations (the same values; the source lists read every merged A row's), then lists its own rows: the
+   image's longest serial phase spread over programs. In the fixed mode the counts are the rule's,
+   ``n - min(r, patches // 2)`` from the lengths alone, so each program also computes its image's offset in the
+   merged buffer from every image's length, writes its destinations and group starts final and its entry of
    ``cu_seqlens``.
 4. adaptive mode only: ``_offset_kernel`` (grid ``(B,)``) adds to each image's destinations the rows the images
    before it keep (their counts, from launch 3), moves its group starts to their merged rows and writes the merged
@@ -70,10 +71,10 @@ slower, never wrong. ``T'`` is not known on the host: :func:`merge_rows` writes 
 for ``T'`` where it matters). No zero-fills: every output is written by the kernels.
 
 Cost (``docs/tome.md``, H100, DeiT-B r = 13, per block): at B = 1 the metric 5, the best match 6, the match 11 and
-the merge 4 us; at B = 64 about 12 us each. Spreading the match's source lists over programs of 128 rows took the
-whole decision (graph replay) from 25.9 / 26.8 / 44.4 to 21.6 / 22.4 / 39.8 us at B = 1 / 4 / 64. One program per
-image doing the whole matching took ~37 us per block at B = 1-4 (L1-bound on one SM); fp16/TF32 similarity tiles
-would lose the fp32 exactness above.
+the merge 4 us; at B = 64 about 12 us each. Spreading the match's source lists over programs took the whole decision
+(graph replay) from 25.9 / 26.8 / 44.4 to 21.6 / 22.4 / 39.8 us at B = 1 / 4 / 64 with 128 rows a program, and
+18.7 / 19.3 at B = 1 / 4 with 32 (``_list_rows``). One program per image doing the whole matching took ~37 us per block
+at B = 1-4 (L1-bound on one SM); fp16/TF32 similarity tiles would lose the fp32 exactness above.
 
 Not supported: fp64 (the reference's fp64 metric and float64 sums); non-finite keys (the reference refuses them;
 here a NaN best similarity ranks last, as ``-inf``, and the map stays valid: every destination inside its image's
@@ -86,6 +87,7 @@ The pipelines' merge stage (:class:`ragged_vit.reference.pruners.ToMeMerger`, re
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 
 import torch
@@ -108,7 +110,10 @@ _MAX_BLOCK_DST = 1024  # rows per step of the destinations (an image's rows in o
 _BLOCK_AB = 64
 _MAX_HEAD_DIM = 256  # D of one metric tile in registers
 _BLOCK_D = 16  # merged rows per step of the merge
-_BLOCK_S = 128  # rows per step of the source lists (against _BLOCK_AB A rows)
+# Rows per program of the source lists (against _BLOCK_AB A rows): the smallest of these whose programs all fit on the
+# SMs at once (_list_rows); every program of an image also ranks its A rows and writes all its destinations.
+_LIST_ROWS = (32, 64, 128)
+_INTERPRETER_SMS = 132  # the SMs the interpreter assumes (an H100's), so the CPU twins run the GPU's tiles
 _BLOCK_C = 128  # channels per program of the merge (DeiT-B: 6)
 _BLOCK_A = 16  # A rows per program of the best-match search (tl.dot's least): a DeiT-B image over 7 programs
 _NUM_WARPS = 4
@@ -387,6 +392,19 @@ _offset_launcher = CompiledLauncher(_offset_kernel)
 _merge_launcher = CompiledLauncher(_merge_kernel)
 
 
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _list_rows(batch: int, max_seqlen: int, sms: int) -> int:
+    """Rows per program of the match's source lists: the smallest tile whose ``batch * cdiv(max_seqlen, tile)``
+    programs all run at once on ``sms`` SMs, else the largest. Smaller tiles shorten the serial phase; past one
+    wave, the ranking each program repeats costs more (H100, DeiT-B, r = 13, graph replay of the whole decision:
+    32 rows 18.7 / 19.3 / 48.8 us at B = 1 / 4 / 64, 64 rows 19.7 / 19.8 / 45.9, 128 rows 21.4 / 22.3 / 39.6)."""
+    return next((t for t in _LIST_ROWS if batch * -(-max(max_seqlen, 1) // t) <= sms), _LIST_ROWS[-1])
+
+
 def _tile(width: int, cap: int) -> int:
     """A power-of-two tile of at least 16 (``tl.dot``'s least) and at most ``cap`` covering ``width`` if it can."""
     return min(cap, max(16, triton.next_power_of_2(width)))
@@ -481,6 +499,7 @@ def decide_merges_unchecked(
     strides = keys.stride()
     device_index, patches = keys.get_device(), max(max_seqlen - num_prefix, 1)
     starts = next(views) if adaptive else out.source_offsets
+    block_s = _list_rows(batch, max_seqlen, _sm_count(device_index) if keys.is_cuda else _INTERPRETER_SMS)
     ok = aligned(keys, cu, metric, work, out.destination, out.kept, out.cu_seqlens, out.sources, out.source_offsets,
                  starts)  # fmt: skip
     args = (keys, cu, metric, total, *strides, limit, num_prefix, heads, dim, d_pad, block_m)
@@ -492,10 +511,10 @@ def decide_merges_unchecked(
     _best_launcher((d_pad, block_ab) if ok else None, device_index, grid, args, num_warps=_NUM_WARPS, num_stages=1)
     args = (
         cu, work, out.destination, out.kept, out.cu_seqlens, out.sources, starts, total, batch, limit,
-        _fp32_threshold(threshold) if adaptive else 0.0, num_prefix, block_ab, block_dst, _BLOCK_S, b_pad, adaptive,
+        _fp32_threshold(threshold) if adaptive else 0.0, num_prefix, block_ab, block_dst, block_s, b_pad, adaptive,
     )  # fmt: skip
-    key = (block_ab, block_dst, _BLOCK_S, b_pad, adaptive) if ok else None
-    grid = (batch, triton.cdiv(max(max_seqlen, 1), _BLOCK_S))  # the source lists' row tiles over programs
+    key = (block_ab, block_dst, block_s, b_pad, adaptive) if ok else None
+    grid = (batch, triton.cdiv(max(max_seqlen, 1), block_s))  # the source lists' row tiles over programs
     _match_launcher(key, device_index, grid, args, num_warps=_MATCH_WARPS, num_stages=1)
     if adaptive:
         b_pad = triton.next_power_of_2(batch)
