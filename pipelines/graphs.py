@@ -199,7 +199,7 @@ class _Buffers:
         row = self.stats[stage]
         total, longest, _, _ = row.tolist()
         while total < 0 or longest < 0:
-            done = not self.stats.is_pinned() or torch.cuda.current_stream(self.device).query()
+            done = self.device.type != "cuda" or torch.cuda.current_stream(self.device).query()
             total, longest, _, _ = row.tolist()  # read after the query: a finished stream's writes are visible
             if done and (total < 0 or longest < 0):
                 raise RuntimeError(f"stage {stage}'s kept total was never written by its graph (internal error)")

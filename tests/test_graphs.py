@@ -317,6 +317,21 @@ def test_lagged_reads_size_each_segment_by_the_total_before(case, backend, poiso
 
 
 @pytest.mark.interpreter
+def test_a_stage_total_never_written_raises_instead_of_waiting():
+    """The host polls each stage's row of ``stats`` until its kernel writes it; a row still unwritten once the
+    stream is done (here: the CPU, where every launch has run) is an error, never an endless wait."""
+    pv = tiny_pipeline(VARIABLE["ats"], "triton")
+    runner = GraphedPrunedViT(pv, TokenBuckets(step=4, seqlen_step=4))  # a read at every stage
+    images = tiny_images(2, 5)
+    runner.run(images)
+    bufs = runner._buffers[(2, *images.shape[-2:])]
+    assert bufs.read_stats(0) == tuple(bufs.stats[0, :2].tolist())  # written by the run
+    bufs.stats.fill_(-1)
+    with pytest.raises(RuntimeError, match="stage 0's kept total was never written"):
+        bufs.read_stats(0)
+
+
+@pytest.mark.interpreter
 def test_variable_stage_with_an_extra_token_is_refused():
     pruner = make_pruner("evit", rate=0.5, blocks=(1, 3), fuse_token=True)
     pruner.fixed_count = False
