@@ -42,8 +42,8 @@ and ``max_graphs`` count over every size.
 **Buffers and memory.** Graphs read and write only static buffers of their input shape, allocated outside the
 graph memory pool: the input images (model dtype), logits, counts and, for variable counts, the state at a
 decision handed from one graph to the next (residual stream, keep mask, kept counts; double-buffered, so a graph
-never overwrites its own input when it runs twice: warm-up, then replay), every segment's offsets and the two
-read-back integers. Everything a graph allocates is its own
+never overwrites its own input when it runs twice: warm-up, then replay), every segment's offsets and, in pinned
+host memory, each stage's two read-back integers. Everything a graph allocates is its own
 temporary, so all graphs share one memory pool (``pool``, by default one new ``torch.cuda.graph_pool_handle()``)
 that holds about the largest graph's temporaries, not their sum. :meth:`GraphedPrunedViT.memory_report` gives the
 pool's reserved bytes and the buffers' bytes. A graph is captured on first use: warm-up on a side stream, then
