@@ -189,17 +189,16 @@ class _Buffers:
             self.cu = torch.zeros((pipeline.num_stages + 1, width), dtype=torch.int32, device=device)
             self.cu[0, : batch + 1] = torch.arange(batch + 1, dtype=torch.int32, device=device) * tokens
             self.stats = torch.full((pipeline.num_stages, 4), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
-        self.device = device
 
     def read_stats(self, stage: int) -> tuple[int, int]:
         """Stage ``stage``'s kept total and longest image, as soon as the kernel that writes them has run: the host
         polls the pinned row while the device goes on with the rest of the graph (the hand-over copies), instead of
         waiting for the whole stream and then copying. Raises if the stream is done and the row was never written
         (no hang)."""
-        row = self.stats[stage]
+        row, device = self.stats[stage], self.images.device
         total, longest, _, _ = row.tolist()
         while total < 0 or longest < 0:
-            done = self.device.type != "cuda" or torch.cuda.current_stream(self.device).query()
+            done = device.type != "cuda" or torch.cuda.current_stream(device).query()
             total, longest, _, _ = row.tolist()  # read after the query: a finished stream's writes are visible
             if done and (total < 0 or longest < 0):
                 raise RuntimeError(f"stage {stage}'s kept total was never written by its graph (internal error)")
@@ -208,7 +207,7 @@ class _Buffers:
     def nbytes(self) -> int:
         tensors = [self.images, self.logits, self.counts, *self.x, *self.keep, *self.kept, *self.destination]
         tensors += [*self.sources, *self.source_offsets, *self.merged_cu, *self.sizes]
-        tensors += [t for t in (self.cu,) if t is not None]  # (stats: host memory)
+        tensors += [self.cu] if self.cu is not None else []  # (stats: host memory)
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
