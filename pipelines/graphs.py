@@ -41,7 +41,8 @@ and ``max_graphs`` count over every size.
 
 **Buffers and memory.** Graphs read and write only static buffers of their input shape, allocated outside the
 graph memory pool: the input images (model dtype), logits, counts and, for variable counts, the state at a
-decision handed from one graph to the next (residual stream, keep mask, kept counts; double-buffered, so a graph
+decision handed from one graph to the next (residual stream, keep mask, kept counts; for a merging stage the merged
+rows, their sizes, ``log(size)`` and offsets, merged before the graph ends; double-buffered, so a graph
 never overwrites its own input when it runs twice: warm-up, then replay), every segment's offsets and, in pinned
 host memory, each stage's two read-back integers. Everything a graph allocates is its own
 temporary, so all graphs share one memory pool (``pool``, by default one new ``torch.cuda.graph_pool_handle()``)
@@ -156,7 +157,7 @@ class _Buffers:
         # writes the other, so warm-up runs never overwrite their own input), and the offsets of every segment.
         self.x: tuple[torch.Tensor, ...] = ()  # [B*N, C]: the residual stream in its first rows (NaN until written)
         self.keep: tuple[torch.Tensor, ...] = ()  # bool [B*N]
-        self.kept: tuple[torch.Tensor, ...] = ()  # int32 [B]: rows each image keeps
+        self.kept: tuple[torch.Tensor, ...] = ()  # int32 [B]: rows each image keeps (pruning)
         # int32 [stages + 1, >= 2B + 1]: row j holds segment j's offsets, the B + 1 real ones then those of its
         # padding images (at most B); row 0 is the dense batch's, written once here. Rows start 16-byte aligned
         # (the kernels' cached launches need that).
@@ -165,25 +166,21 @@ class _Buffers:
         # written by a kernel straight into host memory (ragged_vit.triton_impl.pack.total_and_longest) and polled by
         # the host (read_stats), -1 until written; 16-byte rows (the kernel's cached launch wants aligned pointers).
         self.stats: torch.Tensor | None = None
-        # A merging pruner (ToMe) hands over a destination map (int32 [B*N]), its source lists (int32 [B*N] and
-        # [B*N + 1]) and the merged offsets (int32 [B+1]) instead of the keep mask, and the rows' sizes (int32 [B*N]:
-        # the patches each holds) with the stream.
-        self.destination: tuple[torch.Tensor, ...] = ()
-        self.sources: tuple[torch.Tensor, ...] = ()
-        self.source_offsets: tuple[torch.Tensor, ...] = ()
+        # A merging pruner (ToMe) merges before the graph ends, straight into the static buffers: the merged rows (x),
+        # their sizes (int32 [B*N]: the patches each holds), log(size) (fp32 [B*N]) and the merged offsets (int32
+        # [B+1]); the next graph reads the first `capacity` rows.
         self.merged_cu: tuple[torch.Tensor, ...] = ()
         self.sizes: tuple[torch.Tensor, ...] = ()
+        self.key_bias: tuple[torch.Tensor, ...] = ()
         if variable:
             rows, sides = batch * tokens, range(2)
             self.x = tuple(torch.full((rows, model.embed_dim), float("nan"), dtype=dtype, device=device) for _ in sides)
-            self.kept = tuple(torch.zeros(batch, dtype=torch.int32, device=device) for _ in sides)
             if pipeline.pruner.merges:
-                self.destination = tuple(torch.zeros(rows, dtype=torch.int32, device=device) for _ in sides)
-                self.sources = tuple(torch.zeros(rows, dtype=torch.int32, device=device) for _ in sides)
-                self.source_offsets = tuple(torch.zeros(rows + 1, dtype=torch.int32, device=device) for _ in sides)
                 self.merged_cu = tuple(torch.zeros(batch + 1, dtype=torch.int32, device=device) for _ in sides)
                 self.sizes = tuple(torch.ones(rows, dtype=torch.int32, device=device) for _ in sides)
+                self.key_bias = tuple(torch.zeros(rows, dtype=torch.float32, device=device) for _ in sides)
             else:
+                self.kept = tuple(torch.zeros(batch, dtype=torch.int32, device=device) for _ in sides)
                 self.keep = tuple(torch.zeros(rows, dtype=torch.bool, device=device) for _ in sides)
             width = -(-(2 * batch + 1) // 4) * 4
             self.cu = torch.zeros((pipeline.num_stages + 1, width), dtype=torch.int32, device=device)
@@ -205,8 +202,8 @@ class _Buffers:
         return total, longest
 
     def nbytes(self) -> int:
-        tensors = [self.images, self.logits, self.counts, *self.x, *self.keep, *self.kept, *self.destination]
-        tensors += [*self.sources, *self.source_offsets, *self.merged_cu, *self.sizes]
+        tensors = [self.images, self.logits, self.counts, *self.x, *self.keep, *self.kept]
+        tensors += [*self.merged_cu, *self.sizes, *self.key_bias]
         tensors += [self.cu] if self.cu is not None else []  # (stats: host memory)
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -511,20 +508,19 @@ class GraphedPrunedViT:
         side = (index - 1) % 2
         num_patches = bufs.tokens - bufs.plan.num_prefix  # FRONT sets it in segment 0
         cu = bufs.cu[index - 1, : batch + 1]
-        if bufs.sizes:
-            selection = MergeSelection(
-                bufs.destination[side], bufs.kept[side], bufs.merged_cu[side], sources=bufs.sources[side],
-                source_offsets=bufs.source_offsets[side],
+        if bufs.sizes:  # merged by the previous graph: its first `capacity` rows (the REPACK writes the offsets)
+            rows = first.capacity
+            return ForwardState(
+                batch, bufs.x[side][:rows], bufs.merged_cu[side], num_patches=num_patches,
+                sizes=bufs.sizes[side][:rows], key_bias=bufs.key_bias[side][:rows],
             )  # fmt: skip
-            sizes = bufs.sizes[side]
-        else:
-            selection, sizes = TokenSelection(bufs.keep[side], bufs.kept[side]), None
-        return ForwardState(batch, bufs.x[side], cu, selection=selection, num_patches=num_patches, sizes=sizes)
+        selection = TokenSelection(bufs.keep[side], bufs.kept[side])
+        return ForwardState(batch, bufs.x[side], cu, selection=selection, num_patches=num_patches)
 
     def _repack(self, bufs: _Buffers, shape: SegmentShape, state: ForwardState) -> None:
         """REPACK into ``shape.capacity`` rows, padding images and offsets into ``bufs.cu[shape.index]``."""
         batch, index, sel = bufs.batch, shape.index, state.selection
-        if isinstance(sel, MergeSelection):
+        if bufs.sizes:  # a merging stage
             self._merge(bufs, shape, state)
             return
         if sel.extra_token is not None:
@@ -541,12 +537,18 @@ class GraphedPrunedViT:
         state.selection = state.qkv = None
 
     def _merge(self, bufs: _Buffers, shape: SegmentShape, state: ForwardState) -> None:
-        """A merging stage's REPACK into ``shape.capacity`` rows, in one launch
-        (:func:`ragged_vit.triton_impl.merging.merge_rows_unchecked`): the real images' merged rows and sizes, their
+        """A merging stage's REPACK into ``shape.capacity`` rows, in one launch: inside a chain
+        (:func:`ragged_vit.triton_impl.merging.merge_rows_unchecked`) the real images' merged rows and sizes, their
         offsets then the padding images' (each ``shape.max_seqlen`` rows, clamped to the capacity, as the pack kernel
-        writes them) into ``bufs.cu[shape.index]``, and ``log(sizes)`` for the attention after it."""
+        writes them) into ``bufs.cu[shape.index]``, and ``log(sizes)`` for the attention after it; after a read, whose
+        previous graph merged already (:meth:`_store`), only those offsets
+        (:func:`ragged_vit.triton_impl.merging.merged_offsets_unchecked`)."""
         batch, sel, x = bufs.batch, state.selection, state.x
         cu = bufs.cu[shape.index, : batch + 1 + shape.pads]
+        if sel is None:
+            triton_merging.merged_offsets_unchecked(state.cu_seqlens, cu, shape.capacity, shape.pads, shape.max_seqlen)
+            state.cu_seqlens, state.max_seqlen = cu, shape.max_seqlen
+            return
         merged_cu = sel.cu_seqlens[: batch + 1]  # the real images come first, so their offsets ignore the padding
         sizes = state.sizes if state.sizes is not None else torch.ones(x.shape[0], dtype=torch.int32, device=x.device)
         state.key_bias = torch.empty(shape.capacity, dtype=torch.float32, device=x.device)  # log(size), by the kernel
@@ -561,28 +563,22 @@ class GraphedPrunedViT:
     def _store(self, bufs: _Buffers, shape: SegmentShape, state: ForwardState) -> None:
         """Writes a chain's last decision to the static buffers' side ``shape.index % 2`` and, first, when the host
         reads it, the kept total and longest image to ``bufs.stats`` (host memory): the host reads them while the
-        device makes the copies."""
-        sel, side, rows = state.selection, shape.index % 2, state.x.shape[0]
-        kept = sel.kept[: bufs.batch]
+        device goes on. A merging stage merges here, straight into the static buffers (its rows need no capacity:
+        the kernel writes the ``T'`` merged ones), so nothing is copied; a pruning stage copies the stream, the
+        keep mask and the counts for the next graph's repack."""
+        sel, side, batch = state.selection, shape.index % 2, bufs.batch
         if self._reads(bufs, shape):
-            triton_pack.total_and_longest_unchecked(kept, bufs.stats[shape.index])
-        bufs.x[side][:rows].copy_(state.x)
+            triton_pack.total_and_longest_unchecked(sel.kept[:batch], bufs.stats[shape.index])
+        x, rows = state.x, state.x.shape[0]
         if isinstance(sel, MergeSelection):
-            sources, offsets = merge_sources_of(sel)
-            pairs = [(bufs.kept[side], kept), (bufs.destination[side][:rows], sel.destination),
-                     (bufs.sources[side][:rows], sources), (bufs.source_offsets[side][: rows + 1], offsets),
-                     (bufs.merged_cu[side], sel.cu_seqlens[: bufs.batch + 1])]  # fmt: skip
-            if state.sizes is None:  # before the first merge every row holds one patch
-                bufs.sizes[side][:rows].fill_(1)
-            else:
-                pairs.append((bufs.sizes[side][:rows], state.sizes))
-            if all(src.dtype == torch.int32 for _, src in pairs):  # ATen's fused route: one dtype in the lists
-                torch._foreach_copy_([dst for dst, _ in pairs], [src for _, src in pairs])  # one launch, not six
-            else:  # (the CPU reference's int64 map)
-                for dst, src in pairs:
-                    dst.copy_(src)
+            sizes = state.sizes if state.sizes is not None else torch.ones(rows, dtype=torch.int32, device=x.device)
+            triton_merging.merge_rows_unchecked(
+                x, sizes, *merge_sources_of(sel), sel.cu_seqlens[: batch + 1], bufs.x[side], bufs.sizes[side],
+                bufs.key_bias[side], cu_out=bufs.merged_cu[side],
+            )  # fmt: skip  # rows from the merged total on keep what they held (the next graph's padding rows)
         else:
-            bufs.kept[side].copy_(kept)
+            bufs.x[side][:rows].copy_(x)
+            bufs.kept[side].copy_(sel.kept[:batch])
             bufs.keep[side][:rows].copy_(sel.keep)
 
     def _reads(self, bufs: _Buffers, shape: SegmentShape) -> bool:

@@ -439,6 +439,9 @@ def _poisoned(device, shape, channels, dtype, gen, mode):
                              padding_len=2)  # fmt: skip
     pads = [merged + 2, merged + 4, merged + 5]
     assert cu_out.tolist() == want.cu_seqlens.tolist() + pads + [-7, -7]
+    cu_out.fill_(-7)  # the same offsets alone, for rows merged before the capacity was known
+    ker.merged_offsets_unchecked(want.cu_seqlens, cu_out[: batch + 4], merged + 5, 3, 2)
+    assert cu_out.tolist() == want.cu_seqlens.tolist() + pads + [-7, -7]
     assert torch.equal(again[:merged], want_rows[:merged]) and bool(again[merged:].isnan().all())
     short, short_sizes = ker.merge_rows(x, sizes, want.destination, cu, want.cu_seqlens, capacity=merged - 3)
     assert torch.equal(short, want_rows[: merged - 3]) and torch.equal(short_sizes, want_sizes[: merged - 3])

@@ -329,6 +329,25 @@ def _offset_kernel(
     tl.store(SRC_OFF + base + count, end)
 
 
+@triton.jit
+def _write_offsets(NEW_CU, CU_OUT, batch, capacity, pads, pad_len, BLOCK_B: tl.constexpr, PADS_PAD: tl.constexpr):
+    """``CU_OUT[:B + 1] = NEW_CU[:B + 1]``, then ``pads`` padding images' offsets ``min(T' + (i + 1) * pad_len,
+    capacity)`` (one program)."""
+    offs_b = tl.arange(0, BLOCK_B)
+    for b0 in range(0, batch + 1, BLOCK_B):
+        b = b0 + offs_b
+        tl.store(CU_OUT + b, tl.load(NEW_CU + b, mask=b <= batch), mask=b <= batch)
+    if PADS_PAD > 0:
+        i = tl.arange(0, PADS_PAD)
+        ends = tl.minimum(tl.load(NEW_CU + batch) + (i + 1) * pad_len, capacity)
+        tl.store(CU_OUT + batch + 1 + i, ends, mask=i < pads)
+
+
+@triton.jit(do_not_specialize=["batch", "capacity", "pads", "pad_len"])
+def _offsets_kernel(NEW_CU, CU_OUT, batch, capacity, pads, pad_len, BLOCK_B: tl.constexpr, PADS_PAD: tl.constexpr):
+    _write_offsets(NEW_CU, CU_OUT, batch, capacity, pads, pad_len, BLOCK_B, PADS_PAD)
+
+
 @triton.jit(do_not_specialize=["total", "batch", "capacity", "pads", "pad_len"])
 def _merge_kernel(
     X, SIZES, SRC, SRC_OFF, NEW_CU, OUT, OUT_SIZES, LOG_SIZES, CU_OUT, total, batch, capacity, pads, pad_len,
@@ -342,14 +361,7 @@ def _merge_kernel(
     images' offsets, ``min(T' + (i + 1) * pad_len, capacity)``."""
     if HAS_CU:
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            offs_b = tl.arange(0, BLOCK_B)
-            for b0 in range(0, batch + 1, BLOCK_B):
-                b = b0 + offs_b
-                tl.store(CU_OUT + b, tl.load(NEW_CU + b, mask=b <= batch), mask=b <= batch)
-            if PADS_PAD > 0:
-                i = tl.arange(0, PADS_PAD)
-                ends = tl.minimum(tl.load(NEW_CU + batch) + (i + 1) * pad_len, capacity)
-                tl.store(CU_OUT + batch + 1 + i, ends, mask=i < pads)
+            _write_offsets(NEW_CU, CU_OUT, batch, capacity, pads, pad_len, BLOCK_B, PADS_PAD)
     merged_total = tl.minimum(tl.minimum(tl.load(NEW_CU + batch), capacity), total)
     offs_d = tl.arange(0, BLOCK_D)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -390,6 +402,7 @@ _best_launcher = CompiledLauncher(_best_kernel)
 _match_launcher = CompiledLauncher(_match_kernel)
 _offset_launcher = CompiledLauncher(_offset_kernel)
 _merge_launcher = CompiledLauncher(_merge_kernel)
+_offsets_launcher = CompiledLauncher(_offsets_kernel)
 
 
 @functools.cache
@@ -617,8 +630,7 @@ def merge_rows_unchecked(
     block_c = min(_BLOCK_C, triton.next_power_of_2(channels))
     grid = (max(1, triton.cdiv(capacity, _BLOCK_D)), triton.cdiv(channels, block_c))
     has_log, has_cu = log_sizes is not None, cu_out is not None
-    block_b = min(triton.next_power_of_2(batch + 1), 1024) if has_cu else 1
-    pads_pad = triton.next_power_of_2(padding_images) if has_cu and padding_images else 0
+    block_b, pads_pad = _offset_tiles(batch, padding_images) if has_cu else (1, 0)
     args = (
         x, sizes, sources, source_offsets, merged_cu, out, out_sizes, log_sizes if has_log else out_sizes,
         cu_out if has_cu else merged_cu, x.shape[0], batch, capacity, padding_images, padding_len, *x.stride(),
@@ -629,6 +641,26 @@ def merge_rows_unchecked(
     key = (x.dtype, sizes.dtype, channels, has_log, block_b, pads_pad, *map(int_spec, x.stride())) if ok else None
     _merge_launcher(key, x.get_device(), grid, args, num_warps=_NUM_WARPS, num_stages=1)
     return out, out_sizes
+
+
+def merged_offsets_unchecked(
+    merged_cu: torch.Tensor, cu_out: torch.Tensor, capacity: int, padding_images: int = 0, padding_len: int = 0
+) -> torch.Tensor:
+    """Writes a merged buffer's offsets into ``cu_out`` (contiguous int32 ``[B + 1 + padding_images]``) in one launch:
+    ``merged_cu`` (``[B + 1]``), then those of ``padding_images`` padding images of ``padding_len`` rows over the rows
+    ``[T', capacity)``, each clamped to ``capacity``; what :func:`merge_rows_unchecked` writes with ``cu_out``, for a
+    merge whose rows were written before its buffer's capacity was known (the graph runner merges before the host
+    reads the total). Unchecked: the graph runner's hot path."""
+    batch = merged_cu.shape[0] - 1
+    block_b, pads_pad = _offset_tiles(batch, padding_images)
+    args = (merged_cu, cu_out, batch, capacity, padding_images, padding_len, block_b, pads_pad)
+    key = (block_b, pads_pad) if aligned(merged_cu, cu_out) else None
+    _offsets_launcher(key, merged_cu.get_device(), (1,), args, num_warps=1, num_stages=1)
+    return cu_out
+
+
+def _offset_tiles(batch: int, padding_images: int) -> tuple[int, int]:
+    return min(triton.next_power_of_2(batch + 1), 1024), triton.next_power_of_2(padding_images) if padding_images else 0
 
 
 @register_decision(ToMeMerger)
