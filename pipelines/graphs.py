@@ -102,6 +102,10 @@ class SegmentShape(NamedTuple):
     pads: int  # padding images after the B real ones (0 in segment 0)
 
 
+_POLLS_PER_QUERY = 64
+"""Reads of a stage's pinned row between two queries of the stream (``_Buffers.read_stats``): a read costs the host
+well under a microsecond, a query a driver call."""
+
 GraphKey = tuple
 """``(B, H, W)`` (batch and image size) for a whole fixed-count forward; ``(B, H, W, SegmentShape, ...)`` for
 consecutive segments of a variable-count forward replayed as one graph (from one host read to the next)."""
@@ -163,9 +167,11 @@ class _Buffers:
         # (the kernels' cached launches need that).
         self.cu: torch.Tensor | None = None
         # int32 [stages, 4], in pinned host memory on a GPU: row j holds stage j's kept total and longest image,
-        # written by a kernel straight into host memory (ragged_vit.triton_impl.pack.total_and_longest) and polled by
-        # the host (read_stats), -1 until written; 16-byte rows (the kernel's cached launch wants aligned pointers).
+        # written by a kernel straight into host memory (ragged_vit.triton_impl.pack.total_and_longest; a merging
+        # stage's merge kernel) and polled by the host (read_stats, through a numpy view: no torch op per poll), -1
+        # until written; 16-byte rows (the kernels' cached launches want aligned pointers).
         self.stats: torch.Tensor | None = None
+        self._stats_view = None
         # A merging pruner (ToMe) merges before the graph ends, straight into the static buffers: the merged rows (x),
         # their sizes (int32 [B*N]: the patches each holds), log(size) (fp32 [B*N]) and the merged offsets (int32
         # [B+1]); the next graph reads the first `capacity` rows.
@@ -186,20 +192,27 @@ class _Buffers:
             self.cu = torch.zeros((pipeline.num_stages + 1, width), dtype=torch.int32, device=device)
             self.cu[0, : batch + 1] = torch.arange(batch + 1, dtype=torch.int32, device=device) * tokens
             self.stats = torch.full((pipeline.num_stages, 4), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
+            self._stats_view = self.stats.numpy()  # the same memory
 
     def read_stats(self, stage: int) -> tuple[int, int]:
         """Stage ``stage``'s kept total and longest image, as soon as the kernel that writes them has run: the host
-        polls the pinned row while the device goes on with the rest of the graph (the hand-over copies), instead of
-        waiting for the whole stream and then copying. Raises if the stream is done and the row was never written
-        (no hang)."""
-        row, device = self.stats[stage], self.images.device
-        total, longest, _, _ = row.tolist()
-        while total < 0 or longest < 0:
-            done = device.type != "cuda" or torch.cuda.current_stream(device).query()
-            total, longest, _, _ = row.tolist()  # read after the query: a finished stream's writes are visible
-            if done and (total < 0 or longest < 0):
+        polls the pinned row while the device goes on with the rest of the graph (the merge, or the hand-over
+        copies), instead of waiting for the whole stream and then copying. Every ``_POLLS_PER_QUERY`` reads it asks
+        the stream whether it is done (a driver call), and raises if it is and the row was never written (no
+        hang)."""
+        row = self._stats_view[stage]
+        stream = torch.cuda.current_stream(self.images.device) if self.images.is_cuda else None
+        while True:
+            for _ in range(_POLLS_PER_QUERY):
+                total, longest = int(row[0]), int(row[1])
+                if total >= 0 and longest >= 0:
+                    return total, longest
+            done = stream is None or stream.query()
+            total, longest = int(row[0]), int(row[1])  # read after the query: a finished stream's writes are visible
+            if total >= 0 and longest >= 0:
+                return total, longest
+            if done:
                 raise RuntimeError(f"stage {stage}'s kept total was never written by its graph (internal error)")
-        return total, longest
 
     def nbytes(self) -> int:
         tensors = [self.images, self.logits, self.counts, *self.x, *self.keep, *self.kept]
@@ -567,16 +580,17 @@ class GraphedPrunedViT:
         the kernel writes the ``T'`` merged ones), so nothing is copied; a pruning stage copies the stream, the
         keep mask and the counts for the next graph's repack."""
         sel, side, batch = state.selection, shape.index % 2, bufs.batch
-        if self._reads(bufs, shape):
-            triton_pack.total_and_longest_unchecked(sel.kept[:batch], bufs.stats[shape.index])
+        stats = (sel.kept[:batch], bufs.stats[shape.index]) if self._reads(bufs, shape) else None
         x, rows = state.x, state.x.shape[0]
-        if isinstance(sel, MergeSelection):
+        if isinstance(sel, MergeSelection):  # the merge kernel writes the stats too (first thing: no launch of theirs)
             sizes = state.sizes if state.sizes is not None else torch.ones(rows, dtype=torch.int32, device=x.device)
             triton_merging.merge_rows_unchecked(
                 x, sizes, *merge_sources_of(sel), sel.cu_seqlens[: batch + 1], bufs.x[side], bufs.sizes[side],
-                bufs.key_bias[side], cu_out=bufs.merged_cu[side],
+                bufs.key_bias[side], cu_out=bufs.merged_cu[side], total_and_longest=stats,
             )  # fmt: skip  # rows from the merged total on keep what they held (the next graph's padding rows)
         else:
+            if stats is not None:
+                triton_pack.total_and_longest_unchecked(*stats)
             bufs.x[side][:rows].copy_(x)
             bufs.kept[side].copy_(sel.kept[:batch])
             bufs.keep[side][:rows].copy_(sel.keep)

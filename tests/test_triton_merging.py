@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from ragged_vit.core.segments import cu_seqlens_from_counts, seqlens
 from ragged_vit.core.selection import MergeSelection
 from ragged_vit.reference import merging as ref
+from ragged_vit.reference import packing as ref_packing
 from ragged_vit.testing.ops import op_names
 from ragged_vit.triton_impl import merging as ker
 
@@ -431,14 +432,19 @@ def _poisoned(device, shape, channels, dtype, gen, mode):
     assert torch.equal(rows[:merged], want_rows[:merged]) and torch.equal(new_sizes[:merged], want_sizes[:merged])
     assert bool(rows[merged:].isnan().all()) and bool((new_sizes[merged:] == -1).all())
     # The graph runner's call: the merged offsets and 3 padding images of 2 rows over the 5 spare rows (the last one
-    # clamped to the capacity) in the same launch, into a poisoned slice; the rows and sizes as without them.
+    # clamped to the capacity) in the same launch, into a poisoned slice, and the host read's total and longest image
+    # (in pinned host memory on a GPU, as the runner has it); the rows and sizes as without them.
     cu_out = torch.full((batch + 6,), -7, dtype=torch.int32, device=device)
+    stats = torch.full((8,), -7, dtype=torch.int32, pin_memory=device == "cuda")
     again = torch.full((merged + 5, channels), float("nan"), dtype=dtype, device=device)
     ker.merge_rows_unchecked(x, sizes, want.sources, want.source_offsets, want.cu_seqlens, again,
                              new_sizes[: merged + 5], cu_out=cu_out[: batch + 4], padding_images=3,
-                             padding_len=2)  # fmt: skip
+                             padding_len=2, total_and_longest=(want.kept, stats[4:]))  # fmt: skip
+    if device == "cuda":
+        torch.cuda.synchronize()  # the pinned row is read on the host
     pads = [merged + 2, merged + 4, merged + 5]
     assert cu_out.tolist() == want.cu_seqlens.tolist() + pads + [-7, -7]
+    assert stats.tolist() == [-7] * 4 + [*ref_packing.total_and_longest(want.kept.cpu()), -7, -7]
     cu_out.fill_(-7)  # the same offsets alone, for rows merged before the capacity was known
     ker.merged_offsets_unchecked(want.cu_seqlens, cu_out[: batch + 4], merged + 5, 3, 2)
     assert cu_out.tolist() == want.cu_seqlens.tolist() + pads + [-7, -7]

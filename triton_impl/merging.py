@@ -101,8 +101,8 @@ from ragged_vit.reference.merging import check_merge_mode, check_sizes, merge_so
 from ragged_vit.reference.pruners.tome import ToMeMerger, fixed_count
 from ragged_vit.triton_impl.cls_attention import image_rows
 from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, int_spec
+from ragged_vit.triton_impl.pack import store_total_and_longest
 
-_BLOCK_R = 32  # rows per step of the adaptive mode's offsets
 _METRIC_ELEMENTS = 1024  # keys per head of one metric step (DeiT-B: 16 rows of 64), every head loaded at once
 _MAX_BLOCK_DST = 1024  # rows per step of the destinations (an image's rows in one step up to this)
 # A rows and B rows per similarity tile (DeiT-B: 98 x 98 in 2 x 2 tiles), also the rank's tiles; 32 for D > 64, which
@@ -350,17 +350,21 @@ def _offsets_kernel(NEW_CU, CU_OUT, batch, capacity, pads, pad_len, BLOCK_B: tl.
 
 @triton.jit(do_not_specialize=["total", "batch", "capacity", "pads", "pad_len"])
 def _merge_kernel(
-    X, SIZES, SRC, SRC_OFF, NEW_CU, OUT, OUT_SIZES, LOG_SIZES, CU_OUT, total, batch, capacity, pads, pad_len,
-    stride_xt, stride_xc, CHANNELS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-    HAS_LOG: tl.constexpr, HAS_CU: tl.constexpr, BLOCK_B: tl.constexpr, PADS_PAD: tl.constexpr,
+    X, SIZES, SRC, SRC_OFF, NEW_CU, OUT, OUT_SIZES, LOG_SIZES, CU_OUT, KEPT, STATS, total, batch, capacity, pads,
+    pad_len, stride_xt, stride_xc, CHANNELS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
+    HAS_LOG: tl.constexpr, HAS_CU: tl.constexpr, HAS_STATS: tl.constexpr, BLOCK_B: tl.constexpr,
+    PADS_PAD: tl.constexpr,
 ):  # fmt: skip
     """``BLOCK_D`` merged rows and ``BLOCK_C`` channels per step (grid-stride over the ``T'`` merged rows): each row
     gathers its group of sources, the k-th source of every row at a time, in row order. Offsets and source rows are
     clamped into ``[0, T]``: lists that break the contract give wrong rows, never an access outside the buffers.
     With ``HAS_CU`` the first program also writes the merged offsets to ``CU_OUT`` and after them ``pads`` padding
-    images' offsets, ``min(T' + (i + 1) * pad_len, capacity)``."""
-    if HAS_CU:
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+    images' offsets, ``min(T' + (i + 1) * pad_len, capacity)``. With ``HAS_STATS`` it first writes the sum and the
+    max of ``KEPT[:batch]`` to ``STATS`` (the graph runner's host read, as ``triton_impl.pack`` writes it)."""
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        if HAS_STATS:
+            store_total_and_longest(KEPT, STATS, batch, BLOCK_B)
+        if HAS_CU:
             _write_offsets(NEW_CU, CU_OUT, batch, capacity, pads, pad_len, BLOCK_B, PADS_PAD)
     merged_total = tl.minimum(tl.minimum(tl.load(NEW_CU + batch), capacity), total)
     offs_d = tl.arange(0, BLOCK_D)
@@ -531,9 +535,11 @@ def decide_merges_unchecked(
     _match_launcher(key, device_index, grid, args, num_warps=_MATCH_WARPS, num_stages=1)
     if adaptive:
         b_pad = triton.next_power_of_2(batch)
-        args = (cu, out.kept, out.destination, out.cu_seqlens, starts, out.source_offsets, total, batch, _BLOCK_R,
+        # an image in one step, as for the destinations (rows per step 32: 2.8 us more per block at B = 64, H100)
+        args = (cu, out.kept, out.destination, out.cu_seqlens, starts, out.source_offsets, total, batch, block_dst,
                 b_pad)  # fmt: skip
-        _offset_launcher(b_pad if ok else None, device_index, (batch,), args, num_warps=_NUM_WARPS, num_stages=1)
+        key = (block_dst, b_pad) if ok else None
+        _offset_launcher(key, device_index, (batch,), args, num_warps=_NUM_WARPS, num_stages=1)
     return out
 
 
@@ -615,6 +621,7 @@ def merge_rows_unchecked(
     cu_out: torch.Tensor | None = None,
     padding_images: int = 0,
     padding_len: int = 0,
+    total_and_longest: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`merge_rows` from the source lists, without its checks, written into ``out`` (contiguous
     ``[capacity, C]`` in ``x``'s dtype) and ``out_sizes`` (contiguous ``[capacity]`` in ``sizes``' dtype), rows
@@ -625,20 +632,27 @@ def merge_rows_unchecked(
     With ``cu_out`` (contiguous int32 ``[B + 1 + padding_images]``) the same launch writes the merged offsets there,
     then the offsets of ``padding_images`` padding images of ``padding_len`` rows over the rows ``[T', capacity)``
     (each clamped to ``capacity``): the graph runner's offsets for a buffer of ``capacity`` rows, as the pack kernel
-    writes them for a pruning stage (``ragged_vit.triton_impl.pack``)."""
+    writes them for a pruning stage (``ragged_vit.triton_impl.pack``).
+
+    With ``total_and_longest = (kept, stats)`` (contiguous int32 ``[B]`` and at least 2 elements, on ``x``'s device
+    or in pinned host memory) its first program writes ``kept.sum()`` and ``kept.max()`` to ``stats[0]`` and
+    ``stats[1]`` before anything else, as :func:`ragged_vit.triton_impl.pack.total_and_longest` does: the graph
+    runner's host read of a merging stage, without a launch of its own."""
     channels, capacity, batch = x.shape[1], out.shape[0], merged_cu.shape[0] - 1
     block_c = min(_BLOCK_C, triton.next_power_of_2(channels))
     grid = (max(1, triton.cdiv(capacity, _BLOCK_D)), triton.cdiv(channels, block_c))
-    has_log, has_cu = log_sizes is not None, cu_out is not None
-    block_b, pads_pad = _offset_tiles(batch, padding_images) if has_cu else (1, 0)
+    has_log, has_cu, has_stats = log_sizes is not None, cu_out is not None, total_and_longest is not None
+    block_b, pads_pad = _offset_tiles(batch, padding_images if has_cu else 0)
+    kept, stats = total_and_longest if has_stats else (merged_cu, merged_cu)
     args = (
         x, sizes, sources, source_offsets, merged_cu, out, out_sizes, log_sizes if has_log else out_sizes,
-        cu_out if has_cu else merged_cu, x.shape[0], batch, capacity, padding_images, padding_len, *x.stride(),
-        channels, _BLOCK_D, block_c, has_log, has_cu, block_b, pads_pad,
+        cu_out if has_cu else merged_cu, kept, stats, x.shape[0], batch, capacity, padding_images, padding_len,
+        *x.stride(), channels, _BLOCK_D, block_c, has_log, has_cu, has_stats, block_b, pads_pad,
     )  # fmt: skip
-    extra = [t for t in (log_sizes, cu_out) if t is not None]
-    ok = aligned(x, sizes, sources, source_offsets, merged_cu, out, out_sizes, *extra)
-    key = (x.dtype, sizes.dtype, channels, has_log, block_b, pads_pad, *map(int_spec, x.stride())) if ok else None
+    extra = [t for t in (log_sizes, cu_out, kept if has_stats else None) if t is not None]
+    ok = aligned(x, sizes, sources, source_offsets, merged_cu, out, out_sizes, *extra) and stats.data_ptr() % 16 == 0
+    key = (x.dtype, sizes.dtype, channels, has_log, has_cu, has_stats, block_b, pads_pad, *map(int_spec, x.stride()))
+    key = key if ok else None
     _merge_launcher(key, x.get_device(), grid, args, num_warps=_NUM_WARPS, num_stages=1)
     return out, out_sizes
 

@@ -149,10 +149,11 @@ def _unpack_kernel(
         tl.store(dst + c0 + offs_c[None, :], vals, mask=inside[:, None])
 
 
-@triton.jit(do_not_specialize=["batch"])
-def _total_longest_kernel(KEPT, OUT, batch, BLOCK_B: tl.constexpr):
-    # One program: the sum and the max of kept[:batch], stored as OUT[0] then OUT[1] (OUT may be pinned host memory:
-    # a host polling it sees each value once it lands).
+@triton.jit
+def store_total_and_longest(KEPT, OUT, batch, BLOCK_B: tl.constexpr):
+    """The sum and the max of ``KEPT[:batch]``, stored as ``OUT[0]`` then ``OUT[1]`` by the calling program (``OUT``
+    may be pinned host memory: a host polling it sees each value once it lands); shared with the merge kernel
+    (``ragged_vit.triton_impl.merging``), which writes a merging stage's pair in its own launch."""
     offs = tl.arange(0, BLOCK_B)
     total = tl.zeros([BLOCK_B], dtype=tl.int32)
     longest = tl.zeros([BLOCK_B], dtype=tl.int32)
@@ -162,6 +163,11 @@ def _total_longest_kernel(KEPT, OUT, batch, BLOCK_B: tl.constexpr):
         longest = tl.maximum(longest, k)
     tl.store(OUT, tl.sum(total, axis=0))
     tl.store(OUT + 1, tl.max(longest, axis=0))
+
+
+@triton.jit(do_not_specialize=["batch"])
+def _total_longest_kernel(KEPT, OUT, batch, BLOCK_B: tl.constexpr):
+    store_total_and_longest(KEPT, OUT, batch, BLOCK_B)  # one program
 
 
 _count_launcher = CompiledLauncher(_count_kernel)
