@@ -563,7 +563,7 @@ class GraphedPrunedViT:
             state.cu_seqlens, state.max_seqlen = cu, shape.max_seqlen
             return
         merged_cu = sel.cu_seqlens[: batch + 1]  # the real images come first, so their offsets ignore the padding
-        sizes = state.sizes if state.sizes is not None else torch.ones(x.shape[0], dtype=torch.int32, device=x.device)
+        sizes = state.row_sizes()
         state.key_bias = torch.empty(shape.capacity, dtype=torch.float32, device=x.device)  # log(size), by the kernel
         state.x, state.sizes = triton_merging.merge_rows_unchecked(
             x, sizes, *merge_sources_of(sel), merged_cu, x.new_empty((shape.capacity, x.shape[1])),
@@ -583,10 +583,9 @@ class GraphedPrunedViT:
         stats = (sel.kept[:batch], bufs.stats[shape.index]) if self._reads(bufs, shape) else None
         x, rows = state.x, state.x.shape[0]
         if isinstance(sel, MergeSelection):  # the merge kernel writes the stats too (first thing: no launch of theirs)
-            sizes = state.sizes if state.sizes is not None else torch.ones(rows, dtype=torch.int32, device=x.device)
             triton_merging.merge_rows_unchecked(
-                x, sizes, *merge_sources_of(sel), sel.cu_seqlens[: batch + 1], bufs.x[side], bufs.sizes[side],
-                bufs.key_bias[side], cu_out=bufs.merged_cu[side], total_and_longest=stats,
+                x, state.row_sizes(), *merge_sources_of(sel), sel.cu_seqlens[: batch + 1], bufs.x[side],
+                bufs.sizes[side], bufs.key_bias[side], cu_out=bufs.merged_cu[side], total_and_longest=stats,
             )  # fmt: skip  # rows from the merged total on keep what they held (the next graph's padding rows)
         else:
             if stats is not None:

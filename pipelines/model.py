@@ -141,6 +141,13 @@ class ForwardState:
     sizes: torch.Tensor | None = None
     key_bias: torch.Tensor | None = None
 
+    def row_sizes(self) -> torch.Tensor:
+        """``sizes``, or before the first merge int32 ones ``[T]`` (every row holds one patch): what a merge weighs
+        the rows of ``x`` by."""
+        if self.sizes is not None:
+            return self.sizes
+        return torch.ones(self.x.shape[0], dtype=torch.int32, device=self.x.device)
+
 
 class PrunedViT(nn.Module):
     """A timm ViT with token pruning and packed (ragged) blocks.
@@ -706,9 +713,7 @@ def _merge_exact(state: ForwardState, index: int, num_prefix: int) -> None:
             f"selections[{index}].sources and .source_offsets must both be None or contiguous int32 [{x.shape[0]}] "
             f"and [{x.shape[0] + 1}] on {x.device} (the decision's source lists)"
         )
-    sizes = state.sizes
-    if sizes is None:
-        sizes = torch.ones(x.shape[0], dtype=torch.int32, device=x.device)
+    sizes = state.row_sizes()
     if x.device.type != "cuda":
         rows = int(sel.cu_seqlens[-1])
         merged = ref_merging.merge_rows(x, sizes, dest.long(), rows).to(x.dtype)

@@ -493,11 +493,10 @@ def total_and_longest_unchecked(kept: torch.Tensor, out: torch.Tensor) -> torch.
     """:func:`total_and_longest` without its checks (the graph runner's hot path)."""
     batch = kept.shape[0]
     block = min(triton.next_power_of_2(batch), 1024)
-    is_aligned = kept.data_ptr() % 16 == 0 and out.data_ptr() % 16 == 0
+    ok = aligned(kept) and out.data_ptr() % 16 == 0  # out may be pinned host memory: its address only
     _total_longest_launcher(
-        (block,) if is_aligned and kept.is_cuda else None, kept.get_device(), (1,), (kept, out, batch, block),
-        num_warps=4, num_stages=1,
-    )  # fmt: skip
+        (block,) if ok else None, kept.get_device(), (1,), (kept, out, batch, block), num_warps=4, num_stages=1
+    )
     return out
 
 
