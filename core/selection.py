@@ -195,10 +195,11 @@ class Pruner(nn.Module):
     Decision``.
 
     Subclasses set ``placement``, ``blocks`` (the timm block index of each stage), ``fixed_count``,
-    ``needs_attention`` / ``needs_values`` / ``needs_keys`` and ``merges``, and implement :meth:`decide` on the packed
-    layout (``forward`` checks the input first; the pipelines, which build the input themselves, call
-    :meth:`decide`). They build themselves for a model and one keep rate with :meth:`from_keep_rate`. Pruners with
-    weights (DynamicViT) hold them as submodules so their state-dict keys load from official checkpoints.
+    ``needs_attention`` / ``needs_values`` / ``needs_keys``, ``merges`` and ``appends_token``, and implement
+    :meth:`decide` on the packed layout (``forward`` checks the input first; the pipelines, which build the input
+    themselves, call :meth:`decide`). They build themselves for a model and one keep rate with
+    :meth:`from_keep_rate`. Pruners with weights (DynamicViT) hold them as submodules so their state-dict keys load
+    from official checkpoints.
     """
 
     name: str = "pruner"
@@ -209,6 +210,7 @@ class Pruner(nn.Module):
     needs_values: bool = False  # and from the value vectors
     needs_keys: bool = False  # decides from its block's attention keys (``DecisionInput.qkv``; ToMe's metric)
     merges: bool = False  # returns a MergeSelection (rows merge, with sizes) instead of a TokenSelection
+    appends_token: bool = False  # its selections may append one token per image (``TokenSelection.extra_token``)
 
     @classmethod
     def from_keep_rate(cls, keep_rate: float, *, embed_dim: int, num_patches: int, **options: object) -> Pruner:

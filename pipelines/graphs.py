@@ -22,7 +22,9 @@ first use, per input shape (batch size and image size), running every step but t
   segments between two reads are ONE graph, keyed by their :class:`SegmentShape` s, and hand their decisions to each
   other directly: a small ATS batch replays its whole forward as one graph. Inside such a graph a mid-block stage's MLP
   half (the plan's ``StagePlan.mlp_beside``: per row, so it commutes with the repack) runs on every row beside the
-  decision, which runs on a second stream: the graph holds them as parallel branches.
+  decision, which runs on a second stream: the graph holds them as parallel branches
+  (:meth:`ragged_vit.pipelines.model.PrunedViT.decide_beside_mlp`); a fixed-count forward does the same in buffers of
+  at most ``MLP_OVERLAP_MAX_ROWS`` rows.
 
 **Padding rows.** A capacity buffer has ``capacity - total`` rows that no image owns (the pack kernel leaves them
 unwritten). Inside a segment they form padding images after the ``B`` real ones, each at most ``max_seqlen``
@@ -86,7 +88,7 @@ from ragged_vit.core.selection import MergeSelection, TokenSelection
 from ragged_vit.core.validation import check_int
 from ragged_vit.pipelines.backends import BACKENDS
 from ragged_vit.pipelines.buckets import TokenBuckets, default_sync_free_rows, padding_images
-from ragged_vit.pipelines.model import ForwardState, PrunedOutput, PrunedViT, beside, merge_sources_of
+from ragged_vit.pipelines.model import ForwardState, PrunedOutput, PrunedViT, merge_sources_of
 from ragged_vit.pipelines.plan import ForwardPlan, Step, StepKind
 from ragged_vit.triton_impl import merging as triton_merging
 from ragged_vit.triton_impl import pack as triton_pack
@@ -269,9 +271,10 @@ class GraphedPrunedViT:
         warmup: eager runs on a side stream before each capture.
         clone_outputs: return copies of the static output buffers (else the buffers, overwritten by the next call
             with the same batch and image size).
-        overlap_decisions: inside a chain of read-free segments, run each mid-block decision on a second stream
-            beside its block's MLP half (applied before the repack; see the module docstring). False: one
-            stream, the MLP after the repack.
+        overlap_decisions: inside a chain of read-free segments, and in a fixed-count forward of small buffers
+            (``PrunedViT.run``'s ``overlap_decisions``), run each mid-block decision on a second stream beside its
+            block's MLP half (applied before the repack; see the module docstring). False: one stream, the MLP after
+            the repack.
     """
 
     def __init__(
@@ -425,7 +428,7 @@ class GraphedPrunedViT:
 
     def _whole(self, bufs: _Buffers) -> None:
         """A fixed-count forward: ``PrunedViT.run`` on the static images, into the static outputs."""
-        out = self.pipeline.run(bufs.images)
+        out = self.pipeline.run(bufs.images, overlap_decisions=self.overlap_decisions)
         bufs.logits.copy_(out.logits)
         bufs.counts.copy_(out.counts)
 
@@ -500,7 +503,7 @@ class GraphedPrunedViT:
                 elif step.kind is StepKind.MLP and mlp_done:
                     mlp_done = False
                 elif step.kind is StepKind.DECIDE and shape is not chain[-1] and self._overlaps(step):
-                    self._decide_beside_mlp(step, state)
+                    pipeline.decide_beside_mlp(step, state)
                     mlp_done = True
                 else:
                     pipeline.run_step(step, state)
@@ -606,21 +609,6 @@ class GraphedPrunedViT:
         """Whether a decision inside a chain runs beside the MLP half that follows its repack (the same at every
         image size)."""
         return self.overlap_decisions and self._plan.stage_at(step).mlp_beside is not None
-
-    def _decide_beside_mlp(self, step: Step, state: ForwardState) -> None:
-        """A mid-block stage's decision and its block's MLP half, which acts per row and so commutes with the
-        repack: the MLP runs on every row of the buffer (pruned ones too) while the decision runs on a second
-        stream (on a GPU; a graph records the two as parallel branches). At small batch both are latency-bound
-        and fill few SMs, so the decision's ~10 us hide behind the MLP's GEMMs."""
-        pipeline = self.pipeline
-        mlp = Step(StepKind.MLP, (self._plan.stage_at(step).mlp_beside,))
-        if not state.x.is_cuda:
-            pipeline.run_step(step, state)
-            pipeline.run_step(mlp, state)
-            return
-        scored = state.x  # what the decision reads, kept alive until the side stream is done with it
-        beside(scored.device, lambda: pipeline.run_step(step, state), lambda: pipeline.run_step(mlp, state))
-        del scored
 
 
 def _check_capturable(pipeline: PrunedViT) -> None:

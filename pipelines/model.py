@@ -60,7 +60,7 @@ from ragged_vit.core.segments import seqlens, uniform_cu_seqlens
 from ragged_vit.core.selection import Decision, DecisionInput, MergeSelection, Placement, Pruner, TokenSelection
 from ragged_vit.core.validation import check_tensor
 from ragged_vit.pipelines.backends import AttentionBackend, make_backend
-from ragged_vit.pipelines.buckets import default_sync_free_rows, padding_images
+from ragged_vit.pipelines.buckets import AUTO_SYNC_FREE_ROWS, default_sync_free_rows, padding_images
 from ragged_vit.pipelines.heads import MERGE_POOLS, head_logits, pool_of
 from ragged_vit.pipelines.packed_block import (
     check_packable,
@@ -295,6 +295,8 @@ class PrunedViT(nn.Module):
         images: torch.Tensor,
         selections: Sequence[Decision] | None = None,
         on_step: OnStep | None = None,
+        *,
+        overlap_decisions: bool = True,
     ) -> PrunedOutput:
         """The full forward, returning logits, per-stage counts and the selections made (or replayed).
 
@@ -305,8 +307,11 @@ class PrunedViT(nn.Module):
                 stage from an earlier run on the same images, to replay
                 instead of deciding.
             on_step: called with each step of :attr:`plan` before it runs (instrumentation; see :data:`OnStep`).
+            overlap_decisions: in buffers of at most :data:`MLP_OVERLAP_MAX_ROWS` rows, a mid-block pruning stage's
+                decision runs beside its block's MLP half, which then runs on every row before the repack
+                (:meth:`decide_beside_mlp`; not with ``selections`` or ``on_step``). False: the MLP after the repack.
         """
-        return self._execute(images, selections, on_step, lean=False)
+        return self._execute(images, selections, on_step, lean=False, overlap=overlap_decisions)
 
     @torch.no_grad()
     def _execute(
@@ -316,12 +321,13 @@ class PrunedViT(nn.Module):
         on_step: OnStep | None,
         lean: bool,
         counts: bool = True,
+        overlap: bool = True,
     ) -> PrunedOutput:
         """:meth:`run`; ``lean``: with Triton packing (CUDA) and a backend the graph runner takes (``capturable``:
         the others read the host per call anyway), token-selection stages repack into host bounds
         (:func:`_repack_bounded`) and no selections are returned (theirs cover padding rows too); without
         ``counts`` the output's counts are an empty ``[B, 0]`` tensor (their ops are a share of an eager forward's
-        host dispatches: ATS's nine stages, ~20 of ~250)."""
+        host dispatches: ATS's nine stages, ~20 of ~250); ``overlap``: :meth:`run`'s ``overlap_decisions``."""
         images = self.check_inputs(images)
         selections = self._check_selections(selections)
         plan = self.plan_for(images.shape[-2:])
@@ -337,6 +343,9 @@ class PrunedViT(nn.Module):
         # where that core leaves the GPU idle (``OVERLAP_MAX_IMAGES``).
         split = self._merges and selections is None and on_step is None and state.batch <= OVERLAP_MAX_IMAGES
         decided = None  # the stage whose decision ran with its block's attention half
+        # A mid-block pruning stage decides beside its block's MLP half in small buffers (``MLP_OVERLAP_MAX_ROWS``).
+        overlap = overlap and selections is None and on_step is None
+        mlp_done = None  # the block whose MLP half ran beside its stage's decision
         for index, step in enumerate(plan.steps):
             if on_step is not None:
                 on_step(step, state)
@@ -344,6 +353,11 @@ class PrunedViT(nn.Module):
                 state.selection = selections[step.stage]
             elif step.kind is StepKind.DECIDE and step.stage == decided:
                 pass
+            elif step.kind is StepKind.DECIDE and overlap and _beside_mlp(plan, step, state):
+                self.decide_beside_mlp(step, state)
+                mlp_done = plan.stage_at(step).mlp_beside
+            elif step.kind is StepKind.MLP and step.blocks[0] == mlp_done:
+                mlp_done = None
             elif step.kind is StepKind.ATTENTION and split and plan.steps[index + 1].kind is StepKind.DECIDE:
                 decided = plan.steps[index + 1].stage
                 self._attention_beside_decision(step, decided, state)
@@ -439,6 +453,25 @@ class PrunedViT(nn.Module):
             return
         # the decision reads the qkv projection (and the rows' count) only; ``rest`` keeps the pre-residual rows
         state.selection, state.x = beside(device, lambda: self._decide(stage, state), lambda: residual_part(*rest))
+
+    def decide_beside_mlp(self, step: Step, state: ForwardState) -> None:
+        """A mid-block stage's DECIDE step and its block's MLP half (the plan's ``mlp_beside``), which acts per row
+        and so commutes with the repack: the MLP runs on every row of the buffer (pruned ones too). While a CUDA
+        graph is captured the decision runs on a second stream beside it (the graph holds two parallel branches: at
+        small batch both are latency-bound and fill few SMs, so the decision's microseconds hide behind the MLP's
+        GEMMs); otherwise one after the other, the same kernels (a graph runner's warm-up compiles what it
+        captures)."""
+        mlp = Step(StepKind.MLP, (self._plan.stage_at(step).mlp_beside,))
+        device = state.x.device
+        if device.type == "cuda":
+            side_stream(device)  # made outside a capture (a graph runner's warm-up runs first)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            self.run_step(step, state)
+            self.run_step(mlp, state)
+            return
+        scored = state.x  # what the decision reads, kept alive until the side stream is done with it
+        beside(device, lambda: self.run_step(step, state), lambda: self.run_step(mlp, state))
+        del scored
 
     @torch.no_grad()
     def calibrate(self, images: torch.Tensor) -> float:
@@ -620,6 +653,18 @@ def _repack_exact(state: ForwardState, index: int, num_prefix: int) -> None:
 def _packs_with_triton(device: torch.device) -> bool:
     """Whether the forward packs with the Triton kernels on ``device`` (CUDA; the CPU packs with the reference)."""
     return device.type == "cuda"
+
+
+MLP_OVERLAP_MAX_ROWS = AUTO_SYNC_FREE_ROWS
+"""Buffers of at most this many rows run a mid-block pruning stage's decision beside its block's MLP half
+(:meth:`PrunedViT.decide_beside_mlp`, on every row, before the repack): the sizes at which the graph runner chains
+read-free segments, inside which it does the same (:mod:`ragged_vit.pipelines.graphs`). In larger buffers the MLP's
+GEMMs are no longer latency-bound, and running them on the pruned rows too would cost more than the decision."""
+
+
+def _beside_mlp(plan: ForwardPlan, step: Step, state: ForwardState) -> bool:
+    """Whether :meth:`PrunedViT._execute` runs this DECIDE step beside its block's MLP half."""
+    return plan.stage_at(step).mlp_beside is not None and state.x.shape[0] <= MLP_OVERLAP_MAX_ROWS
 
 
 @functools.cache

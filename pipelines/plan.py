@@ -79,8 +79,8 @@ class StagePlan:
         rows_before: the most rows (prefix rows included) an image can have when the stage decides.
         rows_after: the rows an image has after it when ``counts`` is FIXED; otherwise the most it can have.
         mlp_beside: for a MID_BLOCK pruning stage, the block whose MLP half follows the repack and may run beside the
-            decision, on every row (before the repack); None otherwise (a merge averages rows, which the MLP does
-            not commute with).
+            decision, on every row (before the repack); None otherwise (a merge averages rows, and a pruner that
+            appends a token makes it from the rows before the MLP: neither commutes with the MLP).
     """
 
     index: int
@@ -168,7 +168,10 @@ def build_plan(pruner: Pruner | None, depth: int, tokens: int, num_prefix: int =
         steps += _halves(position, point)
         steps += [Step(StepKind.DECIDE, stage=index), Step(StepKind.REPACK, stage=index)]
         counts, patches = _counts(pruner, index, rows - num_prefix, tokens - num_prefix)
-        mlp_beside = block if placement is Placement.MID_BLOCK and not pruner.merges else None  # a merge averages
+        # A merge averages rows, and an appended token (EViT's fused one) is made from the rows before the MLP and
+        # must go through it: neither commutes with the MLP.
+        commutes = not pruner.merges and not pruner.appends_token
+        mlp_beside = block if placement is Placement.MID_BLOCK and commutes else None
         stages.append(StagePlan(index, block, placement, counts, rows, num_prefix + patches, mlp_beside))
         rows, position = num_prefix + patches, point
     steps += [*_halves(position, 2 * depth), Step(StepKind.HEAD)]

@@ -253,13 +253,13 @@ def test_chained_segments_equal_separate_ones():
     images = tiny_images(3, 8)
     chained = GraphedPrunedViT(pv, TokenBuckets(sync_free_rows=3 * TOKENS))
     beside = []
-    real_beside = chained._decide_beside_mlp
+    real_beside = pv.decide_beside_mlp
 
     def spy(step, state):
         beside.append(state.x.shape[0])
         return real_beside(step, state)
 
-    chained._decide_beside_mlp = spy
+    pv.decide_beside_mlp = spy  # the pipeline's, which both runners below call
     out = chained.run(images)
     assert len(beside) == len(pv.pruner.blocks)  # every decision of the chain
     separate = GraphedPrunedViT(pv, TokenBuckets(sync_free_rows=3 * TOKENS))
@@ -270,7 +270,6 @@ def test_chained_segments_equal_separate_ones():
     assert chained.counters.eager_segments == 1 and separate.counters.eager_segments == len(pv.pruner.blocks) + 1
     assert torch.equal(out.logits, ref.logits) and torch.equal(out.counts, ref.counts)
     serial = GraphedPrunedViT(pv, TokenBuckets(sync_free_rows=3 * TOKENS), overlap_decisions=False)
-    serial._decide_beside_mlp = spy
     beside.clear()
     out_serial = serial.run(images)
     assert not beside and serial.counters.eager_segments == 1  # one chain, MLP halves after the repacks

@@ -21,10 +21,12 @@ from timm.models.vision_transformer import ResPostBlock, VisionTransformer
 
 from ragged_vit import PrunedViT, build_pipeline
 from ragged_vit.core.selection import TokenSelection
+from ragged_vit.pipelines import model as model_module
 from ragged_vit.pipelines.factory import build_pruner, pruner_options
 from ragged_vit.reference.pruners import make_pruner
 from ragged_vit.testing.ops import count_ops
 from tests.helpers import PRUNER_CASES as CASES
+from tests.helpers import tiny_images, tiny_pipeline
 
 MODEL = "deit_tiny_patch16_224"
 KEEP_ALL = ["threshold_l2", "dynamicvit", "evit", "evit_fused"]  # ATS samples adaptively even at 1.0
@@ -338,3 +340,30 @@ def test_forward_computes_counts_only_when_asked(gen):
     ref = pv.run(x)
     assert counts.dtype == torch.long and counts.is_contiguous() and torch.equal(counts, ref.counts)
     assert torch.equal(logits, ref.logits) and torch.equal(pv(x), ref.logits)
+
+
+@pytest.mark.parametrize("fuse_token", [False, True], ids=["evit", "evit_fused"])
+def test_a_mid_block_decision_runs_beside_its_mlp_half_in_small_buffers(fuse_token, monkeypatch):
+    """In buffers of at most ``MLP_OVERLAP_MAX_ROWS`` rows, ``run`` and ``forward`` decide each mid-block stage
+    beside its block's MLP half (on every row, before the repack); the logits are those of the MLP after the repack
+    (``overlap_decisions=False``; bit for bit on the CPU). Never with a fused token (it must go through the MLP),
+    nor in a larger buffer."""
+    pv = tiny_pipeline(lambda: make_pruner("evit", rate=0.6, blocks=(1, 3), fuse_token=fuse_token))
+    images = tiny_images(3, 8)
+    rows, real = [], pv.decide_beside_mlp
+
+    def spy(step, state):
+        rows.append(state.x.shape[0])
+        real(step, state)
+
+    pv.decide_beside_mlp = spy
+    out, eager = pv.run(images), pv(images)
+    serial = pv.run(images, overlap_decisions=False)
+    after_first = 3 * (1 + 10 + fuse_token)  # 17 rows an image, then CLS + ceil(0.6 * 16) patches (+ the fused token)
+    assert rows == ([] if fuse_token else [3 * 17, after_first] * 2)
+    assert torch.equal(out.logits, serial.logits) and torch.equal(eager, serial.logits)
+    assert torch.equal(out.counts, serial.counts)
+    rows.clear()
+    monkeypatch.setattr(model_module, "MLP_OVERLAP_MAX_ROWS", 3 * 17 - 1)
+    assert torch.equal(pv.run(images).logits, serial.logits)
+    assert rows == ([] if fuse_token else [after_first])  # the first stage's 51 rows: the MLP after the repack

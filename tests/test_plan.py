@@ -94,6 +94,20 @@ def test_fixed_count_pruners_are_one_segment(name, kwargs, counts):
     assert tuple(s.rows_before for s in plan.stages) == (197, *counts[:-1])
 
 
+@pytest.mark.parametrize(
+    "name,kwargs,beside",
+    [
+        ("evit", {"rate": 0.7}, (3, 6, 9)),
+        ("evit", {"rate": 0.7, "fuse_token": True}, (None, None, None)),  # the fused token must go through the MLP
+        ("tome", {"r": 8}, (None,) * 12),  # a merge averages rows
+        ("dynamicvit", {"embed_dim": 192, "rate": 0.7}, (None, None, None)),  # between blocks: no MLP half follows
+    ],
+)
+def test_the_mlp_half_runs_beside_a_decision_only_where_it_commutes_with_the_repack(name, kwargs, beside):
+    plan = build_plan(make_pruner(name, **kwargs), 12, 197)
+    assert tuple(s.mlp_beside for s in plan.stages) == beside
+
+
 def test_unpruned_model_is_one_segment():
     plan = build_plan(None, 12, 197)
     assert plan.fixed and plan.stages == () and plan.dense_blocks == 12 and plan.row_bounds == (197,)

@@ -65,6 +65,11 @@ class EViTPruner(Pruner):
     def extra_repr(self) -> str:
         return f"rate={self.rate}, blocks={self.blocks}, fuse_token={self.fuse_token}"
 
+    @property
+    def appends_token(self) -> bool:
+        """With ``fuse_token``, a stage's selection may append the fused token."""
+        return self.fuse_token
+
     def fuses(self, patches: int | None) -> bool:
         """Whether a stage on images of ``patches`` patches (None: a ragged batch) appends the fused token.
 
