@@ -60,7 +60,7 @@ from ragged_vit.core.segments import seqlens, uniform_cu_seqlens
 from ragged_vit.core.selection import Decision, DecisionInput, MergeSelection, Placement, Pruner, TokenSelection
 from ragged_vit.core.validation import check_tensor
 from ragged_vit.pipelines.backends import AttentionBackend, make_backend
-from ragged_vit.pipelines.buckets import AUTO_SYNC_FREE_ROWS, default_sync_free_rows, padding_images
+from ragged_vit.pipelines.buckets import default_sync_free_rows, padding_images
 from ragged_vit.pipelines.heads import MERGE_POOLS, head_logits, pool_of
 from ragged_vit.pipelines.packed_block import (
     check_packable,
@@ -655,11 +655,14 @@ def _packs_with_triton(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-MLP_OVERLAP_MAX_ROWS = AUTO_SYNC_FREE_ROWS
-"""Buffers of at most this many rows run a mid-block pruning stage's decision beside its block's MLP half
-(:meth:`PrunedViT.decide_beside_mlp`, on every row, before the repack): the sizes at which the graph runner chains
-read-free segments, inside which it does the same (:mod:`ragged_vit.pipelines.graphs`). In larger buffers the MLP's
-GEMMs are no longer latency-bound, and running them on the pruned rows too would cost more than the decision."""
+MLP_OVERLAP_MAX_ROWS = 256
+"""A fixed-count forward (:meth:`PrunedViT.run`) decides a mid-block pruning stage beside its block's MLP half
+(:meth:`PrunedViT.decide_beside_mlp`, the MLP on every row, before the repack) in buffers of at most this many rows:
+two 128-row GEMM tiles, where the MLP on every row costs what it costs on the kept ones and the decision hides behind
+it. Measured (H100, graphed DeiT-B, ``docs/data/mlp_beside_in_run_h100_3c285c5.json``): EViT 0.7 +2.5-3.2% at B = 1
+(197 rows), with or without ``compile_blocks``; at B = 4 (788 rows) EViT -0.4 to +1.3% and Threshold-L2 ratio 0.5
+-1.4 to +0.6%, where its ~4 us decision saves less than the MLP on the pruned rows costs. The graph runner's chains
+of read-free segments overlap at every size they chain (ATS's decision is several times longer)."""
 
 
 def _beside_mlp(plan: ForwardPlan, step: Step, state: ForwardState) -> bool:
