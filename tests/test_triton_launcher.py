@@ -61,3 +61,15 @@ def test_cached_launch_covers_every_grid_dimension(device):
         run(("ids",), out.get_device() if out.is_cuda else 0, grid, (out,), num_warps=1, num_stages=1)
         assert torch.equal(out.cpu(), torch.arange(24, dtype=torch.int32)), f"call {call}"
     assert run.cache_size() == (1 if device == "cuda" else 0)
+
+
+def test_host_cdiv_and_next_power_of_2_are_tritons():
+    """The launch paths size grids and tiles with these plain functions instead of Triton's constexpr-wrapped ones:
+    the same integers for every argument a launch path passes (non-negative sizes; positive divisors)."""
+    for n in range(0, 5000):
+        assert launcher.next_power_of_2(n) == triton.next_power_of_2(n), n
+    for n in (2**20 - 1, 2**20, 2**20 + 1, 2**31 - 1):
+        assert launcher.next_power_of_2(n) == triton.next_power_of_2(n), n
+    for a in range(0, 700):
+        for b in (1, 2, 3, 7, 16, 32, 64, 100, 128, 1024):
+            assert launcher.cdiv(a, b) == triton.cdiv(a, b), (a, b)

@@ -44,7 +44,7 @@ from ragged_vit.triton_impl.cls_attention import (
     cls_attention_logits,
     image_rows,
 )
-from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned
+from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, next_power_of_2
 
 
 @triton.jit
@@ -157,7 +157,7 @@ _sample_launcher = CompiledLauncher(_sample_kernel)
 
 def _sample_shape(max_seqlen: int) -> tuple[int, int]:
     """``BLOCK_W`` (rows of an image in registers, also the targets per step) and its log2 for a bound."""
-    width = triton.next_power_of_2(max(max_seqlen, 16))
+    width = next_power_of_2(max(max_seqlen, 16))
     return width, width.bit_length() - 1
 
 
@@ -175,7 +175,7 @@ def _sample(logits, squares, scores, cu, max_seqlen, num_samples, min_keep, num_
         work = torch.empty(batch, 2, width, dtype=torch.float32, device=device) if sample else scores
     args = (
         logits, squares, scores, work, cu, keep.view(torch.int8) if sample else keep, kept, total, num_samples,
-        min_keep, num_prefix, heads, from_logits, sample, width, triton.next_power_of_2(heads), log_w,
+        min_keep, num_prefix, heads, from_logits, sample, width, next_power_of_2(heads), log_w,
     )  # fmt: skip
     key = (heads, from_logits, sample, width) if aligned(logits, squares, scores, work, cu, keep, kept) else None
     _sample_launcher(key, scores.get_device(), (batch, 1), args, num_warps=8, num_stages=1, enable_fp_fusion=False)

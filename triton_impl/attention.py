@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_max_seqlen, check_tensor
 from ragged_vit.triton_impl.configs import AttentionConfig, attention_config
-from ragged_vit.triton_impl.launcher import CompiledLauncher
+from ragged_vit.triton_impl.launcher import CompiledLauncher, next_power_of_2
 
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -195,7 +195,7 @@ def _launch(
     precision = "ieee" if tensors[0].dtype == torch.float32 else "tf32"
     args = (
         *tensors, cu_seqlens, key_bias, total, scale * _LOG2E.value, *strides, *offsets,
-        heads, head_dim, triton.next_power_of_2(head_dim), config.block_m, config.block_n, key_bias is not None,
+        heads, head_dim, next_power_of_2(head_dim), config.block_m, config.block_n, key_bias is not None,
         precision,
     )  # fmt: skip
     device = tensors[0].get_device()

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from ragged_vit.core.selection import DecisionInput
 from ragged_vit.core.validation import FLOAT_DTYPES, check_int, check_max_seqlen, check_tensor
-from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned
+from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, cdiv, next_power_of_2
 
 _BLOCK_T = 16  # rows per step of the logits kernel: a DeiT image spreads over 13 programs
 
@@ -116,10 +116,10 @@ def cls_attention_logits(
     else:
         logits = torch.empty(total, heads, dtype=torch.float32, device=qkv.device)
         squares = torch.empty(total, heads, dtype=torch.float32, device=qkv.device) if values else logits
-    block_d = triton.next_power_of_2(head_dim)
+    block_d = next_power_of_2(head_dim)
     args = (qkv, cu, logits, squares, total, qkv.stride(0), float(scale), heads, head_dim, _BLOCK_T, block_d, values)
     key = (qkv.dtype, heads, head_dim, values) if aligned(qkv, cu, logits, squares) else None
-    grid = (cu.shape[0] - 1, triton.cdiv(max_seqlen, _BLOCK_T), heads)
+    grid = (cu.shape[0] - 1, cdiv(max_seqlen, _BLOCK_T), heads)
     _logits_launcher(key, qkv.get_device(), grid, args, num_warps=2, num_stages=1)
     return logits, squares if values else None
 
@@ -134,7 +134,7 @@ def cls_attention_mean(
     # Every row of every image is written (a tail past the tile: 0), so no zero-fill launch first; rows outside
     # every image (a buffer longer than ``cu[-1]``) are left as allocated: no decision reads them.
     scores = torch.empty(qkv.shape[0], dtype=torch.float32, device=qkv.device)
-    width, block_h = triton.next_power_of_2(max(max_seqlen, 16)), triton.next_power_of_2(heads)
+    width, block_h = next_power_of_2(max(max_seqlen, 16)), next_power_of_2(heads)
     args = (logits, cu, scores, qkv.shape[0], heads, width, block_h)
     key = (heads, width) if aligned(logits, cu, scores) else None
     _mean_launcher(key, qkv.get_device(), (cu.shape[0] - 1,), args, num_warps=4, num_stages=1)

@@ -71,7 +71,7 @@ from ragged_vit.core.selection import DecisionInput, TokenSelection
 from ragged_vit.core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
 from ragged_vit.reference.pruners.dynamicvit import DynamicViTPruner, PredictorLG
 from ragged_vit.triton_impl.cls_attention import image_rows
-from ragged_vit.triton_impl.launcher import INTERPRETED, CompiledLauncher, aligned
+from ragged_vit.triton_impl.launcher import INTERPRETED, CompiledLauncher, aligned, cdiv, next_power_of_2
 from ragged_vit.triton_impl.select import rank_keep_unchecked
 
 
@@ -239,7 +239,7 @@ def _tiles(total: int) -> _Tiles:
 
 def _block(width: int, cap: int) -> int:
     """A power-of-two tile of at least 16 (``tl.dot``'s least) and at most ``cap`` covering ``width`` if it can."""
-    return min(cap, max(16, triton.next_power_of_2(width)))
+    return min(cap, max(16, next_power_of_2(width)))
 
 
 def _layers(predictor: PredictorLG) -> tuple[torch.nn.Module, ...]:
@@ -270,34 +270,35 @@ def _scores(
     if total == 0:
         return scores
     z = _first_layer(predictor, x)  # [T, C] contiguous, in the model dtype
-    chunks = triton.cdiv(channels - local, _GLOBAL_COLUMNS)
+    chunks = cdiv(channels - local, _GLOBAL_COLUMNS)
     parts = torch.empty(batch, chunks, hidden, dtype=torch.float32, device=x.device)
     device = x.get_device()
     tiles = _tiles(total)
-    ok = aligned(cu, z, parts, scores, *predictor.parameters())
     w2, w3, w4 = fc2.weight, fc3.weight, fc4.weight
+    # the kernels' tensors (not ``predictor.parameters()``: a walk of the module tree at every stage of a forward)
+    ok = aligned(cu, z, parts, scores, w2, fc2.bias, w3, fc3.bias, w4, fc4.bias)
 
     args = (z, cu, w2, parts, total, num_prefix, *w2.stride(), channels, local, hidden, _GLOBAL_COLUMNS, _BLOCK_H,
             _MEAN_UNROLL)  # fmt: skip
     key = (x.dtype, channels, w2.stride()) if ok else None
     _global_launcher(key, device, (batch, chunks), args, num_warps=1, num_stages=3)
 
-    blocks = (_block(local, _BLOCK_K), _block(hidden, _BLOCK_H), max(16, triton.next_power_of_2(narrow)))
+    blocks = (_block(local, _BLOCK_K), _block(hidden, _BLOCK_H), max(16, next_power_of_2(narrow)))
     # Small batches split the second layer's hidden chunks over programs (one each), then add the partial sums of
     # the third layer in a second launch; large ones have programs enough without it.
-    splits = triton.cdiv(hidden, blocks[1]) if tiles.split_hidden else 1
+    splits = cdiv(hidden, blocks[1]) if tiles.split_hidden else 1
     h2 = torch.empty(total, splits, blocks[2], dtype=torch.float32, device=x.device) if splits > 1 else scores
     args = (
         z, cu, parts, w2, fc2.bias, w3, fc3.bias, w4, fc4.bias, scores, h2, total, *w2.stride(), *w3.stride(),
         *w4.stride(), channels, local, hidden, narrow, chunks, tiles.rows_out, *blocks, splits > 1,
     )  # fmt: skip
     key = (x.dtype, channels, tiles, splits, w2.stride(), w3.stride(), w4.stride()) if ok else None
-    grid = (batch, triton.cdiv(max_seqlen, tiles.rows_out), splits)
+    grid = (batch, cdiv(max_seqlen, tiles.rows_out), splits)
     _out_conv_launcher(key, device, grid, args, num_warps=tiles.num_warps, num_stages=2)
     if splits > 1:
         args = (h2, fc3.bias, w4, fc4.bias, scores, z, total, *w4.stride(), narrow, splits, _HEAD_ROWS, blocks[2])
         key = (x.dtype, narrow, splits, blocks[2], w4.stride()) if ok and aligned(h2) else None
-        _out_head_launcher(key, device, (triton.cdiv(total, _HEAD_ROWS),), args, num_warps=4, num_stages=1)
+        _out_head_launcher(key, device, (cdiv(total, _HEAD_ROWS),), args, num_warps=4, num_stages=1)
     return scores
 
 

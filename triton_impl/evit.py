@@ -48,7 +48,7 @@ from ragged_vit.core.selection import DecisionInput, TokenSelection
 from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_tensor
 from ragged_vit.reference.pruners.evit import EViTPruner
 from ragged_vit.triton_impl.cls_attention import check_qkv_input, cls_attention_mean, image_rows
-from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, int_spec
+from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, cdiv, int_spec
 from ragged_vit.triton_impl.select import rank_keep_unchecked
 
 _BLOCK_T = 128  # patch rows per step: DeiT-B's 196 patches in two steps, its later stages in one
@@ -129,7 +129,7 @@ def fused_token_unchecked(
     args = (x, scores, keep, cu, out, x.shape[0], x.stride(0), x.stride(1), num_prefix, channels, _BLOCK_T, _BLOCK_C,
             fp64)  # fmt: skip
     key = (x.dtype, channels, int_spec(x.stride(0)), int_spec(x.stride(1)))
-    grid = (cu.shape[0] - 1, triton.cdiv(channels, _BLOCK_C))
+    grid = (cu.shape[0] - 1, cdiv(channels, _BLOCK_C))
     launch_key = key if aligned(x, scores, keep, cu, out) else None
     _fused_token_launcher(launch_key, x.get_device(), grid, args, num_warps=4, num_stages=1)
     return out

@@ -100,7 +100,7 @@ from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int
 from ragged_vit.reference.merging import check_merge_mode, check_sizes, merge_sources
 from ragged_vit.reference.pruners.tome import ToMeMerger, fixed_count
 from ragged_vit.triton_impl.cls_attention import image_rows
-from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, int_spec
+from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, cdiv, int_spec, next_power_of_2
 from ragged_vit.triton_impl.pack import store_total_and_longest
 
 _METRIC_ELEMENTS = 1024  # keys per head of one metric step (DeiT-B: 16 rows of 64), every head loaded at once
@@ -424,7 +424,7 @@ def _list_rows(batch: int, max_seqlen: int, sms: int) -> int:
 
 def _tile(width: int, cap: int) -> int:
     """A power-of-two tile of at least 16 (``tl.dot``'s least) and at most ``cap`` covering ``width`` if it can."""
-    return min(cap, max(16, triton.next_power_of_2(width)))
+    return min(cap, max(16, next_power_of_2(width)))
 
 
 def _fp32_threshold(threshold: float) -> float:
@@ -510,9 +510,9 @@ def decide_merges_unchecked(
     d_pad = _tile(dim, _MAX_HEAD_DIM)
     metric = torch.empty(total, d_pad, dtype=torch.float32, device=device)
     block_ab = _tile(-(-max(max_seqlen - num_prefix, 1) // 2), _BLOCK_AB if d_pad <= 64 else _BLOCK_AB // 2)
-    b_pad = 1 if adaptive else triton.next_power_of_2(batch)  # the fixed mode's offsets read every image's length
+    b_pad = 1 if adaptive else next_power_of_2(batch)  # the fixed mode's offsets read every image's length
     block_m = max(1, _METRIC_ELEMENTS // d_pad)
-    block_dst = min(_MAX_BLOCK_DST, triton.next_power_of_2(max(max_seqlen, 16)))
+    block_dst = min(_MAX_BLOCK_DST, next_power_of_2(max(max_seqlen, 16)))
     strides = keys.stride()
     device_index, patches = keys.get_device(), max(max_seqlen - num_prefix, 1)
     starts = next(views) if adaptive else out.source_offsets
@@ -521,20 +521,20 @@ def decide_merges_unchecked(
                  starts)  # fmt: skip
     args = (keys, cu, metric, total, *strides, limit, num_prefix, heads, dim, d_pad, block_m)
     key = (keys.dtype, heads, dim, block_m, *map(int_spec, strides)) if ok else None
-    grid = (batch, triton.cdiv(patches, block_m))
+    grid = (batch, cdiv(patches, block_m))
     _metric_launcher(key, device_index, grid, args, num_warps=_NUM_WARPS, num_stages=1)
     args = (cu, metric, work, total, limit, num_prefix, d_pad, _BLOCK_A, block_ab)
-    grid = (batch, triton.cdiv(-(-patches // 2), _BLOCK_A))
+    grid = (batch, cdiv(-(-patches // 2), _BLOCK_A))
     _best_launcher((d_pad, block_ab) if ok else None, device_index, grid, args, num_warps=_NUM_WARPS, num_stages=1)
     args = (
         cu, work, out.destination, out.kept, out.cu_seqlens, out.sources, starts, total, batch, limit,
         _fp32_threshold(threshold) if adaptive else 0.0, num_prefix, block_ab, block_dst, block_s, b_pad, adaptive,
     )  # fmt: skip
     key = (block_ab, block_dst, block_s, b_pad, adaptive) if ok else None
-    grid = (batch, triton.cdiv(max(max_seqlen, 1), block_s))  # the source lists' row tiles over programs
+    grid = (batch, cdiv(max(max_seqlen, 1), block_s))  # the source lists' row tiles over programs
     _match_launcher(key, device_index, grid, args, num_warps=_MATCH_WARPS, num_stages=1)
     if adaptive:
-        b_pad = triton.next_power_of_2(batch)
+        b_pad = next_power_of_2(batch)
         # an image in one step, as for the destinations (rows per step 32: 2.8 us more per block at B = 64, H100)
         args = (cu, out.kept, out.destination, out.cu_seqlens, starts, out.source_offsets, total, batch, block_dst,
                 b_pad)  # fmt: skip
@@ -639,8 +639,8 @@ def merge_rows_unchecked(
     ``stats[1]`` before anything else, as :func:`ragged_vit.triton_impl.pack.total_and_longest` does: the graph
     runner's host read of a merging stage, without a launch of its own."""
     channels, capacity, batch = x.shape[1], out.shape[0], merged_cu.shape[0] - 1
-    block_c = min(_BLOCK_C, triton.next_power_of_2(channels))
-    grid = (max(1, triton.cdiv(capacity, _BLOCK_D)), triton.cdiv(channels, block_c))
+    block_c = min(_BLOCK_C, next_power_of_2(channels))
+    grid = (max(1, cdiv(capacity, _BLOCK_D)), cdiv(channels, block_c))
     has_log, has_cu, has_stats = log_sizes is not None, cu_out is not None, total_and_longest is not None
     block_b, pads_pad = _offset_tiles(batch, padding_images if has_cu else 0)
     kept, stats = total_and_longest if has_stats else (merged_cu, merged_cu)
@@ -674,7 +674,7 @@ def merged_offsets_unchecked(
 
 
 def _offset_tiles(batch: int, padding_images: int) -> tuple[int, int]:
-    return min(triton.next_power_of_2(batch + 1), 1024), triton.next_power_of_2(padding_images) if padding_images else 0
+    return min(next_power_of_2(batch + 1), 1024), next_power_of_2(padding_images) if padding_images else 0
 
 
 @register_decision(ToMeMerger)

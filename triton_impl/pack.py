@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ragged_vit.core.segments import segment_ids, segment_sum
 from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
-from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned
+from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, cdiv, next_power_of_2
 
 _BLOCK_R = 32
 
@@ -214,7 +214,7 @@ def _repack(
     channels = x.shape[-1]
     dense = src_cu is None
     has_extra = extra_token is not None
-    len_pad = triton.next_power_of_2(max_len)
+    len_pad = next_power_of_2(max_len)
     counts = torch.empty(batch, dtype=torch.int32, device=x.device) if kept is None else kept
     if cu_out is None:
         cu_out = torch.empty(batch + 1 + padding_images, dtype=torch.int32, device=x.device)
@@ -235,10 +235,10 @@ def _repack(
         rows, bound = int(counts.sum()) + batch * has_extra, max_len + has_extra  # the one documented sync
     # Clamping the step to capacity changes no offset (total + step >= capacity either way) and keeps it an i32.
     pad_len = min(bound if padding_len is None else padding_len, rows)
-    pads_pad = triton.next_power_of_2(padding_images) if padding_images else 0
+    pads_pad = next_power_of_2(padding_images) if padding_images else 0
     out = x.new_empty((rows, channels))
     stride_x, stride_e = x.stride(-2), extra_token.stride(0) if has_extra else 0
-    block_c, b_pad = _channel_block(channels), triton.next_power_of_2(batch)
+    block_c, b_pad = _channel_block(channels), next_power_of_2(batch)
     key = (x.dtype, channels, len_pad, b_pad, dense, has_extra, pads_pad, stride_x % 16, stride_e % 16)
     _pack_launcher(
         key if is_aligned else None, device, (batch, -(-max_len // _BLOCK_R)),
@@ -453,7 +453,7 @@ def unpack(
     _check_rows(tokens, "tokens")
     batch = cu_seqlens.shape[0] - 1
     out = tokens.new_empty((batch, max_seqlen, channels))
-    _unpack_kernel[(batch, triton.cdiv(max_seqlen, _BLOCK_R))](
+    _unpack_kernel[(batch, cdiv(max_seqlen, _BLOCK_R))](
         tokens, cu_seqlens, out, fill, total, tokens.stride(0), max_seqlen,
         CHANNELS=channels, BLOCK_C=_channel_block(channels), BLOCK_R=_BLOCK_R,
     )  # fmt: skip
@@ -492,7 +492,7 @@ def total_and_longest(kept: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 def total_and_longest_unchecked(kept: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """:func:`total_and_longest` without its checks (the graph runner's hot path)."""
     batch = kept.shape[0]
-    block = min(triton.next_power_of_2(batch), 1024)
+    block = min(next_power_of_2(batch), 1024)
     ok = aligned(kept) and out.data_ptr() % 16 == 0  # out may be pinned host memory: its address only
     _total_longest_launcher(
         (block,) if ok else None, kept.get_device(), (1,), (kept, out, batch, block), num_warps=4, num_stages=1

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ragged_vit.core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
-from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned
+from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, cdiv
 
 _BLOCK_I = 16  # rows ranked per step: a DeiT image spreads over 13 programs, so batch 1-4 fills the card
 _BLOCK_J = 64  # rows compared against per step
@@ -170,7 +170,7 @@ def rank_keep_unchecked(
         _BLOCK_I, _BLOCK_J,
     )  # fmt: skip
     is_aligned = aligned(scores, cu, keep, kept)
-    grid = (batch, triton.cdiv(max(max_seqlen - num_prefix, 1), _BLOCK_I))
+    grid = (batch, cdiv(max(max_seqlen - num_prefix, 1), _BLOCK_I))
     key = (ratio, by_threshold) if is_aligned else None
     _launcher(key, scores.get_device(), grid, args, num_warps=4, num_stages=1)
     return keep, kept
