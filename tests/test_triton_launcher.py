@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import triton
 import triton.language as tl
 
@@ -73,3 +74,18 @@ def test_host_cdiv_and_next_power_of_2_are_tritons():
     for a in range(0, 700):
         for b in (1, 2, 3, 7, 16, 32, 64, 100, 128, 1024):
             assert launcher.cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.float16, torch.int64])
+def test_scratch_views_are_disjoint_aligned_and_of_the_asked_lengths(dtype):
+    lengths = (5, 0, 1, 7, 16, 3)
+    views = launcher.scratch(lengths, dtype, torch.device("cpu"))
+    assert [v.numel() for v in views] == list(lengths) and all(v.dtype == dtype and v.dim() == 1 for v in views)
+    filled = [v for v in views if v.numel()]  # an empty view's data_ptr is 0
+    base = filled[0].untyped_storage().data_ptr()
+    assert all(v.untyped_storage().data_ptr() == base for v in filled)  # one allocation
+    end = 0
+    for v in filled:  # in order, disjoint, each 16-byte aligned
+        start = v.data_ptr() - base
+        assert start % 16 == 0 and start >= end
+        end = start + v.numel() * v.element_size()

@@ -44,7 +44,7 @@ from ragged_vit.triton_impl.cls_attention import (
     cls_attention_logits,
     image_rows,
 )
-from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, next_power_of_2
+from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, next_power_of_2, scratch
 
 
 @triton.jit
@@ -162,9 +162,9 @@ def _sample_shape(max_seqlen: int) -> tuple[int, int]:
 
 
 def _sample(logits, squares, scores, cu, max_seqlen, num_samples, min_keep, num_prefix, *, from_logits, sample,
-            work=None, total=None, heads=None):  # fmt: skip
-    """The sampling kernel's launch; ``work``, ``total`` and ``heads`` for flat scratch views (``_select``)."""
-    total = scores.shape[0] if total is None else total
+            work=None, heads=None):  # fmt: skip
+    """The sampling kernel's launch; ``work`` and ``heads`` for flat scratch views (``_select``)."""
+    total = scores.shape[0]
     heads = logits.shape[1] if heads is None else heads
     batch = cu.shape[0] - 1
     device = scores.device
@@ -282,12 +282,11 @@ def _select(pruner: ATSPruner, inp: DecisionInput) -> TokenSelection:
     """:func:`ats_select` on checked input: the fused decision the pipelines look up."""
     qkv, cu, bound = inp.qkv, inp.cu_seqlens, inp.row_bound
     samples = pruner.samples(inp.num_patches)
-    # The fp32 scratch (logits, squared values, scores, the sampler's work) in one allocation: two host ops, not
-    # four, at every stage of an eager forward; each part starts 16-byte aligned (a multiple of 4 floats).
+    # The fp32 scratch (logits, squared values, scores, the sampler's work) in one allocation
     cells, batch = qkv.shape[0] * inp.num_heads, cu.shape[0] - 1
-    sizes = [-(-n // 4) * 4 for n in (cells, cells, qkv.shape[0])] + [batch * 2 * _sample_shape(bound)[0]]
-    logits, squares, scores, work = torch.empty(sum(sizes), dtype=torch.float32, device=qkv.device).split(sizes)
+    lengths = (cells, cells, qkv.shape[0], batch * 2 * _sample_shape(bound)[0])
+    logits, squares, scores, work = scratch(lengths, torch.float32, qkv.device)
     cls_attention_logits(qkv, cu, inp.num_heads, inp.scale, bound, values=True, out=(logits, squares))
     keep, kept = _sample(logits, squares, scores, cu, bound, samples, pruner.min_keep, inp.num_prefix,
-                         from_logits=True, sample=True, work=work, total=qkv.shape[0], heads=inp.num_heads)  # fmt: skip
+                         from_logits=True, sample=True, work=work, heads=inp.num_heads)  # fmt: skip
     return TokenSelection(keep, kept)

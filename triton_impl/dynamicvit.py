@@ -71,7 +71,7 @@ from ragged_vit.core.selection import DecisionInput, TokenSelection
 from ragged_vit.core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
 from ragged_vit.reference.pruners.dynamicvit import DynamicViTPruner, PredictorLG
 from ragged_vit.triton_impl.cls_attention import image_rows
-from ragged_vit.triton_impl.launcher import INTERPRETED, CompiledLauncher, aligned, cdiv, next_power_of_2
+from ragged_vit.triton_impl.launcher import INTERPRETED, CompiledLauncher, aligned, cdiv, next_power_of_2, scratch
 from ragged_vit.triton_impl.select import rank_keep_unchecked
 
 
@@ -266,14 +266,20 @@ def _scores(
     total, channels = x.shape
     batch = cu.shape[0] - 1
     local, hidden, narrow = channels // 2, fc2.out_features, fc3.out_features
-    scores = torch.empty(total, dtype=torch.float32, device=x.device)
     if total == 0:
-        return scores
+        return torch.empty(0, dtype=torch.float32, device=x.device)
     z = _first_layer(predictor, x)  # [T, C] contiguous, in the model dtype
     chunks = cdiv(channels - local, _GLOBAL_COLUMNS)
-    parts = torch.empty(batch, chunks, hidden, dtype=torch.float32, device=x.device)
-    device = x.get_device()
     tiles = _tiles(total)
+    blocks = (_block(local, _BLOCK_K), _block(hidden, _BLOCK_H), max(16, next_power_of_2(narrow)))
+    # Small batches split the second layer's hidden chunks over programs (one each), then add the partial sums of
+    # the third layer in a second launch; large ones have programs enough without it.
+    splits = cdiv(hidden, blocks[1]) if tiles.split_hidden else 1
+    # fp32 [T] scores, [B, chunks, C/2] shares of the global half and, split, [T, splits, C/4] partial sums
+    lengths = (total, batch * chunks * hidden) + ((total * splits * blocks[2],) if splits > 1 else ())
+    scores, parts, *split_sums = scratch(lengths, torch.float32, x.device)
+    h2 = split_sums[0] if split_sums else scores
+    device = x.get_device()
     w2, w3, w4 = fc2.weight, fc3.weight, fc4.weight
     # the kernels' tensors (not ``predictor.parameters()``: a walk of the module tree at every stage of a forward)
     ok = aligned(cu, z, parts, scores, w2, fc2.bias, w3, fc3.bias, w4, fc4.bias)
@@ -283,11 +289,6 @@ def _scores(
     key = (x.dtype, channels, w2.stride()) if ok else None
     _global_launcher(key, device, (batch, chunks), args, num_warps=1, num_stages=3)
 
-    blocks = (_block(local, _BLOCK_K), _block(hidden, _BLOCK_H), max(16, next_power_of_2(narrow)))
-    # Small batches split the second layer's hidden chunks over programs (one each), then add the partial sums of
-    # the third layer in a second launch; large ones have programs enough without it.
-    splits = cdiv(hidden, blocks[1]) if tiles.split_hidden else 1
-    h2 = torch.empty(total, splits, blocks[2], dtype=torch.float32, device=x.device) if splits > 1 else scores
     args = (
         z, cu, parts, w2, fc2.bias, w3, fc3.bias, w4, fc4.bias, scores, h2, total, *w2.stride(), *w3.stride(),
         *w4.stride(), channels, local, hidden, narrow, chunks, tiles.rows_out, *blocks, splits > 1,

@@ -52,6 +52,15 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
+def scratch(lengths: Sequence[int], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Flat buffers of ``lengths`` elements of ``dtype`` (at most 16 bytes each), views of ONE allocation (one host op
+    instead of one per buffer, at every stage of an eager forward), each at a multiple of 16 bytes from its start, so
+    each is as :func:`aligned` as the allocation. Their contents are as allocated."""
+    align = 16 // dtype.itemsize
+    sizes = [part for n in lengths for part in (n, -n % align)]  # each buffer, then its padding
+    return list(torch.empty(sum(sizes), dtype=dtype, device=device).split(sizes)[::2])
+
+
 def int_spec(value: int) -> tuple[bool, bool]:
     """What Triton specialises a (specialised) integer argument on: ``== 1`` and ``% 16 == 0``."""
     return value == 1, value % 16 == 0

@@ -100,7 +100,7 @@ from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int
 from ragged_vit.reference.merging import check_merge_mode, check_sizes, merge_sources
 from ragged_vit.reference.pruners.tome import ToMeMerger, fixed_count
 from ragged_vit.triton_impl.cls_attention import image_rows
-from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, cdiv, int_spec, next_power_of_2
+from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, cdiv, int_spec, next_power_of_2, scratch
 from ragged_vit.triton_impl.pack import store_total_and_longest
 
 _METRIC_ELEMENTS = 1024  # keys per head of one metric step (DeiT-B: 16 rows of 64), every head loaded at once
@@ -494,14 +494,12 @@ def decide_merges_unchecked(
     batch = cu.shape[0] - 1
     device = keys.device
     adaptive = threshold is not None
-    # Every int32 output and scratch buffer is a view of one allocation (two host ops instead of five to seven, at
-    # each of a ToMe forward's twelve stages when it runs eagerly), each view 16-byte aligned (a multiple of 4 apart).
-    # Only the buffers ``out`` does not bring: the map, counts and offsets, the source lists, the matching's work and
-    # (adaptive) the group starts.
+    # Every int32 output and scratch buffer is a view of one allocation (``scratch``: two host ops instead of five to
+    # seven, at each of a ToMe forward's twelve stages when it runs eagerly). Only the buffers ``out`` does not bring:
+    # the map, counts and offsets, the source lists, the matching's work and (adaptive) the group starts.
     need_out, need_lists = out is None, out is None or out.sources is None or out.source_offsets is None
     lengths = [total, batch, batch + 1] * need_out + [total, total + 1] * need_lists + [3 * total] + [total] * adaptive
-    sizes = [part for n in lengths for part in (n, -n % 4)]  # each buffer, then its padding to 4 elements
-    views = iter(torch.empty(sum(sizes), dtype=torch.int32, device=device).split(sizes)[::2])
+    views = iter(scratch(lengths, torch.int32, device))
     if need_out:
         out = MergeSelection(next(views), next(views), next(views))
     if need_lists:
