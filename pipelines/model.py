@@ -444,15 +444,8 @@ class PrunedViT(nn.Module):
         block, x = self.model.blocks[block], state.x
         normed, state.qkv = qkv_part(block, x)
         rest = (block, x, normed, state.qkv, state.cu_seqlens, state.max_seqlen, self._backend, state.key_bias)
-        device = x.device
-        if device.type == "cuda":
-            side_stream(device)  # made outside a capture (the graph runner's warm-up runs first)
-        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            state.selection = self._decide(stage, state)
-            state.x = residual_part(*rest)
-            return
         # the decision reads the qkv projection (and the rows' count) only; ``rest`` keeps the pre-residual rows
-        state.selection, state.x = beside(device, lambda: self._decide(stage, state), lambda: residual_part(*rest))
+        state.selection, state.x = beside(x.device, lambda: self._decide(stage, state), lambda: residual_part(*rest))
 
     def decide_beside_mlp(self, step: Step, state: ForwardState) -> None:
         """A mid-block stage's DECIDE step and its block's MLP half (the plan's ``mlp_beside``), which acts per row
@@ -462,15 +455,8 @@ class PrunedViT(nn.Module):
         GEMMs); otherwise one after the other, the same kernels (a graph runner's warm-up compiles what it
         captures)."""
         mlp = Step(StepKind.MLP, (self._plan.stage_at(step).mlp_beside,))
-        device = state.x.device
-        if device.type == "cuda":
-            side_stream(device)  # made outside a capture (a graph runner's warm-up runs first)
-        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            self.run_step(step, state)
-            self.run_step(mlp, state)
-            return
         scored = state.x  # what the decision reads, kept alive until the side stream is done with it
-        beside(device, lambda: self.run_step(step, state), lambda: self.run_step(mlp, state))
+        beside(scored.device, lambda: self.run_step(step, state), lambda: self.run_step(mlp, state))
         del scored
 
     @torch.no_grad()
@@ -679,11 +665,17 @@ def side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 def beside(device: torch.device, side: Callable[[], object], main: Callable[[], object]) -> tuple[object, object]:
-    """``(side(), main())``: ``side`` on :func:`side_stream` beside ``main`` on the current stream of ``device``,
-    forked after the work queued so far and joined before anything queued after (while a CUDA graph is captured: two
-    parallel branches). Tensors ``side`` reads must stay alive until the join (the caller holds them); those it
-    makes are used (and freed) on the current stream after it."""
-    current, stream = torch.cuda.current_stream(device), side_stream(device)
+    """``(side(), main())``. While a CUDA graph is captured on ``device``: ``side`` on :func:`side_stream` beside
+    ``main`` on the current stream, forked after the work queued so far and joined before anything queued after (the
+    graph holds two parallel branches). Tensors ``side`` reads must stay alive until the join (the caller holds them);
+    those it makes are used (and freed) on the current stream after it. Otherwise (the CPU, eager calls, a graph
+    runner's warm-up, which compiles what it captures) one after the other, ``side`` first: the same kernels."""
+    if device.type != "cuda":
+        return side(), main()
+    stream = side_stream(device)  # made outside a capture: a graph runner's warm-up runs first
+    if not torch.cuda.is_current_stream_capturing():
+        return side(), main()
+    current = torch.cuda.current_stream(device)
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
         first = side()
