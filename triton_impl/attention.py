@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_max_seqlen, check_tensor
 from ragged_vit.triton_impl.configs import AttentionConfig, attention_config
-from ragged_vit.triton_impl.launcher import CompiledLauncher, next_power_of_2
+from ragged_vit.triton_impl.launcher import CompiledLauncher, cdiv, next_power_of_2
 
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))
 _LOG2E = tl.constexpr(1.4426950408889634)
@@ -191,7 +191,7 @@ def _launch(
     """
     total, heads, head_dim = shape
     batch = cu_seqlens.shape[0] - 1
-    grid = (-(-max_seqlen // config.block_m) if config.grid_per_tile else 1, batch * heads)  # host ceil-div
+    grid = (cdiv(max_seqlen, config.block_m) if config.grid_per_tile else 1, batch * heads)
     precision = "ieee" if tensors[0].dtype == torch.float32 else "tf32"
     args = (
         *tensors, cu_seqlens, key_bias, total, scale * _LOG2E.value, *strides, *offsets,

@@ -419,7 +419,7 @@ def _list_rows(batch: int, max_seqlen: int, sms: int) -> int:
     programs all run at once on ``sms`` SMs, else the largest. Smaller tiles shorten the serial phase; past one
     wave, the ranking each program repeats costs more (H100, DeiT-B, r = 13, graph replay of the whole decision:
     32 rows 18.7 / 19.3 / 48.8 us at B = 1 / 4 / 64, 64 rows 19.7 / 19.8 / 45.9, 128 rows 21.4 / 22.3 / 39.6)."""
-    return next((t for t in _LIST_ROWS if batch * -(-max(max_seqlen, 1) // t) <= sms), _LIST_ROWS[-1])
+    return next((t for t in _LIST_ROWS if batch * cdiv(max(max_seqlen, 1), t) <= sms), _LIST_ROWS[-1])
 
 
 def _tile(width: int, cap: int) -> int:
@@ -507,7 +507,7 @@ def decide_merges_unchecked(
     work = next(views)  # [3, T] flat: best similarities' bits, best B rows, merged A rows
     d_pad = _tile(dim, _MAX_HEAD_DIM)
     metric = torch.empty(total, d_pad, dtype=torch.float32, device=device)
-    block_ab = _tile(-(-max(max_seqlen - num_prefix, 1) // 2), _BLOCK_AB if d_pad <= 64 else _BLOCK_AB // 2)
+    block_ab = _tile(cdiv(max(max_seqlen - num_prefix, 1), 2), _BLOCK_AB if d_pad <= 64 else _BLOCK_AB // 2)
     b_pad = 1 if adaptive else next_power_of_2(batch)  # the fixed mode's offsets read every image's length
     block_m = max(1, _METRIC_ELEMENTS // d_pad)
     block_dst = min(_MAX_BLOCK_DST, next_power_of_2(max(max_seqlen, 16)))
@@ -522,7 +522,7 @@ def decide_merges_unchecked(
     grid = (batch, cdiv(patches, block_m))
     _metric_launcher(key, device_index, grid, args, num_warps=_NUM_WARPS, num_stages=1)
     args = (cu, metric, work, total, limit, num_prefix, d_pad, _BLOCK_A, block_ab)
-    grid = (batch, cdiv(-(-patches // 2), _BLOCK_A))
+    grid = (batch, cdiv(cdiv(patches, 2), _BLOCK_A))
     _best_launcher((d_pad, block_ab) if ok else None, device_index, grid, args, num_warps=_NUM_WARPS, num_stages=1)
     args = (
         cu, work, out.destination, out.kept, out.cu_seqlens, out.sources, starts, total, batch, limit,

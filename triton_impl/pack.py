@@ -241,7 +241,7 @@ def _repack(
     block_c, b_pad = _channel_block(channels), next_power_of_2(batch)
     key = (x.dtype, channels, len_pad, b_pad, dense, has_extra, pads_pad, stride_x % 16, stride_e % 16)
     _pack_launcher(
-        key if is_aligned else None, device, (batch, -(-max_len // _BLOCK_R)),
+        key if is_aligned else None, device, (batch, cdiv(max_len, _BLOCK_R)),
         (x, keep, src_cu, counts, extra_token, out, cu_out, max_len, batch, rows, stride_x, stride_e,
          padding_images, pad_len, channels, block_c, _BLOCK_R, len_pad, b_pad, dense, has_extra, pads_pad),
         num_warps=4, num_stages=1,
