@@ -121,11 +121,14 @@ def test_scores_match_the_reference_gpu(channels, dtype, gen):
 
 @pytest.mark.interpreter
 def test_large_tiles_and_masked_tails_interpreter(gen, monkeypatch):
-    """The large-batch tiles with every tile's tail masked (C = 160: 80-wide halves, 40 narrow channels)."""
+    """The large-batch tiles with every tile's tail masked (C = 160: 80-wide halves, 40 narrow channels), and the
+    mean in steps of 16 rows (an image of 70: five steps, the last one partly past the image)."""
     monkeypatch.setattr(dynamicvit, "_SMALL_ROWS", 0)
+    monkeypatch.setattr(dynamicvit, "_MEAN_ROWS", 16)
     predictor = _pruner(160, torch.float32, "cpu").score_predictor[0]
-    x, cu = _case((70, 0, 3, 20), 160, torch.float32, "cpu", gen)
-    _check_scores(predictor, x, cu, 1)
+    for dtype in (torch.float32, torch.float16):
+        x, cu = _case((70, 0, 3, 20), 160, dtype, "cpu", gen)
+        _check_scores(predictor.to(dtype), x, cu, 1)
 
 
 def _margin_failures(pruner, inp, sel):

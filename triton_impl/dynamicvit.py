@@ -10,10 +10,12 @@ gathers): 100-280 us per stage of a graphed DeiT-B forward on an H100, slower th
    GEMM with ``tl.dot``) was slower at every batch size on an H100: 13.4 against 9.6 us at B = 1, 27 against 11 at
    B = 4, 116 against 65 at B = 64 (DeiT-B, graph replay).
 2. ``_global_kernel`` (a program per image and 32 columns of the global half ``z[:, C/2:]``): the image's sum over
-   its patch rows (prefix rows excluded) in the reference's order, row after row (``torch.segment_reduce``), then
-   the mean (an image without patches divides by 1) and that chunk's share of the second layer's global half,
-   ``glob[chunk] @ W2[:, C/2 + chunk]^T``, fp32 ``[B, chunks, C/2]``. No atomics: the same bits on every run, in a
-   graph or not.
+   its patch rows (prefix rows excluded) in fp32, 256 rows a step (one load each, summed by a fixed tree), rounded
+   once, then the mean (an image without patches divides by 1) and that chunk's share of the second layer's global
+   half, ``glob[chunk] @ W2[:, C/2 + chunk]^T``, fp32 ``[B, chunks, C/2]``. No atomics: the same bits on every run,
+   in a graph or not. (The reference summed row after row in the model dtype, rounding at every step, until
+   8670a2b: a serial chain that kept this kernel at ~12 us per stage on an H100 whatever its launch shape; the sum
+   in fp32 is also what the official code's ``.sum()`` of a half tensor computes on a GPU.)
 3. ``_out_conv_kernel`` (a program per image and 16 or 64 of its rows): ``g = b2 + sum of the shares`` (in chunk
    order), ``h1 = GELU(z[:, :C/2] @ W2[:, :C/2]^T + g)`` in chunks of 64 columns, each chunk accumulated at once
    into ``h2 += h1_chunk @ W3^T[chunk]`` (``h1`` never leaves the program), then ``GELU(h2 + b3) @ W4^T + b4`` and
@@ -29,19 +31,18 @@ gathers): 100-280 us per stage of a graphed DeiT-B forward on an H100, slower th
 The kernels read the predictor's own parameters in the model dtype, through their strides (no copies, no cache: a
 changed parameter is read at the next call); every GEMM accumulates in fp32 (``tl.dot``; IEEE fp32, not TF32, for
 an fp32 model). They round where the reference's ops round, to the model dtype: each Linear's output, each GELU's
-output, every step of the mean's sum, the patch count and the quotient (the reference
-divides in the model dtype), the logits and the log-probability, computed as torch's CUDA ``log_softmax`` computes
-it: ``(l0 - m) - log(exp(l0 - m) + exp(l1 - m))`` in fp32, ``m = max(l0, l1)`` (a saturated keep scores exactly 0
-as in torch, where ``-softplus`` would give a tiny negative; non-finite logits give what torch gives). So in fp16
-and bf16 the scores are quantised as the reference's are, and the ties that quantisation makes are broken by row as
-the reference breaks them.
+output, the mean's fp32 sum, the patch count and the quotient (the reference divides in the model dtype), the
+logits and the log-probability, computed as torch's CUDA ``log_softmax`` computes it: ``(l0 - m) - log(exp(l0 - m)
++ exp(l1 - m))`` in fp32, ``m = max(l0, l1)`` (a saturated keep scores exactly 0 as in torch, where ``-softplus``
+would give a tiny negative; non-finite logits give what torch gives). So in fp16 and bf16 the scores are quantised
+as the reference's are, and the ties that quantisation makes are broken by row as the reference breaks them.
 
-What still differs (after the first layer, which is the reference's): the order of the later GEMMs' fp32 sums,
-and the exp/log approximations; where the two sides round an intermediate differently it moves by one unit in the
-last place. The scores agree to ``rtol = 1e-5`` in fp32, ``2 eps`` relative in fp16 and ``8 eps`` in bf16
-(``tests/test_triton_dynamicvit.py``; measured on an H100: bf16 up to 4.8 eps, where an intermediate rounded one unit
-apart in bf16 moves every later layer; on the CPU, whose fp16 ``log_softmax`` also rounds its log-sum to fp16, fp16
-one unit). Rule for the decisions, with ``b`` that bound at an image's cut: the kept
+What still differs (after the first layer, which is the reference's): the order of the mean's and the later GEMMs'
+fp32 sums, and the exp/log approximations; where the two sides round an intermediate differently it moves by one
+unit in the last place. The scores agree to ``rtol = 1e-5`` in fp32, ``2 eps`` relative in fp16 and ``8 eps`` in
+bf16 (``tests/test_triton_dynamicvit.py``; measured on an H100: bf16 up to 4.8 eps, where an intermediate rounded
+one unit apart in bf16 moves every later layer; on the CPU, whose fp16 ``log_softmax`` also rounds its log-sum to
+fp16, fp16 one unit). Rule for the decisions, with ``b`` that bound at an image's cut: the kept
 counts are the pruner's; where the pruner's own scores at the cut are more than ``2 b`` apart (last kept minus
 first dropped) the image's mask is the pruner's; closer, only rows within ``2 b`` of the cut may change sides.
 Equal rows of an image score bit for bit alike (ties go to the earlier row, as in the reference); a NaN patch row
@@ -71,7 +72,7 @@ from ragged_vit.core.selection import DecisionInput, TokenSelection
 from ragged_vit.core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
 from ragged_vit.reference.pruners.dynamicvit import DynamicViTPruner, PredictorLG
 from ragged_vit.triton_impl.cls_attention import image_rows
-from ragged_vit.triton_impl.launcher import INTERPRETED, CompiledLauncher, aligned, cdiv, next_power_of_2, scratch
+from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, cdiv, next_power_of_2, scratch
 from ragged_vit.triton_impl.select import rank_keep_unchecked
 
 
@@ -91,7 +92,7 @@ def _rounded(v, DTYPE: tl.constexpr):
 def _global_kernel(
     Z, CU, W2, PARTS, total, num_prefix, stride_wn, stride_wk,
     C: tl.constexpr, LOCAL: tl.constexpr, HIDDEN: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_H: tl.constexpr,
-    UNROLL: tl.constexpr,
+    BLOCK_R: tl.constexpr,
 ):  # fmt: skip
     dtype = Z.dtype.element_ty
     b = tl.program_id(0)
@@ -100,18 +101,19 @@ def _global_kernel(
     first = tl.minimum(start + num_prefix, end)  # the image's first patch row
     k = LOCAL + chunk * BLOCK_G + tl.arange(0, BLOCK_G)
     in_k = k < C
-    # The reference's sum (torch.segment_reduce): row after row, rounded to the model dtype at every step. UNROLL
-    # rows a step: their loads do not wait for the sum, so they are all in flight at once (a row past the image
-    # adds 0, which changes no sum).
+    offs_r = tl.arange(0, BLOCK_R)
+    # The reference's sum: in fp32, rounded once to the model dtype. BLOCK_R rows a step, all loads in flight at
+    # once, each step's rows summed by one fixed tree: the order depends on the image's own row count only (a row
+    # past the image adds 0, which changes no sum).
     acc = tl.zeros([BLOCK_G], dtype=tl.float32)
+    for r0 in range(first, end, BLOCK_R):
+        rows = r0 + offs_r
+        tile = tl.load(Z + rows.to(tl.int64)[:, None] * C + k[None, :], mask=(rows < end)[:, None] & in_k[None, :],
+                       other=0.0)  # fmt: skip
+        acc += tl.sum(tile.to(tl.float32), 0)
     patches = end - first
-    patch_rows = Z + first.to(tl.int64) * C + k
-    for i0 in range(0, patches, UNROLL):
-        for u in tl.static_range(UNROLL):
-            row = tl.load(patch_rows + (i0 + u) * C, mask=in_k & (i0 + u < patches), other=0.0)
-            acc = _rounded(acc + row.to(tl.float32), dtype)
     count = _rounded(tl.maximum(patches, 1).to(tl.float32), dtype)  # the reference divides in the model dtype
-    glob = _rounded(tl.math.div_rn(acc, count), dtype)
+    glob = _rounded(tl.math.div_rn(_rounded(acc, dtype), count), dtype)
     # This chunk's share of glob @ W2[:, C/2:]^T, summed over the chunks by the third kernel (a fixed order).
     parts = PARTS + (b.to(tl.int64) * tl.num_programs(1) + chunk) * HIDDEN
     for h0 in range(0, HIDDEN, BLOCK_H):
@@ -228,9 +230,7 @@ _HEAD_ROWS = 8  # rows per program of the scores from the split sums (32 left 7 
 _BLOCK_K = 64  # reduction step of every GEMM
 _BLOCK_H = 64  # hidden columns of the second layer per step of the third
 _GLOBAL_COLUMNS = 32  # columns of the global half per program of the mean (12 programs per DeiT-B image)
-# Rows of the mean's sequential sum loaded at once: one L2 round trip per 64 rows (the interpreter, which runs the
-# unrolled loads one by one, takes fewer: the same sum).
-_MEAN_UNROLL = 4 if INTERPRETED else 64
+_MEAN_ROWS = 256  # patch rows per step of the mean (a DeiT image at 224 in one step: one round trip to L2)
 
 
 def _tiles(total: int) -> _Tiles:
@@ -285,9 +285,9 @@ def _scores(
     ok = aligned(cu, z, parts, scores, w2, fc2.bias, w3, fc3.bias, w4, fc4.bias)
 
     args = (z, cu, w2, parts, total, num_prefix, *w2.stride(), channels, local, hidden, _GLOBAL_COLUMNS, _BLOCK_H,
-            _MEAN_UNROLL)  # fmt: skip
-    key = (x.dtype, channels, w2.stride()) if ok else None
-    _global_launcher(key, device, (batch, chunks), args, num_warps=1, num_stages=3)
+            _MEAN_ROWS)  # fmt: skip
+    key = (x.dtype, channels, w2.stride(), _MEAN_ROWS) if ok else None
+    _global_launcher(key, device, (batch, chunks), args, num_warps=4, num_stages=1)
 
     args = (
         z, cu, parts, w2, fc2.bias, w3, fc3.bias, w4, fc4.bias, scores, h2, total, *w2.stride(), *w3.stride(),

@@ -53,7 +53,9 @@ class PredictorLG(nn.Module):
         is_patch = ~prefix_rows(cu_seqlens, total, num_prefix)[:, None]
         z = self.in_conv(x)  # [T, C]
         half = z.shape[-1] // 2
-        glob = segment_sum(z[:, half:].masked_fill(~is_patch, 0.0), seg, batch)  # [B, C - C//2]
+        # The sum in fp32, rounded once to z's dtype, as the official code's ``.sum(dim=1)`` of a half tensor runs
+        # on a GPU; the division in z's dtype, as there.
+        glob = segment_sum(z[:, half:].float().masked_fill(~is_patch, 0.0), seg, batch).to(z.dtype)  # [B, C - C//2]
         glob = glob / segment_sum(is_patch.to(z.dtype), seg, batch).clamp_min(1.0)
         return self.out_conv(torch.cat([z[:, :half], glob[seg]], dim=-1))
 
