@@ -233,14 +233,14 @@ def logit_diff(out: torch.Tensor, ref: torch.Tensor) -> dict:
     }
 
 
-def check_logits(out: torch.Tensor, ref: torch.Tensor, bound: float) -> Check:
-    """Compares logits; NaN or a shape mismatch fails."""
+def check_logits(out: torch.Tensor, ref: torch.Tensor, bound: float, against: str = "the fp32 reference") -> Check:
+    """Compares logits with ``ref`` (``against`` names it in the reason); NaN or a shape mismatch fails."""
     if out.shape != ref.shape:
         return Check(False, None, bound, None, f"logits have shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
     diff = logit_diff(out, ref)
     err, top1 = diff["max"], diff["top1_agree"]
     if not err <= bound:  # NaN fails too
-        return Check(False, err, bound, top1, f"max |logit diff| {err:.3g} > bound {bound:.3g} vs the fp32 reference")
+        return Check(False, err, bound, top1, f"max |logit diff| {err:.3g} > bound {bound:.3g} vs {against}")
     return Check(True, err, bound, top1)
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from benchmarks import make_results, report_e2e, run_bench, tables
-from benchmarks.e2e_common import Lab
+from benchmarks.e2e_common import Lab, check_logits
 from benchmarks.timing import REGIONS, Marks, gpu_slug, stage_breakdown
 from benchmarks.workloads import WORKLOADS, synthetic_images, synthetic_selection, workload_kind
 from ragged_vit.pipelines.backends import PaddedSDPABackend, ReferenceBackend
@@ -58,6 +58,17 @@ def test_synthetic_selection_is_ragged_around_the_rate(keep_rate: float) -> None
 def test_synthetic_selection_keeps_all_at_rate_one() -> None:
     sel = synthetic_selection(4, 196, 1.0, CPU, seed=0)
     assert bool(sel.keep.all()) and sel.fixed_count and sel.count == 197
+
+
+def test_check_logits_names_what_it_compares_against() -> None:
+    ref = torch.zeros(2, 5)
+    assert check_logits(ref + 0.01, ref, 0.02).ok
+    failed = check_logits(ref + 0.03, ref, 0.02)
+    assert not failed.ok and failed.reason.endswith("vs the fp32 reference")
+    failed = check_logits(ref + 0.03, ref, 0.02, against="the eager pipeline")
+    assert not failed.ok and failed.reason.endswith("vs the eager pipeline")
+    assert not check_logits(ref + float("nan"), ref, 0.02).ok
+    assert "shape" in check_logits(ref[:1], ref, 0.02).reason
 
 
 def test_workload_kinds() -> None:
