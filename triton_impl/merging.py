@@ -30,7 +30,7 @@ program per image doing everything measured ~37 us per block at batch 1-4 on an 
    before it keep (their counts, from launch 3), moves its group starts to their merged rows and writes the merged
    ``cu_seqlens``.
 
-:func:`merge_rows` is one launch, ``_merge_kernel`` (grid ``(cdiv(capacity, 16), cdiv(C, 128))``: 16 rows of the
+:func:`merge_rows` is one launch, ``_merge_kernel`` (grid ``(cdiv(capacity, 8), cdiv(C, 128))``: 8 rows of the
 merged buffer, 128 channels, grid-stride up to ``T' = merged_cu_seqlens[B]``): each merged row reads its group of
 sources from the source lists (derived from the map by a stable sort when the caller has none), gathers them in row
 order (the k-th source of every row at a time), sums ``size * x`` in fp32 and the sizes in their integer dtype,
@@ -109,7 +109,9 @@ _MAX_BLOCK_DST = 1024  # rows per step of the destinations (an image's rows in o
 # spills at 64 (sm_90, 8 warps)
 _BLOCK_AB = 64
 _MAX_HEAD_DIM = 256  # D of one metric tile in registers
-_BLOCK_D = 16  # merged rows per step of the merge
+# Merged rows per step of the merge: 8 took 2.6 / 3.1 / 17.0 us per DeiT-B block at B = 1 / 4 / 64 against 3.5 / 3.4 /
+# 18.0 for 16 (H100, graph replay, r = 13; 4 to 32 rows, 64 to 256 channels, 2 to 8 warps swept in one call)
+_BLOCK_D = 8
 # Rows per program of the source lists (against _BLOCK_AB A rows): the smallest of these whose programs all fit on the
 # SMs at once (_list_rows); every program of an image also ranks its A rows and writes all its destinations.
 _LIST_ROWS = (32, 64, 128)
