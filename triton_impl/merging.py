@@ -5,7 +5,7 @@ reference :mod:`ragged_vit.reference.merging` (the rule: ``docs/tome.md``).
 launches in the fixed mode and four in the adaptive one, each spread over as many programs as its work allows (one
 program per image doing everything measured ~37 us per block at batch 1-4 on an H100: L1-bound on one SM):
 
-1. ``_metric_kernel`` (grid ``(B, cdiv(patches, 1024 / D))``): the metric of every patch row (the keys summed over
+1. ``_metric_kernel`` (grid ``(B, cdiv(patches, 256 / D))``): the metric of every patch row (the keys summed over
    heads in head order, every head's load in flight at once, divided by ``H``, then by the L2 norm clamped to
    ``1e-12``: ``F.normalize``; fp32, divisions and square root correctly rounded) into a ``[T, D]`` fp32 scratch.
    Every row's metric comes from the same tile shape, so equal keys give equal metrics, bit for bit.
@@ -74,7 +74,9 @@ Cost (``docs/tome.md``, H100, DeiT-B r = 13, per block): at B = 1 the metric 5, 
 the merge 4 us; at B = 64 about 12 us each. Spreading the match's source lists over programs took the whole decision
 (graph replay) from 25.9 / 26.8 / 44.4 to 21.6 / 22.4 / 39.8 us at B = 1 / 4 / 64 with 128 rows a program, and
 18.7 / 19.3 at B = 1 / 4 with 32 (``_list_rows``). One program per image doing the whole matching took ~37 us per block
-at B = 1-4 (L1-bound on one SM); fp16/TF32 similarity tiles would lose the fp32 exactness above.
+at B = 1-4 (L1-bound on one SM); fp16/TF32 similarity tiles would lose the fp32 exactness above. Tile sweeps (H100,
+graph replay): the metric in steps of 4 DeiT-B rows (was 16) takes the decision to 16.6 / 17.5 / 39.2 us, the merge
+in steps of 8 rows (was 16) takes 2.6 / 3.1 / 17.0 us (``_METRIC_ELEMENTS``, ``_BLOCK_D``).
 
 Not supported: fp64 (the reference's fp64 metric and float64 sums); non-finite keys (the reference refuses them;
 here a NaN best similarity ranks last, as ``-inf``, and the map stays valid: every destination inside its image's
@@ -103,7 +105,10 @@ from ragged_vit.triton_impl.cls_attention import image_rows
 from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, cdiv, int_spec, next_power_of_2, scratch
 from ragged_vit.triton_impl.pack import store_total_and_longest
 
-_METRIC_ELEMENTS = 1024  # keys per head of one metric step (DeiT-B: 16 rows of 64), every head loaded at once
+# Keys per head of one metric step (DeiT-B: 4 rows of 64), every head loaded at once: 256 took the decision 16.6 /
+# 17.5 / 39.2 us per DeiT-B block at B = 1 / 4 / 64 against 18.8 / 19.4 / 39.9 for 1024 (H100, graph replay, r = 13;
+# 64 to 2048 swept with 2 to 8 warps in one call)
+_METRIC_ELEMENTS = 256
 _MAX_BLOCK_DST = 1024  # rows per step of the destinations (an image's rows in one step up to this)
 # A rows and B rows per similarity tile (DeiT-B: 98 x 98 in 2 x 2 tiles), also the rank's tiles; 32 for D > 64, which
 # spills at 64 (sm_90, 8 warps)
