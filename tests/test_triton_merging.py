@@ -188,6 +188,16 @@ def test_decisions_are_the_reference_interpreter(num_prefix, dtype, gen):
         _decisions("cpu", LENGTHS, mode, num_prefix, gen, CPU_SHAPE, dtype)
 
 
+@pytest.mark.interpreter
+def test_decisions_on_large_batch_tiles_interpreter(gen, monkeypatch):
+    """The tiles of a batch too large for the SMs (32 A rows a program of the best match, 128 rows of the source
+    lists): the same maps as the reference's."""
+    monkeypatch.setattr(ker, "_INTERPRETER_SMS", 1)
+    assert ker._best_tile(1, 20, 1) == ker._BEST_TILES[1] and ker._list_rows(1, 200, 1) == ker._LIST_ROWS[-1]
+    for mode in MODES:
+        _decisions("cpu", LENGTHS, mode, 1, gen, CPU_SHAPE)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("num_prefix", [0, 1, 2])
@@ -614,6 +624,13 @@ def test_decision_host_ops(mode, monkeypatch):
     limit, threshold = _limit_threshold(mode)
     names = op_names(ker.decide_merges_unchecked, keys, cu, 6, 1, limit, threshold)
     assert sorted(names) == ["aten::empty", "aten::empty", "aten::split_with_sizes"], names
+
+
+def test_best_match_tiles_fill_one_wave():
+    """The best match's A rows and warps per program: 16 rows in 4 warps while the programs all run at once (DeiT-B's
+    98 A rows on 132 SMs: up to B = 18), then 32 rows in 2 warps."""
+    got = [ker._best_tile(b, 98, 132) for b in (1, 4, 18, 19, 64)]
+    assert got == [(16, 4), (16, 4), (16, 4), (32, 2), (32, 2)]
 
 
 def test_source_list_tiles_fill_one_wave():

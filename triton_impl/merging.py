@@ -9,7 +9,8 @@ program per image doing everything measured ~37 us per block at batch 1-4 on an 
    heads in head order, every head's load in flight at once, divided by ``H``, then by the L2 norm clamped to
    ``1e-12``: ``F.normalize``; fp32, divisions and square root correctly rounded) into a ``[T, D]`` fp32 scratch.
    Every row's metric comes from the same tile shape, so equal keys give equal metrics, bit for bit.
-2. ``_best_kernel`` (grid ``(B, cdiv(patches / 2, 16))``: an image and 16 of its A rows): each A row's best B row,
+2. ``_best_kernel`` (grid ``(B, cdiv(patches / 2, 16))``: an image and 16 of its A rows, 32 once the programs no
+   longer fit on the SMs at once): each A row's best B row,
    by ``tl.dot`` of fp32 metric tiles (IEEE fp32, not TF32) against B tiles of up to 64 rows in order, the first
    maximum winning (the lowest B index); its similarity's bits and the B index into a ``[3, T]`` int32 scratch.
 3. ``_match_kernel`` (grid ``(B, cdiv(n, S))``: an image and ``S`` of its rows, 32, 64 or 128, the least whose
@@ -122,7 +123,11 @@ _BLOCK_D = 8
 _LIST_ROWS = (32, 64, 128)
 _INTERPRETER_SMS = 132  # the SMs the interpreter assumes (an H100's), so the CPU twins run the GPU's tiles
 _BLOCK_C = 128  # channels per program of the merge (DeiT-B: 6)
-_BLOCK_A = 16  # A rows per program of the best-match search (tl.dot's least): a DeiT-B image over 7 programs
+# A rows and warps per program of the best-match search: 16 rows (tl.dot's least) in 4 warps while the programs all
+# run at once (_best_tile: a DeiT-B image over 7 programs, up to B = 18 on an H100), else 32 rows in 2 warps: 31.1 us
+# per DeiT-B decision at B = 64 against 39.4 (H100, graph replay, r = 13; 16 to 64 rows, 2 or 4 warps swept in one
+# call; at B 1 / 4 / 16, 16 rows in 4 warps stayed fastest: 16.5 / 17.1 / 18.3 us)
+_BEST_TILES = ((16, 4), (32, 2))
 _NUM_WARPS = 4
 _MATCH_WARPS = 8  # the match kernel: one program per image (8 warps: 10% faster than 4 at B 1-64, H200)
 
@@ -429,6 +434,13 @@ def _list_rows(batch: int, max_seqlen: int, sms: int) -> int:
     return next((t for t in _LIST_ROWS if batch * cdiv(max(max_seqlen, 1), t) <= sms), _LIST_ROWS[-1])
 
 
+def _best_tile(batch: int, num_a: int, sms: int) -> tuple[int, int]:
+    """A rows and warps per program of the best-match search (``_BEST_TILES``): the small tile while its ``batch *
+    cdiv(num_a, rows)`` programs all run at once on ``sms`` SMs, else the large one."""
+    (rows, warps), large = _BEST_TILES
+    return (rows, warps) if batch * cdiv(max(num_a, 1), rows) <= sms else large
+
+
 def _tile(width: int, cap: int) -> int:
     """A power-of-two tile of at least 16 (``tl.dot``'s least) and at most ``cap`` covering ``width`` if it can."""
     return min(cap, max(16, next_power_of_2(width)))
@@ -521,16 +533,19 @@ def decide_merges_unchecked(
     strides = keys.stride()
     device_index, patches = keys.get_device(), max(max_seqlen - num_prefix, 1)
     starts = next(views) if adaptive else out.source_offsets
-    block_s = _list_rows(batch, max_seqlen, _sm_count(device_index) if keys.is_cuda else _INTERPRETER_SMS)
+    sms = _sm_count(device_index) if keys.is_cuda else _INTERPRETER_SMS
+    block_s = _list_rows(batch, max_seqlen, sms)
+    block_a, best_warps = _best_tile(batch, cdiv(patches, 2), sms)
     ok = aligned(keys, cu, metric, work, out.destination, out.kept, out.cu_seqlens, out.sources, out.source_offsets,
                  starts)  # fmt: skip
     args = (keys, cu, metric, total, *strides, limit, num_prefix, heads, dim, d_pad, block_m)
     key = (keys.dtype, heads, dim, block_m, *map(int_spec, strides)) if ok else None
     grid = (batch, cdiv(patches, block_m))
     _metric_launcher(key, device_index, grid, args, num_warps=_NUM_WARPS, num_stages=1)
-    args = (cu, metric, work, total, limit, num_prefix, d_pad, _BLOCK_A, block_ab)
-    grid = (batch, cdiv(cdiv(patches, 2), _BLOCK_A))
-    _best_launcher((d_pad, block_ab) if ok else None, device_index, grid, args, num_warps=_NUM_WARPS, num_stages=1)
+    args = (cu, metric, work, total, limit, num_prefix, d_pad, block_a, block_ab)
+    grid = (batch, cdiv(cdiv(patches, 2), block_a))
+    key = (d_pad, block_ab, block_a, best_warps) if ok else None
+    _best_launcher(key, device_index, grid, args, num_warps=best_warps, num_stages=1)
     args = (
         cu, work, out.destination, out.kept, out.cu_seqlens, out.sources, starts, total, batch, limit,
         _fp32_threshold(threshold) if adaptive else 0.0, num_prefix, block_ab, block_dst, block_s, b_pad, adaptive,
