@@ -6,7 +6,8 @@ head dims 32 to 256 (80: padded inside the kernel), attention with and without a
 off an aligned address);
 then the pruners' decision kernels (Threshold-L2, ATS, EViT with its fused token, DynamicViT) and ToMe's matching and
 merge (fixed and adaptive, into an exact and a larger buffer) on the same kind of batch, with an image longer than the
-bound, empty images, NaN rows, and 0, 1 or 5 prefix rows; then a small ToMe pipeline, eager and graphed.
+bound, empty images, NaN rows, and 0, 1 or 5 prefix rows, and on 40 images (the large-batch tiles); then a small ToMe
+pipeline, eager and graphed.
 """
 
 from __future__ import annotations
@@ -59,6 +60,13 @@ def decisions(device: str, gen: torch.Generator) -> None:
             sources = (merged.sources, merged.source_offsets)
             merging.merge_rows(qkv[:, :768], sizes, merged.destination, cu, merged.cu_seqlens, sources=sources)
             merging.merge_rows(qkv[:, :768], sizes, merged.destination, cu, merged.cu_seqlens, capacity=total + 9)
+    # 40 ragged images of up to 197 rows: past one wave of the best match's programs (its 32-row tiles)
+    many = cu_seqlens_from_counts(torch.randint(0, 198, (40,), generator=gen)).to(device)
+    big = torch.randn(int(many[-1]), 12, 64, generator=gen).to(device, torch.float16)
+    for mode in ({"r": 13}, {"threshold": 0.0, "r_max": 40}):
+        merged = merging.decide_merges(big, many, 197, 1, **mode)
+        merging.merge_rows(big.flatten(1), torch.ones(big.shape[0], dtype=torch.int32, device=device),
+                           merged.destination, many, merged.cu_seqlens, sources=(merged.sources, merged.source_offsets))
 
 
 def tome_pipeline() -> None:
