@@ -92,6 +92,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import struct
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import torch
 import triton
@@ -426,19 +428,27 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+_Tile = TypeVar("_Tile")
+
+
+def _one_wave(tiles: Sequence[_Tile], rows_of: Callable[[_Tile], int], batch: int, n: int, sms: int) -> _Tile:
+    """The first of ``tiles`` whose ``batch * cdiv(n, rows_of(tile))`` programs all run at once on ``sms`` SMs, else
+    the last: what :func:`_list_rows` and :func:`_best_tile` pick by."""
+    return next((t for t in tiles if batch * cdiv(max(n, 1), rows_of(t)) <= sms), tiles[-1])
+
+
 def _list_rows(batch: int, max_seqlen: int, sms: int) -> int:
     """Rows per program of the match's source lists: the smallest tile whose ``batch * cdiv(max_seqlen, tile)``
     programs all run at once on ``sms`` SMs, else the largest. Smaller tiles shorten the serial phase; past one
     wave, the ranking each program repeats costs more (H100, DeiT-B, r = 13, graph replay of the whole decision:
     32 rows 18.7 / 19.3 / 48.8 us at B = 1 / 4 / 64, 64 rows 19.7 / 19.8 / 45.9, 128 rows 21.4 / 22.3 / 39.6)."""
-    return next((t for t in _LIST_ROWS if batch * cdiv(max(max_seqlen, 1), t) <= sms), _LIST_ROWS[-1])
+    return _one_wave(_LIST_ROWS, int, batch, max_seqlen, sms)
 
 
 def _best_tile(batch: int, num_a: int, sms: int) -> tuple[int, int]:
     """A rows and warps per program of the best-match search (``_BEST_TILES``): the small tile while its ``batch *
     cdiv(num_a, rows)`` programs all run at once on ``sms`` SMs, else the large one."""
-    (rows, warps), large = _BEST_TILES
-    return (rows, warps) if batch * cdiv(max(num_a, 1), rows) <= sms else large
+    return _one_wave(_BEST_TILES, lambda tile: tile[0], batch, num_a, sms)
 
 
 def _tile(width: int, cap: int) -> int:
@@ -526,16 +536,18 @@ def decide_merges_unchecked(
     work = next(views)  # [3, T] flat: best similarities' bits, best B rows, merged A rows
     d_pad = _tile(dim, _MAX_HEAD_DIM)
     metric = torch.empty(total, d_pad, dtype=torch.float32, device=device)
-    block_ab = _tile(cdiv(max(max_seqlen - num_prefix, 1), 2), _BLOCK_AB if d_pad <= 64 else _BLOCK_AB // 2)
+    patches = max(max_seqlen - num_prefix, 1)
+    num_a = cdiv(patches, 2)  # a bound on every image's A rows
+    block_ab = _tile(num_a, _BLOCK_AB if d_pad <= 64 else _BLOCK_AB // 2)
     b_pad = 1 if adaptive else next_power_of_2(batch)  # the fixed mode's offsets read every image's length
     block_m = max(1, _METRIC_ELEMENTS // d_pad)
     block_dst = min(_MAX_BLOCK_DST, next_power_of_2(max(max_seqlen, 16)))
     strides = keys.stride()
-    device_index, patches = keys.get_device(), max(max_seqlen - num_prefix, 1)
+    device_index = keys.get_device()
     starts = next(views) if adaptive else out.source_offsets
     sms = _sm_count(device_index) if keys.is_cuda else _INTERPRETER_SMS
     block_s = _list_rows(batch, max_seqlen, sms)
-    block_a, best_warps = _best_tile(batch, cdiv(patches, 2), sms)
+    block_a, best_warps = _best_tile(batch, num_a, sms)
     ok = aligned(keys, cu, metric, work, out.destination, out.kept, out.cu_seqlens, out.sources, out.source_offsets,
                  starts)  # fmt: skip
     args = (keys, cu, metric, total, *strides, limit, num_prefix, heads, dim, d_pad, block_m)
@@ -543,7 +555,7 @@ def decide_merges_unchecked(
     grid = (batch, cdiv(patches, block_m))
     _metric_launcher(key, device_index, grid, args, num_warps=_NUM_WARPS, num_stages=1)
     args = (cu, metric, work, total, limit, num_prefix, d_pad, block_a, block_ab)
-    grid = (batch, cdiv(cdiv(patches, 2), block_a))
+    grid = (batch, cdiv(num_a, block_a))
     key = (d_pad, block_ab, block_a, best_warps) if ok else None
     _best_launcher(key, device_index, grid, args, num_warps=best_warps, num_stages=1)
     args = (
