@@ -497,7 +497,8 @@ class GraphedPrunedViT:
         state = self._chain_input(bufs, chain[0])
         mlp_done = False  # the MLP half after a repack already ran beside its decision
         for shape in chain:
-            for step in plan.segments[shape.index]:
+            steps = plan.segments[shape.index]
+            for i, step in enumerate(steps):
                 if step.kind is StepKind.REPACK:
                     self._repack(bufs, shape, state)
                 elif step.kind is StepKind.MLP and mlp_done:
@@ -505,8 +506,8 @@ class GraphedPrunedViT:
                 elif step.kind is StepKind.DECIDE and shape is not chain[-1] and self._overlaps(step):
                     pipeline.decide_beside_mlp(step, state)
                     mlp_done = True
-                else:
-                    pipeline.run_step(step, state)
+                else:  # the next step, if any: an MLP step before an ATTENTION step prepares its qkv
+                    pipeline.run_step(step, state, steps[i + 1] if i + 1 < len(steps) else None)
         last = chain[-1]
         if last.index == len(plan.segments) - 1:
             bufs.logits.copy_(state.logits)

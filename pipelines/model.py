@@ -67,11 +67,13 @@ from ragged_vit.pipelines.packed_block import (
     compiled_attention_parts,
     compiled_blocks,
     compiled_halves,
+    compiled_mlp_qkv,
     dense_block,
     packed_attention,
     packed_attention_residual,
     packed_blocks,
     packed_mlp,
+    packed_mlp_qkv,
     packed_qkv,
 )
 from ragged_vit.pipelines.patch_embed import patch_embed_gemm, supports_gemm
@@ -128,6 +130,9 @@ class ForwardState:
             each).
         key_bias: fp32 ``[T]``: ``log(sizes)``, added to every key's attention logits in the blocks after a merge
             (ToMe's proportional attention); None before the first merge.
+        prepared: ``(block, normed, qkv)``: ``norm1`` of ``x`` and the qkv projection of ``block``, computed by the
+            MLP step before that block's ATTENTION step (:meth:`PrunedViT.run_step`'s ``following``), which takes
+            them (:meth:`take_prepared`); None otherwise.
     """
 
     batch: int
@@ -140,6 +145,16 @@ class ForwardState:
     num_patches: int = 0
     sizes: torch.Tensor | None = None
     key_bias: torch.Tensor | None = None
+    prepared: tuple[int, torch.Tensor, torch.Tensor] | None = None
+
+    def take_prepared(self, block: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(normed, qkv)`` of ``block`` if the step before computed them (``prepared``, cleared here), else None."""
+        prepared, self.prepared = self.prepared, None
+        if prepared is None:
+            return None
+        if prepared[0] != block:
+            raise RuntimeError(f"block {prepared[0]}'s qkv was prepared, but block {block}'s attention runs next")
+        return prepared[1], prepared[2]
 
     def row_sizes(self) -> torch.Tensor:
         """``sizes``, or before the first merge int32 ones ``[T]`` (every row holds one patch): what a merge weighs
@@ -370,7 +385,7 @@ class PrunedViT(nn.Module):
                     (_merge_exact if self._merges else _repack_exact)(state, step.stage, plan.num_prefix)
                 offsets.append(state.cu_seqlens)
             else:
-                self.run_step(step, state)
+                self.run_step(step, state, plan.steps[index + 1] if index + 1 < len(plan.steps) else None)
         if offsets and counts:  # every stage's lengths in one go (a few launches, not two per stage)
             cu = torch.stack([c if c.shape[0] == state.batch + 1 else c[: state.batch + 1] for c in offsets])
             lengths = (cu[:, 1:] - cu[:, :-1] - plan.num_prefix).t()  # [B, S] int32, transposed
@@ -396,10 +411,12 @@ class PrunedViT(nn.Module):
             self.pruner.check_ready()
         return images
 
-    def run_step(self, step: Step, state: ForwardState) -> None:
+    def run_step(self, step: Step, state: ForwardState, following: Step | None = None) -> None:
         """Runs one step of the plan of ``state``'s image size (:meth:`plan_for`; what a step does is the same at
         every size) on ``state`` (in place), on checked input; REPACK is the executor's own (exact sizes here in
-        :meth:`run`; fixed capacities in the graph executor)."""
+        :meth:`run`; fixed capacities in the graph executor). ``following``: the step that runs next on the same
+        state, if the executor knows it: an MLP step followed by an ATTENTION step also computes that block's
+        ``norm1`` and qkv (``state.prepared``, :func:`packed_mlp_qkv`), which the ATTENTION step takes."""
         kind = step.kind
         blocks = self.model.blocks
         if kind is StepKind.FRONT:
@@ -416,11 +433,21 @@ class PrunedViT(nn.Module):
             x, cu, bias = state.x, state.cu_seqlens, state.key_bias
             state.x = run_blocks(group, x, cu, state.max_seqlen, self._backend, key_bias=bias)
         elif kind is StepKind.ATTENTION:
-            attention_half = compiled_halves()[0] if self.compile_blocks else packed_attention
             (block,) = step.blocks
-            x, cu = state.x, state.cu_seqlens
-            bias = state.key_bias
-            state.x, state.qkv = attention_half(blocks[block], x, cu, state.max_seqlen, self._backend, key_bias=bias)
+            x, bias, prepared = state.x, state.key_bias, state.take_prepared(block)
+            packed = (state.cu_seqlens, state.max_seqlen, self._backend)
+            if prepared is None:
+                attention_half = compiled_halves()[0] if self.compile_blocks else packed_attention
+                state.x, state.qkv = attention_half(blocks[block], x, *packed, key_bias=bias)
+            else:
+                residual_part = compiled_attention_parts()[1] if self.compile_blocks else packed_attention_residual
+                normed, state.qkv = prepared
+                state.x = residual_part(blocks[block], x, normed, state.qkv, *packed, key_bias=bias)
+        elif kind is StepKind.MLP and following is not None and following.kind is StepKind.ATTENTION:
+            mlp_qkv = compiled_mlp_qkv() if self.compile_blocks else packed_mlp_qkv
+            (block,), (after,) = step.blocks, following.blocks
+            state.x, normed, qkv = mlp_qkv(blocks[block], state.x, blocks[after])
+            state.prepared = (after, normed, qkv)
         elif kind is StepKind.MLP:
             mlp_half = compiled_halves()[1] if self.compile_blocks else packed_mlp
             (block,) = step.blocks
@@ -441,8 +468,9 @@ class PrunedViT(nn.Module):
         (block,) = step.blocks
         qkv_part, residual_part = compiled_attention_parts() if self.compile_blocks else (
             packed_qkv, packed_attention_residual)  # fmt: skip
+        prepared = state.take_prepared(block)
         block, x = self.model.blocks[block], state.x
-        normed, state.qkv = qkv_part(block, x)
+        normed, state.qkv = qkv_part(block, x) if prepared is None else prepared
         rest = (block, x, normed, state.qkv, state.cu_seqlens, state.max_seqlen, self._backend, state.key_bias)
         # the decision reads the qkv projection (and the rows' count) only; ``rest`` keeps the pre-residual rows
         state.selection, state.x = beside(x.device, lambda: self._decide(stage, state), lambda: residual_part(*rest))

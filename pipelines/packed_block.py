@@ -341,6 +341,15 @@ def packed_mlp(block: Block, x: torch.Tensor) -> torch.Tensor:
     return _mlp_half(_parts(block), x)
 
 
+def packed_mlp_qkv(block: Block, x: torch.Tensor, following: Block) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`packed_mlp` of ``block``, then :func:`packed_qkv` of the block after it, in one call: the residual
+    stream ``[T, C]``, ``following.norm1`` of it and ``following``'s qkv projection. The same ops as the two calls;
+    under ``torch.compile`` the MLP's residual add and the next ``norm1`` become one kernel (a launch less per block
+    where a mid-block stage splits every block, as ToMe's merge does)."""
+    x = _mlp_half(_parts(block), x)
+    return (x, *packed_qkv(following, x))
+
+
 def packed_block(
     block: Block,
     x: torch.Tensor,
@@ -404,6 +413,12 @@ def compiled_attention_parts() -> tuple[Callable, Callable]:
     """:func:`packed_qkv` and :func:`packed_attention_residual` under ``torch.compile`` (as :func:`compiled_halves`).
     Compiled on first use."""
     return torch.compile(packed_qkv), torch.compile(packed_attention_residual)
+
+
+@functools.cache
+def compiled_mlp_qkv() -> Callable:
+    """:func:`packed_mlp_qkv` under ``torch.compile`` (as :func:`compiled_halves`). Compiled on first use."""
+    return torch.compile(packed_mlp_qkv)
 
 
 @functools.cache

@@ -33,6 +33,7 @@ from ragged_vit.pipelines.packed_block import (
     packed_block,
     packed_blocks,
     packed_mlp,
+    packed_mlp_qkv,
     packed_qkv,
 )
 from ragged_vit.pipelines.plan import StepKind
@@ -72,10 +73,11 @@ def make_block(gen: torch.Generator, **kwargs) -> Block:
 
 
 @contextlib.contextmanager
-def module_path(block: nn.Module):
-    """Forces the module path with a no-op hook on ``block.norm1`` and checks the hook ran (so it did)."""
+def module_path(block: nn.Module, norm: str = "norm1"):
+    """Forces the module path with a no-op hook on ``block.norm1`` (or ``norm``) and checks the hook ran (so it
+    did)."""
     calls = []
-    handle = block.norm1.register_forward_pre_hook(lambda _module, _args: calls.append(1))
+    handle = getattr(block, norm).register_forward_pre_hook(lambda _module, _args: calls.append(1))
     try:
         assert lean_block(block) is None
         yield
@@ -296,6 +298,20 @@ def test_attention_half_split_at_its_qkv_projection_is_bitwise_the_half(lean, ge
         normed, qkv = packed_qkv(block, x)
         split = packed_attention_residual(block, x, normed, qkv, cu, max_seqlen, backend, key_bias=bias)
     assert torch.equal(qkv, whole_qkv) and torch.equal(split, whole)
+
+
+@pytest.mark.parametrize("lean", [True, False], ids=["lean", "modules"])
+def test_mlp_half_with_the_next_qkv_is_bitwise_the_two_calls(lean, gen):
+    """:func:`packed_mlp_qkv` (an MLP half that also starts the next block's attention) is :func:`packed_mlp`, then
+    :func:`packed_qkv` of the next block, bit for bit."""
+    block, following = make_block(gen, qkv_bias=True, init_values=1e-2), make_block(gen, qkv_bias=True)
+    x, _, _ = packed_input(gen)
+    paths = [contextlib.nullcontext()] * 2 if lean else [module_path(block, "norm2"), module_path(following)]
+    with torch.no_grad(), paths[0], paths[1]:
+        fused = packed_mlp_qkv(block, x, following)
+        mid = packed_mlp(block, x)
+        apart = (mid, *packed_qkv(following, mid))
+    assert len(fused) == 3 and all(torch.equal(a, b) for a, b in zip(fused, apart, strict=True))
 
 
 def test_key_bias_changes_the_reference_attention(gen):

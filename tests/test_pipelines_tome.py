@@ -26,6 +26,7 @@ from ragged_vit.core.selection import MergeSelection
 from ragged_vit.pipelines.buckets import TokenBuckets
 from ragged_vit.pipelines.cli import build_parser, pruner_arguments
 from ragged_vit.pipelines.cli import main as cli_main
+from ragged_vit.pipelines import model as model_module
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.reference.merging import fixed_r_counts
 from ragged_vit.reference.pruners import ToMeMerger, make_pruner
@@ -175,6 +176,36 @@ def test_pipeline_equals_the_reference_forward(mode, pool, batch):
             b] - 1 for b in merging]  # fmt: skip
     elif batch > 1:
         assert len(set(map(tuple, out.counts.tolist()))) > 1, "equal counts: the adaptive case proves little"
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Records the block of every :func:`packed_mlp_qkv` call of the pipelines (an MLP half preparing the next
+    block's qkv)."""
+    real, calls = model_module.packed_mlp_qkv, []
+
+    def spy(block, x, following):
+        calls.append(following)
+        return real(block, x, following)
+
+    monkeypatch.setattr(model_module, "packed_mlp_qkv", spy)
+    return calls
+
+
+@pytest.mark.parametrize("batch", [1, 3])  # 1: the next attention beside its decision
+@pytest.mark.parametrize("mode", ["fixed", "adaptive"])
+def test_each_mlp_half_prepares_the_next_attention(mode, batch, fused_calls, monkeypatch):
+    """Every merging block's MLP half also computes the next block's ``norm1`` and qkv (one compiled call under
+    ``compile_blocks``: the residual add and the LayerNorm in one kernel), which that block's attention step takes:
+    the logits and counts are those of the steps run apart, bit for bit."""
+    pv, x = PrunedViT(small_model(), merger(mode), "reference"), images(batch, 7)
+    out = pv.run(x)
+    assert fused_calls == list(pv.model.blocks[1:])
+    run_step = PrunedViT.run_step
+    monkeypatch.setattr(PrunedViT, "run_step", lambda self, step, state, following=None: run_step(self, step, state))
+    apart = pv.run(x)
+    assert len(fused_calls) == DEPTH - 1  # none more
+    assert torch.equal(out.logits, apart.logits) and torch.equal(out.counts, apart.counts)
 
 
 @pytest.mark.interpreter
@@ -350,11 +381,13 @@ def test_graphed_fixed_r_runs_the_pipeline_itself():
     [{"sync_free_rows": 0}, {"sync_free_rows": 10_000}, {"lagged_reads": True}],
     ids=["reads", "no-reads", "lagged"],
 )
-def test_graphed_adaptive_merges_match_eager_with_nan_padding(reads, poisoned):
+def test_graphed_adaptive_merges_match_eager_with_nan_padding(reads, poisoned, fused_calls):
     pv = PrunedViT(small_model("avg"), merger("adaptive"), "triton")
     runner = GraphedPrunedViT(pv, TokenBuckets(step=6, seqlen_step=4, **reads))
     x = images(3, 6)
-    out, ref = runner.run(x), pv.run(x)
+    out = runner.run(x)
+    assert fused_calls == list(pv.model.blocks[1:])  # inside the segments too: each MLP prepares the next qkv
+    ref = pv.run(x)
     assert torch.equal(out.counts, ref.counts)
     assert bool(torch.isfinite(out.logits).all())
     torch.testing.assert_close(out.logits, ref.logits, **FP32)
