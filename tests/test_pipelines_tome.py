@@ -23,10 +23,10 @@ import torch
 
 from ragged_vit import PrunedViT, build_pipeline
 from ragged_vit.core.selection import MergeSelection
+from ragged_vit.pipelines import model as model_module
 from ragged_vit.pipelines.buckets import TokenBuckets
 from ragged_vit.pipelines.cli import build_parser, pruner_arguments
 from ragged_vit.pipelines.cli import main as cli_main
-from ragged_vit.pipelines import model as model_module
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.reference.merging import fixed_r_counts
 from ragged_vit.reference.pruners import ToMeMerger, make_pruner
