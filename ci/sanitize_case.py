@@ -5,7 +5,8 @@ Mixed lengths (1..577), a fused extra token, a capacity-bounded repack and a too
 head dims 32 to 256 (80: padded inside the kernel), attention with and without a key bias (aligned, and one element
 off an aligned address);
 then the pruners' decision kernels (Threshold-L2, ATS, EViT with its fused token, DynamicViT) and ToMe's matching and
-merge (fixed and adaptive, into an exact and a larger buffer) on the same kind of batch, with an image longer than the
+merge (fixed and adaptive, into an exact and a larger buffer, and with the residual add and LayerNorm fused) on the
+same kind of batch, with an image longer than the
 bound, empty images, NaN rows, and 0, 1 or 5 prefix rows, and on 40 images (the large-batch tiles); then a small ToMe
 pipeline, eager and graphed.
 """
@@ -60,6 +61,11 @@ def decisions(device: str, gen: torch.Generator) -> None:
             sources = (merged.sources, merged.source_offsets)
             merging.merge_rows(qkv[:, :768], sizes, merged.destination, cu, merged.cu_seqlens, sources=sources)
             merging.merge_rows(qkv[:, :768], sizes, merged.destination, cu, merged.cu_seqlens, capacity=total + 9)
+            normed = torch.empty(total + 9, 768, device=device, dtype=qkv.dtype)
+            weight, bias = torch.randn(2, 768, generator=gen).to(device, qkv.dtype)
+            merging.merge_rows(qkv[:, :768], sizes, merged.destination, cu, merged.cu_seqlens, sources=sources,
+                               capacity=total + 9, residual=qkv[:, 1536:], normed=normed, norm_weight=weight,
+                               norm_bias=bias)  # fmt: skip
     # 40 ragged images of up to 197 rows: past one wave of the best match's programs (its 32-row tiles)
     many = cu_seqlens_from_counts(torch.randint(0, 198, (40,), generator=gen)).to(device)
     big = torch.randn(int(many[-1]), 12, 64, generator=gen).to(device, torch.float16)

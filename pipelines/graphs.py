@@ -88,7 +88,7 @@ from ragged_vit.core.selection import MergeSelection, TokenSelection
 from ragged_vit.core.validation import check_int
 from ragged_vit.pipelines.backends import BACKENDS
 from ragged_vit.pipelines.buckets import TokenBuckets, default_sync_free_rows, padding_images
-from ragged_vit.pipelines.model import ForwardState, PrunedOutput, PrunedViT, merge_sources_of
+from ragged_vit.pipelines.model import ForwardState, PrunedOutput, PrunedViT, merge_fusion, merge_sources_of
 from ragged_vit.pipelines.plan import ForwardPlan, Step, StepKind
 from ragged_vit.triton_impl import merging as triton_merging
 from ragged_vit.triton_impl import pack as triton_pack
@@ -520,8 +520,9 @@ class GraphedPrunedViT:
     def _chain_input(self, bufs: _Buffers, first: SegmentShape) -> ForwardState:
         """The state a chain starts from: the images, or the decision the previous graph stored."""
         batch, index = bufs.batch, first.index
+        merges = bool(bufs.sizes)  # every merge here is the Triton kernel's: it may take the residual add
         if index == 0:
-            return ForwardState(batch, bufs.images, cu_seqlens=bufs.cu[0, : batch + 1])
+            return ForwardState(batch, bufs.images, cu_seqlens=bufs.cu[0, : batch + 1], fuse_merge=merges)
         side = (index - 1) % 2
         num_patches = bufs.tokens - bufs.plan.num_prefix  # FRONT sets it in segment 0
         cu = bufs.cu[index - 1, : batch + 1]
@@ -529,7 +530,7 @@ class GraphedPrunedViT:
             rows = first.capacity
             return ForwardState(
                 batch, bufs.x[side][:rows], bufs.merged_cu[side], num_patches=num_patches,
-                sizes=bufs.sizes[side][:rows], key_bias=bufs.key_bias[side][:rows],
+                sizes=bufs.sizes[side][:rows], key_bias=bufs.key_bias[side][:rows], fuse_merge=True,
             )  # fmt: skip
         selection = TokenSelection(bufs.keep[side], bufs.kept[side])
         return ForwardState(batch, bufs.x[side], cu, selection=selection, num_patches=num_patches)
@@ -572,7 +573,7 @@ class GraphedPrunedViT:
         state.x, state.sizes = triton_merging.merge_rows_unchecked(
             x, sizes, *merge_sources_of(sel), merged_cu, x.new_empty((shape.capacity, x.shape[1])),
             sizes.new_empty(shape.capacity), state.key_bias, cu_out=cu, padding_images=shape.pads,
-            padding_len=shape.max_seqlen,
+            padding_len=shape.max_seqlen, **merge_fusion(state, shape.capacity),
         )  # fmt: skip  # rows from the real total on are not written (the padding images': theirs only)
         state.cu_seqlens, state.max_seqlen = cu, shape.max_seqlen
         state.selection = state.qkv = None
@@ -590,6 +591,7 @@ class GraphedPrunedViT:
             triton_merging.merge_rows_unchecked(
                 x, state.row_sizes(), *merge_sources_of(sel), sel.cu_seqlens[: batch + 1], bufs.x[side],
                 bufs.sizes[side], bufs.key_bias[side], cu_out=bufs.merged_cu[side], total_and_longest=stats,
+                **merge_fusion(state, None),  # the residual add; the next graph's MLP normalises its rows itself
             )  # fmt: skip  # rows from the merged total on keep what they held (the next graph's padding rows)
         else:
             if stats is not None:

@@ -69,7 +69,9 @@ from ragged_vit.pipelines.packed_block import (
     compiled_halves,
     compiled_mlp_qkv,
     dense_block,
+    lean_block,
     packed_attention,
+    packed_attention_branch,
     packed_attention_residual,
     packed_blocks,
     packed_mlp,
@@ -90,7 +92,7 @@ will find it (instrumentation: a CUDA event per region, or a stage's decision in
 
 OVERLAP_MAX_IMAGES = 1
 """Batches of at most this many images run a merging stage's decision beside its block's attention core while a
-CUDA graph is captured (:meth:`PrunedViT._attention_beside_decision`). One image's attention leaves most SMs idle;
+CUDA graph is captured (:meth:`PrunedViT._attention`). One image's attention leaves most SMs idle;
 at batch 4 its programs fill the GPU and the side branch only adds its fork and join (ToMe r = 13, graphs +
 compile_blocks, H100: -14% time per forward at B = 1; beside it at every batch size, +5% at B = 4 and +1% at
 B = 64; ``docs/tome.md``)."""
@@ -110,6 +112,29 @@ class PrunedOutput:
     logits: torch.Tensor
     counts: torch.Tensor
     selections: list[Decision] = field(default_factory=list)
+
+
+@dataclass(frozen=True, eq=False)
+class MergeFusion:
+    """The work around a merge that the Triton merge kernel takes over from a plain block (``merge_fusion``).
+
+    Attributes:
+        branch: the block's attention branch ``ls1(proj(attend))`` ``[T, C]``, whose residual add the merge makes
+            (each row's sum rounded as the add rounds it).
+        norm: the block's ``norm2``; the merge also writes it of the merged rows, for the MLP, in buffers of at most
+            :data:`MERGE_NORM_MAX_ROWS` rows.
+    """
+
+    branch: torch.Tensor
+    norm: nn.LayerNorm
+
+
+MERGE_NORM_MAX_ROWS = 1024
+"""The merge kernel writes ``norm2`` of the merged rows (whole rows a program) for merges of at most this many rows;
+larger buffers leave it to the MLP's compiled LayerNorm. Measured (ToMe r = 13, graphs + compile_blocks, H100, two
+rounds in turn against the merge with neither fusion, ``docs/data/tome_merge_fusion_h100_8cbd859.json``): both
+fusions at every size +2.1 / +2.8% at B = 4 (788 rows), -1.1 / -1.2% at B = 64 (12,608 rows); with this bound +2.1 /
++3.1% at B = 4 and +1.6 / +1.9% at B = 64 (the residual add alone there)."""
 
 
 @dataclass
@@ -133,6 +158,12 @@ class ForwardState:
         prepared: ``(block, normed, qkv)``: ``norm1`` of ``x`` and the qkv projection of ``block``, computed by the
             MLP step before that block's ATTENTION step (:meth:`PrunedViT.run_step`'s ``following``), which takes
             them (:meth:`take_prepared`); None otherwise.
+        fuse_merge: set by an executor whose merging REPACK runs the Triton merge kernel: the ATTENTION step of a
+            plain block (:func:`lean_block`) before a merging stage then hands the merge work of its own (``fusion``).
+        fusion: what the merge after the ATTENTION step takes over (:class:`MergeFusion`), taken by the REPACK
+            (:meth:`take_fusion`); while it holds a branch, the residual stream is ``x + branch`` (``x`` alone holds
+            the rows before the block's attention).
+        normed: ``norm2(x)`` of the rows the merge wrote, for the MLP step after it (taken: :meth:`take_normed`).
     """
 
     batch: int
@@ -146,6 +177,19 @@ class ForwardState:
     sizes: torch.Tensor | None = None
     key_bias: torch.Tensor | None = None
     prepared: tuple[int, torch.Tensor, torch.Tensor] | None = None
+    fuse_merge: bool = False
+    fusion: MergeFusion | None = None
+    normed: torch.Tensor | None = None
+
+    def take_fusion(self) -> MergeFusion | None:
+        """``fusion`` (cleared here), or None."""
+        fusion, self.fusion = self.fusion, None
+        return fusion
+
+    def take_normed(self) -> torch.Tensor | None:
+        """``normed`` (cleared here), or None."""
+        normed, self.normed = self.normed, None
+        return normed
 
     def take_prepared(self, block: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """``(normed, qkv)`` of ``block`` if the step before computed them (``prepared``, cleared here), else None."""
@@ -346,7 +390,7 @@ class PrunedViT(nn.Module):
         images = self.check_inputs(images)
         selections = self._check_selections(selections)
         plan = self.plan_for(images.shape[-2:])
-        state = ForwardState(images.shape[0], images.to(self.dtype))
+        state = ForwardState(images.shape[0], images.to(self.dtype), fuse_merge=self._merges and images.is_cuda)
         made: list[Decision] = []
         offsets: list[torch.Tensor] = []
         bounded = (
@@ -375,7 +419,7 @@ class PrunedViT(nn.Module):
                 mlp_done = None
             elif step.kind is StepKind.ATTENTION and split and plan.steps[index + 1].kind is StepKind.DECIDE:
                 decided = plan.steps[index + 1].stage
-                self._attention_beside_decision(step, decided, state)
+                self._attention(step, state, plan.steps[index + 1], beside_decision=True)
             elif step.kind is StepKind.REPACK:
                 made.append(state.selection)
                 if bounded:
@@ -433,25 +477,16 @@ class PrunedViT(nn.Module):
             x, cu, bias = state.x, state.cu_seqlens, state.key_bias
             state.x = run_blocks(group, x, cu, state.max_seqlen, self._backend, key_bias=bias)
         elif kind is StepKind.ATTENTION:
-            (block,) = step.blocks
-            x, bias, prepared = state.x, state.key_bias, state.take_prepared(block)
-            packed = (state.cu_seqlens, state.max_seqlen, self._backend)
-            if prepared is None:
-                attention_half = compiled_halves()[0] if self.compile_blocks else packed_attention
-                state.x, state.qkv = attention_half(blocks[block], x, *packed, key_bias=bias)
-            else:
-                residual_part = compiled_attention_parts()[1] if self.compile_blocks else packed_attention_residual
-                normed, state.qkv = prepared
-                state.x = residual_part(blocks[block], x, normed, state.qkv, *packed, key_bias=bias)
+            self._attention(step, state, following)
         elif kind is StepKind.MLP and following is not None and following.kind is StepKind.ATTENTION:
             mlp_qkv = compiled_mlp_qkv() if self.compile_blocks else packed_mlp_qkv
             (block,), (after,) = step.blocks, following.blocks
-            state.x, normed, qkv = mlp_qkv(blocks[block], state.x, blocks[after])
+            state.x, normed, qkv = mlp_qkv(blocks[block], state.x, blocks[after], state.take_normed())
             state.prepared = (after, normed, qkv)
         elif kind is StepKind.MLP:
             mlp_half = compiled_halves()[1] if self.compile_blocks else packed_mlp
             (block,) = step.blocks
-            state.x = mlp_half(blocks[block], state.x)
+            state.x = mlp_half(blocks[block], state.x, state.take_normed())
         elif kind is StepKind.DECIDE:
             state.selection = self._decide(step.stage, state)
         elif kind is StepKind.HEAD:
@@ -459,21 +494,42 @@ class PrunedViT(nn.Module):
         else:
             raise ValueError(f"{step!r} is run by the executor itself (its buffers decide the repack's sizes)")
 
-    def _attention_beside_decision(self, step: Step, stage: int, state: ForwardState) -> None:
-        """An ATTENTION step and the DECIDE step after it, for a merging stage (its decision reads only the block's
-        keys): the qkv projection, then the attention core, projection and residual, and beside them the decision.
-        While a CUDA graph is captured the decision runs on a second stream, so the graph holds the two as parallel
-        branches (at small batch both are latency-bound and fill few SMs); otherwise one after the other, the same
-        kernels (the graph runner's warm-up compiles the same parts it captures)."""
-        (block,) = step.blocks
-        qkv_part, residual_part = compiled_attention_parts() if self.compile_blocks else (
-            packed_qkv, packed_attention_residual)  # fmt: skip
-        prepared = state.take_prepared(block)
-        block, x = self.model.blocks[block], state.x
+    def _attention(
+        self, step: Step, state: ForwardState, following: Step | None, beside_decision: bool = False
+    ) -> None:
+        """An ATTENTION step: ``x + ls1(proj(attend(qkv(norm1(x)))))`` and the qkv projection, from the ``norm1`` and
+        qkv the MLP step before prepared if it did (``state.prepared``). Before a merging stage whose merge is the
+        Triton kernel's (``state.fuse_merge``, a plain block) the merge takes the residual add (the branch is left in
+        ``state.fusion`` and ``x`` stays) and ``norm2``; not beside a decision (ToMe at B = 1: there the add hides
+        behind the decision, and the merge with ``norm2`` measured 0.6-1.0% slower end to end on an H100).
+
+        ``beside_decision``: ``following`` is a merging stage's DECIDE step (its decision reads only the block's
+        keys), run here beside the attention core, projection and residual. While a CUDA graph is captured the
+        decision runs on a second stream, so the graph holds the two as parallel branches (at small batch both are
+        latency-bound and fill few SMs); otherwise one after the other, the same kernels (the graph runner's warm-up
+        compiles the same parts it captures)."""
+        (index,) = step.blocks
+        block, x, prepared = self.model.blocks[index], state.x, state.take_prepared(index)
+        packed = (state.cu_seqlens, state.max_seqlen, self._backend)
+        fuses = state.fuse_merge and not beside_decision and following and following.kind is StepKind.DECIDE
+        lean = lean_block(block) if fuses else None
+        if prepared is None and lean is None and not beside_decision:  # the whole half: one compiled call
+            attention_half = compiled_halves()[0] if self.compile_blocks else packed_attention
+            state.x, state.qkv = attention_half(block, x, *packed, key_bias=state.key_bias)
+            return
+        qkv_part, residual_part, branch_part = compiled_attention_parts() if self.compile_blocks else (
+            packed_qkv, packed_attention_residual, packed_attention_branch)  # fmt: skip
         normed, state.qkv = qkv_part(block, x) if prepared is None else prepared
-        rest = (block, x, normed, state.qkv, state.cu_seqlens, state.max_seqlen, self._backend, state.key_bias)
-        # the decision reads the qkv projection (and the rows' count) only; ``rest`` keeps the pre-residual rows
-        state.selection, state.x = beside(x.device, lambda: self._decide(stage, state), lambda: residual_part(*rest))
+        rest = (normed, state.qkv, *packed)
+        if lean is not None:  # the merge after it adds the branch
+            state.fusion = MergeFusion(branch_part(block, *rest, key_bias=state.key_bias), lean.ln2)
+        elif beside_decision:  # the decision reads the qkv projection (and the rows' count) only
+            state.selection, state.x = beside(
+                x.device, lambda: self._decide(following.stage, state),
+                lambda: residual_part(block, x, *rest, key_bias=state.key_bias),
+            )  # fmt: skip
+        else:
+            state.x = residual_part(block, x, *rest, key_bias=state.key_bias)
 
     def decide_beside_mlp(self, step: Step, state: ForwardState) -> None:
         """A mid-block stage's DECIDE step and its block's MLP half (the plan's ``mlp_beside``), which acts per row
@@ -796,11 +852,26 @@ def _merge_exact(state: ForwardState, index: int, num_prefix: int) -> None:
         log_sizes = torch.empty(rows, dtype=torch.float32, device=x.device)  # the kernel writes log(size) too
         merged, new_sizes = triton_merging.merge_rows_unchecked(
             x, sizes, *merge_sources_of(sel), sel.cu_seqlens, x.new_empty((rows, x.shape[1])), sizes.new_empty(rows),
-            log_sizes,
+            log_sizes, **merge_fusion(state, rows),
         )  # fmt: skip
     state.x, state.cu_seqlens, state.max_seqlen, state.sizes = merged, sel.cu_seqlens, longest, new_sizes
     state.key_bias = log_sizes if x.is_cuda else new_sizes.double().log().float()  # rounded once, as the reference
     state.selection = state.qkv = None
+
+
+def merge_fusion(state: ForwardState, rows: int | None) -> dict[str, object]:
+    """The Triton merge kernel's fused arguments for ``state.fusion`` (taken), if any: its branch as ``residual``
+    and, with ``rows`` (the merged buffer's; None: the MLP normalises itself) and at most
+    :data:`MERGE_NORM_MAX_ROWS` input rows, the block's ``norm2`` into a new ``[rows, C]`` buffer, which
+    ``state.normed`` holds for the MLP step."""
+    fusion = state.take_fusion()
+    if fusion is None:
+        return {}
+    fused: dict[str, object] = {"residual": fusion.branch}
+    if rows is not None and state.x.shape[0] <= MERGE_NORM_MAX_ROWS:
+        norm, state.normed = fusion.norm, state.x.new_empty((rows, state.x.shape[1]))
+        fused.update(normed=state.normed, norm_weight=norm.weight, norm_bias=norm.bias, norm_eps=norm.eps)
+    return fused
 
 
 def merge_sources_of(sel: MergeSelection) -> tuple[torch.Tensor, torch.Tensor]:

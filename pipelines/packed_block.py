@@ -266,8 +266,9 @@ def _attention_residual(
     return x + parts.attn_out(attend(qkv), normed)
 
 
-def _mlp_half(parts: LeanBlock | _ModulePath, x: torch.Tensor) -> torch.Tensor:
-    return x + parts.mlp(parts.norm2(x))
+def _mlp_half(parts: LeanBlock | _ModulePath, x: torch.Tensor, normed: torch.Tensor | None = None) -> torch.Tensor:
+    """``x + mlp(norm2(x))``; with ``normed``, that ``norm2(x)`` (computed elsewhere: a merge that wrote it)."""
+    return x + parts.mlp(parts.norm2(x) if normed is None else normed)
 
 
 def _backend_attend(
@@ -336,17 +337,35 @@ def packed_attention_residual(
     return _attention_residual(_parts(block), x, normed, qkv, attend)
 
 
-def packed_mlp(block: Block, x: torch.Tensor) -> torch.Tensor:
-    """The MLP half of ``block`` on packed tokens ``[T, C]``: ``x + ls2(mlp(norm2(x)))`` (no attention: any rows)."""
-    return _mlp_half(_parts(block), x)
+def packed_attention_branch(
+    block: Block,
+    normed: torch.Tensor,
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    backend: AttentionBackend,
+    key_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`packed_attention_residual` without its residual add: ``ls1(proj(attend))``, for a consumer that adds it
+    itself (ToMe's merge kernel adds it to each row it reads)."""
+    attend = _backend_attend(backend, block.attn, cu_seqlens, max_seqlen, key_bias)
+    return _parts(block).attn_out(attend(qkv), normed)
 
 
-def packed_mlp_qkv(block: Block, x: torch.Tensor, following: Block) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`packed_mlp` of ``block``, then :func:`packed_qkv` of the block after it, in one call: the residual
-    stream ``[T, C]``, ``following.norm1`` of it and ``following``'s qkv projection. The same ops as the two calls;
-    under ``torch.compile`` the MLP's residual add and the next ``norm1`` become one kernel (a launch less per block
-    where a mid-block stage splits every block, as ToMe's merge does)."""
-    x = _mlp_half(_parts(block), x)
+def packed_mlp(block: Block, x: torch.Tensor, normed: torch.Tensor | None = None) -> torch.Tensor:
+    """The MLP half of ``block`` on packed tokens ``[T, C]``: ``x + ls2(mlp(norm2(x)))`` (no attention: any rows);
+    ``normed``: ``norm2(x)`` if already computed (ToMe's merge kernel writes it)."""
+    return _mlp_half(_parts(block), x, normed)
+
+
+def packed_mlp_qkv(
+    block: Block, x: torch.Tensor, following: Block, normed: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`packed_mlp` of ``block`` (``normed`` as there), then :func:`packed_qkv` of the block after it, in one
+    call: the residual stream ``[T, C]``, ``following.norm1`` of it and ``following``'s qkv projection. The same ops
+    as the two calls; under ``torch.compile`` the MLP's residual add and the next ``norm1`` become one kernel (a
+    launch less per block where a mid-block stage splits every block, as ToMe's merge does)."""
+    x = _mlp_half(_parts(block), x, normed)
     return (x, *packed_qkv(following, x))
 
 
@@ -409,10 +428,10 @@ def compiled_halves() -> tuple[Callable, Callable]:
 
 
 @functools.cache
-def compiled_attention_parts() -> tuple[Callable, Callable]:
-    """:func:`packed_qkv` and :func:`packed_attention_residual` under ``torch.compile`` (as :func:`compiled_halves`).
-    Compiled on first use."""
-    return torch.compile(packed_qkv), torch.compile(packed_attention_residual)
+def compiled_attention_parts() -> tuple[Callable, Callable, Callable]:
+    """:func:`packed_qkv`, :func:`packed_attention_residual` and :func:`packed_attention_branch` under
+    ``torch.compile`` (as :func:`compiled_halves`). Compiled on first use."""
+    return torch.compile(packed_qkv), torch.compile(packed_attention_residual), torch.compile(packed_attention_branch)
 
 
 @functools.cache

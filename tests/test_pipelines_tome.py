@@ -184,9 +184,9 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     block's qkv)."""
     real, calls = model_module.packed_mlp_qkv, []
 
-    def spy(block, x, following):
+    def spy(block, x, following, normed=None):
         calls.append(following)
-        return real(block, x, following)
+        return real(block, x, following, normed)
 
     monkeypatch.setattr(model_module, "packed_mlp_qkv", spy)
     return calls
@@ -392,6 +392,39 @@ def test_graphed_adaptive_merges_match_eager_with_nan_padding(reads, poisoned, f
     assert bool(torch.isfinite(out.logits).all())
     torch.testing.assert_close(out.logits, ref.logits, **FP32)
     assert any(cap > total for cap, total in poisoned), "no padding rows: the test proves nothing"
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on unwritten padding rows
+@pytest.mark.parametrize(
+    "sync_free_rows, norm_rows", [(0, 1024), (10_000, 1024), (10_000, 10)], ids=["reads", "no-reads", "large"]
+)
+def test_graphed_merges_take_the_residual_add_and_norm2(sync_free_rows, norm_rows, monkeypatch):
+    """In the graph runner the merge kernel takes each plain block's attention residual add, and writes the block's
+    ``norm2`` of the merged rows for its MLP when the merge stays inside one graph (a merge into the static buffers
+    before a read leaves that LayerNorm to the next graph's MLP) and its buffer has at most ``MERGE_NORM_MAX_ROWS``
+    rows; a block whose ``norm2`` has a hook runs its module path, unfused. The logits are the eager forward's (the
+    CPU's reference merge, unfused) to fp32 rounding."""
+    monkeypatch.setattr(model_module, "MERGE_NORM_MAX_ROWS", norm_rows)
+    calls = []
+    real = triton_merging.merge_rows_unchecked
+
+    def merge(*args, **kwargs):
+        calls.append(("residual" in kwargs, "normed" in kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_merging, "merge_rows_unchecked", merge)
+    pv = PrunedViT(small_model("avg"), merger("adaptive"), "triton")
+    hooked = []
+    pv.model.blocks[2].norm2.register_forward_pre_hook(lambda _module, _args: hooked.append(1))
+    runner = GraphedPrunedViT(pv, TokenBuckets(step=6, seqlen_step=4, sync_free_rows=sync_free_rows))
+    x = images(3, 8)
+    out = runner.run(x)
+    fused = (True, sync_free_rows > 0 and norm_rows > 3 * 37)  # with reads every merge goes into static buffers
+    assert calls == [fused, fused, (False, False), fused] and hooked
+    ref = pv.run(x)
+    assert torch.equal(out.counts, ref.counts)
+    torch.testing.assert_close(out.logits, ref.logits, **FP32)
 
 
 # --- CLI ---------------------------------------------------------------------------------------------------------

@@ -16,6 +16,11 @@ Rules (the module docstring says why):
   steps, sizes up to 8); else within ``(k + 2) * 2**-24 * sum(size * |x|) / sum(size)`` for ``k`` sources (the
   kernel's ``k + 1`` fp32 roundings and the reference's one) plus one rounding of ``x``'s dtype (``eps * |ref|``,
   half a subnormal step near zero). Sizes: exact;
+* fused residual add: the merged rows of ``x`` and ``residual`` are the unfused merge of ``torch.add(x, residual)``,
+  bit for bit (so the merge rules above hold for them); fused LayerNorm (:func:`_check_normed`): within
+  ``eps * |want|`` of ``x``'s dtype plus ``NORM_ULPS = 16`` fp32 units of the normalised row's scale of
+  ``F.layer_norm`` in fp32 of the merged rows as stored (measured under the interpreter: at most 0.7 of that bound
+  in fp16, 0.3 in fp32);
 * isolation (an image's results whatever the other images hold, and alone as in a batch), repeated calls, CUDA graph
   replays and poisoned outputs: bit for bit.
 
@@ -500,7 +505,8 @@ def test_poisoned_outputs_replayed_from_a_graph_gpu(mode, dtype, gen):
 
 def _garbage_lists(device, gen):
     """Source lists that break the contract (random offsets and rows, inside and far outside ``[0, T]``) give wrong
-    rows but stay inside the buffers (clamped): the run completes, rows past ``T'`` untouched."""
+    rows but stay inside the buffers (clamped): the run completes, rows past ``T'`` untouched (and normed rows, with
+    the fusions)."""
     total, channels = 40, 24
     x = torch.randn(total, channels, generator=gen).to(device)
     sizes = torch.ones(total, dtype=torch.int32, device=device)
@@ -514,6 +520,13 @@ def _garbage_lists(device, gen):
         torch.cuda.synchronize()
     assert bool(out[total:].isnan().all()) and bool((out_sizes[total:] == -1).all())
     assert bool((out_sizes[:total] >= 0).all())
+    # and with both fusions (whole-row tiles): nothing past T' in either output
+    residual, normed = torch.randn(channels, total, generator=gen).to(device).t(), torch.full_like(out, float("nan"))
+    out.fill_(float("nan"))
+    ker.merge_rows_unchecked(x, sizes, sources, offsets, merged_cu, out, out_sizes, residual=residual, normed=normed)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert bool(out[total:].isnan().all()) and bool(normed[total:].isnan().all())
 
 
 @pytest.mark.interpreter
@@ -547,12 +560,222 @@ def test_empty_images_gpu():
     _empty("cuda")
 
 
+# --- fused residual add and LayerNorm -------------------------------------------------------------------------------
+
+# (residual add, LayerNorm parameters, eps): "wb" weight and bias in x's dtype, "w" / "b" one of them, "" neither,
+# "wb32" both in fp32; None: no LayerNorm. 1e-6: timm's ViTs' eps; 0: none at all.
+TOME_BLOCK = (True, "wb", 1e-6)  # a ToMe block's call: both fusions
+FUSIONS = (
+    (True, None, None), (False, "wb", 1e-6), TOME_BLOCK, (True, "w", 1e-5), (True, "b", 0.0), (False, "", 1e-5),
+    (True, "wb32", 1e-6),
+)  # fmt: skip
+NORM_ULPS = 16  # fp32 units of a normalised row's scale between two fp32 LayerNorms summed in different orders
+
+
+def _norm_params(channels, dtype, device, gen, which):
+    """The LayerNorm's weight and bias (None where ``which`` leaves them out; ``wb32``: both in fp32)."""
+    dtype = torch.float32 if which == "wb32" else dtype
+    weight = (1 + 0.5 * torch.randn(channels, generator=gen)).to(device, dtype) if "w" in which else None
+    bias = (0.5 * torch.randn(channels, generator=gen)).to(device, dtype) if "b" in which else None
+    return weight, bias
+
+
+def _check_normed(normed, rows, weight, bias, eps):
+    """The LayerNorm rule (module docstring) for ``normed [T', C]`` against ``F.layer_norm`` in fp32 of the merged
+    rows as stored (``rows``, in ``x``'s dtype): within ``eps * |want|`` of the dtype (its rounding, with room) plus
+    ``NORM_ULPS * 2**-24 * ((|xhat| + mean(|v|) * rstd) * |weight| + |bias|)`` (fp32 sums in another order) plus half
+    a subnormal step."""
+    normed, rows = normed.cpu(), rows.cpu()
+    weight = None if weight is None else weight.cpu().float()
+    bias = None if bias is None else bias.cpu().float()
+    assert normed.dtype == rows.dtype and normed.shape == rows.shape
+    want = F.layer_norm(rows.float(), rows.shape[1:], weight, bias, eps).double()
+    v = rows.double()
+    centred = v - v.mean(1, keepdim=True)
+    rstd = ((centred * centred).mean(1, keepdim=True) + eps).rsqrt()
+    scale = (centred.abs() + v.abs().mean(1, keepdim=True)) * rstd
+    scale = scale * (1.0 if weight is None else weight.double().abs()) + (0.0 if bias is None else bias.double().abs())
+    info = torch.finfo(rows.dtype)
+    allowed = info.eps * want.abs() + NORM_ULPS * 2.0**-24 * scale + info.smallest_normal * info.eps / 2
+    over = (normed.double() - want).abs() - allowed
+    assert bool((over <= 0).all()), f"{over.max().item():.3g} over the LayerNorm rule"
+
+
+def _fused(device, lengths, channels, dtype, gen, kind, num_prefix=1, mode=None, fusions=FUSIONS, strided=False):
+    """The fused residual add and LayerNorm (``fusions`` on the reference's map, int64; both on the kernel's, int32),
+    the maps as :func:`_merges` builds them. The merged rows follow the merge rule for ``x + residual``
+    (``torch.add``'s rows on the device: a row that receives one row is that row, bit for bit; with ``dyadic`` rows,
+    the reference's merge of them rounded to ``x``'s dtype, bit for bit) and are the unfused merge of
+    ``x + residual``, bit for bit; ``normed`` follows the LayerNorm rule (:func:`_check_normed`) against
+    ``F.layer_norm`` of those rows (with ``dyadic`` rows: of the reference's), and its rows past ``T'`` are left as
+    they were. ``residual`` is column-major (any strides); ``x`` inside a wider buffer with ``strided``."""
+    mode = _resolve(mode or {"r": 13}, gen)
+    cu = cu_seqlens_from_counts(torch.tensor(lengths))
+    total = int(cu[-1])
+    keys = _keys(lengths, mode, num_prefix, gen, **CPU_SHAPE)
+    x, sizes = _rows(total, channels, dtype, gen, kind)
+    residual = _rows(total, channels, dtype, gen, kind)[0].to(device)
+    decision = ref.decide_merges(keys, cu, sizes, num_prefix, **mode)
+    kernel_map = ker.decide_merges(keys.to(device), cu.to(device), max(lengths), num_prefix, **mode)
+    x_dev = x.to(device)
+    summed = torch.add(x_dev, residual)  # what the unfused block stores
+    if strided:  # rows inside a wider buffer, row stride C + 24
+        wide = torch.full((total, channels + 24), float("nan"), dtype=dtype, device=device)
+        wide[:, 8 : 8 + channels] = x_dev
+        x_dev = wide[:, 8 : 8 + channels]
+    residual = residual.t().contiguous().t()  # column-major: strides (1, T)
+    rows = int(decision.cu_seqlens[-1])
+    for destination, cases in ((decision.destination, fusions), (kernel_map.destination.cpu(), [TOME_BLOCK])):
+        args = (sizes.to(device), destination.to(device), cu.to(device), decision.cu_seqlens.to(device))
+        plain, plain_sizes = ker.merge_rows(summed, *args)
+        for with_residual, norm, eps in cases:
+            weight, bias = _norm_params(channels, dtype, device, gen, norm or "")
+            normed = None if norm is None else torch.full((total, channels), float("nan"), dtype=dtype, device=device)
+            fused = dict(residual=residual if with_residual else None, normed=normed, norm_weight=weight,
+                         norm_bias=bias, norm_eps=1e-5 if eps is None else eps)  # fmt: skip
+            got, got_sizes = ker.merge_rows(x_dev, *args, **fused)
+            _check_rows(got, got_sizes, summed if with_residual else x, sizes, destination, decision.cu_seqlens, kind)
+            if with_residual:
+                assert torch.equal(got[:rows], plain[:rows]) and torch.equal(got_sizes[:rows], plain_sizes[:rows])
+            if normed is not None:
+                _check_normed(normed[:rows], got[:rows], weight, bias, eps)
+                assert bool(normed[rows:].isnan().all()), "rows past T' written"
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("kind", ["random", "dyadic"])
+def test_fused_merge_follows_the_rules_interpreter(kind, dtype, gen):
+    """72 channels (masked: a tile of 128 unfused, of 128 whole-row fused), every fusion, both maps."""
+    _fused("cpu", (1, 2, 63, 0, 65, 30), 72, dtype, gen, kind, strided=True)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mode", [{"r": 13}, {"threshold": RANDOM, "r_max": 40}], ids=_mode_id)
+def test_fused_merge_deit_rows_interpreter(mode, gen):
+    """DeiT-B's 768 channels (whole-row tiles of 1024), fp16, the fixed and adaptive maps without prefix rows."""
+    fusions = [f for f in FUSIONS if f[1] in (None, "wb", "")]
+    _fused("cpu", (5, 40, 0, 33), 768, torch.float16, gen, "random", 0, mode, fusions)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["random", "dyadic"])
+@pytest.mark.parametrize("channels", [72, 200, 768])
+def test_fused_merge_follows_the_rules_gpu(channels, kind, dtype, gen):
+    ragged = tuple(torch.randint(0, 198, (64,), generator=gen).tolist())
+    for lengths in (LENGTHS, ragged, (577,) * 4):
+        for num_prefix, mode in ((1, {"r": 16}), (0, {"threshold": RANDOM, "r_max": 100})):
+            _fused("cuda", lengths, channels, dtype, gen, kind, num_prefix, mode, strided=channels == 200)
+
+
+def _poisoned_fused(device, shape, channels, dtype, gen, mode):
+    """Every combination of the fusions into poisoned outputs (NaN rows and normed rows, -1 sizes) of capacity
+    T + 5: rows ``[0, T')`` of ``out`` and ``normed`` get a fresh call's bits, rows past ``T'`` are left as they were
+    in both; the same bits with the log sizes, the offsets and the host read in the same launch (the graph runner's
+    call). ``normed`` depends on the merged rows only: the LayerNorm of ``x`` and ``residual`` merged is that of their
+    sum merged, bit for bit."""
+    lengths = (65, 0, 1, 40, 30)
+    cu = cu_seqlens_from_counts(torch.tensor(lengths)).to(device)
+    total, batch = int(cu[-1]), len(lengths)
+    keys = torch.randn(total, shape["heads"], shape["dim"], generator=gen).to(device, dtype)
+    x, sizes = _rows(total, channels, dtype, gen, "random")
+    residual, _ = _rows(total, channels, dtype, gen, "random")
+    x, sizes, residual = x.to(device), sizes.to(device), residual.to(device)
+    weight, bias = _norm_params(channels, dtype, device, gen, "wb")
+    want = ker.decide_merges(keys, cu, 65, 1, **mode)
+    merged = int(want.cu_seqlens[-1])
+    lists = (want.sources, want.source_offsets, want.cu_seqlens)
+    want_normed = torch.empty(total, channels, dtype=dtype, device=device)
+    norm = dict(norm_weight=weight, norm_bias=bias, norm_eps=1e-6)
+    want_rows, want_sizes = ker.merge_rows(x, sizes, want.destination, cu, want.cu_seqlens, residual=residual,
+                                           normed=want_normed, **norm)  # fmt: skip
+    plain_rows, _ = ker.merge_rows(x, sizes, want.destination, cu, want.cu_seqlens)
+    for with_residual, with_norm in ((True, False), (False, True), (True, True)):
+        rows = torch.full((total + 5, channels), float("nan"), dtype=dtype, device=device)
+        normed = torch.full((total + 5, channels), float("nan"), dtype=dtype, device=device)
+        new_sizes = torch.full((total + 5,), -1, dtype=sizes.dtype, device=device)
+        source = x if with_residual else torch.add(x, residual)
+        ker.merge_rows_unchecked(source, sizes, *lists, rows, new_sizes, residual=residual if with_residual else None,
+                                 **(dict(normed=normed, **norm) if with_norm else {}))  # fmt: skip
+        assert torch.equal(rows[:merged], want_rows[:merged]) and torch.equal(new_sizes[:merged], want_sizes[:merged])
+        assert bool(rows[merged:].isnan().all()) and bool((new_sizes[merged:] == -1).all())
+        if with_norm:
+            assert torch.equal(normed[:merged], want_normed[:merged])
+        assert bool(normed[merged if with_norm else 0 :].isnan().all()), "normed rows past T' written"
+    # The norm alone on x: the LayerNorm of x's merged rows, whatever the tile
+    normed = torch.full((total + 5, channels), float("nan"), dtype=dtype, device=device)
+    ker.merge_rows(x, sizes, want.destination, cu, want.cu_seqlens, normed=normed[:total], **norm)
+    _check_normed(normed[:merged], plain_rows[:merged], weight, bias, 1e-6)
+    assert bool(normed[merged:].isnan().all())
+    # The graph runner's call with both fusions: log sizes, offsets and 3 padding images, the host read.
+    rows = torch.full((merged + 5, channels), float("nan"), dtype=dtype, device=device)
+    normed = torch.full((merged + 5, channels), float("nan"), dtype=dtype, device=device)
+    new_sizes = torch.full((merged + 5,), -1, dtype=sizes.dtype, device=device)
+    log_sizes = torch.full((merged + 5,), float("nan"), device=device)
+    cu_out = torch.full((batch + 4,), -7, dtype=torch.int32, device=device)
+    stats = torch.full((4,), -7, dtype=torch.int32, pin_memory=device == "cuda")
+    ker.merge_rows_unchecked(x, sizes, *lists, rows, new_sizes, log_sizes, cu_out=cu_out, padding_images=3,
+                             padding_len=2, total_and_longest=(want.kept, stats), residual=residual, normed=normed,
+                             **norm)  # fmt: skip
+    if device == "cuda":
+        torch.cuda.synchronize()  # the pinned row is read on the host
+    assert cu_out.tolist() == want.cu_seqlens.tolist() + [merged + 2, merged + 4, merged + 5]
+    assert stats.tolist() == [*ref_packing.total_and_longest(want.kept.cpu()), -7, -7]
+    assert torch.equal(rows[:merged], want_rows[:merged]) and torch.equal(normed[:merged], want_normed[:merged])
+    assert torch.equal(log_sizes[:merged].cpu(), want_sizes[:merged].cpu().double().log().float())
+    assert bool(rows[merged:].isnan().all()) and bool(normed[merged:].isnan().all())
+    assert bool(log_sizes[merged:].isnan().all()) and bool((new_sizes[merged:] == -1).all())
+    return keys, cu, x, sizes, residual, norm, want, want_rows, want_normed
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # numpy's log(0) past T'
+@pytest.mark.parametrize("mode", [{"r": 13}, {"threshold": 0.3, "r_max": 30}], ids=_mode_id)
+def test_fused_poisoned_outputs_are_overwritten_interpreter(mode, gen):
+    _poisoned_fused("cpu", CPU_SHAPE, 40, torch.float16, gen, mode)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("mode", [{"r": 13}, {"threshold": 0.3, "r_max": 30}], ids=_mode_id)
+def test_fused_poisoned_outputs_replayed_from_a_graph_gpu(mode, dtype, gen):
+    """And without a device-to-host sync: the decision and the fused merge captured in a CUDA graph and replayed over
+    poisoned outputs give the eager bits, run after run."""
+    keys, cu, x, sizes, residual, norm, want, want_rows, want_normed = _poisoned_fused(
+        "cuda", GPU_SHAPE, 768, dtype, gen, mode
+    )
+    normed = torch.empty_like(want_normed)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = ker.decide_merges(keys, cu, 65, 1, **mode)
+            sources = (got.sources, got.source_offsets)
+            rows, new_sizes = ker.merge_rows(x, sizes, got.destination, cu, got.cu_seqlens, sources=sources,
+                                             residual=residual, normed=normed, **norm)  # fmt: skip
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    merged = int(want.cu_seqlens[-1])
+    for _ in range(2):
+        for t in (got.destination, got.kept, got.cu_seqlens, got.sources, got.source_offsets, new_sizes):
+            t.fill_(-7)
+        rows.fill_(float("nan"))
+        normed.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(got.cu_seqlens, want.cu_seqlens) and torch.equal(rows[:merged], want_rows[:merged])
+        assert torch.equal(normed[:merged], want_normed[:merged]) and bool(normed[merged:].isnan().all())
+
+
 # --- bad inputs -----------------------------------------------------------------------------------------------------
 
 
 def _bad_calls():
     keys, cu = torch.randn(10, 2, 8), torch.tensor([0, 4, 10], dtype=torch.int32)
     x, sizes, dest = torch.randn(10, 6), torch.ones(10, dtype=torch.int64), torch.arange(10, dtype=torch.int32)
+    normed, tall = torch.empty(10, 6), torch.randn(16, 6)
 
     def decide(**kw):
         args = dict(keys=keys, cu_seqlens=cu, max_seqlen=6, num_prefix=1, r=2) | kw
@@ -602,6 +825,39 @@ def _bad_calls():
         (merge(sources=(dest.long(), torch.arange(11, dtype=torch.int32))), r"sources\[0\]"),
         (merge(capacity=-1), "capacity"),
         (merge(capacity=4.0), "capacity"),
+        (merge(residual=x.numpy()), "residual"),
+        (merge(residual=x[None]), "residual"),
+        (merge(residual=x[:, :5]), "residual"),
+        (merge(residual=x.half()), "residual"),
+        (merge(residual=torch.randn(10, 6, device="meta")), "residual"),
+        (merge(normed=normed.numpy()), "normed"),
+        (merge(normed=normed[:9]), "normed"),
+        (merge(normed=normed, capacity=12), "normed"),
+        (merge(normed=normed.half()), "normed"),
+        (merge(normed=torch.empty(6, 10).t()), "normed"),
+        (merge(normed=torch.empty(10, 6, device="meta")), "normed"),
+        (merge(normed=x), "normed must not share memory with x"),  # read and written by one launch
+        (merge(residual=tall[:10], normed=tall[6:]), "normed must not share memory with residual"),
+        (merge(x=torch.randn(10, 8193), normed=torch.empty(10, 8193)), "normed"),  # whole rows in registers
+        (merge(norm_weight=torch.ones(6)), "norm_weight"),  # without normed
+        (merge(norm_bias=torch.ones(6)), "norm_bias"),
+        (merge(normed=normed, norm_weight=torch.ones(6).numpy()), "norm_weight"),
+        (merge(normed=normed, norm_weight=torch.ones(5)), "norm_weight"),
+        (merge(normed=normed, norm_weight=torch.ones(1, 6)), "norm_weight"),
+        (merge(normed=normed, norm_weight=torch.ones(12)[::2]), "norm_weight"),
+        (merge(normed=normed, norm_weight=torch.ones(6).double()), "norm_weight"),
+        (merge(normed=normed, norm_weight=torch.ones(6, dtype=torch.int32)), "norm_weight"),
+        (merge(normed=normed, norm_weight=torch.ones(6, device="meta")), "norm_weight"),
+        (merge(x=x.half(), normed=normed.half(), norm_weight=torch.ones(6, dtype=torch.bfloat16)), "norm_weight"),
+        (merge(normed=normed, norm_bias=torch.ones(7)), "norm_bias"),
+        (merge(normed=normed, norm_bias=torch.ones(6).half()), "norm_bias"),  # fp32 x: fp32 parameters
+        (merge(normed=normed, norm_bias=torch.ones(6, device="meta")), "norm_bias"),
+        (merge(normed=normed, norm_eps=-1e-5), "norm_eps"),
+        (merge(normed=normed, norm_eps=float("nan")), "norm_eps"),
+        (merge(normed=normed, norm_eps=float("inf")), "norm_eps"),
+        (merge(normed=normed, norm_eps="1e-5"), "norm_eps"),
+        (merge(normed=normed, norm_eps=True), "norm_eps"),
+        (merge(normed=normed, norm_eps=None), "norm_eps"),
     ]
 
 

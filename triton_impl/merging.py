@@ -43,6 +43,14 @@ order, so the same bits on every run, eager or replayed from a CUDA graph, whate
 destination map before: a ``[16, 64]`` match per step of the image's rows, 61 us per DeiT-B block at B=64 on an
 H100, against the decision's 30.)
 
+The same launch can take in the two launches around the merge in a ToMe block, each switched by a constexpr (off,
+the kernel and its tiling are the above, instruction for instruction): with ``residual`` every source row is
+``x + residual`` (the attention's residual add: summed in fp32, rounded once to ``x``'s dtype, ``torch.add``'s
+bits) before it is weighted, so the merged rows are the merged residual stream; with ``normed`` it also writes the
+LayerNorm (the MLP's ``norm2``) of every merged row as stored in ``x``'s dtype, what ``F.layer_norm(out)`` reads.
+The LayerNorm holds whole rows: ``_NORM_ROWS = 2`` merged rows of ``next_power_of_2(C)`` channels per step (grid
+``(cdiv(capacity, 2), 1)``; DeiT-B: 2 x 1024 fp32 a tile, 16 a thread in 4 warps).
+
 The rules (``tests/test_triton_merging.py``):
 
 * the destination map is int32 (as ``cu_seqlens``: ``T < 2**31``; half the bytes), not the reference's int64;
@@ -63,13 +71,22 @@ The rules (``tests/test_triton_merging.py``):
   dtype. Where every partial sum is exact in fp32 (small integer sizes, dyadic rows) the row is the reference's
   rounded to ``x``'s dtype, bit for bit (the quotient is correctly rounded both ways, and rounding float64 to fp32
   gives fp32's correctly rounded quotient);
+* fused residual add: a source row is ``torch.add(x, residual)``'s row bit for bit, so the merged rows are those of
+  ``x + residual`` merged alone, bit for bit, and a row that receives a single row is ``(x + residual)[row]``;
+* fused LayerNorm: from the merged row ``v`` as stored (rounded to ``x``'s dtype), in fp32: ``mean`` over ``C``,
+  the biased variance (mean of ``(v - mean)**2``), ``rstd = 1 / sqrt(var + eps)`` (division and square root
+  correctly rounded), ``(v - mean) * rstd * weight + bias`` (weight 1 and bias 0 when absent), rounded once to
+  ``x``'s dtype. Against ``F.layer_norm`` of the same rows in fp32 it is within ``eps * |want|`` of ``x``'s dtype
+  (its rounding) plus ``16 * 2**-24 * ((|xhat| + mean(|v|) * rstd) * |weight| + |bias|)`` (fp32 sums in another
+  order; ``xhat = (v - mean) * rstd``) plus half a subnormal step. It depends on the stored row only: the same bits
+  with or without the residual add for the same merged rows;
 * isolation: an image's decisions, count, destinations relative to its offset and merged rows depend on its own
   rows only, bit for bit.
 
 No host reads: ``max_seqlen`` (a host bound on every image's rows) sizes tiles and grids only; an underestimate is
 slower, never wrong. ``T'`` is not known on the host: :func:`merge_rows` writes rows ``[0, T')`` of a buffer of
-``capacity`` rows (default ``T``, always enough) and leaves the rest as allocated (read ``merged_cu_seqlens[-1]``
-for ``T'`` where it matters). No zero-fills: every output is written by the kernels.
+``capacity`` rows (default ``T``, always enough) and leaves the rest as allocated, in its ``normed`` rows too (read
+``merged_cu_seqlens[-1]`` for ``T'`` where it matters). No zero-fills: every output is written by the kernels.
 
 Cost (``docs/tome.md``, H100, DeiT-B r = 13, per block): at B = 1 the metric 5, the best match 6, the match 11 and
 the merge 4 us; at B = 64 about 12 us each. Spreading the match's source lists over programs took the whole decision
@@ -91,6 +108,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import struct
 from collections.abc import Callable, Sequence
 from typing import TypeVar
@@ -125,6 +143,14 @@ _BLOCK_D = 8
 _LIST_ROWS = (32, 64, 128)
 _INTERPRETER_SMS = 132  # the SMs the interpreter assumes (an H100's), so the CPU twins run the GPU's tiles
 _BLOCK_C = 128  # channels per program of the merge (DeiT-B: 6)
+# Merged rows per step when the merge also writes their LayerNorm (whole rows: next_power_of_2(C) channels, one
+# program column): 2 rows of DeiT-B's 768 channels are 2 x 1024 fp32 a tile, 16 a thread in 4 warps. Registers with
+# both fusions, fp16, contiguous residual (ptxas -v for sm_90a, Triton 3.8, not yet timed on a GPU): 64 at 1 row, 128
+# at 2 (4 programs an SM, no spills), 205 at 4; the norm alone 95 at 2, neither 48 (unchanged).
+_NORM_ROWS = 2
+# Channels of the fused LayerNorm's whole-row tiles at most: up to 2048 no spills (ptxas as above: 234 registers at
+# ViT-H's 1280), at 8192 ~10 kB of spills a thread, correct but slow; wider rows take a separate LayerNorm
+_MAX_NORM_CHANNELS = 8192
 # A rows and warps per program of the best-match search: 16 rows (tl.dot's least) in 4 warps while the programs all
 # run at once (_best_tile: a DeiT-B image over 7 programs, up to B = 18 on an H100), else 32 rows in 2 warps: 31.1 us
 # per DeiT-B decision at B = 64 against 39.4 (H100, graph replay, r = 13; 16 to 64 rows, 2 or 4 warps swept in one
@@ -364,17 +390,23 @@ def _offsets_kernel(NEW_CU, CU_OUT, batch, capacity, pads, pad_len, BLOCK_B: tl.
 
 @triton.jit(do_not_specialize=["total", "batch", "capacity", "pads", "pad_len"])
 def _merge_kernel(
-    X, SIZES, SRC, SRC_OFF, NEW_CU, OUT, OUT_SIZES, LOG_SIZES, CU_OUT, KEPT, STATS, total, batch, capacity, pads,
-    pad_len, stride_xt, stride_xc, CHANNELS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr,
-    HAS_LOG: tl.constexpr, HAS_CU: tl.constexpr, HAS_STATS: tl.constexpr, BLOCK_B: tl.constexpr,
-    PADS_PAD: tl.constexpr,
+    X, SIZES, SRC, SRC_OFF, NEW_CU, OUT, OUT_SIZES, LOG_SIZES, CU_OUT, KEPT, STATS, RES, NORMED, NORM_W, NORM_B,
+    total, batch, capacity, pads, pad_len, stride_xt, stride_xc, stride_rt, stride_rc, eps,
+    CHANNELS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_C: tl.constexpr, HAS_LOG: tl.constexpr,
+    HAS_CU: tl.constexpr, HAS_STATS: tl.constexpr, BLOCK_B: tl.constexpr, PADS_PAD: tl.constexpr,
+    HAS_RES: tl.constexpr, HAS_NORM: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
 ):  # fmt: skip
     """``BLOCK_D`` merged rows and ``BLOCK_C`` channels per step (grid-stride over the ``T'`` merged rows): each row
     gathers its group of sources, the k-th source of every row at a time, in row order. Offsets and source rows are
     clamped into ``[0, T]``: lists that break the contract give wrong rows, never an access outside the buffers.
     With ``HAS_CU`` the first program also writes the merged offsets to ``CU_OUT`` and after them ``pads`` padding
     images' offsets, ``min(T' + (i + 1) * pad_len, capacity)``. With ``HAS_STATS`` it first writes the sum and the
-    max of ``KEPT[:batch]`` to ``STATS`` (the graph runner's host read, as ``triton_impl.pack`` writes it)."""
+    max of ``KEPT[:batch]`` to ``STATS`` (the graph runner's host read, as ``triton_impl.pack`` writes it).
+
+    With ``HAS_RES`` every source row is ``X + RES`` (fp32 sum rounded once to ``X``'s dtype: what ``torch.add``
+    stores) before it is weighted. With ``HAS_NORM`` (whole rows: ``BLOCK_C >= CHANNELS``, one program column) each
+    merged row as stored in ``OUT``'s dtype is also layer-normalised in fp32 (``eps``; ``NORM_W`` / ``NORM_B`` with
+    ``HAS_W`` / ``HAS_B``, else 1 / 0) into ``NORMED``. Switched off, each adds no instruction."""
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         if HAS_STATS:
             store_total_and_longest(KEPT, STATS, batch, BLOCK_B)
@@ -384,6 +416,13 @@ def _merge_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     offs_c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     in_c = offs_c < CHANNELS
+    if HAS_NORM:  # the LayerNorm's parameters, once per program
+        gain = tl.full([BLOCK_C], 1.0, tl.float32)
+        shift = tl.zeros([BLOCK_C], dtype=tl.float32)
+        if HAS_W:
+            gain = tl.load(NORM_W + offs_c, mask=in_c, other=0.0).to(tl.float32)
+        if HAS_B:
+            shift = tl.load(NORM_B + offs_c, mask=in_c, other=0.0).to(tl.float32)
     for d0 in range(tl.program_id(0) * BLOCK_D, merged_total, tl.num_programs(0) * BLOCK_D):
         d = d0 + offs_d
         in_d = d < merged_total
@@ -401,14 +440,33 @@ def _merge_kernel(
                 mask=has[:, None] & in_c[None, :],
                 other=0.0,
             ).to(tl.float32)
+            if HAS_RES:  # the attention's residual add, rounded once to x's dtype as torch.add rounds it
+                res = tl.load(
+                    RES + row.to(tl.int64)[:, None] * stride_rt + offs_c[None, :] * stride_rc,
+                    mask=has[:, None] & in_c[None, :],
+                    other=0.0,
+                ).to(tl.float32)
+                vals = (vals + res).to(X.dtype.element_ty).to(tl.float32)
             acc += size.to(tl.float32)[:, None] * vals
             weight += size
             lone = tl.where(k == 0, vals, lone)
         divisor = tl.where(weight > 0, weight, 1).to(tl.float32)  # a row no row is sent to (a broken map): zeros
         mean = tl.math.div_rn(acc, tl.broadcast_to(divisor[:, None], [BLOCK_D, BLOCK_C]))
-        rows = tl.where((sources == 1)[:, None], lone, mean)
+        rows = tl.where((sources == 1)[:, None], lone, mean).to(OUT.dtype.element_ty)
         out = OUT + d.to(tl.int64)[:, None] * CHANNELS + offs_c[None, :]
-        tl.store(out, rows.to(OUT.dtype.element_ty), mask=in_d[:, None] & in_c[None, :])
+        tl.store(out, rows, mask=in_d[:, None] & in_c[None, :])
+        if HAS_NORM:  # norm2 of the row as stored (what F.layer_norm(out) reads), in fp32; padding channels are 0
+            v = rows.to(tl.float32)
+            count = tl.full([BLOCK_D], CHANNELS, tl.float32)
+            mu = tl.math.div_rn(tl.sum(v, 1), count)
+            diff = tl.where(in_c[None, :], v - mu[:, None], 0.0)
+            var = tl.math.div_rn(tl.sum(diff * diff, 1), count)  # biased, as F.layer_norm
+            # rows past T' (in_d false) hold zeros: 1 keeps their 1 / sqrt(0) out of the arithmetic (never stored)
+            root = tl.sqrt_rn(tl.where(in_d, var + eps, 1.0))
+            rstd = tl.math.div_rn(tl.full([BLOCK_D], 1.0, tl.float32), root)
+            y = diff * rstd[:, None] * gain[None, :] + shift[None, :]
+            normed = NORMED + d.to(tl.int64)[:, None] * CHANNELS + offs_c[None, :]
+            tl.store(normed, y.to(NORMED.dtype.element_ty), mask=in_d[:, None] & in_c[None, :])
         if tl.program_id(1) == 0:
             tl.store(OUT_SIZES + d, weight, mask=in_d)
             if HAS_LOG:  # log(size) in float64, rounded once to fp32 (as the reference rounds it)
@@ -585,6 +643,11 @@ def merge_rows(
     sources: tuple[torch.Tensor, torch.Tensor] | None = None,
     capacity: int | None = None,
     check_values: bool | None = None,
+    residual: torch.Tensor | None = None,
+    normed: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_bias: torch.Tensor | None = None,
+    norm_eps: float = 1e-5,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Applies a destination map as a size-weighted average, per image: the kernel's twin of
     :func:`ragged_vit.reference.merging.merge_rows` (module docstring: the rules), one launch (two torch ops more
@@ -603,9 +666,20 @@ def merge_rows(
         capacity: rows of the merged buffer, ``>= T'`` (default ``T``: always enough); rows past ``T'`` are left
             as allocated, rows past ``capacity`` are not written.
         check_values: read both offsets to validate them (default: only on the CPU).
+        residual: ``[T, C]`` in ``x``'s dtype, any strides: merge ``x + residual`` instead of ``x`` (each row's sum
+            in fp32, rounded once to ``x``'s dtype: ``torch.add(x, residual)``'s bits), the attention's residual
+            add fused into the merge.
+        normed: ``[capacity, C]`` contiguous, ``x``'s dtype, not sharing memory with ``x`` or ``residual``: where
+            the same launch writes the LayerNorm of each merged row (the block's ``norm2``), rows ``[0, T')``;
+            the rest is left as it was. At most 8192 channels (whole rows in registers).
+        norm_weight: ``[C]`` contiguous, ``x``'s dtype or fp32: the LayerNorm's weight (None: 1); with ``normed``.
+        norm_bias: ``[C]`` contiguous, ``x``'s dtype or fp32: the LayerNorm's bias (None: 0); with ``normed``.
+        norm_eps: the LayerNorm's ``eps``, finite and ``>= 0`` (default ``nn.LayerNorm``'s).
 
     Returns:
-        The merged rows ``[capacity, C]`` in ``x``'s dtype and their sizes ``[capacity]`` in ``sizes``' dtype.
+        The merged rows ``[capacity, C]`` in ``x``'s dtype and their sizes ``[capacity]`` in ``sizes``' dtype
+        (with ``normed``: also written, in place, as ``F.layer_norm(rows[:T'], (C,), norm_weight, norm_bias,
+        norm_eps)`` computed in fp32 from the rows as returned; the module docstring states the bound).
     """
     check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
     total, channels = x.shape
@@ -628,6 +702,7 @@ def merge_rows(
             f"merged_cu_seqlens must have one offset per image like cu_seqlens ({cu.shape[0]}), got "
             f"{merged_cu.shape[0]}"
         )
+    norm_eps = _check_fusions(x, capacity, residual, normed, norm_weight, norm_bias, norm_eps)
     if sources is None:
         sources = merge_sources(destination)
     else:
@@ -637,7 +712,64 @@ def merge_rows(
                 raise ValueError(f"{name} must be contiguous of shape ({n},), got {tuple(value.shape)}")
     out = x.new_empty((capacity, channels))
     out_sizes = sizes.new_empty(capacity)
-    return merge_rows_unchecked(x, sizes, *sources, merged_cu, out, out_sizes)
+    return merge_rows_unchecked(x, sizes, *sources, merged_cu, out, out_sizes, residual=residual, normed=normed,
+                                norm_weight=norm_weight, norm_bias=norm_bias, norm_eps=norm_eps)  # fmt: skip
+
+
+def _check_fusions(
+    x: torch.Tensor,
+    capacity: int,
+    residual: object,
+    normed: object,
+    weight: object,
+    bias: object,
+    eps: object,
+) -> float:
+    """:func:`merge_rows`'s checks of the fused residual add and LayerNorm; returns ``eps`` as a float."""
+    channels = x.shape[1]
+    if residual is not None:
+        check_tensor(residual, "residual", ndim=2, dtypes=(x.dtype,), device=x.device)
+        if residual.shape != x.shape:
+            raise ValueError(f"residual must have shape {tuple(x.shape)} like x, got {tuple(residual.shape)}")
+    if normed is None:
+        for name, value in (("norm_weight", weight), ("norm_bias", bias)):
+            if value is not None:
+                raise ValueError(f"{name} is given without normed: the LayerNorm runs only into a normed buffer")
+    else:
+        check_tensor(normed, "normed", ndim=2, dtypes=(x.dtype,), device=x.device)
+        if normed.shape != (capacity, channels) or not normed.is_contiguous():
+            raise ValueError(f"normed must be contiguous of shape ({capacity}, {channels}) (capacity, C), got "
+                             f"{tuple(normed.shape)} with strides {normed.stride()}")  # fmt: skip
+        if channels > _MAX_NORM_CHANNELS:
+            raise ValueError(f"normed: the fused LayerNorm holds whole rows, at most {_MAX_NORM_CHANNELS} channels, "
+                             f"got {channels}")  # fmt: skip
+        for name, value in (("x", x), ("residual", residual)):
+            if value is not None and _shares_memory(normed, value):
+                raise ValueError(f"normed must not share memory with {name} (the launch reads {name} as it writes)")
+        for name, value in (("norm_weight", weight), ("norm_bias", bias)):
+            if value is not None:
+                dtypes = (x.dtype,) if x.dtype == torch.float32 else (x.dtype, torch.float32)
+                check_tensor(value, name, ndim=1, dtypes=dtypes, device=x.device)
+                if value.shape[0] != channels or not value.is_contiguous():
+                    raise ValueError(f"{name} must be contiguous of shape ({channels},) (x's channels), got "
+                                     f"{tuple(value.shape)} with strides {value.stride()}")  # fmt: skip
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"norm_eps must be a float (the LayerNorm's eps), got {type(eps).__name__}")
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"norm_eps must be finite and >= 0, got {eps}")
+    return float(eps)
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors' byte ranges in one storage overlap (conservative: their spans, not their elements)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or not a.numel() or not b.numel():
+        return False
+    spans = []
+    for t in (a, b):
+        first = t.data_ptr()
+        last = first + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True)) * t.element_size()
+        spans.append((first, last + t.element_size()))
+    return spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1]
 
 
 def merge_rows_unchecked(
@@ -654,6 +786,11 @@ def merge_rows_unchecked(
     padding_images: int = 0,
     padding_len: int = 0,
     total_and_longest: tuple[torch.Tensor, torch.Tensor] | None = None,
+    residual: torch.Tensor | None = None,
+    normed: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    norm_bias: torch.Tensor | None = None,
+    norm_eps: float = 1e-5,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`merge_rows` from the source lists, without its checks, written into ``out`` (contiguous
     ``[capacity, C]`` in ``x``'s dtype) and ``out_sizes`` (contiguous ``[capacity]`` in ``sizes``' dtype), rows
@@ -669,21 +806,39 @@ def merge_rows_unchecked(
     With ``total_and_longest = (kept, stats)`` (contiguous int32 ``[B]`` and at least 2 elements, on ``x``'s device
     or in pinned host memory) its first program writes ``kept.sum()`` and ``kept.max()`` to ``stats[0]`` and
     ``stats[1]`` before anything else, as :func:`ragged_vit.triton_impl.pack.total_and_longest` does: the graph
-    runner's host read of a merging stage, without a launch of its own."""
+    runner's host read of a merging stage, without a launch of its own.
+
+    With ``residual`` (``[T, C]`` in ``x``'s dtype, any strides) the rows merged are ``x + residual``, each sum in
+    fp32 rounded once to ``x``'s dtype. With ``normed`` (contiguous ``[capacity, C]`` in ``x``'s dtype, ``C <=
+    8192``) rows ``[0, T')`` also get the LayerNorm of the merged rows as written to ``out`` (``norm_weight`` /
+    ``norm_bias``: contiguous ``[C]`` in ``x``'s dtype or fp32, or None; ``norm_eps``); the launch then runs
+    whole-row tiles of 2 rows. Returns ``(out, out_sizes)`` either way."""
     channels, capacity, batch = x.shape[1], out.shape[0], merged_cu.shape[0] - 1
-    block_c = min(_BLOCK_C, next_power_of_2(channels))
-    grid = (max(1, cdiv(capacity, _BLOCK_D)), cdiv(channels, block_c))
     has_log, has_cu, has_stats = log_sizes is not None, cu_out is not None, total_and_longest is not None
+    has_res, has_norm = residual is not None, normed is not None
+    has_w, has_b = has_norm and norm_weight is not None, has_norm and norm_bias is not None
+    if has_norm:  # whole rows in one program column
+        block_d, block_c = _NORM_ROWS, next_power_of_2(channels)
+    else:
+        block_d, block_c = _BLOCK_D, min(_BLOCK_C, next_power_of_2(channels))
+    grid = (max(1, cdiv(capacity, block_d)), cdiv(channels, block_c))
     block_b, pads_pad = _offset_tiles(batch, padding_images if has_cu else 0)
     kept, stats = total_and_longest if has_stats else (merged_cu, merged_cu)
+    res_strides = residual.stride() if has_res else (0, 0)
+    # Absent tensors pass a present one of a fixed dtype in their place (never read: their switch is off)
     args = (
         x, sizes, sources, source_offsets, merged_cu, out, out_sizes, log_sizes if has_log else out_sizes,
-        cu_out if has_cu else merged_cu, kept, stats, x.shape[0], batch, capacity, padding_images, padding_len,
-        *x.stride(), channels, _BLOCK_D, block_c, has_log, has_cu, has_stats, block_b, pads_pad,
+        cu_out if has_cu else merged_cu, kept, stats, residual if has_res else x, normed if has_norm else out,
+        norm_weight if has_w else out, norm_bias if has_b else out, x.shape[0], batch, capacity, padding_images,
+        padding_len, *x.stride(), *res_strides, float(norm_eps) if has_norm else 0.0, channels, block_d, block_c,
+        has_log, has_cu, has_stats, block_b, pads_pad, has_res, has_norm, has_w, has_b,
     )  # fmt: skip
-    extra = [t for t in (log_sizes, cu_out, kept if has_stats else None) if t is not None]
+    extra = [t for t in (log_sizes, cu_out, kept if has_stats else None, residual, normed) if t is not None]
+    extra += [t for t in (norm_weight if has_w else None, norm_bias if has_b else None) if t is not None]
     ok = aligned(x, sizes, sources, source_offsets, merged_cu, out, out_sizes, *extra) and stats.data_ptr() % 16 == 0
-    key = (x.dtype, sizes.dtype, channels, has_log, has_cu, has_stats, block_b, pads_pad, *map(int_spec, x.stride()))
+    key = (x.dtype, sizes.dtype, channels, has_log, has_cu, has_stats, block_b, pads_pad, *map(int_spec, x.stride()),
+           has_res, has_norm, norm_weight.dtype if has_w else None, norm_bias.dtype if has_b else None,
+           *map(int_spec, res_strides))  # fmt: skip
     key = key if ok else None
     _merge_launcher(key, x.get_device(), grid, args, num_warps=_NUM_WARPS, num_stages=1)
     return out, out_sizes
