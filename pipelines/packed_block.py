@@ -333,8 +333,7 @@ def packed_attention_residual(
     key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The rest of :func:`packed_attention` from :func:`packed_qkv`'s ``(normed, qkv)``: ``x + ls1(proj(attend))``."""
-    attend = _backend_attend(backend, block.attn, cu_seqlens, max_seqlen, key_bias)
-    return _attention_residual(_parts(block), x, normed, qkv, attend)
+    return x + packed_attention_branch(block, normed, qkv, cu_seqlens, max_seqlen, backend, key_bias)
 
 
 def packed_attention_branch(

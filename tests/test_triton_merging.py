@@ -476,12 +476,21 @@ def test_poisoned_outputs_are_overwritten_interpreter(mode, gen):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("mode", [{"r": 13}, {"threshold": 0.3, "r_max": 30}], ids=_mode_id)
-def test_poisoned_outputs_replayed_from_a_graph_gpu(mode, dtype, gen):
-    """And without a device-to-host sync: both launches captured in a CUDA graph and replayed over poisoned outputs
-    give the eager bits, run after run."""
-    keys, cu, x, sizes, want, want_rows = _poisoned("cuda", GPU_SHAPE, 768, dtype, gen, mode)
+def test_poisoned_outputs_replayed_from_a_graph_gpu(mode, dtype, fused, gen):
+    """And without a device-to-host sync: the decision and the merge (``fused``: with the residual add and the
+    LayerNorm) captured in a CUDA graph and replayed over poisoned outputs give the eager bits, run after run."""
+    if fused:
+        keys, cu, x, sizes, residual, norm, want, want_rows, want_normed = _poisoned_fused(
+            "cuda", GPU_SHAPE, 768, dtype, gen, mode
+        )
+        normed = torch.empty_like(want_normed)
+        fusion = dict(residual=residual, normed=normed, **norm)
+    else:
+        keys, cu, x, sizes, want, want_rows = _poisoned("cuda", GPU_SHAPE, 768, dtype, gen, mode)
+        fusion = {}
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -489,18 +498,21 @@ def test_poisoned_outputs_replayed_from_a_graph_gpu(mode, dtype, gen):
         with torch.cuda.graph(graph):
             got = ker.decide_merges(keys, cu, 65, 1, **mode)
             sources = (got.sources, got.source_offsets)
-            rows, new_sizes = ker.merge_rows(x, sizes, got.destination, cu, got.cu_seqlens, sources=sources)
+            rows, new_sizes = ker.merge_rows(x, sizes, got.destination, cu, got.cu_seqlens, sources=sources, **fusion)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     merged = int(want.cu_seqlens[-1])
     for _ in range(2):
         for t in (got.destination, got.kept, got.cu_seqlens, got.sources, got.source_offsets, new_sizes):
             t.fill_(-7)
-        rows.fill_(float("nan"))
+        for t in (rows, normed) if fused else (rows,):
+            t.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(got.destination, want.destination) and torch.equal(got.cu_seqlens, want.cu_seqlens)
         assert torch.equal(got.kept, want.kept) and torch.equal(rows[:merged], want_rows[:merged])
+        if fused:
+            assert torch.equal(normed[:merged], want_normed[:merged]) and bool(normed[merged:].isnan().all())
 
 
 def _garbage_lists(device, gen):
@@ -734,39 +746,6 @@ def _poisoned_fused(device, shape, channels, dtype, gen, mode):
 @pytest.mark.parametrize("mode", [{"r": 13}, {"threshold": 0.3, "r_max": 30}], ids=_mode_id)
 def test_fused_poisoned_outputs_are_overwritten_interpreter(mode, gen):
     _poisoned_fused("cpu", CPU_SHAPE, 40, torch.float16, gen, mode)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("mode", [{"r": 13}, {"threshold": 0.3, "r_max": 30}], ids=_mode_id)
-def test_fused_poisoned_outputs_replayed_from_a_graph_gpu(mode, dtype, gen):
-    """And without a device-to-host sync: the decision and the fused merge captured in a CUDA graph and replayed over
-    poisoned outputs give the eager bits, run after run."""
-    keys, cu, x, sizes, residual, norm, want, want_rows, want_normed = _poisoned_fused(
-        "cuda", GPU_SHAPE, 768, dtype, gen, mode
-    )
-    normed = torch.empty_like(want_normed)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            got = ker.decide_merges(keys, cu, 65, 1, **mode)
-            sources = (got.sources, got.source_offsets)
-            rows, new_sizes = ker.merge_rows(x, sizes, got.destination, cu, got.cu_seqlens, sources=sources,
-                                             residual=residual, normed=normed, **norm)  # fmt: skip
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    merged = int(want.cu_seqlens[-1])
-    for _ in range(2):
-        for t in (got.destination, got.kept, got.cu_seqlens, got.sources, got.source_offsets, new_sizes):
-            t.fill_(-7)
-        rows.fill_(float("nan"))
-        normed.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(got.cu_seqlens, want.cu_seqlens) and torch.equal(rows[:merged], want_rows[:merged])
-        assert torch.equal(normed[:merged], want_normed[:merged]) and bool(normed[merged:].isnan().all())
 
 
 # --- bad inputs -----------------------------------------------------------------------------------------------------
