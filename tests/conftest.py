@@ -21,28 +21,10 @@ import pytest  # noqa: E402
 DEVICE = "cuda" if HAS_CUDA else "cpu"
 
 
-def _ordered_interpreter_dot() -> None:
-    """``tl.dot`` under the interpreter with every output element summed over ``k`` in one order, as a GPU's MMA sums
-    each element: the interpreter's ``np.matmul`` hands tiles to OpenBLAS, whose kernels (picked per CPU: on AVX-512
-    machines) may sum two equal rows differently, so equal keys got unequal similarities and the twins of tests that
-    rely on equal rows giving equal dot products (ToMe's exact ties) failed on some CPUs only."""
-    from triton.runtime import interpreter
+if not HAS_CUDA:  # tl.dot summed as a GPU sums it, whatever BLAS numpy has on this CPU
+    from ragged_vit.testing.interpreter import order_interpreter_dots  # noqa: E402
 
-    builder = interpreter.InterpreterBuilder
-    plain = builder.create_dot
-
-    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:  # fp8/int8: the interpreter's own
-            return plain(self, a, b, d, input_precision, max_num_imprecise_acc)
-        acc = d.data.dtype
-        products = a.data.astype(acc)[..., :, :, None] * b.data.astype(acc)[..., None, :, :]
-        return interpreter.TensorHandle(products.sum(axis=-2, dtype=acc) + d.data, d.dtype.scalar)
-
-    builder.create_dot = create_dot
-
-
-if not HAS_CUDA:
-    _ordered_interpreter_dot()
+    order_interpreter_dots()
 
 
 @pytest.fixture(autouse=True, scope="session")
