@@ -499,6 +499,23 @@ def test_gpu_fp32_equals_the_reference_forward(mode, batch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("norm_rows", [1024, 0], ids=["norm-in-merge", "norm-in-mlp"])
+@pytest.mark.parametrize("mode", ["fixed", "adaptive"])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_gpu_compiled_graphs_equal_the_reference_forward(batch, mode, norm_rows, monkeypatch):
+    """``compile_blocks`` inside the graph runner, fp32, against the reference forward: every fused path (the next
+    block's qkv in the MLP's compiled call; the residual add in the merge, ``norm2`` there or, in buffers of more than
+    ``MERGE_NORM_MAX_ROWS`` rows, in the MLP; at B = 1 the decision beside the attention core, unfused)."""
+    monkeypatch.setattr(model_module, "MERGE_NORM_MAX_ROWS", norm_rows)
+    model, x = small_model("avg").cuda(), images(batch, 9).cuda()
+    with torch.no_grad(), no_tf32():
+        ref = tome_forward(model, x, **MODES[mode])
+        out = GraphedPrunedViT(PrunedViT(model, merger(mode), "triton", compile_blocks=True)).run(x)
+    assert torch.equal(out.counts, ref.counts.t()[:, list(merger(mode).blocks)] - 1)
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["fixed", "adaptive", "adaptive-lagged"])
 @pytest.mark.parametrize("batch", [1, 5])
 def test_gpu_graph_equals_eager(mode, batch):
