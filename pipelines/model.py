@@ -511,7 +511,8 @@ class PrunedViT(nn.Module):
         (index,) = step.blocks
         block, x, prepared = self.model.blocks[index], state.x, state.take_prepared(index)
         packed = (state.cu_seqlens, state.max_seqlen, self._backend)
-        fuses = state.fuse_merge and not beside_decision and following and following.kind is StepKind.DECIDE
+        before_decision = following is not None and following.kind is StepKind.DECIDE
+        fuses = state.fuse_merge and before_decision and not beside_decision
         lean = lean_block(block) if fuses else None
         if prepared is None and lean is None and not beside_decision:  # the whole half: one compiled call
             attention_half = compiled_halves()[0] if self.compile_blocks else packed_attention
