@@ -6,9 +6,8 @@ head dims 32 to 256 (80: padded inside the kernel), attention with and without a
 off an aligned address);
 then the pruners' decision kernels (Threshold-L2, ATS, EViT with its fused token, DynamicViT) and ToMe's matching and
 merge (fixed and adaptive, into an exact and a larger buffer, and with the residual add and LayerNorm fused) on the
-same kind of batch, with an image longer than the
-bound, empty images, NaN rows, and 0, 1 or 5 prefix rows, and on 40 images (the large-batch tiles); then a small ToMe
-pipeline, eager and graphed.
+same kind of batch, with an image longer than the bound, empty images, NaN rows, and 0, 1 or 5 prefix rows, and on 40
+images (the large-batch tiles); then a small ToMe pipeline, eager and graphed.
 """
 
 from __future__ import annotations

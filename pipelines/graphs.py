@@ -526,11 +526,11 @@ class GraphedPrunedViT:
         side = (index - 1) % 2
         num_patches = bufs.tokens - bufs.plan.num_prefix  # FRONT sets it in segment 0
         cu = bufs.cu[index - 1, : batch + 1]
-        if bufs.sizes:  # merged by the previous graph: its first `capacity` rows (the REPACK writes the offsets)
+        if merges:  # merged by the previous graph: its first `capacity` rows (the REPACK writes the offsets)
             rows = first.capacity
             return ForwardState(
                 batch, bufs.x[side][:rows], bufs.merged_cu[side], num_patches=num_patches,
-                sizes=bufs.sizes[side][:rows], key_bias=bufs.key_bias[side][:rows], fuse_merge=True,
+                sizes=bufs.sizes[side][:rows], key_bias=bufs.key_bias[side][:rows], fuse_merge=merges,
             )  # fmt: skip
         selection = TokenSelection(bufs.keep[side], bufs.kept[side])
         return ForwardState(batch, bufs.x[side], cu, selection=selection, num_patches=num_patches)
