@@ -90,12 +90,14 @@ OnStep = Callable[[Step, "ForwardState"], None]
 """``on_step(step, state)``: called by :meth:`PrunedViT.run` before each step, with the forward's state as that step
 will find it (instrumentation: a CUDA event per region, or a stage's decision input to time); it must not change it."""
 
-OVERLAP_MAX_IMAGES = 1
+OVERLAP_MAX_IMAGES = 8
 """Batches of at most this many images run a merging stage's decision beside its block's attention core while a
-CUDA graph is captured (:meth:`PrunedViT._attention`). One image's attention leaves most SMs idle;
-at batch 4 its programs fill the GPU and the side branch only adds its fork and join (ToMe r = 13, graphs +
-compile_blocks, H100: -14% time per forward at B = 1; beside it at every batch size, +5% at B = 4 and +1% at
-B = 64; ``docs/tome.md``)."""
+CUDA graph is captured (:meth:`PrunedViT._attention`): up to there the decision's small grids and the attention's
+leave room for each other; past it the attention's programs fill the GPU and the decision only delays them. ToMe
+r = 13, graphs + compile_blocks, H100, beside against after (one call, in turn, two rounds,
+``docs/data/tome_overlap_h100_4d407d2.json``): B = 4 5,078 / 5,096 -> 5,619 / 5,641 img/s (+11%), B = 8 8,422 /
+8,370 -> 9,036 / 9,013 (+7%), B = 16 -13%, B = 32 -11%, B = 64 -5%; B = 1 the same within 0.1% with the merge's
+fusions beside it or not (``docs/tome.md``)."""
 
 
 @dataclass
@@ -500,19 +502,18 @@ class PrunedViT(nn.Module):
         """An ATTENTION step: ``x + ls1(proj(attend(qkv(norm1(x)))))`` and the qkv projection, from the ``norm1`` and
         qkv the MLP step before prepared if it did (``state.prepared``). Before a merging stage whose merge is the
         Triton kernel's (``state.fuse_merge``, a plain block) the merge takes the residual add (the branch is left in
-        ``state.fusion`` and ``x`` stays) and ``norm2``; not beside a decision (ToMe at B = 1: there the add hides
-        behind the decision, and the merge with ``norm2`` measured 0.6-1.0% slower end to end on an H100).
+        ``state.fusion`` and ``x`` stays) and ``norm2`` (:func:`merge_fusion`), beside a decision or not.
 
         ``beside_decision``: ``following`` is a merging stage's DECIDE step (its decision reads only the block's
-        keys), run here beside the attention core, projection and residual. While a CUDA graph is captured the
-        decision runs on a second stream, so the graph holds the two as parallel branches (at small batch both are
-        latency-bound and fill few SMs); otherwise one after the other, the same kernels (the graph runner's warm-up
-        compiles the same parts it captures)."""
+        keys), run here beside the attention core, projection and residual add (or branch). While a CUDA graph is
+        captured the decision runs on a second stream, so the graph holds the two as parallel branches (at small
+        batch both are latency-bound and fill few SMs); otherwise one after the other, the same kernels (the graph
+        runner's warm-up compiles the same parts it captures)."""
         (index,) = step.blocks
         block, x, prepared = self.model.blocks[index], state.x, state.take_prepared(index)
         packed = (state.cu_seqlens, state.max_seqlen, self._backend)
         before_decision = following is not None and following.kind is StepKind.DECIDE
-        fuses = state.fuse_merge and before_decision and not beside_decision
+        fuses = state.fuse_merge and before_decision
         lean = lean_block(block) if fuses else None
         if prepared is None and lean is None and not beside_decision:  # the whole half: one compiled call
             attention_half = compiled_halves()[0] if self.compile_blocks else packed_attention
@@ -522,15 +523,18 @@ class PrunedViT(nn.Module):
             packed_qkv, packed_attention_residual, packed_attention_branch)  # fmt: skip
         normed, state.qkv = qkv_part(block, x) if prepared is None else prepared
         rest = (normed, state.qkv, *packed)
-        if lean is not None:  # the merge after it adds the branch
-            state.fusion = MergeFusion(branch_part(block, *rest, key_bias=state.key_bias), lean.ln2)
-        elif beside_decision:  # the decision reads the qkv projection (and the rows' count) only
-            state.selection, state.x = beside(
-                x.device, lambda: self._decide(following.stage, state),
-                lambda: residual_part(block, x, *rest, key_bias=state.key_bias),
-            )  # fmt: skip
+        if lean is not None:  # the merge after it adds the branch: x stays
+            half = functools.partial(branch_part, block, *rest, key_bias=state.key_bias)
         else:
-            state.x = residual_part(block, x, *rest, key_bias=state.key_bias)
+            half = functools.partial(residual_part, block, x, *rest, key_bias=state.key_bias)
+        if beside_decision:  # the decision reads the qkv projection (and the rows' count) only
+            state.selection, out = beside(x.device, lambda: self._decide(following.stage, state), half)
+        else:
+            out = half()
+        if lean is not None:
+            state.fusion = MergeFusion(out, lean.ln2)
+        else:
+            state.x = out
 
     def decide_beside_mlp(self, step: Step, state: ForwardState) -> None:
         """A mid-block stage's DECIDE step and its block's MLP half (the plan's ``mlp_beside``), which acts per row

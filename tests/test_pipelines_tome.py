@@ -34,6 +34,8 @@ from ragged_vit.reference.tome import bisect_threshold, tome_forward
 from ragged_vit.triton_impl import merging as triton_merging
 from tests.helpers import no_tf32
 
+AFTER = model_module.OVERLAP_MAX_IMAGES + 1  # the least batch whose decisions run after their attention, not beside it
+
 DEPTH = 4
 MODES = {"fixed": {"r": 5}, "adaptive": {"threshold": 0.3, "r_max": 6}, "schedule": {"r": [8, 0, 3, 9]}}
 FP32 = {"atol": 1e-5, "rtol": 1e-5}
@@ -160,7 +162,7 @@ def test_merger_bad_arguments(kwargs, error, match):
 # --- eager pipeline against the reference forward -------------------------------------------------------------
 
 
-@pytest.mark.parametrize("batch", [1, 3])  # 1: the decision beside the attention core (OVERLAP_MAX_IMAGES)
+@pytest.mark.parametrize("batch", [1, AFTER])  # 1: the decision beside the attention core (OVERLAP_MAX_IMAGES)
 @pytest.mark.parametrize("pool", ["token", "avg"])
 @pytest.mark.parametrize("mode", list(MODES))
 def test_pipeline_equals_the_reference_forward(mode, pool, batch):
@@ -192,7 +194,7 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-@pytest.mark.parametrize("batch", [1, 3])  # 1: the next attention beside its decision
+@pytest.mark.parametrize("batch", [1, AFTER])  # 1: the next attention beside its decision
 @pytest.mark.parametrize("mode", ["fixed", "adaptive"])
 def test_each_mlp_half_prepares_the_next_attention(mode, batch, fused_calls, monkeypatch):
     """Every merging block's MLP half also computes the next block's ``norm1`` and qkv (one compiled call under
@@ -501,11 +503,11 @@ def test_gpu_fp32_equals_the_reference_forward(mode, batch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("norm_rows", [1024, 0], ids=["norm-in-merge", "norm-in-mlp"])
 @pytest.mark.parametrize("mode", ["fixed", "adaptive"])
-@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("batch", [1, AFTER])
 def test_gpu_compiled_graphs_equal_the_reference_forward(batch, mode, norm_rows, monkeypatch):
     """``compile_blocks`` inside the graph runner, fp32, against the reference forward: every fused path (the next
     block's qkv in the MLP's compiled call; the residual add in the merge, ``norm2`` there or, in buffers of more than
-    ``MERGE_NORM_MAX_ROWS`` rows, in the MLP; at B = 1 the decision beside the attention core, unfused)."""
+    ``MERGE_NORM_MAX_ROWS`` rows, in the MLP), with the decision beside the attention core (B = 1) or after it."""
     monkeypatch.setattr(model_module, "MERGE_NORM_MAX_ROWS", norm_rows)
     model, x = small_model("avg").cuda(), images(batch, 9).cuda()
     with torch.no_grad(), no_tf32():
@@ -517,7 +519,7 @@ def test_gpu_compiled_graphs_equal_the_reference_forward(batch, mode, norm_rows,
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["fixed", "adaptive", "adaptive-lagged"])
-@pytest.mark.parametrize("batch", [1, 5])
+@pytest.mark.parametrize("batch", [1, AFTER])
 def test_gpu_graph_equals_eager(mode, batch):
     """Graphs against eager, fresh images every call; the lagged reads wait on events, not on the stream."""
     pv = PrunedViT(small_model("token").cuda().half(), merger(mode.split("-")[0]), "triton")
