@@ -267,11 +267,13 @@ class SyncEvery:
 @dataclass(frozen=True)
 class ForwardTimes:
     """Per-forward clocks of one row: host wall time with a synchronize around every forward, and the CUDA-event
-    time of the same forwards (None on a CPU), in microseconds."""
+    time of the same forwards (None on a CPU), in microseconds; with ``back_to_back``, also the host wall time of as
+    many forwards in a row (one synchronize before and after them all) per forward (else None)."""
 
     wall: Spread
     events: Spread | None
     iters: int
+    back_to_back: float | None = None
 
 
 def forward_times(
@@ -283,11 +285,15 @@ def forward_times(
     target_s: float = 0.3,
     min_iters: int = 10,
     max_iters: int = 60,
+    back_to_back: bool = False,
 ) -> ForwardTimes:
     """Warms up, then times ``iters`` forwards one at a time, rotating through ``calls`` (one per input batch).
 
     Each forward: synchronize, host clock, start event, forward, end event, synchronize, host clock. The number of
-    forwards fills about ``target_s`` (clamped to ``[min_iters, max_iters]``), sized from the warm-up.
+    forwards fills about ``target_s`` (clamped to ``[min_iters, max_iters]``), sized from the warm-up. A forward
+    timed alone also pays what runs before its first kernel (the host's work, a graph's launch); ``back_to_back``
+    then times ``iters`` forwards in a row, where each one's host work overlaps the device work before it (the
+    throughput of a stream of batches).
     """
     cuda = device.type == "cuda"
     with context(), gc_off():
@@ -309,8 +315,9 @@ def forward_times(
             sync(device)
             walls.append((time.perf_counter() - t0) * 1e6)
             pairs.append((start, end))
+        in_a_row = elapsed(schedule(calls, iters), device) * 1e6 / iters if back_to_back else None
     events = summarize([s.elapsed_time(e) * 1e3 for s, e in pairs]) if cuda else None
-    return ForwardTimes(summarize(walls), events, iters)
+    return ForwardTimes(summarize(walls), events, iters, in_a_row)
 
 
 # Table IV's regions of a pruned forward, by the plan's step kinds. front: patch embedding and the dense blocks

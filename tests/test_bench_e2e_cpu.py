@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ import torch
 
 from benchmarks import make_results, report_e2e, run_bench, tables
 from benchmarks.e2e_common import Lab, check_logits
-from benchmarks.timing import REGIONS, Marks, gpu_slug, stage_breakdown
+from benchmarks.timing import REGIONS, Marks, forward_times, gpu_slug, stage_breakdown
 from benchmarks.workloads import WORKLOADS, synthetic_images, synthetic_selection, workload_kind
 from ragged_vit.pipelines.backends import PaddedSDPABackend, ReferenceBackend
 
@@ -35,6 +36,18 @@ def test_gpu_slug() -> None:
     assert gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert gpu_slug("NVIDIA H200") == "nvidia-h200"
     assert gpu_slug("  ") == "unknown"
+
+
+def test_forward_times_back_to_back_clock() -> None:
+    """The back-to-back clock is the wall time of as many calls in a row, per call (None unless asked for): calls
+    that each sleep 2 ms take at least that; the calls rotate through the inputs in both loops."""
+    seen: list[int] = []
+    calls = [functools.partial(lambda i: (seen.append(i), time.sleep(0.002)), i) for i in range(2)]
+    times = forward_times(calls, CPU, warmup=0, min_iters=4, max_iters=4, back_to_back=True)
+    assert times.iters == 4 and times.events is None
+    assert times.back_to_back is not None and times.back_to_back >= 2000 and times.wall.median >= 2000
+    assert seen[-8:] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert forward_times(calls, CPU, warmup=0, min_iters=2, max_iters=2).back_to_back is None
 
 
 @pytest.mark.parametrize("keep_rate", [0.1, 0.5, 0.9])

@@ -155,6 +155,23 @@ def test_markdown_table_ratios():
     assert lines[-1] == "| adaptive / fixed (the faster adaptive row) | 0.90x (sync-free) | 0.96x (reads) | - |"
     assert "| ours adaptive (sync-free) | 270 | failed: raised X: y | - |" in lines
     assert "does not compile: X: y" in "\n".join(lines)
+    assert lines[0].startswith("| row | B=1 img/s, each forward alone |")
+
+
+def test_markdown_table_by_the_back_to_back_clock():
+    """The second table ranks and divides by the back-to-back rates: the peer's best mode is the fastest there."""
+    def ok(row, alone, in_a_row):
+        return {"row": row, "batch": 4, "status": "ok", "img_per_s": alone, "img_per_s_back_to_back": in_a_row}
+
+    rows = [ok("timm_compiled", 100.0, 192.0), ok("peer_compiled", 90.0, 100.0), ok("peer_sdpa_compiled", 80.0, 160.0),
+            ok("ours", 120.0, 240.0)]  # fmt: skip
+    alone = markdown_table(rows, [4]).splitlines()
+    in_a_row = markdown_table(rows, [4], "img_per_s_back_to_back").splitlines()
+    assert in_a_row[0] == "| row | B=4 img/s, back to back |"
+    assert "| ours vs unpruned reduce-overhead | 1.20x |" in alone
+    assert "| ours vs the peer's best mode | 1.33x |" in alone  # the explicit peer, slower back to back
+    assert "| ours vs unpruned reduce-overhead | 1.25x |" in in_a_row
+    assert "| ours vs the peer's best mode | 1.50x |" in in_a_row  # the SDPA peer, slower alone
 
 
 def dry_run(tmp_path, name: str, *argv: str) -> list[dict]:
@@ -177,7 +194,7 @@ def test_main_dry_run_on_cpu(tmp_path, capsys):
     rows |= {e["row"]: e for e in dry_run(tmp_path, "sync_free", "--adaptive-batches", "2", "--rows", adaptive[1])}
     assert set(rows) == set(tome_peer.ROWS)
     for row in ("timm_eager", "peer_eager", "peer_sdpa_eager", "ours", *adaptive):
-        assert rows[row]["status"] == "ok" and rows[row]["img_per_s"] > 0
+        assert rows[row]["status"] == "ok" and rows[row]["img_per_s"] > 0 and rows[row]["img_per_s_back_to_back"] > 0
     for row in ("peer_eager", "peer_sdpa_eager"):
         check = rows[row]["check"]
         assert check["same_merges"] == 1.0 and check["max"] < 1e-4 and check["finite"]
