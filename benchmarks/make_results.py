@@ -4,7 +4,8 @@
 
 Reads every card directory of ``benchmarks/baselines/`` (its README says what is stored there): ``e2e/*.json``,
 the parts ``report_e2e`` wrote (several files of one part are merged: a full run's row replaces a quick run's, a
-later run's an earlier one's), and ``attention.json``, the kernel benchmark ``report_attention`` wrote. Writes the
+later run's an earlier one's), ``attention.json``, the kernel benchmark ``report_attention`` wrote, and
+``tome_peer.json``, token merging against its peer (``benchmarks.tome_peer``'s report and targets). Writes the
 paper's tables beside ours (``benchmarks.tables``), the targets of ``docs/targets.md`` with their measured values,
 and matplotlib figures (throughput vs batch size, speedup vs pruning ratio, 224 vs 384). The output depends only on
 the JSON: sorted inputs, fixed number formats, PNGs without timestamps, so regenerating it changes nothing.
@@ -19,10 +20,17 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks import BASELINES, REPO_ROOT
+from benchmarks import BASELINES, REPO_ROOT, tome_peer
 from benchmarks import tables as T
 from benchmarks.workloads import WORKLOADS
 
+TOME_TITLE = "Token merging (ToMe) against its peer"
+TOME_METHOD = (
+    "`python -m benchmarks.tome_peer` (`docs/tome.md`): ours (`GraphedPrunedViT`, Triton, `compile_blocks`) against "
+    "the unpruned timm model and ToMe as its users run it (timm's blocks patched with the merge and the `log(size)` "
+    "bias, explicit attention or SDPA with a float mask), each checked against the fp32 reference ToMe forward first; "
+    "img/s with each forward timed alone (the targets' clock) and, where stored, back to back."
+)
 PART_TITLES = {  # in document order
     "table3": "Table III -- throughput vs batch size (DeiT-B 224, 50% pruning)",
     "table4": "Table IV -- stage breakdown (CUDA events in one forward, ms)",
@@ -32,6 +40,11 @@ PART_TITLES = {  # in document order
     "table6": "Table VI -- numerical equivalence (fp16, same decisions)",
 }
 DEIT_B = "deit_base_patch16_224"
+TOME_FILE = "tome_peer.json"  # python -m benchmarks.tome_peer's default output, in the card's directory
+# ToMe's targets (docs/targets.md), fixed r = 13 on DeiT-B: ours over unpruned timm reduce-overhead and over the peer's
+# best mode per batch size, and the adaptive mode over fixed r
+TOME_TARGETS = {"vs_timm": ((1, 1.2), (4, 1.3), (64, 1.5)), "vs_peer": ((1, 1.7), (4, 1.7), (64, 1.6)),
+                "adaptive": ((64, 0.95),)}  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------- inputs
@@ -49,12 +62,19 @@ def load_card(card_dir: Path) -> tuple[dict[str, dict], dict | None]:
     return {part: T.merge_payloads(payloads) for part, payloads in by_part.items()}, kernel
 
 
+def load_tome(card_dir: Path) -> dict | None:
+    """The card's stored ``benchmarks.tome_peer`` run (None if absent)."""
+    path = card_dir / TOME_FILE
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def card_dirs(baselines: Path) -> list[Path]:
-    """Card directories holding e2e parts or a kernel benchmark, sorted by name."""
+    """Card directories holding e2e parts, a kernel benchmark or a ToMe run, sorted by name."""
     if not baselines.is_dir():
         return []
+    stored = ("attention.json", TOME_FILE)
     return sorted(
-        d for d in baselines.iterdir() if d.is_dir() and ((d / "e2e").is_dir() or (d / "attention.json").exists())
+        d for d in baselines.iterdir() if d.is_dir() and ((d / "e2e").is_dir() or any((d / f).exists() for f in stored))
     )
 
 
@@ -80,8 +100,9 @@ def _worst(values: list[float], limit: float, shown: str) -> tuple[str, str]:
     return shown.format(max(values), len(values)), "met" if max(values) <= limit else "**missed**"
 
 
-def targets_section(parts: dict[str, dict], kernel: dict | None) -> str:
-    """The targets of docs/targets.md with this card's numbers (ours: the fastest of our rows)."""
+def targets_section(parts: dict[str, dict], kernel: dict | None, tome: dict | None = None) -> str:
+    """The targets of docs/targets.md with this card's numbers (ours: the fastest of our rows; ToMe's from its
+    stored run, by its targets' clock: each forward alone)."""
     lines: list[list[str]] = []
 
     def add(target: str, values: list[tuple[str, float | None]], need: float) -> None:
@@ -150,6 +171,14 @@ def targets_section(parts: dict[str, dict], kernel: dict | None) -> str:
         met = worst is not None and worst <= 0.004 and agree == 1.0
         verdict = "met" if met else ("not measured" if worst is None else "**missed**")
         lines.append(["numerics vs padded fp16 pipeline: max abs logit diff <= 0.004, 100% top-1", measured, verdict])
+    if tome and tome["meta"].get("model") == DEIT_B and tome["meta"].get("r") == 13:
+        labels = {"vs_timm": "ToMe r = 13 vs unpruned timm reduce-overhead", "vs_peer": "ToMe r = 13 vs the ToMe "
+                  "peer's best mode", "adaptive": "adaptive ToMe (r = 13's mean rows) vs fixed r"}  # fmt: skip
+        for key, cells in TOME_TARGETS.items():
+            for b, need in cells:
+                up = tome_peer.speedups(tome["rows"], b)
+                name = tome_peer.ADAPTIVE_NAMES[up.adaptive_row] if key == "adaptive" and up.adaptive_row else "ours"
+                add(f"{labels[key]}, B={b}: >= {need}x", [(name, getattr(up, key))], need)
     if kernel:
         cells = kernel["cells"]
         fa2 = [v for c in cells if (v := c["ratios"].get("ours_over_fa2_aten_graph")) is not None]
@@ -345,10 +374,14 @@ counts only.
 """
 
 
-def card_section(card_dir: Path, parts: dict[str, dict], kernel: dict | None, figures: Path, doc_dir: Path) -> str:
+def card_section(
+    card_dir: Path, parts: dict[str, dict], kernel: dict | None, figures: Path, doc_dir: Path, tome: dict | None = None
+) -> str:
     slug = card_dir.name
-    card = next((p["meta"].get("card") for p in parts.values()), None) or (kernel or {}).get("meta", {}).get("card")
-    out = [f"## {card or slug} (`benchmarks/baselines/{slug}/`)", "### Targets\n\n" + targets_section(parts, kernel)]
+    metas = [p["meta"] for p in parts.values()] + [x["meta"] for x in (kernel, tome) if x]
+    card = next((m.get("card") for m in metas if m.get("card")), None)
+    out = [f"## {card or slug} (`benchmarks/baselines/{slug}/`)",
+           "### Targets\n\n" + targets_section(parts, kernel, tome)]  # fmt: skip
     missing = (
         f"(not measured: `python -m benchmarks.report_attention --out benchmarks/baselines/{slug}/attention.json`)"
     )
@@ -376,6 +409,12 @@ def card_section(card_dir: Path, parts: dict[str, dict], kernel: dict | None, fi
                 + "\n\n</details>"
             )
         out.append("\n\n".join(body))
+    if tome is None:
+        out.append(f"### {TOME_TITLE}\n\n(not measured on this card: `python -m benchmarks.tome_peer`)")
+    else:
+        m = tome["meta"]
+        title = f"{TOME_TITLE} ({m.get('model')}, r = {m.get('r')})"
+        out.append("\n\n".join([f"### {title}", T.header(tome), TOME_METHOD, tome_peer.render(tome)]))
     return "\n\n".join(out)
 
 
@@ -389,7 +428,7 @@ def build(baselines: Path, out: Path, figures: Path) -> str:
         sections.append(f"(no stored results under `{where}` yet: see `benchmarks/baselines/README.md`)")
     for d in dirs:
         parts, kernel = load_card(d)
-        sections.append(card_section(d, parts, kernel, figures, out.parent))
+        sections.append(card_section(d, parts, kernel, figures, out.parent, load_tome(d)))
     return "\n\n".join(sections) + "\n"
 
 

@@ -63,7 +63,8 @@ our fixed-``r`` pipeline's on the same images and dtype (``vs_fixed``: max and m
 Clocks: ``benchmarks.timing.forward_times``: host wall time per forward, one synchronize around each (img/s = B /
 median: ``img_per_s``, the targets' clock), then as many forwards back to back, one synchronize around them all
 (``img_per_s_back_to_back``: each forward's host work and graph launch overlap the device work before it, as in a
-stream of batches; a forward timed alone pays them). The last thing printed is two markdown tables, one per clock:
+stream of batches; a forward timed alone pays them). The last thing printed (``render``, which ``python -m
+benchmarks.make_results`` also puts in ``docs/results.md``) is two markdown tables, one per clock:
 img/s per row and batch, ours vs unpruned reduce-overhead, ours vs the peer's best mode (its fastest row at that
 batch), and adaptive / fixed: the faster adaptive row (named) over ``ours``. Nothing asserts a time. ``--rows`` runs
 a subset of the rows.
@@ -595,16 +596,47 @@ def _cell(entry: dict | None, clock: str = "img_per_s") -> str:
     return f"{status}: {entry.get('reason', '')}".replace("|", "/")
 
 
-def _ratio(num: dict | None, den: dict | None, clock: str = "img_per_s") -> str:
-    if not num or not den or num.get("status") != "ok" or den.get("status") != "ok":
-        return "-"
-    return f"{num[clock] / den[clock]:.2f}x"
+@dataclass(frozen=True)
+class Speedups:
+    """Ours against the others at one batch size, by one clock (None: a side not measured there).
+
+    Attributes:
+        vs_timm: ours over the unpruned timm model under ``reduce-overhead``.
+        vs_peer: ours over the peer's best mode (its fastest row at that batch: eager or reduce-overhead, explicit
+            attention or SDPA).
+        adaptive: our faster adaptive row over our fixed ``r``.
+        adaptive_row: that adaptive row.
+    """
+
+    vs_timm: float | None
+    vs_peer: float | None
+    adaptive: float | None
+    adaptive_row: str | None
+
+
+def speedups(rows: list[dict], batch: int, clock: str = "img_per_s") -> Speedups:
+    """The ratios of ``rows`` (a run's JSON rows) at ``batch`` by ``clock`` (:data:`CLOCKS`); only rows that ran."""
+    ok = {e["row"]: e[clock] for e in rows if e["batch"] == batch and e.get("status") == "ok"}
+
+    def fastest(candidates: Sequence[str]) -> str | None:
+        return max((r for r in candidates if r in ok), key=ok.get, default=None)
+
+    def over(num: str | None, den: str | None) -> float | None:
+        return ok[num] / ok[den] if num in ok and den in ok else None
+
+    adaptive = fastest(ADAPTIVE_ROWS)
+    ratio = over(adaptive, "ours")
+    return Speedups(over("ours", "timm_compiled"), over("ours", fastest(PEER_ROWS)), ratio,
+                    adaptive if ratio is not None else None)  # fmt: skip
+
+
+def _times(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def markdown_table(rows: list[dict], batches: Sequence[int], clock: str = "img_per_s") -> str:
-    """img/s per row (rows) and batch size (columns) by ``clock`` (:data:`CLOCKS`), then ours vs unpruned
-    reduce-overhead and vs the peer's best mode (its fastest row at that batch: eager or reduce-overhead, explicit
-    attention or SDPA), and our faster adaptive row (named) vs our fixed ``r``."""
+    """img/s per row (rows) and batch size (columns) by ``clock`` (:data:`CLOCKS`), then :func:`speedups`: ours vs
+    unpruned reduce-overhead, ours vs the peer's best mode, and our faster adaptive row (named) vs our fixed ``r``."""
     at = {(e["row"], e["batch"]): e for e in rows}
     lines = [
         "| row | " + " | ".join(f"B={b} img/s, {CLOCKS[clock]}" for b in batches) + " |",
@@ -614,22 +646,23 @@ def markdown_table(rows: list[dict], batches: Sequence[int], clock: str = "img_p
         if any((row, b) in at for b in batches):
             cells = " | ".join(_cell(at.get((row, b)), clock) for b in batches)
             lines.append(f"| {ROW_LABELS[row]} | {cells} |")
-
-    def fastest(candidates: Sequence[str], b: int) -> dict | None:
-        ok = [at[(r, b)] for r in candidates if at.get((r, b), {}).get("status") == "ok"]
-        return max(ok, key=lambda e: e[clock], default=None)
-
-    def adaptive_vs_fixed(b: int) -> str:
-        best = fastest(ADAPTIVE_ROWS, b)
-        ratio = _ratio(best, at.get(("ours", b)), clock)
-        return ratio if ratio == "-" else f"{ratio} ({ADAPTIVE_NAMES[best['row']]})"
-
-    vs_timm = [_ratio(at.get(("ours", b)), at.get(("timm_compiled", b)), clock) for b in batches]
-    vs_peer = [_ratio(at.get(("ours", b)), fastest(PEER_ROWS, b), clock) for b in batches]
-    lines.append("| ours vs unpruned reduce-overhead | " + " | ".join(vs_timm) + " |")
-    lines.append("| ours vs the peer's best mode | " + " | ".join(vs_peer) + " |")
-    lines.append("| adaptive / fixed (the faster adaptive row) | " + " | ".join(map(adaptive_vs_fixed, batches)) + " |")
+    ups = [speedups(rows, b, clock) for b in batches]
+    adaptive = [_times(u.adaptive) + (f" ({ADAPTIVE_NAMES[u.adaptive_row]})" if u.adaptive_row else "") for u in ups]
+    lines.append("| ours vs unpruned reduce-overhead | " + " | ".join(_times(u.vs_timm) for u in ups) + " |")
+    lines.append("| ours vs the peer's best mode | " + " | ".join(_times(u.vs_peer) for u in ups) + " |")
+    lines.append("| adaptive / fixed (the faster adaptive row) | " + " | ".join(adaptive) + " |")
     return "\n".join(lines)
+
+
+def render(payload: dict) -> str:
+    """The report of a run (its JSON): the checks and the adaptive rows' statistics, then a :func:`markdown_table`
+    per clock its timed rows all have (runs before the back-to-back clock have one)."""
+    rows = payload["rows"]
+    batches = sorted({e["batch"] for e in rows})
+    timed = [e for e in rows if e.get("status") == "ok"]
+    clocks = [c for c in CLOCKS if timed and all(c in e for e in timed)] or ["img_per_s"]
+    parts = ["\n".join(check_lines(rows) + adaptive_lines(rows)), *(markdown_table(rows, batches, c) for c in clocks)]
+    return "\n\n".join(p for p in parts if p)
 
 
 def check_lines(rows: list[dict]) -> list[str]:
@@ -718,6 +751,7 @@ def main(argv: list[str] | None = None) -> int:
             "r": args.r,
             "adaptive": {"r_max": 2 * args.r, "batches": [b for b in args.batches if b in args.adaptive_batches]},
             "settings": bench.s.__dict__,
+            "args": {"quick": args.quick},
             "rows": {r: ROW_LABELS[r] for r in args.rows},
         },
         "rows": [],
@@ -741,11 +775,7 @@ def main(argv: list[str] | None = None) -> int:
     payload["meta"]["elapsed_s"] = round(time.perf_counter() - started, 1)
     write_json(out, payload)  # also when no row ran (--rows and --adaptive-batches leave none)
     print(f"\n## ToMe peer, {args.model} r={args.r}, {payload['meta']['dtype']}, weights {weights} ({out})\n")
-    print("\n".join(check_lines(payload["rows"]) + adaptive_lines(payload["rows"])))
-    print()
-    print(markdown_table(payload["rows"], args.batches))
-    print()
-    print(markdown_table(payload["rows"], args.batches, "img_per_s_back_to_back"))
+    print(render(payload))
     return 0
 
 

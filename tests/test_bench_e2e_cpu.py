@@ -314,7 +314,26 @@ def _write_fixtures(root: Path) -> Path:
         (e2e / f"{name}.json").write_text(json.dumps(payload))
     (e2e / "notes.json").write_text("[1, 2]")  # not a part: ignored
     (card / "attention.json").write_text(json.dumps(_kernel_fixture()))
+    (card / "tome_peer.json").write_text(json.dumps(_tome_fixture()))
     return card
+
+
+def _tome_fixture() -> dict:
+    """A ``benchmarks.tome_peer`` run: both clocks, a failed peer row, an adaptive row at B = 64 only."""
+    def ok(row: str, batch: int, alone: float, in_a_row: float) -> dict:
+        return {"row": row, "label": row, "batch": batch, "status": "ok", "img_per_s": alone,
+                "img_per_s_back_to_back": in_a_row}  # fmt: skip
+
+    rows = [ok("timm_compiled", 1, 1000.0, 1100.0), ok("peer_compiled", 1, 700.0, 800.0),
+            ok("ours", 1, 1500.0, 1700.0), ok("timm_compiled", 4, 4000.0, 4400.0),
+            {"row": "peer_compiled", "label": "peer_compiled", "batch": 4, "status": "failed", "reason": "raised X"},
+            ok("peer_sdpa_compiled", 4, 3000.0, 3100.0), ok("ours", 4, 4800.0, 5600.0),
+            ok("timm_compiled", 64, 10000.0, 10100.0), ok("peer_sdpa_compiled", 64, 11000.0, 11100.0),
+            ok("ours", 64, 16000.0, 16200.0), ok("ours_adaptive", 64, 15600.0, 15700.0)]  # fmt: skip
+    meta = {"card": "NVIDIA H200", "capability": "9.0", "torch": "2.11.0+cu130", "triton": "3.6.0", "timm": "1.0.29",
+            "cuda": "13.0", "commit": "abc123", "date": "d", "model": "deit_base_patch16_224", "r": 13,
+            "dtype": "float16", "weights": "random (seeded)"}  # fmt: skip
+    return {"meta": meta, "rows": rows}
 
 
 def _kernel_fixture() -> dict:
@@ -384,6 +403,14 @@ def test_make_results_writes_tables_and_figures(tmp_path: Path) -> None:
     assert "4.88e-04" in text and "3.91e-03" in text, "Table VI kernel and E2E rows of the paper"
     assert "0.112" in text, "Table I of the paper"
     assert "**missed**" in text or "met" in text
+    # ToMe: its stored run's report (both clocks) and its targets, by the per-forward clock
+    assert "### Token merging (ToMe) against its peer (deit_base_patch16_224, r = 13)" in text
+    assert "| ToMe r = 13 vs unpruned timm reduce-overhead, B=4: >= 1.3x | ours 1.20x | **missed** |" in text
+    assert "| ToMe r = 13 vs the ToMe peer's best mode, B=4: >= 1.7x | ours 1.60x | **missed** |" in text
+    assert "| ToMe r = 13 vs the ToMe peer's best mode, B=64: >= 1.6x | ours 1.45x | **missed** |" in text
+    assert "| adaptive ToMe (r = 13's mean rows) vs fixed r, B=64: >= 0.95x | reads 0.97x | met |" in text
+    assert "| ours vs unpruned reduce-overhead | 1.55x | 1.27x | 1.60x |" in text, "the back-to-back table"
+    assert "| ToMe peer (patched timm, explicit attention), torch.compile" in text and "failed: raised X" in text
     figures = out.parent / "figures"
     pytest.importorskip("matplotlib")
     pngs = sorted(p.name for p in figures.glob("*.png"))
