@@ -97,7 +97,8 @@ leave room for each other; past it the attention's programs fill the GPU and the
 r = 13, graphs + compile_blocks, H100, beside against after (one call, in turn, two rounds,
 ``docs/data/tome_overlap_h100_4d407d2.json``): B = 4 5,078 / 5,096 -> 5,619 / 5,641 img/s (+11%), B = 8 8,422 /
 8,370 -> 9,036 / 9,013 (+7%), B = 16 -13%, B = 32 -11%, B = 64 -5%; B = 1 the same within 0.1% with the merge's
-fusions beside it or not (``docs/tome.md``)."""
+fusions beside it or not (``docs/tome.md``). After is faster from B = 10 (+6%; +11% at B = 12, 02497df,
+``docs/data/tome_overlap_b8_16_h100_02497df.json``)."""
 
 
 @dataclass
