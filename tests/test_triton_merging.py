@@ -41,6 +41,7 @@ from ragged_vit.reference import merging as ref
 from ragged_vit.reference import packing as ref_packing
 from ragged_vit.testing.ops import op_names
 from ragged_vit.triton_impl import merging as ker
+from ragged_vit.triton_impl.launcher import pdl_supported
 
 MARGIN = 1e-5  # far above fp32's rounding of a similarity (~1e-7), far below the gaps of random keys
 LENGTHS = (1, 2, 3, 63, 64, 65, 197, 0)  # around the 64-row tiles, DeiT's 197, an empty image
@@ -211,6 +212,27 @@ def test_decisions_are_the_reference_gpu(mode, num_prefix, dtype, gen):
     ragged = tuple(torch.randint(0, 198, (64,), generator=gen).tolist())
     for lengths in (LENGTHS, (197,) * 8, ragged, (577,) * 4):
         _decisions("cuda", lengths, mode, num_prefix, gen, GPU_SHAPE, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [{"r": 13}, {"threshold": RANDOM, "r_max": 40}], ids=_mode_id)
+def test_dependent_launches_change_no_bit_gpu(mode, gen, monkeypatch):
+    """One image's decision (``DECISION_PDL_MAX_IMAGES``) launched with programmatic dependent launch and without:
+    the reference's maps, the same bits. (The interpreter launches nothing: its twins are the tests above.)"""
+    if not pdl_supported(torch.cuda.current_device()):
+        pytest.skip("programmatic dependent launch needs a Hopper or newer GPU and a Triton with launch_pdl")
+    mode = _resolve(mode, gen)
+    assert ker.DECISION_PDL_MAX_IMAGES >= 1
+    for n in (197, 577, 65, 2):
+        keys = _strided(_keys((n,), mode, 1, gen, dtype=torch.float16, **GPU_SHAPE).cuda())
+        cu = cu_seqlens_from_counts(torch.tensor([n])).cuda()
+        runs = []
+        for bound in (1, 0):  # with PDL, then without
+            monkeypatch.setattr(ker, "DECISION_PDL_MAX_IMAGES", bound)
+            got = _check_decision(keys, cu, n, 1, mode)
+            merged = int(got.cu_seqlens[-1])
+            runs.append((got.destination, got.kept, got.cu_seqlens, got.sources, got.source_offsets[: merged + 1]))
+        assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
 def _ties(device, shape, gen, dtype=torch.float32):

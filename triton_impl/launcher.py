@@ -13,10 +13,12 @@ while Triton launch hooks (profilers) are installed all go through Triton's norm
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Hashable, Sequence
 
 import torch
+import triton.language as tl
 
 try:
     from triton import knobs as _knobs
@@ -61,6 +63,22 @@ def scratch(lengths: Sequence[int], dtype: torch.dtype, device: torch.device) ->
     return list(torch.empty(sum(sizes), dtype=dtype, device=device).split(sizes)[::2])
 
 
+try:  # programmatic dependent launch: a compile option of Triton's CUDA backend, and the kernels' instructions
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    _KNOWS_PDL = "launch_pdl" in CUDAOptions.__dataclass_fields__ and hasattr(tl.extra.cuda, "gdc_wait")
+except (ImportError, AttributeError):
+    _KNOWS_PDL = False
+
+
+@functools.cache
+def pdl_supported(device_index: int) -> bool:
+    """Whether kernels on CUDA device ``device_index`` may be launched with programmatic dependent launch (PDL: a
+    launch may start while the kernel before it in the stream runs, and waits for it with ``gdc_wait``): a Hopper or
+    newer GPU and a Triton that has the ``launch_pdl`` option; never under the interpreter."""
+    return _KNOWS_PDL and not INTERPRETED and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def int_spec(value: int) -> tuple[bool, bool]:
     """What Triton specialises a (specialised) integer argument on: ``== 1`` and ``% 16 == 0``."""
     return value == 1, value % 16 == 0
@@ -102,8 +120,8 @@ class CompiledLauncher:
     ) -> None:
         """Launches ``kernel[grid](*args)`` (a grid of 1 to 3 dimensions) on CUDA device ``device`` (the current
         one, as Triton requires); ``args`` holds every parameter, constexprs included, in signature order;
-        ``options`` are further compile options (e.g. ``enable_fp_fusion=False``), the same on every call of one
-        launcher."""
+        ``options`` are further compile options (e.g. ``enable_fp_fusion=False``, ``launch_pdl=True``), the same
+        for every call with one key (they are compiled into the handle kept for it)."""
         compiled = self._compiled.get((device, key)) if key is not None else None
         if compiled is not None and not _hooks_installed():
             stream = _raw_stream(device) if _raw_stream else torch.cuda.current_stream(device).cuda_stream

@@ -123,7 +123,15 @@ from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int
 from ragged_vit.reference.merging import check_merge_mode, check_sizes, merge_sources
 from ragged_vit.reference.pruners.tome import ToMeMerger, fixed_count
 from ragged_vit.triton_impl.cls_attention import image_rows
-from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, cdiv, int_spec, next_power_of_2, scratch
+from ragged_vit.triton_impl.launcher import (
+    CompiledLauncher,
+    aligned,
+    cdiv,
+    int_spec,
+    next_power_of_2,
+    pdl_supported,
+    scratch,
+)
 from ragged_vit.triton_impl.pack import store_total_and_longest
 
 # Keys per head of one metric step (DeiT-B: 4 rows of 64), every head loaded at once: 256 took the decision 16.6 /
@@ -159,6 +167,16 @@ _BEST_TILES = ((16, 4), (32, 2))
 _NUM_WARPS = 4
 _MATCH_WARPS = 8  # the match kernel: one program per image (8 warps: 10% faster than 4 at B 1-64, H200)
 
+DECISION_PDL_MAX_IMAGES = 1
+"""Batches of at most this many images launch the best match and the match with programmatic dependent launch where
+the GPU and Triton allow it (:func:`ragged_vit.triton_impl.launcher.pdl_supported`): each may start while the kernel
+before it runs (the metric and the best match let it at once) and waits for it before any memory access, so the
+results are the same bits; it saves the launch gaps between the decision's three dependent kernels, but the early
+programs hold SM slots while they wait. ToMe r = 13, graphs + compile_blocks, H100, PDL for every batch against none
+(one process, in turn, two rounds, graphed spans): B = 1 1,728 / 1,730 -> 1,791 / 1,789 img/s (+3.5%), B = 4 5,600 /
+5,618 -> 5,553 / 5,554 (-1%: there the decision runs beside the attention, whose programs the waiting ones crowd),
+B = 64 16,116 / 16,057 -> 15,287 / 15,293 (-5%) (``docs/tome.md``, ``docs/data/tome_decision_pdl_h100.json``)."""
+
 
 @triton.jit
 def _image_sets(CU, b, total, num_prefix, limit):
@@ -174,10 +192,13 @@ def _image_sets(CU, b, total, num_prefix, limit):
 @triton.jit(do_not_specialize=["total", "limit", "num_prefix"])
 def _metric_kernel(
     KEYS, CU, METRIC, total, stride_kt, stride_kh, stride_kd, limit, num_prefix,
-    H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+    H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """The metric of every patch row of images that merge: the keys' mean over heads, L2-normalised (F.normalize:
-    eps 1e-12), fp32, into ``METRIC [T, D_PAD]``; a program per image and ``BLOCK_M`` rows (grid-stride)."""
+    eps 1e-12), fp32, into ``METRIC [T, D_PAD]``; a program per image and ``BLOCK_M`` rows (grid-stride). With
+    ``PDL`` it lets the best match (launched with PDL) start at once: that waits for this kernel before any access."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     start, end, first, num_a, num_b, cap = _image_sets(CU, b, total, num_prefix, limit)
     offs_m = tl.arange(0, BLOCK_M)
@@ -199,10 +220,14 @@ def _metric_kernel(
 @triton.jit(do_not_specialize=["total", "limit", "num_prefix"])
 def _best_kernel(
     CU, METRIC, WORK, total, limit, num_prefix,
-    D_PAD: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Each A row's best B row: the first maximum over B tiles in order, the lowest index inside a tile; a program
-    per image and ``BLOCK_A`` A rows (grid-stride). Writes the best similarity's bits and the B index to ``WORK``."""
+    per image and ``BLOCK_A`` A rows (grid-stride). Writes the best similarity's bits and the B index to ``WORK``.
+    With ``PDL`` (launched with PDL) it first waits for the kernel before it, then lets the match start."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     start, end, first, num_a, num_b, cap = _image_sets(CU, b, total, num_prefix, limit)
     BEST = WORK + start
@@ -239,12 +264,15 @@ def _best_kernel(
 def _match_kernel(
     CU, WORK, DEST, COUNTS, CU_OUT, SRC, SRC_OFF, total, batch, limit, threshold, num_prefix,
     BLOCK_AB: tl.constexpr, BLOCK_DST: tl.constexpr, BLOCK_S: tl.constexpr, B_PAD: tl.constexpr,
-    ADAPTIVE: tl.constexpr,
+    ADAPTIVE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """The merged A rows (ranked by best similarity, descending, then index), the image's count and (fixed mode)
     offsets, every row's destination and the source lists; a program per image and ``BLOCK_S`` of its rows: each
     program ranks the image's A rows and writes every destination (the same values as its image's other programs),
-    then the source lists of its own rows, which read the destinations of every merged A row."""
+    then the source lists of its own rows, which read the destinations of every merged A row. With ``PDL`` (launched
+    with PDL) it first waits for the kernel before it."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     lead = tl.program_id(1) == 0  # the program that writes the image's count and offsets
     start, end, first, num_a, num_b, cap = _image_sets(CU, b, total, num_prefix, limit)
@@ -482,6 +510,11 @@ _offsets_launcher = CompiledLauncher(_offsets_kernel)
 
 
 @functools.cache
+def _pdl_option(pdl: bool) -> dict[str, bool]:
+    """The compile option of a kernel launched with PDL (none otherwise: the interpreter takes no options)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
@@ -608,21 +641,23 @@ def decide_merges_unchecked(
     block_a, best_warps = _best_tile(batch, num_a, sms)
     ok = aligned(keys, cu, metric, work, out.destination, out.kept, out.cu_seqlens, out.sources, out.source_offsets,
                  starts)  # fmt: skip
-    args = (keys, cu, metric, total, *strides, limit, num_prefix, heads, dim, d_pad, block_m)
-    key = (keys.dtype, heads, dim, block_m, *map(int_spec, strides)) if ok else None
+    pdl = batch <= DECISION_PDL_MAX_IMAGES and keys.is_cuda and pdl_supported(device_index)
+    args = (keys, cu, metric, total, *strides, limit, num_prefix, heads, dim, d_pad, block_m, pdl)
+    key = (keys.dtype, heads, dim, block_m, *map(int_spec, strides), pdl) if ok else None
     grid = (batch, cdiv(patches, block_m))
     _metric_launcher(key, device_index, grid, args, num_warps=_NUM_WARPS, num_stages=1)
-    args = (cu, metric, work, total, limit, num_prefix, d_pad, block_a, block_ab)
+    args = (cu, metric, work, total, limit, num_prefix, d_pad, block_a, block_ab, pdl)
     grid = (batch, cdiv(num_a, block_a))
-    key = (d_pad, block_ab, block_a, best_warps) if ok else None
-    _best_launcher(key, device_index, grid, args, num_warps=best_warps, num_stages=1)
+    key = (d_pad, block_ab, block_a, best_warps, pdl) if ok else None
+    _best_launcher(key, device_index, grid, args, num_warps=best_warps, num_stages=1, **_pdl_option(pdl))
     args = (
         cu, work, out.destination, out.kept, out.cu_seqlens, out.sources, starts, total, batch, limit,
         _fp32_threshold(threshold) if adaptive else 0.0, num_prefix, block_ab, block_dst, block_s, b_pad, adaptive,
+        pdl,
     )  # fmt: skip
-    key = (block_ab, block_dst, block_s, b_pad, adaptive) if ok else None
+    key = (block_ab, block_dst, block_s, b_pad, adaptive, pdl) if ok else None
     grid = (batch, cdiv(max(max_seqlen, 1), block_s))  # the source lists' row tiles over programs
-    _match_launcher(key, device_index, grid, args, num_warps=_MATCH_WARPS, num_stages=1)
+    _match_launcher(key, device_index, grid, args, num_warps=_MATCH_WARPS, num_stages=1, **_pdl_option(pdl))
     if adaptive:
         b_pad = next_power_of_2(batch)
         # an image in one step, as for the destinations (rows per step 32: 2.8 us more per block at B = 64, H100)
