@@ -7,7 +7,8 @@ off an aligned address);
 then the pruners' decision kernels (Threshold-L2, ATS, EViT with its fused token, DynamicViT) and ToMe's matching and
 merge (fixed and adaptive, into an exact and a larger buffer, and with the residual add and LayerNorm fused) on the
 same kind of batch, with an image longer than the bound, empty images, NaN rows, and 0, 1 or 5 prefix rows, and on 40
-images (the large-batch tiles); then a small ToMe pipeline, eager and graphed.
+images (the large-batch tiles) and on one image (the PDL launches on Hopper); then a small ToMe pipeline, eager and
+graphed (one image too).
 """
 
 from __future__ import annotations
@@ -65,6 +66,13 @@ def decisions(device: str, gen: torch.Generator) -> None:
             merging.merge_rows(qkv[:, :768], sizes, merged.destination, cu, merged.cu_seqlens, sources=sources,
                                capacity=total + 9, residual=qkv[:, 1536:], normed=normed, norm_weight=weight,
                                norm_bias=bias)  # fmt: skip
+    # one image: on a Hopper GPU its best match and match are launched with programmatic dependent launch
+    one = cu_seqlens_from_counts(torch.tensor([197])).to(device)
+    for prefix in (0, 1):
+        for mode in ({"r": 13}, {"threshold": 0.0, "r_max": 40}):
+            merged = merging.decide_merges(keys[:197], one, 197, prefix, **mode)
+            merging.merge_rows(qkv[:197, :768], sizes[:197], merged.destination, one, merged.cu_seqlens,
+                               sources=(merged.sources, merged.source_offsets))
     # 40 ragged images of up to 197 rows: past one wave of the best match's programs (its 32-row tiles)
     many = cu_seqlens_from_counts(torch.randint(0, 198, (40,), generator=gen)).to(device)
     big = torch.randn(int(many[-1]), 12, 64, generator=gen).to(device, torch.float16)
@@ -83,6 +91,7 @@ def tome_pipeline() -> None:
         pv = PrunedViT(model, ToMeMerger(depth=4, **mode), "triton")
         pv.run(images)
         GraphedPrunedViT(pv).run(images)
+        GraphedPrunedViT(pv).run(images[:1])  # one image: the decision's PDL launches, captured
 
 
 def main() -> None:

@@ -175,7 +175,8 @@ results are the same bits; it saves the launch gaps between the decision's three
 programs hold SM slots while they wait. ToMe r = 13, graphs + compile_blocks, H100, PDL for every batch against none
 (one process, in turn, two rounds, graphed spans): B = 1 1,728 / 1,730 -> 1,791 / 1,789 img/s (+3.5%), B = 4 5,600 /
 5,618 -> 5,553 / 5,554 (-1%: there the decision runs beside the attention, whose programs the waiting ones crowd),
-B = 64 16,116 / 16,057 -> 15,287 / 15,293 (-5%) (``docs/tome.md``, ``docs/data/tome_decision_pdl_h100.json``)."""
+B = 64 16,116 / 16,057 -> 15,287 / 15,293 (-5%) (``docs/tome.md``, ``docs/data/tome_decision_pdl_h100.json``); B = 2
+-15%, B = 3 -1% (``docs/data/tome_probes_h100_06ff7f1.json``)."""
 
 
 @triton.jit
