@@ -195,11 +195,14 @@ def test_decisions_are_the_reference_interpreter(num_prefix, dtype, gen):
 
 
 @pytest.mark.interpreter
-def test_decisions_on_large_batch_tiles_interpreter(gen, monkeypatch):
-    """The tiles of a batch too large for the SMs (32 A rows a program of the best match, 128 rows of the source
+@pytest.mark.parametrize("sms,tile", [(32, 1), (1, 2)])
+def test_decisions_on_large_batch_tiles_interpreter(sms, tile, gen, monkeypatch):
+    """The tiles of batches too large for the SMs (the best match's larger A tiles; 64 and 128 rows of the source
     lists): the same maps as the reference's."""
-    monkeypatch.setattr(ker, "_INTERPRETER_SMS", 1)
-    assert ker._best_tile(1, 20, 1) == ker._BEST_TILES[1] and ker._list_rows(1, 200, 1) == ker._LIST_ROWS[-1]
+    monkeypatch.setattr(ker, "_INTERPRETER_SMS", sms)
+    num_a = ker.cdiv(max(LENGTHS) - 1, 2)  # one prefix row
+    assert ker._best_tile(len(LENGTHS), num_a, sms) == ker._BEST_TILES[tile]
+    assert ker._list_rows(len(LENGTHS), max(LENGTHS), sms) == ker._LIST_ROWS[tile]
     for mode in MODES:
         _decisions("cpu", LENGTHS, mode, 1, gen, CPU_SHAPE)
 
@@ -884,10 +887,10 @@ def test_decision_host_ops(mode, monkeypatch):
 
 
 def test_best_match_tiles_fill_one_wave():
-    """The best match's A rows and warps per program: 16 rows in 4 warps while the programs all run at once (DeiT-B's
-    98 A rows on 132 SMs: up to B = 18), then 32 rows in 2 warps."""
-    got = [ker._best_tile(b, 98, 132) for b in (1, 4, 18, 19, 64)]
-    assert got == [(16, 4), (16, 4), (16, 4), (32, 2), (32, 2)]
+    """The best match's A rows and warps per program: the first tile whose programs all run at once (DeiT-B's 98 A
+    rows on 132 SMs: 16 rows in 2 warps up to B = 18, 32 in 4 up to B = 33, then 64 in 8)."""
+    got = [ker._best_tile(b, 98, 132) for b in (1, 4, 18, 19, 33, 34, 64, 256)]
+    assert got == [(16, 2)] * 3 + [(32, 4)] * 2 + [(64, 8)] * 3
 
 
 def test_source_list_tiles_fill_one_wave():

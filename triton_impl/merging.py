@@ -139,8 +139,7 @@ from ragged_vit.triton_impl.pack import store_total_and_longest
 # 64 to 2048 swept with 2 to 8 warps in one call)
 _METRIC_ELEMENTS = 256
 _MAX_BLOCK_DST = 1024  # rows per step of the destinations (an image's rows in one step up to this)
-# A rows and B rows per similarity tile (DeiT-B: 98 x 98 in 2 x 2 tiles), also the rank's tiles; 32 for D > 64, which
-# spills at 64 (sm_90, 8 warps)
+# A rows per tile of the match's rank and source lists (DeiT-B's 98 in 2 tiles)
 _BLOCK_AB = 64
 _MAX_HEAD_DIM = 256  # D of one metric tile in registers
 # Merged rows per step of the merge: 8 took 2.6 / 3.1 / 17.0 us per DeiT-B block at B = 1 / 4 / 64 against 3.5 / 3.4 /
@@ -159,11 +158,14 @@ _NORM_ROWS = 2
 # Channels of the fused LayerNorm's whole-row tiles at most: up to 2048 no spills (ptxas as above: 234 registers at
 # ViT-H's 1280), at 8192 ~10 kB of spills a thread, correct but slow; wider rows take a separate LayerNorm
 _MAX_NORM_CHANNELS = 8192
-# A rows and warps per program of the best-match search: 16 rows (tl.dot's least) in 4 warps while the programs all
-# run at once (_best_tile: a DeiT-B image over 7 programs, up to B = 18 on an H100), else 32 rows in 2 warps: 31.1 us
-# per DeiT-B decision at B = 64 against 39.4 (H100, graph replay, r = 13; 16 to 64 rows, 2 or 4 warps swept in one
-# call; at B 1 / 4 / 16, 16 rows in 4 warps stayed fastest: 16.5 / 17.1 / 18.3 us)
-_BEST_TILES = ((16, 4), (32, 2))
+# A rows and warps per program of the best-match search: the first tile whose programs all run at once (_best_tile), else
+# the last; and its B rows per tile, at most _BEST_B_ELEMENTS fp32 a tile (DeiT-B's 98 B rows in one tile of 128 for
+# D = 64). Against 16 A rows in 4 warps up to B = 18, then 32 in 2 warps, with 64 B rows a tile: 15.7-15.9 / 17.2-17.4 /
+# 32.0 us per DeiT-B decision at B = 1 / 4 / 64 -> 15.0 / 16.0-16.1 / 29.6 (H100, graph replay, r = 13, 06ff7f1, one
+# call, two rounds; 128 B rows with 16 / 32 / 64 A rows in 2 to 8 warps swept; docs/data/tome_best_tiles_h100_06ff7f1.json).
+# ToMe r = 13 end to end, graphed, same call: +0.3% / +0.4% / +0.2% at B = 1 / 4 / 64, within the rounds' spread.
+_BEST_TILES = ((16, 2), (32, 4), (64, 8))
+_BEST_B_ELEMENTS = 8192
 _NUM_WARPS = 4
 _MATCH_WARPS = 8  # the match kernel: one program per image (8 warps: 10% faster than 4 at B 1-64, H200)
 
@@ -538,8 +540,8 @@ def _list_rows(batch: int, max_seqlen: int, sms: int) -> int:
 
 
 def _best_tile(batch: int, num_a: int, sms: int) -> tuple[int, int]:
-    """A rows and warps per program of the best-match search (``_BEST_TILES``): the small tile while its ``batch *
-    cdiv(num_a, rows)`` programs all run at once on ``sms`` SMs, else the large one."""
+    """A rows and warps per program of the best-match search (``_BEST_TILES``): the first tile whose ``batch *
+    cdiv(num_a, rows)`` programs all run at once on ``sms`` SMs, else the last."""
     return _one_wave(_BEST_TILES, lambda tile: tile[0], batch, num_a, sms)
 
 
@@ -630,7 +632,7 @@ def decide_merges_unchecked(
     metric = torch.empty(total, d_pad, dtype=torch.float32, device=device)
     patches = max(max_seqlen - num_prefix, 1)
     num_a = cdiv(patches, 2)  # a bound on every image's A rows
-    block_ab = _tile(num_a, _BLOCK_AB if d_pad <= 64 else _BLOCK_AB // 2)
+    block_ab = _tile(num_a, _BLOCK_AB)
     b_pad = 1 if adaptive else next_power_of_2(batch)  # the fixed mode's offsets read every image's length
     block_m = max(1, _METRIC_ELEMENTS // d_pad)
     block_dst = min(_MAX_BLOCK_DST, next_power_of_2(max(max_seqlen, 16)))
@@ -640,6 +642,7 @@ def decide_merges_unchecked(
     sms = _sm_count(device_index) if keys.is_cuda else _INTERPRETER_SMS
     block_s = _list_rows(batch, max_seqlen, sms)
     block_a, best_warps = _best_tile(batch, num_a, sms)
+    block_b = _tile(num_a, _BEST_B_ELEMENTS // d_pad)  # B rows per similarity tile of the best-match search
     ok = aligned(keys, cu, metric, work, out.destination, out.kept, out.cu_seqlens, out.sources, out.source_offsets,
                  starts)  # fmt: skip
     pdl = batch <= DECISION_PDL_MAX_IMAGES and keys.is_cuda and pdl_supported(device_index)
@@ -647,9 +650,9 @@ def decide_merges_unchecked(
     key = (keys.dtype, heads, dim, block_m, *map(int_spec, strides), pdl) if ok else None
     grid = (batch, cdiv(patches, block_m))
     _metric_launcher(key, device_index, grid, args, num_warps=_NUM_WARPS, num_stages=1)
-    args = (cu, metric, work, total, limit, num_prefix, d_pad, block_a, block_ab, pdl)
+    args = (cu, metric, work, total, limit, num_prefix, d_pad, block_a, block_b, pdl)
     grid = (batch, cdiv(num_a, block_a))
-    key = (d_pad, block_ab, block_a, best_warps, pdl) if ok else None
+    key = (d_pad, block_b, block_a, best_warps, pdl) if ok else None
     _best_launcher(key, device_index, grid, args, num_warps=best_warps, num_stages=1, **_pdl_option(pdl))
     args = (
         cu, work, out.destination, out.kept, out.cu_seqlens, out.sources, starts, total, batch, limit,
