@@ -158,12 +158,13 @@ _NORM_ROWS = 2
 # Channels of the fused LayerNorm's whole-row tiles at most: up to 2048 no spills (ptxas as above: 234 registers at
 # ViT-H's 1280), at 8192 ~10 kB of spills a thread, correct but slow; wider rows take a separate LayerNorm
 _MAX_NORM_CHANNELS = 8192
-# A rows and warps per program of the best-match search: the first tile whose programs all run at once (_best_tile), else
-# the last; and its B rows per tile, at most _BEST_B_ELEMENTS fp32 a tile (DeiT-B's 98 B rows in one tile of 128 for
-# D = 64). Against 16 A rows in 4 warps up to B = 18, then 32 in 2 warps, with 64 B rows a tile: 15.7-15.9 / 17.2-17.4 /
-# 32.0 us per DeiT-B decision at B = 1 / 4 / 64 -> 15.0 / 16.0-16.1 / 29.6 (H100, graph replay, r = 13, 06ff7f1, one
-# call, two rounds; 128 B rows with 16 / 32 / 64 A rows in 2 to 8 warps swept; docs/data/tome_best_tiles_h100_06ff7f1.json).
-# ToMe r = 13 end to end, graphed, same call: +0.3% / +0.4% / +0.2% at B = 1 / 4 / 64, within the rounds' spread.
+# A rows and warps per program of the best-match search: the first tile whose programs all run at once
+# (_best_tile), else the last; and its B rows per tile, at most _BEST_B_ELEMENTS fp32 a tile (DeiT-B's 98 B rows in
+# one tile of 128 for D = 64). Against 16 A rows in 4 warps up to B = 18, then 32 in 2 warps, with 64 B rows a tile:
+# 15.7-15.9 / 17.2-17.4 / 32.0 us per DeiT-B decision at B = 1 / 4 / 64 -> 15.0 / 16.0-16.1 / 29.6 (H100, graph
+# replay, r = 13, 06ff7f1, one call, two rounds; 128 B rows with 16 / 32 / 64 A rows in 2 to 8 warps swept;
+# docs/data/tome_best_tiles_h100_06ff7f1.json). ToMe r = 13 end to end, graphed, same call: +0.3% / +0.4% / +0.2%
+# at B = 1 / 4 / 64, within the rounds' spread.
 _BEST_TILES = ((16, 2), (32, 4), (64, 8))
 _BEST_B_ELEMENTS = 8192
 _NUM_WARPS = 4
