@@ -513,12 +513,12 @@ _merge_launcher = CompiledLauncher(_merge_kernel)
 _offsets_launcher = CompiledLauncher(_offsets_kernel)
 
 
-@functools.cache
 def _pdl_option(pdl: bool) -> dict[str, bool]:
     """The compile option of a kernel launched with PDL (none otherwise: the interpreter takes no options)."""
     return {"launch_pdl": True} if pdl else {}
 
 
+@functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
