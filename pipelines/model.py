@@ -137,7 +137,8 @@ MERGE_NORM_MAX_ROWS = 1024
 larger buffers leave it to the MLP's compiled LayerNorm. Measured (ToMe r = 13, graphs + compile_blocks, H100, two
 rounds in turn against the merge with neither fusion, ``docs/data/tome_merge_fusion_h100_8cbd859.json``): both
 fusions at every size +2.1 / +2.8% at B = 4 (788 rows), -1.1 / -1.2% at B = 64 (12,608 rows); with this bound +2.1 /
-+3.1% at B = 4 and +1.6 / +1.9% at B = 64 (the residual add alone there)."""
++3.1% at B = 4 and +1.6 / +1.9% at B = 64 (the residual add alone there). With one row a program
+(``merging._NORM_ROWS``, fcfdf62) fusing it at every size still cost 1% at B = 8 and 16 and 3% at B = 64."""
 
 
 @dataclass

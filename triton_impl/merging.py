@@ -48,8 +48,8 @@ the kernel and its tiling are the above, instruction for instruction): with ``re
 ``x + residual`` (the attention's residual add: summed in fp32, rounded once to ``x``'s dtype, ``torch.add``'s
 bits) before it is weighted, so the merged rows are the merged residual stream; with ``normed`` it also writes the
 LayerNorm (the MLP's ``norm2``) of every merged row as stored in ``x``'s dtype, what ``F.layer_norm(out)`` reads.
-The LayerNorm holds whole rows: ``_NORM_ROWS = 2`` merged rows of ``next_power_of_2(C)`` channels per step (grid
-``(cdiv(capacity, 2), 1)``; DeiT-B: 2 x 1024 fp32 a tile, 16 a thread in 4 warps).
+The LayerNorm holds whole rows: ``_NORM_ROWS = 1`` merged row of ``next_power_of_2(C)`` channels per step (grid
+``(capacity, 1)``; DeiT-B: 1,024 fp32 lanes, 8 a thread in 4 warps).
 
 The rules (``tests/test_triton_merging.py``):
 
@@ -151,10 +151,13 @@ _LIST_ROWS = (32, 64, 128)
 _INTERPRETER_SMS = 132  # the SMs the interpreter assumes (an H100's), so the CPU twins run the GPU's tiles
 _BLOCK_C = 128  # channels per program of the merge (DeiT-B: 6)
 # Merged rows per step when the merge also writes their LayerNorm (whole rows: next_power_of_2(C) channels, one
-# program column): 2 rows of DeiT-B's 768 channels are 2 x 1024 fp32 a tile, 16 a thread in 4 warps. Registers with
-# both fusions, fp16, contiguous residual (ptxas -v for sm_90a, Triton 3.8, not yet timed on a GPU): 64 at 1 row, 128
-# at 2 (4 programs an SM, no spills), 205 at 4; the norm alone 95 at 2, neither 48 (unchanged).
-_NORM_ROWS = 2
+# program column): 1 row of DeiT-B's 768 channels is 1,024 fp32 lanes, 8 a thread in 4 warps (64 registers with both
+# fusions, fp16, contiguous residual; ptxas -v for sm_90a, Triton 3.8). Against 2 rows a program (128 registers),
+# ToMe r = 13 graphed, H100, one process, four rounds in turn: 1,803-1,810 -> 1,866-1,870 img/s at B = 1 (+3.4%),
+# 5,689-5,708 -> 5,836-5,845 at B = 4 (+2.4%), the same logits bit for bit (each row's sums run in the same lanes);
+# 1 row in 8 warps was within 0.5% (other bits: its sums run in other lanes); 1 row in 2 warps, 2 rows in 2 or 8
+# and 4 rows in 8 were slower or no faster than 2 in 4 (docs/data/tome_merge_norm_rows_h100_fcfdf62.json).
+_NORM_ROWS = 1
 # Channels of the fused LayerNorm's whole-row tiles at most: up to 2048 no spills (ptxas as above: 234 registers at
 # ViT-H's 1280), at 8192 ~10 kB of spills a thread, correct but slow; wider rows take a separate LayerNorm
 _MAX_NORM_CHANNELS = 8192
@@ -852,7 +855,7 @@ def merge_rows_unchecked(
     fp32 rounded once to ``x``'s dtype. With ``normed`` (contiguous ``[capacity, C]`` in ``x``'s dtype, ``C <=
     8192``) rows ``[0, T')`` also get the LayerNorm of the merged rows as written to ``out`` (``norm_weight`` /
     ``norm_bias``: contiguous ``[C]`` in ``x``'s dtype or fp32, or None; ``norm_eps``); the launch then runs
-    whole-row tiles of 2 rows. Returns ``(out, out_sizes)`` either way."""
+    whole-row tiles of one row. Returns ``(out, out_sizes)`` either way."""
     channels, capacity, batch = x.shape[1], out.shape[0], merged_cu.shape[0] - 1
     has_log, has_cu, has_stats = log_sizes is not None, cu_out is not None, total_and_longest is not None
     has_res, has_norm = residual is not None, normed is not None
