@@ -24,8 +24,9 @@ from benchmarks.e2e_common import DEIT_B, Lab
 from benchmarks.timing import device_us, environment
 from benchmarks.workloads import workload_keeps
 from ragged_vit.core.selection import DecisionInput
-from ragged_vit.pipelines.model import ForwardState, decide
+from ragged_vit.pipelines.parts import decide
 from ragged_vit.pipelines.plan import Step, StepKind
+from ragged_vit.pipelines.state import ForwardState
 
 DEFAULT_WORKLOADS = (("l2_ratio", 0.5), ("l2_calibrated", 0.5), ("ats", 0.5), ("dynamicvit", 0.7), ("evit", 0.7),
                      ("evit_fused", 0.7))  # fmt: skip

@@ -33,8 +33,8 @@ import torch
 import triton
 
 from benchmarks import REPO_ROOT
-from ragged_vit.pipelines.model import ForwardState
 from ragged_vit.pipelines.plan import Step, StepKind
+from ragged_vit.pipelines.state import ForwardState
 
 Call = Callable[..., object]
 ContextFactory = Callable[[], contextlib.AbstractContextManager]

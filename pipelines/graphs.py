@@ -84,14 +84,14 @@ from typing import NamedTuple
 
 import torch
 
-from ragged_vit.core.selection import MergeSelection, TokenSelection
 from ragged_vit.core.validation import check_int
 from ragged_vit.pipelines.backends import BACKENDS
 from ragged_vit.pipelines.buckets import TokenBuckets, default_sync_free_rows, padding_images
-from ragged_vit.pipelines.model import ForwardState, PrunedOutput, PrunedViT, merge_fusion, merge_sources_of
-from ragged_vit.pipelines.plan import ForwardPlan, Step, StepKind
-from ragged_vit.triton_impl import merging as triton_merging
-from ragged_vit.triton_impl import pack as triton_pack
+from ragged_vit.pipelines.executor import CapturedRepack, ExactRepack, Run, execute, stage_counts
+from ragged_vit.pipelines.model import PrunedOutput, PrunedViT, host_counts
+from ragged_vit.pipelines.plan import MLP_OVERLAP_MAX_ROWS, ForwardPlan, Program
+from ragged_vit.pipelines.stages import HostCounts, Target
+from ragged_vit.pipelines.state import ForwardState
 from ragged_vit.triton_impl.launcher import INTERPRETED
 
 
@@ -103,10 +103,6 @@ class SegmentShape(NamedTuple):
     max_seqlen: int  # bound on its images' rows, padding images included
     pads: int  # padding images after the B real ones (0 in segment 0)
 
-
-_POLLS_PER_QUERY = 64
-"""Reads of a stage's pinned row between two queries of the stream (``_Buffers.read_stats``): a read costs the host
-well under a microsecond, a query a driver call."""
 
 GraphKey = tuple
 """``(B, H, W)`` (batch and image size) for a whole fixed-count forward; ``(B, H, W, SegmentShape, ...)`` for
@@ -155,71 +151,30 @@ class _Buffers:
         self.key: GraphKey = (batch, *size)  # every graph key of this shape starts with it
         self.plan = plan = pipeline.plan_for(size)
         self.tokens = tokens = plan.tokens  # N: rows of an unpruned image of this size
-        variable = not plan.fixed
         self.images = torch.empty((batch, channels, *size), dtype=dtype, device=device)
         self.logits = torch.empty((batch, width), dtype=dtype, device=device)
         self.counts = torch.zeros((batch, pipeline.num_stages), dtype=torch.long, device=device)
-        # Variable counts: the decision handed from one graph to the next, two sides (a graph reads one side and
-        # writes the other, so warm-up runs never overwrite their own input), and the offsets of every segment.
-        self.x: tuple[torch.Tensor, ...] = ()  # [B*N, C]: the residual stream in its first rows (NaN until written)
-        self.keep: tuple[torch.Tensor, ...] = ()  # bool [B*N]
-        self.kept: tuple[torch.Tensor, ...] = ()  # int32 [B]: rows each image keeps (pruning)
+        # Variable counts: the decision handed from one graph to the next (the stage's handover, two sides), the
+        # offsets of every segment and each stage's two read-back integers.
+        self.handover = None
         # int32 [stages + 1, >= 2B + 1]: row j holds segment j's offsets, the B + 1 real ones then those of its
         # padding images (at most B); row 0 is the dense batch's, written once here. Rows start 16-byte aligned
         # (the kernels' cached launches need that).
         self.cu: torch.Tensor | None = None
-        # int32 [stages, 4], in pinned host memory on a GPU: row j holds stage j's kept total and longest image,
-        # written by a kernel straight into host memory (ragged_vit.triton_impl.pack.total_and_longest; a merging
-        # stage's merge kernel) and polled by the host (read_stats, through a numpy view: no torch op per poll), -1
-        # until written; 16-byte rows (the kernels' cached launches want aligned pointers).
-        self.stats: torch.Tensor | None = None
-        self._stats_view = None
-        # A merging pruner (ToMe) merges before the graph ends, straight into the static buffers: the merged rows (x),
-        # their sizes (int32 [B*N]: the patches each holds), log(size) (fp32 [B*N]) and the merged offsets (int32
-        # [B+1]); the next graph reads the first `capacity` rows.
-        self.merged_cu: tuple[torch.Tensor, ...] = ()
-        self.sizes: tuple[torch.Tensor, ...] = ()
-        self.key_bias: tuple[torch.Tensor, ...] = ()
-        if variable:
-            rows, sides = batch * tokens, range(2)
-            self.x = tuple(torch.full((rows, model.embed_dim), float("nan"), dtype=dtype, device=device) for _ in sides)
-            if pipeline.pruner.merges:
-                self.merged_cu = tuple(torch.zeros(batch + 1, dtype=torch.int32, device=device) for _ in sides)
-                self.sizes = tuple(torch.ones(rows, dtype=torch.int32, device=device) for _ in sides)
-                self.key_bias = tuple(torch.zeros(rows, dtype=torch.float32, device=device) for _ in sides)
-            else:
-                self.kept = tuple(torch.zeros(batch, dtype=torch.int32, device=device) for _ in sides)
-                self.keep = tuple(torch.zeros(rows, dtype=torch.bool, device=device) for _ in sides)
+        # Stage j's kept total and longest image, written by a kernel straight into pinned host memory (the pack
+        # kernels' total_and_longest; a merging stage's merge kernel) and polled by the host.
+        self.stats: HostCounts | None = None
+        if not plan.fixed:
+            rows = batch * tokens
+            self.handover = pipeline.stages[0].handover(batch, rows, model.embed_dim, dtype, device)
             width = -(-(2 * batch + 1) // 4) * 4
             self.cu = torch.zeros((pipeline.num_stages + 1, width), dtype=torch.int32, device=device)
             self.cu[0, : batch + 1] = torch.arange(batch + 1, dtype=torch.int32, device=device) * tokens
-            self.stats = torch.full((pipeline.num_stages, 4), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
-            self._stats_view = self.stats.numpy()  # the same memory
-
-    def read_stats(self, stage: int) -> tuple[int, int]:
-        """Stage ``stage``'s kept total and longest image, as soon as the kernel that writes them has run: the host
-        polls the pinned row while the device goes on with the rest of the graph (the merge, or the hand-over
-        copies), instead of waiting for the whole stream and then copying. Every ``_POLLS_PER_QUERY`` reads it asks
-        the stream whether it is done (a driver call), and raises if it is and the row was never written (no
-        hang)."""
-        row = self._stats_view[stage]
-        stream = torch.cuda.current_stream(self.images.device) if self.images.is_cuda else None
-        while True:
-            for _ in range(_POLLS_PER_QUERY):
-                total, longest = int(row[0]), int(row[1])
-                if total >= 0 and longest >= 0:
-                    return total, longest
-            done = stream is None or stream.query()
-            total, longest = int(row[0]), int(row[1])  # read after the query: a finished stream's writes are visible
-            if total >= 0 and longest >= 0:
-                return total, longest
-            if done:
-                raise RuntimeError(f"stage {stage}'s kept total was never written by its graph (internal error)")
+            self.stats = HostCounts(pipeline.num_stages, device)
 
     def nbytes(self) -> int:
-        tensors = [self.images, self.logits, self.counts, *self.x, *self.keep, *self.kept]
-        tensors += [*self.merged_cu, *self.sizes, *self.key_bias]
-        tensors += [self.cu] if self.cu is not None else []  # (stats: host memory)
+        tensors = [self.images, self.logits, self.counts]
+        tensors += [*self.handover.tensors(), self.cu] if self.handover is not None else []  # (stats: host memory)
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -338,15 +293,15 @@ class GraphedPrunedViT:
         batch = images.shape[0]
         if self.batch_sizes is not None and batch not in self.batch_sizes:
             self.counters.eager_calls += 1
-            logits, counts = pipeline(images, return_counts=True)  # the lean eager forward: as few host reads
-            return PrunedOutput(logits, counts, [])
+            out = pipeline._execute(images, None, None, bounded=True)  # the eager forward: as few host reads
+            return PrunedOutput(out.logits, out.counts, [])
         if self._binding is None:
             self._bind(images)
         key = (batch, *images.shape[-2:])
         bufs = self._buffers.get(key) or self._allocate(key)
         bufs.images.copy_(images)
         if bufs.plan.fixed:
-            self._launch(bufs.key, functools.partial(self._whole, bufs))
+            self._launch(bufs.key, functools.partial(self._whole, bufs, self._program(bufs)))
             self._binding.check(pipeline)
         else:
             self._run_segments(bufs)
@@ -426,15 +381,31 @@ class GraphedPrunedViT:
         self.counters.captures += 1
         return graph
 
-    def _whole(self, bufs: _Buffers) -> None:
-        """A fixed-count forward: ``PrunedViT.run`` on the static images, into the static outputs."""
-        out = self.pipeline.run(bufs.images, overlap_decisions=self.overlap_decisions)
-        bufs.logits.copy_(out.logits)
-        bufs.counts.copy_(out.counts)
+    def _program(self, bufs: _Buffers) -> Program:
+        """The program the graphs of ``bufs``' shape run: a mid-block decision beside its MLP half where the plan
+        allows it (``overlap_decisions``) in buffers of at most :data:`MLP_OVERLAP_MAX_ROWS` rows (a whole-forward
+        graph) or ``buckets.sync_free_rows`` (read-free segments, chained into one graph)."""
+        fixed = bufs.plan.fixed
+        rows = MLP_OVERLAP_MAX_ROWS if fixed else self.buckets.sync_free_rows
+        triton = self.pipeline.device.type == "cuda" or not fixed  # the CPU: the reference repacks a whole forward
+        return self.pipeline.program(
+            bufs.plan, bufs.batch, graphs=True, triton=triton, overlap_rows=rows if self.overlap_decisions else 0
+        )
+
+    def _whole(self, bufs: _Buffers, program: Program) -> None:
+        """A fixed-count forward on the static images, into the static outputs (the CPU repacks with the
+        reference)."""
+        pipeline = self.pipeline
+        on_cuda = pipeline.device.type == "cuda"
+        run = Run(pipeline, pipeline.parts, ExactRepack(host_counts(pipeline.device), reference=not on_cuda))
+        state = ForwardState(bufs.batch, bufs.images)
+        execute(run, program.steps, state)
+        bufs.logits.copy_(state.logits)
+        bufs.counts.copy_(stage_counts(run, bufs.batch, bufs.plan.num_prefix, pipeline.device))
 
     def _run_segments(self, bufs: _Buffers) -> None:
         """A variable-count forward: the segments from one host read to the next, each run one graph."""
-        bufs.stats.fill_(-1)  # on the host: no stage's total is in yet
+        bufs.stats.clear()  # on the host: no stage's total is in yet
         if self.buckets.lagged_reads:
             self._run_lagged(bufs)
             return
@@ -444,7 +415,7 @@ class GraphedPrunedViT:
             previous, rows = chain[-1], plan.row_bounds[index]
             if self.buckets.rereads_after(previous.capacity):
                 self._launch_chain(bufs, chain)  # writes the decision's total and longest image to bufs.stats
-                total, longest = bufs.read_stats(index - 1)  # the one read of this stage
+                total, longest = bufs.stats.read(index - 1)  # the one read of this stage
                 capacity = min(self.buckets.capacity(total, batch, tokens), batch * rows)
                 bound = self.buckets.seqlen_bound(max(longest, capacity - total), tokens)
                 chain = [SegmentShape(index, capacity, bound, 1)]
@@ -468,7 +439,7 @@ class GraphedPrunedViT:
                 rows = plan.row_bounds[index]
                 capacity, bound = batch * rows, rows
                 if index >= 2:  # stage index - 2's total and longest image bound stage index - 1's
-                    total, longest = bufs.read_stats(index - 2)
+                    total, longest = bufs.stats.read(index - 2)
                     capacity = min(self.buckets.capacity(total, batch, tokens), capacity)
                     bound = min(self.buckets.seqlen_bound(longest, tokens), rows)
                 bound = max(bound, -(-(capacity - batch) // batch))  # at most B padding images (bufs.cu's width)
@@ -479,35 +450,30 @@ class GraphedPrunedViT:
         # A chain that hands its decision to the next graph is one segment (the capacity never grows, so once a
         # stage skips its read every later one does): its sides (read (j - 1) % 2, write j % 2) differ.
         assert len(chain) == 1 or chain[-1].index == len(bufs.plan.segments) - 1
-        self._launch((*bufs.key, *chain), functools.partial(self._chain, bufs, tuple(chain)))
+        chain = tuple(chain)
+        self._launch((*bufs.key, *chain), functools.partial(self._chain, bufs, chain, self._program(bufs)))
         if chain[0].index == 0:
             self._binding.check(self.pipeline)  # on the host, while the first graph runs
 
-    def _chain(self, bufs: _Buffers, chain: tuple[SegmentShape, ...]) -> None:
-        """Consecutive segments of the plan in one graph: each hands its decision to the next directly; the last
+    def _chain(self, bufs: _Buffers, chain: tuple[SegmentShape, ...], program: Program) -> None:
+        """Consecutive segments of the program in one graph: each hands its decision to the next directly; the last
         one stores it in the static buffers (unless it ends with the head).
 
         Segment 0 reads the images; segment ``j > 0`` starts with stage ``j - 1``'s REPACK (of the decision handed
         over, or of the static buffers' side ``(j - 1) % 2``) into ``shape.capacity`` rows, whose rows past the real
-        total form ``shape.pads`` padding images of at most ``shape.max_seqlen`` rows (the pack kernel writes their
-        offsets after the real ones, into ``bufs.cu[j]``). Every other step is the pipeline's own
-        (:meth:`PrunedViT.run_step`).
+        total form ``shape.pads`` padding images of at most ``shape.max_seqlen`` rows (the repack writes their
+        offsets after the real ones, into ``bufs.cu[j]``). Every step runs through the executor loop.
         """
         pipeline, batch, plan = self.pipeline, bufs.batch, bufs.plan
+        targets = {
+            shape.index - 1: Target(shape.capacity, shape.max_seqlen, shape.pads,
+                                    cu_out=bufs.cu[shape.index, : batch + 1 + shape.pads])
+            for shape in chain
+            if shape.index > 0
+        }  # fmt: skip
         state = self._chain_input(bufs, chain[0])
-        mlp_done = False  # the MLP half after a repack already ran beside its decision
-        for shape in chain:
-            steps = plan.segments[shape.index]
-            for i, step in enumerate(steps):
-                if step.kind is StepKind.REPACK:
-                    self._repack(bufs, shape, state)
-                elif step.kind is StepKind.MLP and mlp_done:
-                    mlp_done = False
-                elif step.kind is StepKind.DECIDE and shape is not chain[-1] and self._overlaps(step):
-                    pipeline.decide_beside_mlp(step, state)
-                    mlp_done = True
-                else:  # the next step, if any: an MLP step before an ATTENTION step prepares its qkv
-                    pipeline.run_step(step, state, steps[i + 1] if i + 1 < len(steps) else None)
+        run = Run(pipeline, pipeline.parts, CapturedRepack(targets))
+        execute(run, [step for shape in chain for step in program.segments[shape.index]], state)
         last = chain[-1]
         if last.index == len(plan.segments) - 1:
             bufs.logits.copy_(state.logits)
@@ -515,90 +481,19 @@ class GraphedPrunedViT:
             prefix = plan.num_prefix  # rows after each stage, prefix rows excluded
             bufs.counts.copy_((offsets[:, 1:] - offsets[:, :-1] - prefix).t())
         else:
-            self._store(bufs, last, state)
+            # The kept total and longest image first, when the host reads them: it reads them while the device goes
+            # on (a merging stage merges here, straight into the static buffers: its kernel writes them itself).
+            stats = (state.selection.kept[:batch], bufs.stats.rows[last.index]) if self._reads(bufs, last) else None
+            bufs.handover.store(state, last.index % 2, stats)
 
     def _chain_input(self, bufs: _Buffers, first: SegmentShape) -> ForwardState:
         """The state a chain starts from: the images, or the decision the previous graph stored."""
         batch, index = bufs.batch, first.index
-        merges = bool(bufs.sizes)  # every merge here is the Triton kernel's: it may take the residual add
         if index == 0:
-            return ForwardState(batch, bufs.images, cu_seqlens=bufs.cu[0, : batch + 1], fuse_merge=merges)
-        side = (index - 1) % 2
+            return ForwardState(batch, bufs.images, cu_seqlens=bufs.cu[0, : batch + 1])
         num_patches = bufs.tokens - bufs.plan.num_prefix  # FRONT sets it in segment 0
-        cu = bufs.cu[index - 1, : batch + 1]
-        if merges:  # merged by the previous graph: its first `capacity` rows (the REPACK writes the offsets)
-            rows = first.capacity
-            return ForwardState(
-                batch, bufs.x[side][:rows], bufs.merged_cu[side], num_patches=num_patches,
-                sizes=bufs.sizes[side][:rows], key_bias=bufs.key_bias[side][:rows], fuse_merge=merges,
-            )  # fmt: skip
-        selection = TokenSelection(bufs.keep[side], bufs.kept[side])
-        return ForwardState(batch, bufs.x[side], cu, selection=selection, num_patches=num_patches)
-
-    def _repack(self, bufs: _Buffers, shape: SegmentShape, state: ForwardState) -> None:
-        """REPACK into ``shape.capacity`` rows, padding images and offsets into ``bufs.cu[shape.index]``."""
-        batch, index, sel = bufs.batch, shape.index, state.selection
-        if bufs.sizes:  # a merging stage
-            self._merge(bufs, shape, state)
-            return
-        if sel.extra_token is not None:
-            raise NotImplementedError(
-                f"pruner {self.pipeline.pruner.name!r} appends an extra token at a variable-count stage, which "
-                "GraphedPrunedViT does not stage between graphs"
-            )
-        cu = bufs.cu[index, : batch + 1 + shape.pads]
-        state.x, _, _ = triton_pack.repack_unchecked(
-            state.x, state.cu_seqlens, sel.keep, bufs.plan.row_bounds[index - 1], capacity=shape.capacity,
-            kept=sel.kept, padding_images=shape.pads, padding_len=shape.max_seqlen, cu_out=cu, batch=batch,
-        )  # fmt: skip  # [capacity, C]; rows from the real total on are not written
-        state.cu_seqlens, state.max_seqlen = cu, shape.max_seqlen
-        state.selection = state.qkv = None
-
-    def _merge(self, bufs: _Buffers, shape: SegmentShape, state: ForwardState) -> None:
-        """A merging stage's REPACK into ``shape.capacity`` rows, in one launch: inside a chain
-        (:func:`ragged_vit.triton_impl.merging.merge_rows_unchecked`) the real images' merged rows and sizes, their
-        offsets then the padding images' (each ``shape.max_seqlen`` rows, clamped to the capacity, as the pack kernel
-        writes them) into ``bufs.cu[shape.index]``, and ``log(sizes)`` for the attention after it; after a read, whose
-        previous graph merged already (:meth:`_store`), only those offsets
-        (:func:`ragged_vit.triton_impl.merging.merged_offsets_unchecked`)."""
-        batch, sel, x = bufs.batch, state.selection, state.x
-        cu = bufs.cu[shape.index, : batch + 1 + shape.pads]
-        if sel is None:
-            triton_merging.merged_offsets_unchecked(state.cu_seqlens, cu, shape.capacity, shape.pads, shape.max_seqlen)
-            state.cu_seqlens, state.max_seqlen = cu, shape.max_seqlen
-            return
-        merged_cu = sel.cu_seqlens[: batch + 1]  # the real images come first, so their offsets ignore the padding
-        sizes = state.row_sizes()
-        state.key_bias = torch.empty(shape.capacity, dtype=torch.float32, device=x.device)  # log(size), by the kernel
-        state.x, state.sizes = triton_merging.merge_rows_unchecked(
-            x, sizes, *merge_sources_of(sel), merged_cu, x.new_empty((shape.capacity, x.shape[1])),
-            sizes.new_empty(shape.capacity), state.key_bias, cu_out=cu, padding_images=shape.pads,
-            padding_len=shape.max_seqlen, **merge_fusion(state, shape.capacity),
-        )  # fmt: skip  # rows from the real total on are not written (the padding images': theirs only)
-        state.cu_seqlens, state.max_seqlen = cu, shape.max_seqlen
-        state.selection = state.qkv = None
-
-    def _store(self, bufs: _Buffers, shape: SegmentShape, state: ForwardState) -> None:
-        """Writes a chain's last decision to the static buffers' side ``shape.index % 2`` and, first, when the host
-        reads it, the kept total and longest image to ``bufs.stats`` (host memory): the host reads them while the
-        device goes on. A merging stage merges here, straight into the static buffers (its rows need no capacity:
-        the kernel writes the ``T'`` merged ones), so nothing is copied; a pruning stage copies the stream, the
-        keep mask and the counts for the next graph's repack."""
-        sel, side, batch = state.selection, shape.index % 2, bufs.batch
-        stats = (sel.kept[:batch], bufs.stats[shape.index]) if self._reads(bufs, shape) else None
-        x, rows = state.x, state.x.shape[0]
-        if isinstance(sel, MergeSelection):  # the merge kernel writes the stats too (first thing: no launch of theirs)
-            triton_merging.merge_rows_unchecked(
-                x, state.row_sizes(), *merge_sources_of(sel), sel.cu_seqlens[: batch + 1], bufs.x[side],
-                bufs.sizes[side], bufs.key_bias[side], cu_out=bufs.merged_cu[side], total_and_longest=stats,
-                **merge_fusion(state, None),  # the residual add; the next graph's MLP normalises its rows itself
-            )  # fmt: skip  # rows from the merged total on keep what they held (the next graph's padding rows)
-        else:
-            if stats is not None:
-                triton_pack.total_and_longest_unchecked(*stats)
-            bufs.x[side][:rows].copy_(x)
-            bufs.kept[side].copy_(sel.kept[:batch])
-            bufs.keep[side][:rows].copy_(sel.keep)
+        cu, bound = bufs.cu[index - 1, : batch + 1], bufs.plan.row_bounds[index - 1]
+        return bufs.handover.resume((index - 1) % 2, batch, first.capacity, cu, num_patches, bound)
 
     def _reads(self, bufs: _Buffers, shape: SegmentShape) -> bool:
         """Whether the host reads the total of the stage that ends segment ``shape``: after it (``_run_segments``;
@@ -607,11 +502,6 @@ class GraphedPrunedViT:
         if self.buckets.lagged_reads:
             return shape.index <= len(bufs.plan.segments) - 3
         return True
-
-    def _overlaps(self, step: Step) -> bool:
-        """Whether a decision inside a chain runs beside the MLP half that follows its repack (the same at every
-        image size)."""
-        return self.overlap_decisions and self._plan.stage_at(step).mlp_beside is not None
 
 
 def _check_capturable(pipeline: PrunedViT) -> None:

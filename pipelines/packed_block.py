@@ -417,30 +417,3 @@ def dense_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     if lean is None or not lean.attn.fused_attn:
         return block(x)
     return _mlp_half(lean, _attention_half(lean, x, functools.partial(_dense_attend, lean.attn))[0])
-
-
-@functools.cache
-def compiled_halves() -> tuple[Callable, Callable]:
-    """:func:`packed_attention` and :func:`packed_mlp` under ``torch.compile`` (Inductor fuses the LayerNorms,
-    residual adds and GELU around the GEMMs; the attention backend stays one opaque op). Compiled on first use."""
-    return torch.compile(packed_attention), torch.compile(packed_mlp)
-
-
-@functools.cache
-def compiled_attention_parts() -> tuple[Callable, Callable, Callable]:
-    """:func:`packed_qkv`, :func:`packed_attention_residual` and :func:`packed_attention_branch` under
-    ``torch.compile`` (as :func:`compiled_halves`). Compiled on first use."""
-    return torch.compile(packed_qkv), torch.compile(packed_attention_residual), torch.compile(packed_attention_branch)
-
-
-@functools.cache
-def compiled_mlp_qkv() -> Callable:
-    """:func:`packed_mlp_qkv` under ``torch.compile`` (as :func:`compiled_halves`). Compiled on first use."""
-    return torch.compile(packed_mlp_qkv)
-
-
-@functools.cache
-def compiled_blocks() -> Callable:
-    """:func:`packed_blocks` under ``torch.compile``: one graph over the whole run of blocks, so Inductor also
-    fuses each residual add with the next LayerNorm across the attention ops (which stay opaque custom ops)."""
-    return torch.compile(packed_blocks)

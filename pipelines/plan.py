@@ -1,11 +1,10 @@
-"""The forward plan of a pruned ViT: built once from the model's depth, its token count and the pruner; read by
-both executors (:class:`ragged_vit.pipelines.model.PrunedViT`, eager, and
-:class:`ragged_vit.pipelines.graphs.GraphedPrunedViT`, CUDA graphs). Pure host logic, no tensors.
+"""The forward plan of a pruned ViT, and the program each way of running it executes. Pure host logic, no tensors.
 
-A forward is a list of :class:`Step` s::
+:func:`build_plan` reads the model's depth, its token count and the pruner once per image size. A forward is a list
+of :class:`Step` s::
 
     FRONT   patch embedding, then timm's own blocks before the first stage on the dense [B, N, C] batch
-    BLOCKS  consecutive whole blocks on the packed buffer [T, C] (one compiled region with compile_blocks)
+    BLOCKS  consecutive whole blocks on the packed buffer [T, C] (one compiled region with compiled parts)
     ATTENTION / MLP   the two halves of a block, where a stage sits between them (MID_BLOCK)
     DECIDE  a stage decides which rows survive (pruner, or its fused kernel), or which merge (ToMe)
     REPACK  the decision applied to the packed buffer (a merge: size-weighted averages, the rows' sizes carried)
@@ -15,8 +14,16 @@ For each stage the plan also records what the host knows of its counts (:class:`
 pruner, or variable), the bound on an image's rows before and after it, and whether the MLP half that follows its
 repack may run beside its decision (the MLP acts per row, so it commutes with the repack: ``mlp_beside``).
 
+**The program.** :meth:`ForwardPlan.program` turns the plan's steps into the final list one executor loop runs
+(:func:`ragged_vit.pipelines.executor.execute`) for one batch size and one way of running (eager, or captured in
+CUDA graphs), fused steps included: an MLP step that also computes the next block's qkv (``prepare``), an attention
+half that leaves its residual add to the merge after it (``branch``), and, in CUDA graphs, work that runs on a second
+stream beside other work (``beside``): a mid-block decision beside its block's MLP half, in small buffers
+(:data:`MLP_OVERLAP_MAX_ROWS`); a merge's decision beside its block's attention core, in small batches
+(:data:`OVERLAP_MAX_IMAGES`). A new fused step is a new step here and its function in the executor.
+
 **Host reads.** A variable-count stage decides on the device how many rows survive; an executor that needs the
-exact total (to size a buffer) reads it between DECIDE and REPACK. :attr:`ForwardPlan.segments` cuts the steps at
+exact total (to size a buffer) reads it between DECIDE and REPACK. :attr:`Program.segments` cuts the steps at
 those points: one segment when every count is known on the host (the whole forward is one CUDA graph), else one cut
 before every stage's REPACK, so that segment ``j`` starts with stage ``j - 1``'s repack and ends with stage ``j``'s
 decision (the last ends with the head). The graph executor may still chain segments without reading
@@ -25,6 +32,7 @@ decision (the last ends with the head). The graph executor may still chain segme
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 from dataclasses import dataclass
@@ -53,18 +61,56 @@ class Counts(str, enum.Enum):
     VARIABLE = "variable"  # no bound below an unpruned image's rows (Threshold-L2 threshold / calibrated)
 
 
+MLP_OVERLAP_MAX_ROWS = 256
+"""In CUDA graphs of a fixed-count forward, a mid-block stage decides beside its block's MLP half (which then runs on
+every row, before the repack) in buffers of at most this many rows: two 128-row GEMM tiles, where the MLP on every
+row costs what it costs on the kept ones and the decision hides behind it (``docs/graphs.md``)."""
+
+OVERLAP_MAX_IMAGES = 8
+"""In a CUDA graph of a whole forward, batches of at most this many images run a merging stage's decision beside its
+block's attention core: up to there the two leave room for each other on the GPU; past it the attention's programs
+fill the GPU and the decision only delays them (``docs/tome.md``)."""
+
+
 @dataclass(frozen=True)
 class Step:
     """One step: ``blocks`` are the timm block indices it runs (FRONT, BLOCKS: a run; ATTENTION, MLP: one),
-    ``stage`` the stage it serves (DECIDE, REPACK)."""
+    ``stage`` the stage it serves (DECIDE, REPACK; an ATTENTION step with ``beside``: the stage it decides).
+
+    The fused forms (only in a :class:`Program`):
+        beside: ATTENTION: stage ``stage``'s decision runs beside the attention core (the DECIDE step is gone);
+            DECIDE: the block's MLP half runs beside the decision, on every row (the MLP step after the REPACK is
+            gone). On a second stream while a CUDA graph is captured, else one after the other.
+        prepare: MLP: also ``norm1`` and the qkv projection of the block of the ATTENTION step after it.
+        branch: ATTENTION: the merge after it makes the residual add (and ``norm2``), where the block is plain.
+    """
 
     kind: StepKind
     blocks: tuple[int, ...] = ()
     stage: int | None = None
+    beside: bool = False
+    prepare: bool = False
+    branch: bool = False
 
     def __repr__(self) -> str:
-        what = f"stage={self.stage}" if self.stage is not None else f"blocks={self.blocks}"
-        return f"Step({self.kind.value}, {what})"
+        what = f"stage={self.stage}" if self.stage is not None and self.kind is not StepKind.ATTENTION else ""
+        what = what or f"blocks={self.blocks}"
+        fused = [name for name in ("beside", "prepare", "branch") if getattr(self, name)]
+        return f"Step({self.kind.value}, {what}{''.join(', ' + f for f in fused)})"
+
+
+@dataclass(frozen=True)
+class Program:
+    """The final steps of one way of running a plan (:meth:`ForwardPlan.program`).
+
+    Attributes:
+        steps: every step, fused ones included, in forward order.
+        segments: the steps cut where a host read may happen: the whole forward for a fixed plan, else before every
+            REPACK (``len(stages) + 1`` segments).
+    """
+
+    steps: tuple[Step, ...]
+    segments: tuple[tuple[Step, ...], ...]
 
 
 @dataclass(frozen=True)
@@ -117,18 +163,10 @@ class ForwardPlan:
         """Whether every count is known on the host: the forward has host-known shapes throughout."""
         return all(stage.counts is Counts.FIXED for stage in self.stages)
 
-    @functools.cached_property  # the executors read it on every call: computed once
+    @functools.cached_property
     def segments(self) -> tuple[tuple[Step, ...], ...]:
-        """The steps cut where a host read may happen: the whole forward when :attr:`fixed`, else before every
-        stage's REPACK (``len(stages) + 1`` segments)."""
-        if self.fixed:
-            return (self.steps,)
-        out: list[list[Step]] = [[]]
-        for step in self.steps:
-            if step.kind is StepKind.REPACK:
-                out.append([])
-            out[-1].append(step)
-        return tuple(tuple(segment) for segment in out)
+        """The plan's steps cut where a host read may happen (as :attr:`Program.segments`)."""
+        return _segments(self.steps, self.fixed)
 
     @functools.cached_property
     def row_bounds(self) -> tuple[int, ...]:
@@ -137,6 +175,30 @@ class ForwardPlan:
         if self.fixed:
             return (self.tokens,)
         return (self.tokens, *(stage.rows_after for stage in self.stages))
+
+    def program(
+        self,
+        batch: int,
+        *,
+        graphs: bool = False,
+        fuse_merge: bool = False,
+        decide_beside_attention: bool = False,
+        overlap_rows: int = 0,
+    ) -> Program:
+        """The program of a forward of ``batch`` images (see the module docstring).
+
+        Args:
+            batch: images per forward (the overlaps depend on the buffers' sizes).
+            graphs: the forward is captured in CUDA graphs, where work beside other work runs on a second stream
+                (eager, the same steps would only run one after the other: no ``beside``).
+            fuse_merge: the stages' repacks take the residual add of the attention half before them (``branch``).
+            decide_beside_attention: the stages decide from their block's qkv alone, so a whole-forward graph of at
+                most :data:`OVERLAP_MAX_IMAGES` images decides beside the attention core.
+            overlap_rows: with ``graphs``, a mid-block stage with ``mlp_beside`` decides beside that MLP half when
+                its input has at most this many rows (``batch * rows_before``).
+        """
+        return _program(self, check_int(batch, "batch", 1), bool(graphs), bool(fuse_merge),
+                        bool(decide_beside_attention), check_int(overlap_rows, "overlap_rows", 0))  # fmt: skip
 
     def stage_at(self, step: Step) -> StagePlan:
         """The stage a DECIDE or REPACK step serves."""
@@ -176,6 +238,45 @@ def build_plan(pruner: Pruner | None, depth: int, tokens: int, num_prefix: int =
         rows, position = num_prefix + patches, point
     steps += [*_halves(position, 2 * depth), Step(StepKind.HEAD)]
     return ForwardPlan(depth, tokens, num_prefix, dense, tuple(stages), tuple(steps))
+
+
+@functools.lru_cache(maxsize=512)
+def _program(
+    plan: ForwardPlan, batch: int, graphs: bool, fuse_merge: bool, beside_attention: bool, overlap_rows: int
+) -> Program:
+    beside_attention = graphs and beside_attention and plan.fixed and batch <= OVERLAP_MAX_IMAGES
+    steps: list[Step] = []
+    mlp_done = None  # the block whose MLP half ran beside its stage's decision
+    for i, step in enumerate(plan.steps):
+        after = plan.steps[i + 1] if i + 1 < len(plan.steps) else None
+        if step.kind is StepKind.DECIDE:
+            stage = plan.stages[step.stage]
+            if beside_attention and stage.placement is Placement.MID_BLOCK:
+                continue  # decided beside the attention step before it
+            if graphs and stage.mlp_beside is not None and batch * stage.rows_before <= overlap_rows:
+                step, mlp_done = dataclasses.replace(step, beside=True), stage.mlp_beside
+        elif step.kind is StepKind.MLP and step.blocks[0] == mlp_done:
+            mlp_done = None
+            continue
+        elif step.kind is StepKind.ATTENTION and after is not None and after.kind is StepKind.DECIDE:
+            beside = beside_attention
+            step = dataclasses.replace(step, stage=after.stage if beside else None, beside=beside, branch=fuse_merge)
+        steps.append(step)
+    for i, step in enumerate(steps[:-1]):  # an MLP half right before an attention half prepares its qkv
+        if step.kind is StepKind.MLP and steps[i + 1].kind is StepKind.ATTENTION:
+            steps[i] = dataclasses.replace(step, prepare=True)
+    return Program(tuple(steps), _segments(tuple(steps), plan.fixed))
+
+
+def _segments(steps: tuple[Step, ...], fixed: bool) -> tuple[tuple[Step, ...], ...]:
+    if fixed:
+        return (steps,)
+    out: list[list[Step]] = [[]]
+    for step in steps:
+        if step.kind is StepKind.REPACK:
+            out.append([])
+        out[-1].append(step)
+    return tuple(tuple(segment) for segment in out)
 
 
 def _counts(pruner: Pruner, stage: int, patches: int, num_patches: int) -> tuple[Counts, int]:

@@ -12,7 +12,7 @@ import torch
 
 from ragged_vit.core.decisions import fused_decision, register_decision, registered_decisions
 from ragged_vit.core.selection import DecisionInput, Pruner, TokenSelection, check_decision_input, kept_counts
-from ragged_vit.pipelines.model import decide
+from ragged_vit.pipelines.parts import decide
 from ragged_vit.pipelines.plan import StepKind
 from ragged_vit.reference.pruners import ATSPruner, EViTPruner, ThresholdL2Pruner, make_pruner
 from tests.helpers import tiny_images, tiny_pipeline

@@ -25,9 +25,11 @@ import pytest
 import torch
 
 from ragged_vit import PrunedViT, build_pipeline
+from ragged_vit.pipelines import executor as executor_module
 from ragged_vit.pipelines import model as model_module
 from ragged_vit.pipelines.buckets import AUTO_SYNC_FREE_ROWS, TokenBuckets, padding_images
-from ragged_vit.pipelines.graphs import GraphedPrunedViT, _Buffers
+from ragged_vit.pipelines.graphs import GraphedPrunedViT
+from ragged_vit.pipelines.stages import HostCounts
 from ragged_vit.reference.pruners import make_pruner
 from ragged_vit.triton_impl import pack as triton_pack
 from tests.helpers import tiny_images, tiny_pipeline
@@ -226,9 +228,9 @@ def test_stages_without_a_read_run_as_one_chain(backend, first_read, poisoned, m
     chains = []
     real_chain = runner._chain
 
-    def chain(bufs, shapes):
+    def chain(bufs, shapes, program):
         chains.append(shapes)
-        real_chain(bufs, shapes)
+        real_chain(bufs, shapes, program)
 
     monkeypatch.setattr(runner, "_chain", chain)
     images = tiny_images(4, 5)
@@ -245,7 +247,7 @@ def test_stages_without_a_read_run_as_one_chain(backend, first_read, poisoned, m
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-def test_chained_segments_equal_separate_ones():
+def test_chained_segments_equal_separate_ones(monkeypatch):
     """A chain hands each decision to the next segment in memory, with the next MLP half already applied to every
     row (it ran beside the decision); separate graphs pass the decision through the static buffers and run the
     MLP after the repack: the same capacities give the same logits (bit for bit on the CPU)."""
@@ -253,13 +255,13 @@ def test_chained_segments_equal_separate_ones():
     images = tiny_images(3, 8)
     chained = GraphedPrunedViT(pv, TokenBuckets(sync_free_rows=3 * TOKENS))
     beside = []
-    real_beside = pv.decide_beside_mlp
+    real_beside = executor_module.beside
 
-    def spy(step, state):
-        beside.append(state.x.shape[0])
-        return real_beside(step, state)
+    def spy(device, side, main):
+        beside.append(device)
+        return real_beside(device, side, main)
 
-    pv.decide_beside_mlp = spy  # the pipeline's, which both runners below call
+    monkeypatch.setattr(executor_module, "beside", spy)  # what every runner below calls
     out = chained.run(images)
     assert len(beside) == len(pv.pruner.blocks)  # every decision of the chain
     separate = GraphedPrunedViT(pv, TokenBuckets(sync_free_rows=3 * TOKENS))
@@ -288,18 +290,18 @@ def test_lagged_reads_size_each_segment_by_the_total_before(case, backend, poiso
     buckets = TokenBuckets(step=4, seqlen_step=4, lagged_reads=True)
     runner = GraphedPrunedViT(pv, buckets)
     shapes, reads = [], []
-    real_chain, real_read = runner._chain, _Buffers.read_stats
+    real_chain, real_read = runner._chain, HostCounts.read
 
-    def chain(bufs, chained):
+    def chain(bufs, chained, program):
         shapes.extend(chained)
-        real_chain(bufs, chained)
+        real_chain(bufs, chained, program)
 
-    def read(bufs, stage):
-        reads.append(real_read(bufs, stage))
+    def read(counts, stage):
+        reads.append(real_read(counts, stage))
         return reads[-1]
 
     monkeypatch.setattr(runner, "_chain", chain)
-    monkeypatch.setattr(_Buffers, "read_stats", read)
+    monkeypatch.setattr(HostCounts, "read", read)
     images = tiny_images(4, 9)
     out, ref = runner.run(images), pv.run(images)
     assert_same(out, ref)
@@ -324,10 +326,10 @@ def test_a_stage_total_never_written_raises_instead_of_waiting():
     images = tiny_images(2, 5)
     runner.run(images)
     bufs = runner._buffers[(2, *images.shape[-2:])]
-    assert bufs.read_stats(0) == tuple(bufs.stats[0, :2].tolist())  # written by the run
-    bufs.stats.fill_(-1)
-    with pytest.raises(RuntimeError, match="stage 0's kept total was never written"):
-        bufs.read_stats(0)
+    assert bufs.stats.read(0) == tuple(bufs.stats.rows[0, :2].tolist())  # written by the run
+    bufs.stats.clear()
+    with pytest.raises(RuntimeError, match="row 0's kept total was never written"):
+        bufs.stats.read(0)
 
 
 @pytest.mark.interpreter
@@ -401,15 +403,18 @@ def test_lean_forward_only_with_backends_that_take_padding_images(triton_packing
 
 
 @pytest.mark.interpreter
-def test_lean_forward_refuses_a_variable_stage_with_an_extra_token(triton_packing, monkeypatch):
+def test_lean_forward_repacks_a_variable_stage_with_an_extra_token_exactly(triton_packing, poisoned, monkeypatch):
+    """A padding image cannot hold an appended token after the real rows: such a stage reads its total (exact)."""
     pruner = make_pruner("evit", rate=0.5, blocks=(1, 3), fuse_token=True)
     pruner.fixed_count = False
     decide = pruner.decide
     monkeypatch.setattr(pruner, "decide", lambda inp: dataclasses.replace(decide(inp), fixed_count=False, count=None))
     pv = tiny_pipeline(lambda: pruner, "triton")
-    with pytest.raises(NotImplementedError, match="extra token"):
-        pv(tiny_images(2, 3))
-    assert pv.run(tiny_images(2, 3)).counts.shape == (2, 2)  # run() repacks exactly
+    images = tiny_images(2, 3)
+    logits, counts = pv(images, return_counts=True)
+    assert poisoned and all(cap == total for cap, total in poisoned)
+    ref = pv.run(images)
+    assert torch.equal(counts, ref.counts) and torch.equal(logits, ref.logits)
 
 
 # --- fixed counts, fallback, outputs, memory ---------------------------------------------------------------------

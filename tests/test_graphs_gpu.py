@@ -28,8 +28,9 @@ from ragged_vit import PrunedViT
 from ragged_vit.pipelines.backends import BACKENDS as REGISTRY
 from ragged_vit.pipelines.buckets import TokenBuckets
 from ragged_vit.pipelines.factory import build_pruner
-from ragged_vit.pipelines.graphs import GraphedPrunedViT, _Buffers
+from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.model import PrunedOutput
+from ragged_vit.pipelines.stages import HostCounts
 from ragged_vit.pipelines.weights import create_model
 from tests.helpers import no_tf32
 
@@ -117,12 +118,17 @@ def _assert_bitwise(out, ref, what: str) -> None:
     + [(BASE, c, b) for c in ("dynamicvit", "evit_fused") for b in BACKENDS],
 )
 def test_fixed_counts_one_graph_bitwise_and_sync_free(lab, model, case, backend):
+    """One graph per batch size replays its program bitwise (the same program run uncaptured: a mid-block decision
+    may run beside its MLP half there, on every row), with the eager forward's counts."""
     pv = lab.pipeline(model, case, backend)
     runner = GraphedPrunedViT(pv)
+    eager = GraphedPrunedViT(pv, max_graphs=0)
     assert runner.plan.fixed
     for call, batch in enumerate(BATCHES):
         images = lab.batch(batch, seed=call)
-        _assert_bitwise(runner.run(images), pv.run(images), f"call {call} (B={batch})")
+        out = runner.run(images)
+        _assert_bitwise(out, eager.run(images), f"call {call} (B={batch})")
+        assert torch.equal(out.counts, pv.run(images).counts)
     assert runner.counters.captures == 3 and runner.counters.replays == len(BATCHES)
     assert sorted(runner.memory_report().keys) == [(1, 224, 224), (4, 224, 224), (64, 224, 224)]  # (B, H, W)
 
@@ -135,7 +141,7 @@ def test_fixed_counts_one_graph_bitwise_and_sync_free(lab, model, case, backend)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for images, out in zip(inputs, outs, strict=True):
-        _assert_bitwise(out, pv.run(images), "sync-free replay")
+        _assert_bitwise(out, eager.run(images), "sync-free replay")
     assert runner.counters.captures == 3
 
 
@@ -164,7 +170,7 @@ def test_variable_counts_replay_the_eager_segments_bitwise(lab, model, case, bac
 def test_compile_blocks_in_graphs(lab, case):
     """``compile_blocks``: compiled block runs, halves and (ATS) decisions inside the graphs.
 
-    Fixed counts: one graph replays ``PrunedViT.run``'s compiled kernels, bitwise (observed on an H100). Variable
+    Fixed counts: one graph replays its program's compiled kernels, bitwise (observed on an H100). Variable
     counts: not bitwise, because every new token count (each ATS stage, each bucket) recompiles and Dynamo then
     holds a static entry (used by the graph captured first) and a dynamic one (used by later eager calls of the
     same shape), whose reductions may round differently (observed on an H100: ATS outputs differed). So: the
@@ -175,7 +181,7 @@ def test_compile_blocks_in_graphs(lab, case):
     pv.compile_blocks = True
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     graphed = GraphedPrunedViT(pv)
-    eager = pv.run if graphed.plan.fixed else GraphedPrunedViT(pv, max_graphs=0).run
+    eager = GraphedPrunedViT(pv, max_graphs=0).run
     for call, batch in enumerate([4, 1, 4]):
         images = lab.batch(batch, seed=200 + call)
         out, ref = graphed.run(images), eager(images)
@@ -270,13 +276,13 @@ def test_variable_counts_read_once_per_stage(lab, case, stages, buckets, monkeyp
     images = lab.batch(4, seed=3)
     runner.run(images)  # captures every graph these images need
     torch.cuda.synchronize()
-    reads, real_read = [], _Buffers.read_stats
+    reads, real_read = [], HostCounts.read
 
-    def read(bufs, stage):
-        reads.append((stage, real_read(bufs, stage)))
+    def read(counts, stage):
+        reads.append((stage, real_read(counts, stage)))
         return reads[-1][1]
 
-    monkeypatch.setattr(_Buffers, "read_stats", read)
+    monkeypatch.setattr(HostCounts, "read", read)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
@@ -297,10 +303,11 @@ def test_variable_counts_read_once_per_stage(lab, case, stages, buckets, monkeyp
 
 
 @pytest.mark.parametrize("case", VARIABLE)
-def test_lean_eager_forward_matches_run_in_fp32(lab, case):
+def test_lean_eager_forward_matches_run_in_fp32(lab, case, monkeypatch):
     """``pv(images)`` (``PrunedViT.forward``: no selections, so buffers sized from the host's bounds) against
     ``pv.run`` (exact sizes, one read per stage) in fp32 with TF32 off: counts exact, logits ``1e-4``; ATS's forward
-    reads nothing (no synchronising call at all) at B=4 and B=64, ``run`` at each of its nine stages."""
+    reads nothing at B=4 and B=64, ``run`` at each of its nine stages (a poll of a pinned row: neither makes a
+    synchronising call)."""
     pv = lab.pipeline(SMALL, case, "triton", torch.float32)
     with no_tf32():
         for call, batch in enumerate([4, 1, 64]):
@@ -310,9 +317,12 @@ def test_lean_eager_forward_matches_run_in_fp32(lab, case):
             assert torch.equal(counts, ref.counts), f"call {call} (B={batch}): decisions differ"
             torch.testing.assert_close(logits, ref.logits, atol=1e-4, rtol=1e-4)
     if case == "ats":
+        reads, real = [], HostCounts.total_and_longest
+        monkeypatch.setattr(HostCounts, "total_and_longest", lambda self, kept: reads.append(1) or real(self, kept))
         for batch in (4, 64):
             images = lab.batch(batch, seed=3)
-            assert [_syncs(pv, images), _syncs(pv.run, images)] == [0, 9], f"B={batch}"
+            assert [_syncs(pv, images), len(reads), _syncs(pv.run, images), len(reads)] == [0, 0, 0, 9], f"B={batch}"
+            reads.clear()
 
 
 def _syncs(forward, images: torch.Tensor) -> int:

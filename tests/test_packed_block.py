@@ -24,7 +24,7 @@ from torch import nn
 from ragged_vit import PrunedViT, build_pipeline
 from ragged_vit.pipelines.backends import make_backend
 from ragged_vit.pipelines.backends.base import AttentionBackend, Capabilities
-from ragged_vit.pipelines.model import ForwardState
+from ragged_vit.pipelines.executor import Run, execute
 from ragged_vit.pipelines.packed_block import (
     dense_block,
     lean_block,
@@ -37,6 +37,7 @@ from ragged_vit.pipelines.packed_block import (
     packed_qkv,
 )
 from ragged_vit.pipelines.plan import StepKind
+from ragged_vit.pipelines.state import ForwardState
 from ragged_vit.testing.ops import count_ops, op_names
 
 DIM, HEADS = 64, 2
@@ -370,7 +371,7 @@ def test_pruned_front_runs_dense_blocks_lean_and_the_unpruned_one_timm_blocks(ge
     def front(pipeline: PrunedViT) -> torch.Tensor:
         (step,) = [s for s in pipeline.plan.steps if s.kind is StepKind.FRONT]
         state = ForwardState(images.shape[0], images)
-        pipeline.run_step(step, state)
+        execute(Run(pipeline, pipeline.parts, repack=None), [step], state)
         return state.x
 
     assert pv.num_dense_blocks == 3

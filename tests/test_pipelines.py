@@ -19,10 +19,10 @@ import pytest
 import torch
 from timm.models.vision_transformer import ResPostBlock, VisionTransformer
 
-from ragged_vit import PrunedViT, build_pipeline
+from ragged_vit import GraphedPrunedViT, PrunedViT, build_pipeline
 from ragged_vit.core.selection import TokenSelection
-from ragged_vit.pipelines import model as model_module
 from ragged_vit.pipelines.factory import build_pruner, pruner_options
+from ragged_vit.pipelines.plan import MLP_OVERLAP_MAX_ROWS, StepKind
 from ragged_vit.reference.pruners import make_pruner
 from ragged_vit.testing.ops import count_ops
 from tests.helpers import PRUNER_CASES as CASES
@@ -311,7 +311,7 @@ def test_pruner_options_come_from_each_pruner():
 def test_compiled_decisions_trace_and_agree(case):
     """``compile_blocks`` on CUDA runs the pruners without a fused kernel through ``torch.compile`` (with their
     CLS-attention scores). Traced here on the CPU's Inductor: the same decisions as eager on seeded fp32 input."""
-    from ragged_vit.pipelines.model import _compiled_decision, _decision
+    from ragged_vit.pipelines.parts import _compiled_decision, _decision
 
     name, options = CASES[case]
     with torch.random.fork_rng():
@@ -343,27 +343,27 @@ def test_forward_computes_counts_only_when_asked(gen):
 
 
 @pytest.mark.parametrize("fuse_token", [False, True], ids=["evit", "evit_fused"])
-def test_a_mid_block_decision_runs_beside_its_mlp_half_in_small_buffers(fuse_token, monkeypatch):
-    """In buffers of at most ``MLP_OVERLAP_MAX_ROWS`` rows, ``run`` and ``forward`` decide each mid-block stage
-    beside its block's MLP half (on every row, before the repack); the logits are those of the MLP after the repack
-    (``overlap_decisions=False``; bit for bit on the CPU). Never with a fused token (it must go through the MLP),
-    nor in a larger buffer."""
+def test_a_mid_block_decision_runs_beside_its_mlp_half_in_small_buffers(fuse_token):
+    """In CUDA graphs, a fixed-count forward's program decides each mid-block stage beside its block's MLP half (on
+    every row, before the repack; the MLP step after the repack is gone) in buffers of at most ``overlap_rows`` rows;
+    the logits are those of the MLP after the repack (the eager program; bit for bit on the CPU, where the graph
+    runner runs its program uncaptured). Never with a fused token (it must go through the MLP), nor in a larger
+    buffer, nor eagerly (nothing would run beside anything)."""
     pv = tiny_pipeline(lambda: make_pruner("evit", rate=0.6, blocks=(1, 3), fuse_token=fuse_token))
     images = tiny_images(3, 8)
-    rows, real = [], pv.decide_beside_mlp
 
-    def spy(step, state):
-        rows.append(state.x.shape[0])
-        real(step, state)
+    def beside(program) -> list[int]:
+        return [step.stage for step in program.steps if step.kind is StepKind.DECIDE and step.beside]
 
-    pv.decide_beside_mlp = spy
-    out, eager = pv.run(images), pv(images)
-    serial = pv.run(images, overlap_decisions=False)
-    after_first = 3 * (1 + 10 + fuse_token)  # 17 rows an image, then CLS + ceil(0.6 * 16) patches (+ the fused token)
-    assert rows == ([] if fuse_token else [3 * 17, after_first] * 2)
-    assert torch.equal(out.logits, serial.logits) and torch.equal(eager, serial.logits)
-    assert torch.equal(out.counts, serial.counts)
-    rows.clear()
-    monkeypatch.setattr(model_module, "MLP_OVERLAP_MAX_ROWS", 3 * 17 - 1)
-    assert torch.equal(pv.run(images).logits, serial.logits)
-    assert rows == ([] if fuse_token else [after_first])  # the first stage's 51 rows: the MLP after the repack
+    def mlps(program) -> list[int]:
+        return [step.blocks[0] for step in program.steps if step.kind is StepKind.MLP]
+
+    graphs = pv.program(pv.plan, 3, graphs=True, overlap_rows=MLP_OVERLAP_MAX_ROWS)
+    assert beside(graphs) == ([] if fuse_token else [0, 1])
+    assert mlps(graphs) == ([1, 3] if fuse_token else [])
+    assert beside(pv.program(pv.plan, 3, overlap_rows=MLP_OVERLAP_MAX_ROWS)) == []
+    first = pv.program(pv.plan, 3, graphs=True, overlap_rows=3 * 17 - 1)  # the first stage's 51 rows: after
+    assert beside(first) == ([] if fuse_token else [1]) and mlps(first) == ([1, 3] if fuse_token else [1])
+    serial = pv.run(images)
+    out = GraphedPrunedViT(pv).run(images)
+    assert torch.equal(out.logits, serial.logits) and torch.equal(out.counts, serial.counts)

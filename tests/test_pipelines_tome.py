@@ -24,17 +24,20 @@ import torch
 from ragged_vit import PrunedViT, build_pipeline
 from ragged_vit.core.selection import MergeSelection
 from ragged_vit.pipelines import model as model_module
+from ragged_vit.pipelines import parts as parts_module
+from ragged_vit.pipelines import stages as stages_module
 from ragged_vit.pipelines.buckets import TokenBuckets
 from ragged_vit.pipelines.cli import build_parser, pruner_arguments
 from ragged_vit.pipelines.cli import main as cli_main
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
+from ragged_vit.pipelines.plan import OVERLAP_MAX_IMAGES, Program
 from ragged_vit.reference.merging import fixed_r_counts
 from ragged_vit.reference.pruners import ToMeMerger, make_pruner
 from ragged_vit.reference.tome import bisect_threshold, tome_forward
 from ragged_vit.triton_impl import merging as triton_merging
 from tests.helpers import no_tf32
 
-AFTER = model_module.OVERLAP_MAX_IMAGES + 1  # the least batch whose decisions run after their attention, not beside it
+AFTER = OVERLAP_MAX_IMAGES + 1  # the least batch whose decisions run after their attention, not beside it
 
 DEPTH = 4
 MODES = {"fixed": {"r": 5}, "adaptive": {"threshold": 0.3, "r_max": 6}, "schedule": {"r": [8, 0, 3, 9]}}
@@ -182,15 +185,15 @@ def test_pipeline_equals_the_reference_forward(mode, pool, batch):
 
 @pytest.fixture
 def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Records the block of every :func:`packed_mlp_qkv` call of the pipelines (an MLP half preparing the next
-    block's qkv)."""
-    real, calls = model_module.packed_mlp_qkv, []
+    """Records the block of every :func:`packed_mlp_qkv` call of the pipelines' plain parts (an MLP half preparing
+    the next block's qkv)."""
+    real, calls = parts_module.parts(False), []
 
     def spy(block, x, following, normed=None):
         calls.append(following)
-        return real(block, x, following, normed)
+        return real.mlp_qkv(block, x, following, normed)
 
-    monkeypatch.setattr(model_module, "packed_mlp_qkv", spy)
+    monkeypatch.setattr(model_module, "parts", lambda compiled: dataclasses.replace(real, mlp_qkv=spy))
     return calls
 
 
@@ -199,12 +202,13 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_each_mlp_half_prepares_the_next_attention(mode, batch, fused_calls, monkeypatch):
     """Every merging block's MLP half also computes the next block's ``norm1`` and qkv (one compiled call under
     ``compile_blocks``: the residual add and the LayerNorm in one kernel), which that block's attention step takes:
-    the logits and counts are those of the steps run apart, bit for bit."""
+    the logits and counts are those of the steps run apart (the program without ``prepare``), bit for bit."""
     pv, x = PrunedViT(small_model(), merger(mode), "reference"), images(batch, 7)
     out = pv.run(x)
     assert fused_calls == list(pv.model.blocks[1:])
-    run_step = PrunedViT.run_step
-    monkeypatch.setattr(PrunedViT, "run_step", lambda self, step, state, following=None: run_step(self, step, state))
+    program = pv.program(pv.plan, batch, triton=False)
+    apart = Program(tuple(dataclasses.replace(step, prepare=False) for step in program.steps), program.segments)
+    monkeypatch.setattr(PrunedViT, "program", lambda *args, **kwargs: apart)
     apart = pv.run(x)
     assert len(fused_calls) == DEPTH - 1  # none more
     assert torch.equal(out.logits, apart.logits) and torch.equal(out.counts, apart.counts)
@@ -407,7 +411,7 @@ def test_graphed_merges_take_the_residual_add_and_norm2(sync_free_rows, norm_row
     before a read leaves that LayerNorm to the next graph's MLP) and its buffer has at most ``MERGE_NORM_MAX_ROWS``
     rows; a block whose ``norm2`` has a hook runs its module path, unfused. The logits are the eager forward's (the
     CPU's reference merge, unfused) to fp32 rounding."""
-    monkeypatch.setattr(model_module, "MERGE_NORM_MAX_ROWS", norm_rows)
+    monkeypatch.setattr(stages_module, "MERGE_NORM_MAX_ROWS", norm_rows)
     calls = []
     real = triton_merging.merge_rows_unchecked
 
@@ -508,7 +512,7 @@ def test_gpu_compiled_graphs_equal_the_reference_forward(batch, mode, norm_rows,
     """``compile_blocks`` inside the graph runner, fp32, against the reference forward: every fused path (the next
     block's qkv in the MLP's compiled call; the residual add in the merge, ``norm2`` there or, in buffers of more than
     ``MERGE_NORM_MAX_ROWS`` rows, in the MLP), with the decision beside the attention core (B = 1) or after it."""
-    monkeypatch.setattr(model_module, "MERGE_NORM_MAX_ROWS", norm_rows)
+    monkeypatch.setattr(stages_module, "MERGE_NORM_MAX_ROWS", norm_rows)
     model, x = small_model("avg").cuda(), images(batch, 9).cuda()
     with torch.no_grad(), no_tf32():
         ref = tome_forward(model, x, **MODES[mode])

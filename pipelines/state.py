@@ -1,0 +1,89 @@
+"""The working memory of one forward: what each step of the program hands to the next (:class:`ForwardState`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ragged_vit.core.selection import Decision
+
+
+@dataclass(frozen=True, eq=False)
+class MergeFusion:
+    """The work around a merge that the Triton merge kernel takes over from a plain block.
+
+    Attributes:
+        branch: the block's attention branch ``ls1(proj(attend))`` ``[T, C]``, whose residual add the merge makes
+            (each row's sum rounded as the add rounds it).
+        norm: the block's ``norm2``; the merge also writes it of the merged rows, for the MLP, in small buffers
+            (:data:`ragged_vit.pipelines.stages.MERGE_NORM_MAX_ROWS`).
+    """
+
+    branch: torch.Tensor
+    norm: nn.LayerNorm
+
+
+@dataclass
+class ForwardState:
+    """What one step of a forward hands to the next.
+
+    Attributes:
+        batch: ``B``, the real images (padding images, where a buffer has them, come after them in ``cu_seqlens``).
+        x: the images ``[B, 3, H, W]`` before FRONT; the packed residual stream ``[T, C]`` after it.
+        cu_seqlens: int32 offsets of ``x``'s images (an executor may set them before FRONT: a static buffer).
+        max_seqlen: a host bound on every image's rows in ``x``.
+        num_patches: patches of one unpruned image of this batch, set by FRONT; the stages count from it.
+        qkv: the last attention half's qkv projection ``[T, 3*H*D]`` (what a mid-block decision scores).
+        selection: the last decision, until its REPACK.
+        logits: ``[B, classes]`` after HEAD.
+        sizes: int32 ``[T]``: the patches each row holds, after a merging stage (None before: 1 each).
+        key_bias: fp32 ``[T]``: ``log(sizes)``, added to every key's attention logits after a merge (ToMe's
+            proportional attention); None before the first merge.
+        prepared: ``(block, normed, qkv)``: ``norm1`` of ``x`` and the qkv projection of ``block``, computed by an
+            MLP step with ``prepare`` for the ATTENTION step after it (:meth:`take_prepared`).
+        fusion: what the merge after an ATTENTION step with ``branch`` takes over (:meth:`take_fusion`); while it
+            holds a branch, the residual stream is ``x + branch``.
+        normed: ``norm2(x)`` of the rows a merge wrote, for the MLP step after it (:meth:`take_normed`).
+    """
+
+    batch: int
+    x: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    max_seqlen: int = 0
+    num_patches: int = 0
+    qkv: torch.Tensor | None = None
+    selection: Decision | None = None
+    logits: torch.Tensor | None = None
+    sizes: torch.Tensor | None = None
+    key_bias: torch.Tensor | None = None
+    prepared: tuple[int, torch.Tensor, torch.Tensor] | None = None
+    fusion: MergeFusion | None = None
+    normed: torch.Tensor | None = None
+
+    def take_fusion(self) -> MergeFusion | None:
+        """``fusion`` (cleared here), or None."""
+        fusion, self.fusion = self.fusion, None
+        return fusion
+
+    def take_normed(self) -> torch.Tensor | None:
+        """``normed`` (cleared here), or None."""
+        normed, self.normed = self.normed, None
+        return normed
+
+    def take_prepared(self, block: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(normed, qkv)`` of ``block`` if the step before computed them (``prepared``, cleared here), else None."""
+        prepared, self.prepared = self.prepared, None
+        if prepared is None:
+            return None
+        if prepared[0] != block:
+            raise RuntimeError(f"block {prepared[0]}'s qkv was prepared, but block {block}'s attention runs next")
+        return prepared[1], prepared[2]
+
+    def row_sizes(self) -> torch.Tensor:
+        """``sizes``, or before the first merge int32 ones ``[T]`` (every row holds one patch): what a merge weighs
+        the rows of ``x`` by."""
+        if self.sizes is not None:
+            return self.sizes
+        return torch.ones(self.x.shape[0], dtype=torch.int32, device=self.x.device)
