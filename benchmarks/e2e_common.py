@@ -131,8 +131,9 @@ class Lab:
         return self._pruners[key]
 
     def pipeline(self, name: str, workload: str, keep_rate: float, backend: str | AttentionBackend) -> PrunedViT:
-        """A pruned pipeline in the benchmark dtype (a light wrapper: models and pruners are shared)."""
-        return PrunedViT(self.model(name), self.pruner(name, workload, keep_rate), backend)
+        """A pruned pipeline in the benchmark dtype (a light wrapper: models and pruners are shared), eager: the rows
+        that time CUDA graphs wrap it in their runner themselves."""
+        return PrunedViT(self.model(name), self.pruner(name, workload, keep_rate), backend, mode="eager")
 
     def images(self, name: str, batch: int) -> list[torch.Tensor]:
         size = self.image_size(name)

@@ -28,13 +28,16 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 
 from benchmarks import REPO_ROOT
 from ragged_vit.pipelines.plan import Step, StepKind
-from ragged_vit.pipelines.state import ForwardState
+
+if TYPE_CHECKING:  # (only a type: the before/after runs import these clocks beside older checkouts)
+    from ragged_vit.pipelines.state import ForwardState
 
 Call = Callable[..., object]
 ContextFactory = Callable[[], contextlib.AbstractContextManager]

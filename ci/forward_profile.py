@@ -108,11 +108,11 @@ def pipeline(lab: Lab, workload: str, keep: float, images: list[torch.Tensor]) -
     model = lab.model(DEIT_B)
     depth, r = len(model.blocks), int(keep)
     if workload == "tome":
-        return PrunedViT(model, make_pruner("tome", r=r, depth=depth), "triton")
+        return PrunedViT(model, make_pruner("tome", r=r, depth=depth), "triton", mode="eager")
     prefix, patches = model.num_prefix_tokens, model.patch_embed.num_patches
     rows = fixed_r_counts(prefix + patches, [r] * depth, prefix)  # prefix rows included
     rate = (sum(rows) / depth - prefix) / patches
-    pv = PrunedViT(model, make_pruner("tome", r_max=2 * r, rate=rate, depth=depth), "triton")
+    pv = PrunedViT(model, make_pruner("tome", r_max=2 * r, rate=rate, depth=depth), "triton", mode="eager")
     pv.calibrate(torch.cat(images))
     return pv
 

@@ -10,8 +10,9 @@ Three sections follow the header:
   backend's top-1 and top-2 logits: with random weights the logits lie close together and a top-1 match says little.
 * **Speed** (img/s, pruning included, the same images at B=1 and at a large batch of the images repeated; each
   timed forward synchronised, the median of ``timed_runs`` after ``warmup``). On a GPU: unpruned timm eager and
-  under ``torch.compile(mode="reduce-overhead")`` against the pruned pipeline on the first backend, eager and in CUDA
-  graphs with its blocks compiled (:class:`GraphedPrunedViT`, ``compile_blocks``), each as a ratio to unpruned
+  under ``torch.compile(mode="reduce-overhead")`` against the pruned pipeline on the first backend, eager
+  (:meth:`PrunedViT.run`) and as users call it (``pv(images)``: CUDA graphs with compiled blocks), each as a ratio to
+  unpruned
   ``reduce-overhead`` (the fastest an unpruned model gets from PyTorch alone); the compiled forwards' first calls
   compile and capture and are never timed, and their logits and counts are checked against the eager ones. On a
   CPU: timm eager against the pruned pipeline on the ``reference`` backend, eager (Triton's interpreter is never
@@ -35,7 +36,6 @@ import torch
 
 from ragged_vit.core.selection import Placement
 from ragged_vit.pipelines.factory import build_pruner
-from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.images import load_images, preprocess
 from ragged_vit.pipelines.model import PrunedOutput, PrunedViT
 from ragged_vit.pipelines.weights import create_model, load_checkpoint
@@ -182,9 +182,10 @@ def contenders(pv: PrunedViT, backend: str, on_gpu: bool, compile: bool = True) 
     """The forwards to time, in table order (see the module docstring); they share ``pv`` and its model.
 
     On a GPU (``on_gpu``): unpruned timm eager and under ``torch.compile(mode="reduce-overhead")`` (the baseline),
-    the pruned pipeline on ``backend`` eager and in CUDA graphs with compiled blocks (built last: the graph runner
-    binds the pipeline as it is then). ``compile=False`` leaves ``torch.compile`` out, so that the structure runs on a
-    CPU (the tests). On a CPU: timm eager (the baseline) and the pruned pipeline eager.
+    the pruned pipeline on ``backend`` eager and as users call it (``pv(images)``, ``mode="auto"``: CUDA graphs with
+    compiled blocks; built last). ``compile=False`` leaves ``torch.compile`` out, so that the structure runs on a
+    CPU (the tests, where the default call runs eagerly). On a CPU: timm eager (the baseline) and the pruned
+    pipeline eager.
     """
     model = pv.model
 
@@ -200,17 +201,17 @@ def contenders(pv: PrunedViT, backend: str, on_gpu: bool, compile: bool = True) 
     def reduce_overhead() -> Callable[[torch.Tensor], object]:
         return torch.compile(model, mode="reduce-overhead", dynamic=False) if compile else model
 
-    def graphed() -> Callable[[torch.Tensor], object]:
-        pv.backend, pv.compile_blocks = backend, compile
-        return GraphedPrunedViT(pv).run
+    def default_call() -> Callable[[torch.Tensor], object]:
+        pv.backend, pv.compile_blocks, pv.mode = backend, None if compile else False, "auto"
+        return lambda images: PrunedOutput(*pv(images, return_counts=True))
 
     timm_compiled = Contender(
         "timm reduce-overhead (unpruned)", reduce_overhead, compiled=True, check_against=timm_eager.name, baseline=True
     )
-    pruned_graphed = Contender(
-        f"pruned graphs + compile ({backend})", graphed, compiled=True, check_against=pruned_eager.name
+    pruned_default = Contender(
+        f"pruned default call ({backend})", default_call, compiled=True, check_against=pruned_eager.name
     )
-    return [timm_eager, timm_compiled, pruned_eager, pruned_graphed]
+    return [timm_eager, timm_compiled, pruned_eager, pruned_default]
 
 
 def _sync(device: torch.device) -> None:

@@ -94,6 +94,8 @@ def prune(
     pruner: str = "threshold_l2",
     keep_rate: float = 0.5,
     backend: str | AttentionBackend = "triton",
+    *,
+    mode: str = "auto",
     **options: object,
 ) -> PrunedViT:
     """Wraps a timm ViT the caller already has (built, loaded, moved) into a pruned pipeline, in one line.
@@ -101,7 +103,8 @@ def prune(
     The :class:`PrunedViT` shares ``model``'s modules and parameters and leaves them as they are (it puts the model
     in eval mode: inference only); a checkpoint can still be loaded afterwards, into ``pipeline.model`` (and, for
     DynamicViT, ``pipeline.pruner``: :func:`ragged_vit.pipelines.weights.load_checkpoint`). The pruner is built on
-    ``model``'s device and dtype.
+    ``model``'s device and dtype. Calling it runs its fastest path: on CUDA, CUDA graphs with compiled blocks,
+    captured on first use of each batch bucket (``mode``: :class:`PrunedViT`).
 
     Args:
         model: a timm ``VisionTransformer`` instance.
@@ -109,6 +112,7 @@ def prune(
         keep_rate: in ``(0, 1]``, mapped onto the pruner's own parameters (module docstring).
         backend: the attention backend (``"triton"``: ours, on CUDA; ``"reference"`` on a CPU without Triton's
             interpreter).
+        mode: ``"auto"``, ``"eager"`` or ``"graphs"`` (:data:`ragged_vit.pipelines.model.MODES`).
         options: the pruner's own options (:func:`pruner_options`).
     """
     pruner_module = build_pruner(pruner, model, keep_rate, **options)
@@ -116,7 +120,7 @@ def prune(
         parameter = next(model.parameters(), None)
         if parameter is not None:
             pruner_module = pruner_module.to(device=parameter.device, dtype=parameter.dtype)
-    return PrunedViT(model, pruner_module, backend)
+    return PrunedViT(model, pruner_module, backend, mode=mode)
 
 
 def build_pipeline(
@@ -128,6 +132,7 @@ def build_pipeline(
     checkpoint: str | os.PathLike | None = None,
     strip_prefix: str | None = None,
     model_kwargs: dict[str, object] | None = None,
+    mode: str = "auto",
     **options: object,
 ) -> PrunedViT:
     """``create_model`` + :func:`build_pruner` + optional local checkpoint -> :class:`PrunedViT` (on the CPU).
@@ -136,7 +141,8 @@ def build_pipeline(
     pretrained=True, pretrained_cfg_overlay=dict(file=PATH))``). ``model_kwargs`` go to ``timm.create_model``
     (:func:`ragged_vit.pipelines.weights.create_model`: e.g. ``num_classes``, ``img_size``); ``options`` (the pruner's
     own) go to :func:`build_pruner`. ``strip_prefix`` (``"module."`` for a ``DistributedDataParallel`` checkpoint) goes
-    to :func:`ragged_vit.pipelines.weights.load_checkpoint` with ``checkpoint``.
+    to :func:`ragged_vit.pipelines.weights.load_checkpoint` with ``checkpoint``. ``mode``: as :func:`prune` (move the
+    pipeline to the GPU, ``pv.cuda().half()``, and its calls run from CUDA graphs).
     """
     if strip_prefix is not None and checkpoint is None:
         raise ValueError("strip_prefix applies to a checkpoint: give checkpoint= too")
@@ -150,4 +156,4 @@ def build_pipeline(
     pruner_module = build_pruner(pruner, model, keep_rate, **options)
     if checkpoint is not None:
         load_checkpoint(model, pruner_module, checkpoint, strip_prefix=strip_prefix)
-    return PrunedViT(model, pruner_module, backend)
+    return PrunedViT(model, pruner_module, backend, mode=mode)

@@ -77,8 +77,9 @@ that append an extra token (no registered pruner does).
 
 from __future__ import annotations
 
+import bisect
 import functools
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -88,11 +89,13 @@ from ragged_vit.core.validation import check_int
 from ragged_vit.pipelines.backends import BACKENDS
 from ragged_vit.pipelines.buckets import TokenBuckets, default_sync_free_rows, padding_images
 from ragged_vit.pipelines.executor import CapturedRepack, ExactRepack, Run, execute, stage_counts
-from ragged_vit.pipelines.model import PrunedOutput, PrunedViT, host_counts
 from ragged_vit.pipelines.plan import MLP_OVERLAP_MAX_ROWS, ForwardPlan, Program
-from ragged_vit.pipelines.stages import HostCounts, Target
-from ragged_vit.pipelines.state import ForwardState
+from ragged_vit.pipelines.stages import HostCounts, Target, host_counts
+from ragged_vit.pipelines.state import ForwardState, PrunedOutput
 from ragged_vit.triton_impl.launcher import INTERPRETED
+
+Pipeline = torch.nn.Module
+"""A :class:`ragged_vit.pipelines.model.PrunedViT` (not imported here: that module builds its runner from this one)."""
 
 
 class SegmentShape(NamedTuple):
@@ -142,7 +145,7 @@ class _Buffers:
     """The static tensors of one input shape ``(B, H, W)``, allocated outside the graph pool and kept until
     ``reset()``, with the plan of that image size."""
 
-    def __init__(self, pipeline: PrunedViT, batch: int, size: tuple[int, int]) -> None:
+    def __init__(self, pipeline: Pipeline, batch: int, size: tuple[int, int]) -> None:
         model = pipeline.model
         dtype, device = pipeline.dtype, pipeline.device
         channels = model.patch_embed.proj.in_channels
@@ -151,7 +154,7 @@ class _Buffers:
         self.key: GraphKey = (batch, *size)  # every graph key of this shape starts with it
         self.plan = plan = pipeline.plan_for(size)
         self.tokens = tokens = plan.tokens  # N: rows of an unpruned image of this size
-        self.images = torch.empty((batch, channels, *size), dtype=dtype, device=device)
+        self.images = torch.zeros((batch, channels, *size), dtype=dtype, device=device)  # zeros: padding images
         self.logits = torch.empty((batch, width), dtype=dtype, device=device)
         self.counts = torch.zeros((batch, pipeline.num_stages), dtype=torch.long, device=device)
         # Variable counts: the decision handed from one graph to the next (the stage's handover, two sides), the
@@ -181,12 +184,12 @@ class _Buffers:
 class _Binding:
     """The pipeline state the graphs were captured against (see the module docstring, Misuse)."""
 
-    def __init__(self, pipeline: PrunedViT) -> None:
+    def __init__(self, pipeline: Pipeline) -> None:
         self.tensors = [*pipeline.parameters(), *pipeline.buffers()]
         self.storages = [t.detach() for t in self.tensors]  # keeps the captured storages alive
         self.state = self._state(pipeline)
 
-    def _state(self, pipeline: PrunedViT) -> tuple:
+    def _state(self, pipeline: Pipeline) -> tuple:
         pruner = pipeline.pruner
         return (
             [t.data_ptr() for t in self.tensors],
@@ -199,8 +202,11 @@ class _Binding:
             pipeline.gemm_patch_embed,
         )
 
-    def check(self, pipeline: PrunedViT) -> None:
-        if self._state(pipeline) != self.state:
+    def matches(self, pipeline: Pipeline) -> bool:
+        return self._state(pipeline) == self.state
+
+    def check(self, pipeline: Pipeline) -> None:
+        if not self.matches(pipeline):
             raise RuntimeError(
                 "the pipeline changed after GraphedPrunedViT bound to it (parameters or buffers written or moved, "
                 "backend, pruner or its settings, train mode, compile_blocks or gemm_patch_embed): call reset() to "
@@ -226,15 +232,22 @@ class GraphedPrunedViT:
         warmup: eager runs on a side stream before each capture.
         clone_outputs: return copies of the static output buffers (else the buffers, overwritten by the next call
             with the same batch and image size).
-        overlap_decisions: inside a chain of read-free segments, and in a fixed-count forward of small buffers
-            (``PrunedViT.run``'s ``overlap_decisions``), run each mid-block decision on a second stream beside its
-            block's MLP half (applied before the repack; see the module docstring). False: one stream, the MLP after
-            the repack.
+        overlap_decisions: inside a chain of read-free segments, and in a fixed-count forward of small buffers, run
+            each mid-block decision on a second stream beside its block's MLP half (applied before the repack; see the
+            module docstring): the program's ``beside`` steps. False: one stream, the MLP after the repack.
+        batch_buckets: increasing batch sizes; a batch is padded to the smallest that holds it (its graphs and
+            buffers are that size's; the padding images hold zeros or earlier images, and only the real images'
+            logits and counts are returned), and a batch above the largest runs the pipeline's eager forward. None:
+            every batch size its own graphs. Not with ``batch_sizes``.
+        compile_blocks: the graphs run the compiled parts (:mod:`ragged_vit.pipelines.parts`). None: the
+            pipeline's ``compile_blocks`` is True.
+        rebind: when the pipeline changed since the graphs were captured (see the module docstring, Misuse), drop
+            them and capture anew instead of raising (the automatic mode of ``PrunedViT``).
     """
 
     def __init__(
         self,
-        pipeline: PrunedViT,
+        pipeline: Pipeline,
         buckets: TokenBuckets | None = None,
         *,
         batch_sizes: Collection[int] | None = None,
@@ -243,13 +256,24 @@ class GraphedPrunedViT:
         warmup: int = 2,
         clone_outputs: bool = True,
         overlap_decisions: bool = True,
+        batch_buckets: Sequence[int] | None = None,
+        compile_blocks: bool | None = None,
+        rebind: bool = False,
     ) -> None:
-        if not isinstance(pipeline, PrunedViT):
+        if not (isinstance(pipeline, torch.nn.Module) and hasattr(pipeline, "stages") and hasattr(pipeline, "program")):
             raise TypeError(f"pipeline must be a PrunedViT, got {type(pipeline).__name__}")
         if buckets is not None and not isinstance(buckets, TokenBuckets):
             raise TypeError(f"buckets must be a TokenBuckets or None, got {type(buckets).__name__}")
         if batch_sizes is not None:
             batch_sizes = frozenset(check_int(b, "batch_sizes[i]", 1) for b in batch_sizes)
+        if batch_buckets is not None:
+            if batch_sizes is not None:
+                raise ValueError("batch_sizes and batch_buckets both choose the captured batch sizes: give one")
+            batch_buckets = tuple(check_int(b, "batch_buckets[i]", 1) for b in batch_buckets)
+            if not batch_buckets or list(batch_buckets) != sorted(set(batch_buckets)):
+                raise ValueError(f"batch_buckets must be increasing batch sizes, got {batch_buckets}")
+        if compile_blocks is not None and not isinstance(compile_blocks, bool):
+            raise TypeError(f"compile_blocks must be a bool or None, got {type(compile_blocks).__name__}")
         if max_graphs is not None:
             check_int(max_graphs, "max_graphs", 0)
         _check_capturable(pipeline)
@@ -259,12 +283,15 @@ class GraphedPrunedViT:
         self.warmup = check_int(warmup, "warmup", 1)
         self.clone_outputs = bool(clone_outputs)
         self.overlap_decisions = bool(overlap_decisions)
+        self.batch_buckets = batch_buckets
+        self.compile_blocks = compile_blocks
+        self.rebind = bool(rebind)
         self.counters = GraphCounters()
         self._plan = pipeline.plan  # the steps, segments and fixedness are the same at every image size
         if buckets is None:
             buckets = TokenBuckets(sync_free_rows=default_sync_free_rows(len(self._plan.segments) - 1))
         self.buckets = buckets
-        self._pool = pool
+        self._pool, self._own_pool = pool, pool is None
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._buffers: dict[tuple[int, int, int], _Buffers] = {}  # by (B, H, W)
         self._binding: _Binding | None = None
@@ -289,26 +316,49 @@ class GraphedPrunedViT:
         pipeline = self.pipeline
         if pipeline.training:
             raise RuntimeError("GraphedPrunedViT is inference only: call .eval() on the pipeline")
-        images = pipeline.check_images(images)  # the rest of pipeline.check_inputs runs at binding
-        batch = images.shape[0]
-        if self.batch_sizes is not None and batch not in self.batch_sizes:
+        return self.run_checked(pipeline.check_images(images))  # the rest of check_inputs runs at binding
+
+    def bucket(self, batch: int) -> int | None:
+        """The batch size whose graphs serve a batch of ``batch`` images (None: the eager forward serves it)."""
+        if self.batch_buckets is not None:
+            index = bisect.bisect_left(self.batch_buckets, batch)
+            return self.batch_buckets[index] if index < len(self.batch_buckets) else None
+        return batch if self.batch_sizes is None or batch in self.batch_sizes else None
+
+    def run_checked(self, images: torch.Tensor) -> PrunedOutput:
+        """:meth:`run` on images the pipeline checked (``check_images``)."""
+        pipeline, batch = self.pipeline, images.shape[0]
+        size = self.bucket(batch)
+        if size is None:
             self.counters.eager_calls += 1
             out = pipeline._execute(images, None, None, bounded=True)  # the eager forward: as few host reads
             return PrunedOutput(out.logits, out.counts, [])
         if self._binding is None:
             self._bind(images)
-        key = (batch, *images.shape[-2:])
+        key = (size, *images.shape[-2:])
         bufs = self._buffers.get(key) or self._allocate(key)
-        bufs.images.copy_(images)
-        if bufs.plan.fixed:
-            self._launch(bufs.key, functools.partial(self._whole, bufs, self._program(bufs)))
-            self._binding.check(pipeline)
-        else:
-            self._run_segments(bufs)
+        (bufs.images if size == batch else bufs.images[:batch]).copy_(images)
+        try:
+            if bufs.plan.fixed:
+                self._launch(bufs.key, functools.partial(self._whole, bufs, self._program(bufs)))
+                self._check_binding()
+            else:
+                self._run_segments(bufs)
+        except _Changed:
+            self.reset()
+            return self.run_checked(images)
         logits, counts = bufs.logits, bufs.counts
+        if size != batch:
+            logits, counts = logits[:batch], counts[:batch]
         if self.clone_outputs:
             logits, counts = logits.clone(), counts.clone()
         return PrunedOutput(logits, counts, [])
+
+    def _check_binding(self) -> None:
+        """Raises ``RuntimeError`` (with ``rebind``: :class:`_Changed`) if the pipeline changed since binding."""
+        if self.rebind and not self._binding.matches(self.pipeline):
+            raise _Changed
+        self._binding.check(self.pipeline)
 
     def memory_report(self) -> GraphMemory:
         """Graphs captured, bytes reserved by their memory pool and bytes of the static buffers."""
@@ -323,10 +373,12 @@ class GraphedPrunedViT:
     def reset(self) -> None:
         """Drops every graph and buffer and unbinds: the next call re-binds to the pipeline and captures anew."""
         if self._graphs:
-            torch.cuda.synchronize(self.pipeline.device)  # no replay in flight on what is freed
+            torch.cuda.synchronize()  # no replay in flight on what is freed
         self._graphs.clear()
         self._buffers.clear()
         self._binding = None
+        if self._own_pool:
+            self._pool = None  # (the pipeline may have moved to another device)
 
     # -- internals --------------------------------------------------------------------------------------------
 
@@ -363,6 +415,10 @@ class GraphedPrunedViT:
         on_cuda = self.pipeline.device.type == "cuda"
         return on_cuda and (self.max_graphs is None or len(self._graphs) < self.max_graphs)
 
+    def _parts(self):
+        compiled = self.pipeline.compile_blocks is True if self.compile_blocks is None else self.compile_blocks
+        return self.pipeline.parts_for(compiled)
+
     def _capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         device = self.pipeline.device
         with torch.cuda.device(device):
@@ -397,7 +453,7 @@ class GraphedPrunedViT:
         reference)."""
         pipeline = self.pipeline
         on_cuda = pipeline.device.type == "cuda"
-        run = Run(pipeline, pipeline.parts, ExactRepack(host_counts(pipeline.device), reference=not on_cuda))
+        run = Run(pipeline, self._parts(), ExactRepack(host_counts(pipeline.device), reference=not on_cuda))
         state = ForwardState(bufs.batch, bufs.images)
         execute(run, program.steps, state)
         bufs.logits.copy_(state.logits)
@@ -453,7 +509,7 @@ class GraphedPrunedViT:
         chain = tuple(chain)
         self._launch((*bufs.key, *chain), functools.partial(self._chain, bufs, chain, self._program(bufs)))
         if chain[0].index == 0:
-            self._binding.check(self.pipeline)  # on the host, while the first graph runs
+            self._check_binding()  # on the host, while the first graph runs
 
     def _chain(self, bufs: _Buffers, chain: tuple[SegmentShape, ...], program: Program) -> None:
         """Consecutive segments of the program in one graph: each hands its decision to the next directly; the last
@@ -472,7 +528,7 @@ class GraphedPrunedViT:
             if shape.index > 0
         }  # fmt: skip
         state = self._chain_input(bufs, chain[0])
-        run = Run(pipeline, pipeline.parts, CapturedRepack(targets))
+        run = Run(pipeline, self._parts(), CapturedRepack(targets))
         execute(run, [step for shape in chain for step in program.segments[shape.index]], state)
         last = chain[-1]
         if last.index == len(plan.segments) - 1:
@@ -504,7 +560,11 @@ class GraphedPrunedViT:
         return True
 
 
-def _check_capturable(pipeline: PrunedViT) -> None:
+class _Changed(Exception):
+    """The pipeline changed since the graphs were captured (raised with ``rebind``: capture anew)."""
+
+
+def _check_capturable(pipeline: Pipeline) -> None:
     backend = pipeline.backend
     caps = backend.capabilities
     on_cuda = pipeline.device.type == "cuda"

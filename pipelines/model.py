@@ -44,9 +44,8 @@ batch's own unpruned patch count (``ForwardState.num_patches`` -> ``DecisionInpu
 
 from __future__ import annotations
 
-import threading
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from timm.models.vision_transformer import VisionTransformer
@@ -57,43 +56,35 @@ from ragged_vit.core.validation import check_tensor
 from ragged_vit.pipelines.backends import AttentionBackend, make_backend
 from ragged_vit.pipelines.buckets import default_sync_free_rows
 from ragged_vit.pipelines.executor import BoundedRepack, ExactRepack, OnStep, Run, execute, stage_counts
+from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.heads import pool_of
 from ragged_vit.pipelines.packed_block import check_packable
 from ragged_vit.pipelines.parts import Parts, front, parts
 from ragged_vit.pipelines.patch_embed import patch_embed_gemm, supports_gemm
 from ragged_vit.pipelines.plan import ForwardPlan, Program, build_plan
-from ragged_vit.pipelines.stages import HostCounts, Stage, make_stages
-from ragged_vit.pipelines.state import ForwardState
+from ragged_vit.pipelines.stages import Stage, host_counts, make_stages
+from ragged_vit.pipelines.state import ForwardState, PrunedOutput
 from ragged_vit.reference.pruners.tome import ToMeMerger
 from ragged_vit.reference.tome import bisect_threshold
 
+MODES = ("auto", "eager", "graphs")
+"""How :meth:`PrunedViT.forward` runs: ``auto`` (CUDA graphs where the call can be captured, else eager, saying once
+why), ``eager`` (every call eagerly), ``graphs`` (every call from CUDA graphs; a call that cannot be captured is an
+error)."""
 
-@dataclass
-class PrunedOutput:
-    """What one forward of :class:`PrunedViT` produces.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+"""The batch sizes the graph modes capture: a batch is padded to the smallest that holds it (a padding image costs
+less than a capture of its own); a larger batch runs eagerly (``auto``), where its kernels are long enough for the
+host to keep ahead of them. With the static buffers of each size and one shared pool for the graphs' temporaries,
+they bound the graphs' device memory (:meth:`PrunedViT.graph_memory` lists what is held)."""
 
-    Attributes:
-        logits: ``[B, classes]`` in input order.
-        counts: int64 ``[B, S]``: tokens per image after each of the ``S`` stages, prefix rows (CLS) excluded
-            (EViT's fused token counted, as the golden counts 139/99/71 do). On CUDA it is not read back.
-        selections: the decision of each stage, to replay in another run (``PrunedViT.run(selections=...)``).
-    """
-
-    logits: torch.Tensor
-    counts: torch.Tensor
-    selections: list[Decision] = field(default_factory=list)
-
-
-_HOST_COUNTS = threading.local()  # one pinned row per thread and device: an exact repack's read (HostCounts)
+MAX_GRAPHS = 128
+"""The most CUDA graphs the graph modes capture per pipeline (a variable-count forward captures one per chain of
+segments and token bucket); past it, segments run eagerly on the static buffers."""
 
 
-def host_counts(device: torch.device) -> HostCounts:
-    """This thread's :class:`HostCounts` of one row on ``device`` (an eager forward's reads, one at a time)."""
-    cache = _HOST_COUNTS.__dict__.setdefault("by_device", {})
-    counts = cache.get(device)
-    if counts is None:
-        counts = cache[device] = HostCounts(1, device)
-    return counts
+class EagerFallbackWarning(UserWarning):
+    """A forward of ``mode="auto"`` ran eagerly; the message says why (once per reason and pipeline)."""
 
 
 class PrunedViT(nn.Module):
@@ -105,13 +96,20 @@ class PrunedViT(nn.Module):
             timm's own dense forward and the backend is unused).
         backend: attention backend name (see :data:`ragged_vit.pipelines.backends.BACKENDS`) or instance.
         compile_blocks: run every block's non-attention work through ``torch.compile`` (Inductor fusions around
-            the GEMMs; the attention backend stays one op). Compiles on first use of each shape.
+            the GEMMs; the attention backend stays one op; compiled on first use of each shape). None (default): in
+            the CUDA graphs of the graph modes, not eagerly; True: everywhere; False: nowhere.
         gemm_patch_embed: on CUDA, compute the patch embedding as one GEMM on patch rows instead of cuDNN's strided
             convolution (:mod:`ragged_vit.pipelines.patch_embed`; same math, rounding-level differences). The CPU
             always runs timm's own convolution.
+        mode: how :meth:`forward` runs (:data:`MODES`). ``"auto"`` (default): on CUDA, from CUDA graphs captured on
+            first use per batch bucket (:data:`BATCH_BUCKETS`) and image size, with compiled blocks; a call that
+            cannot be captured (on the CPU, a backend that cannot run in a graph, replayed selections, a batch over
+            the largest bucket, under ``torch.compile``) runs eagerly and says once why
+            (:class:`EagerFallbackWarning`). :meth:`run`, which returns the decisions, always runs eagerly.
 
-    The module is put in eval mode; it is inference only. A model built with ``dynamic_img_size=True`` takes every
-    image size that is a multiple of its patch size, one per batch (module docstring; :meth:`plan_for`).
+    The module is put in eval mode; it is inference only (its outputs never carry autograd history, so grad mode
+    does not matter). A model built with ``dynamic_img_size=True`` takes every image size that is a multiple of its
+    patch size, one per batch (module docstring; :meth:`plan_for`).
     """
 
     def __init__(
@@ -119,12 +117,21 @@ class PrunedViT(nn.Module):
         model: VisionTransformer,
         pruner: Pruner | None = None,
         backend: str | AttentionBackend = "reference",
-        compile_blocks: bool = False,
+        compile_blocks: bool | None = None,
         gemm_patch_embed: bool = True,
+        mode: str = "auto",
     ) -> None:
         super().__init__()
+        if compile_blocks is not None and not isinstance(compile_blocks, bool):
+            raise TypeError(f"compile_blocks must be a bool or None, got {type(compile_blocks).__name__}")
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))}, got {mode!r}")
         self.compile_blocks = compile_blocks
         self.gemm_patch_embed = gemm_patch_embed
+        self.mode = mode
+        self.last_call: str | None = None  # how the last forward ran: "graphs", or "eager: <why>"
+        self._runner = None  # the graph modes' GraphedPrunedViT, made on first use
+        self._said: set[str] = set()  # the eager reasons said so far
         _check_model(model)
         self.model = model
         self.pruner = _check_pruner(pruner, len(model.blocks))
@@ -221,8 +228,12 @@ class PrunedViT(nn.Module):
 
     @property
     def parts(self) -> Parts:
-        """The functions the steps call: compiled with :attr:`compile_blocks`, else plain."""
-        return parts(bool(self.compile_blocks))
+        """The functions an eager forward's steps call: compiled when :attr:`compile_blocks` is True, else plain."""
+        return parts(self.compile_blocks is True)
+
+    def parts_for(self, compiled: bool) -> Parts:
+        """The compiled or the plain functions (:func:`ragged_vit.pipelines.parts.parts`)."""
+        return parts(compiled)
 
     def program(self, plan: ForwardPlan, batch: int, *, graphs: bool = False, triton: bool = True,
                 overlap_rows: int = 0) -> Program:  # fmt: skip
@@ -241,7 +252,23 @@ class PrunedViT(nn.Module):
         return program
 
     def extra_repr(self) -> str:
-        return f"backend={self._backend.name!r}, dense_blocks={self._plan.dense_blocks}"
+        return f"backend={self._backend.name!r}, dense_blocks={self._plan.dense_blocks}, mode={self.mode!r}"
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_runner"], state["_said"] = None, set()  # CUDA graphs are neither copied nor pickled
+        return state
+
+    def graph_memory(self):
+        """What the graph modes' CUDA graphs hold (:class:`ragged_vit.pipelines.graphs.GraphMemory`: the graphs,
+        their keys ``(B, H, W, ...)``, the pool's and the static buffers' bytes), or None before the first capture."""
+        return None if self._runner is None else self._runner.memory_report()
+
+    def reset_graphs(self) -> None:
+        """Drops the graph modes' CUDA graphs and buffers (the next call captures anew)."""
+        if self._runner is not None:
+            self._runner.reset()
+        self._runner = None
 
     def forward(
         self,
@@ -251,14 +278,71 @@ class PrunedViT(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Logits ``[B, classes]`` of ``images [B, 3, H, W]``; with ``return_counts`` also the counts ``[B, S]``.
 
-        The same forward as :meth:`run` (see it for the arguments), which it leaves the selections to. Without them it
-        needs no stage's decision over exactly the real rows, so on CUDA a variable-count stage reads its kept total
-        only where the host holds no bound on it (:class:`ragged_vit.pipelines.executor.BoundedRepack`): ATS's
-        forward waits for the device at none of its nine stages (``run``: at each), Threshold-L2
-        threshold/calibrated's at its one stage, as ``run``.
+        Runs as :attr:`mode` says: from CUDA graphs (``auto`` where the call can be captured, ``graphs``), or
+        eagerly, the same forward as :meth:`run` (see it for the arguments), which it leaves the selections to.
+        Eagerly without selections it needs no stage's decision over exactly the real rows, so on CUDA a
+        variable-count stage reads its kept total only where the host holds no bound on it
+        (:class:`ragged_vit.pipelines.executor.BoundedRepack`): ATS's forward waits for the device at none of its
+        nine stages (``run``: at each), Threshold-L2 threshold/calibrated's at its one stage, as ``run``. The logits
+        and counts are the caller's own tensors (a later call never overwrites them).
         """
+        if self.mode != "eager":
+            if self.training:
+                raise RuntimeError("PrunedViT is inference only: call .eval() before running it")
+            images = self.check_images(images)
+            why = self._not_capturable(images, selections)
+            if why is None:
+                out = self._graphed(images)
+                return (out.logits, out.counts) if return_counts else out.logits
+            if self.mode == "graphs":
+                raise ValueError(f"mode='graphs' cannot capture this call: {why} (use mode='auto' or 'eager')")
+            self._eager_because(why)
         out = self._execute(images, selections, None, bounded=selections is None, counts=return_counts)
         return (out.logits, out.counts) if return_counts else out.logits
+
+    def _not_capturable(self, images: torch.Tensor, selections: object) -> str | None:
+        """Why a forward of ``images`` cannot run from CUDA graphs, or None."""
+        if selections is not None:
+            return "selections are replayed eagerly (CUDA graphs make their own decisions on the device)"
+        if images.device.type != "cuda":
+            return f"the model is on {images.device.type.upper()}: CUDA graphs need a CUDA GPU"
+        caps = self._backend.capabilities
+        if not caps.capturable:
+            return f"backend {self._backend.name!r} cannot run in a CUDA graph: {caps.not_capturable_because}"
+        if images.shape[0] > BATCH_BUCKETS[-1]:
+            return f"a batch of {images.shape[0]} images is above the largest graph bucket, {BATCH_BUCKETS[-1]}"
+        if torch.compiler.is_compiling():
+            return "called under torch.compile, which captures graphs of its own"
+        return None
+
+    def _eager_because(self, why: str) -> None:
+        self.last_call = f"eager: {why}"
+        if self.mode == "auto" and why not in self._said:
+            self._said.add(why)
+            warnings.warn(f"PrunedViT ran eagerly: {why}", EagerFallbackWarning, stacklevel=3)
+
+    def _graphed(self, images: torch.Tensor) -> PrunedOutput:
+        """The graph modes' forward of checked ``images``: replayed (or captured first) by this pipeline's runner."""
+        from_graphs = self._runner
+        if from_graphs is None:
+            from_graphs = self._runner = GraphedPrunedViT(
+                self, batch_buckets=BATCH_BUCKETS, max_graphs=MAX_GRAPHS, rebind=True
+            )
+        from_graphs.compile_blocks = self.compile_blocks is not False and "compile" not in self._said
+        try:
+            out = from_graphs.run_checked(images)
+        except torch._dynamo.exc.TorchDynamoException as error:  # Inductor cannot compile here: plain parts
+            if not from_graphs.compile_blocks:
+                raise
+            self._said.add("compile")
+            first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            warnings.warn(f"PrunedViT's CUDA graphs run without compiled blocks: torch.compile failed "
+                          f"({type(error).__name__}: {first})", EagerFallbackWarning, stacklevel=3)  # fmt: skip
+            from_graphs.reset()
+            from_graphs.compile_blocks = False
+            out = from_graphs.run_checked(images)
+        self.last_call = "graphs"
+        return out
 
     def run(
         self,

@@ -16,6 +16,7 @@ by the plan (eager, no read), or a captured capacity (the graph runner).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,18 @@ class HostCounts:
         self.rows[0].fill_(-1)
         self.request(0, kept)
         return self.read(0)
+
+
+_HOST_COUNTS = threading.local()  # one pinned row per thread and device: an exact repack's read (HostCounts)
+
+
+def host_counts(device: torch.device) -> HostCounts:
+    """This thread's :class:`HostCounts` of one row on ``device`` (an eager forward's reads, one at a time)."""
+    cache = _HOST_COUNTS.__dict__.setdefault("by_device", {})
+    counts = cache.get(device)
+    if counts is None:
+        counts = cache[device] = HostCounts(1, device)
+    return counts
 
 
 class Stage:

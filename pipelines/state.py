@@ -1,8 +1,9 @@
-"""The working memory of one forward: what each step of the program hands to the next (:class:`ForwardState`)."""
+"""The working memory of one forward (:class:`ForwardState`: what each step of the program hands to the next) and
+what a forward returns (:class:`PrunedOutput`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -87,3 +88,19 @@ class ForwardState:
         if self.sizes is not None:
             return self.sizes
         return torch.ones(self.x.shape[0], dtype=torch.int32, device=self.x.device)
+
+
+@dataclass
+class PrunedOutput:
+    """What one forward of :class:`PrunedViT` produces.
+
+    Attributes:
+        logits: ``[B, classes]`` in input order.
+        counts: int64 ``[B, S]``: tokens per image after each of the ``S`` stages, prefix rows (CLS) excluded
+            (EViT's fused token counted, as the golden counts 139/99/71 do). On CUDA it is not read back.
+        selections: the decision of each stage, to replay in another run (``PrunedViT.run(selections=...)``).
+    """
+
+    logits: torch.Tensor
+    counts: torch.Tensor
+    selections: list[Decision] = field(default_factory=list)

@@ -90,7 +90,7 @@ class _Lab:
             self.pruners[key] = pruner.cuda().to(dtype)
             if case == "threshold":
                 PrunedViT(self.model(name, dtype), self.pruners[key], backend).calibrate(self.batch(8, seed=99))
-        return PrunedViT(self.model(name, dtype), self.pruners[key], backend)
+        return PrunedViT(self.model(name, dtype), self.pruners[key], backend, mode="eager")
 
     def batch(self, batch: int, seed: int) -> torch.Tensor:
         if (batch, seed) not in self.images:

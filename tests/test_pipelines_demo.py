@@ -29,7 +29,7 @@ def test_gpu_rows_run_on_the_cpu_without_compile(pipeline, gen):
         "timm eager (unpruned)",
         "timm reduce-overhead (unpruned)",
         "pruned eager (reference)",
-        "pruned graphs + compile (reference)",
+        "pruned default call (reference)",
     ]
     assert [row.name for row in rows if row.baseline] == ["timm reduce-overhead (unpruned)"]
     assert [row.compiled for row in rows] == [False, True, False, True]
@@ -38,14 +38,14 @@ def test_gpu_rows_run_on_the_cpu_without_compile(pipeline, gen):
     results = measure(rows, batches, warmup=0, timed_runs=2)
     assert all(r.error is None and set(r.seconds) == {1, 3} and all(t > 0 for t in r.seconds.values())
                for r in results.values())  # fmt: skip
-    eager, graphed = results["pruned eager (reference)"], results["pruned graphs + compile (reference)"]
+    eager, graphed = results["pruned eager (reference)"], results["pruned default call (reference)"]
     assert eager.counts[3].tolist() == [[98]] * 3 and torch.equal(graphed.counts[3], eager.counts[3])
     torch.testing.assert_close(graphed.logits[3], eager.logits[3], atol=1e-5, rtol=0)
     assert results["timm eager (unpruned)"].counts[1] is None
     checks = check_lines(results, rows)
     assert len(checks) == 2
     assert checks[0] == "  check: timm reduce-overhead (unpruned) vs timm eager (unpruned): max |logit diff| 0.00e+00"
-    assert "pruned graphs + compile (reference) vs pruned eager (reference)" in checks[1]
+    assert "pruned default call (reference) vs pruned eager (reference)" in checks[1]
     assert checks[1].endswith(", same kept counts")
     table = speed_lines(results, [1, 3], "timm reduce-overhead (unpruned)")
     assert table[0].split() == ["forward", "B=1", "B=3"] and len(table) == 5
@@ -68,7 +68,7 @@ def test_speed_table_ratios_and_failures():
     results = {
         "timm eager (unpruned)": _measured({1: 341.0, 64: 9365.0}),
         "timm reduce-overhead (unpruned)": _measured({1: 1294.0, 64: 10014.0}),
-        "pruned graphs + compile (triton)": Measured(error="RuntimeError: no graph"),
+        "pruned default call (triton)": Measured(error="RuntimeError: no graph"),
         "pruned eager (triton)": _measured({1: 500.0, 64: 15021.0}),
     }
     lines = speed_lines(results, [1, 64], "timm reduce-overhead (unpruned)")
@@ -76,8 +76,8 @@ def test_speed_table_ratios_and_failures():
     assert table["timm eager (unpruned)"].split()[-4:] == ["341", "(0.26x)", "9,365", "(0.94x)"]
     assert table["timm reduce-overhead (unpruned)"].split()[-4:] == ["1,294", "(1.00x)", "10,014", "(1.00x)"]
     assert table["pruned eager (triton)"].split()[-4:] == ["500", "(0.39x)", "15,021", "(1.50x)"]
-    assert table["pruned graphs + compile (triton)"].split()[-2:] == ["failed", "failed"]
-    assert lines[5] == "  pruned graphs + compile (triton) failed: RuntimeError: no graph"
+    assert table["pruned default call (triton)"].split()[-2:] == ["failed", "failed"]
+    assert lines[5] == "  pruned default call (triton) failed: RuntimeError: no graph"
     slow = speed_lines({"a": _measured({1: 2.5}), "b": _measured({1: 5.0})}, [1], "a")
     assert slow[2].split()[-2:] == ["5.0", "(2.00x)"]
 

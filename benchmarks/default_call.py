@@ -1,0 +1,251 @@
+"""The call users make, against their real alternative: ``PrunedViT(model, pruner, "triton")(images)`` (what
+``ragged_vit.prune(model, ...)`` returns) against the unpruned timm model under ``torch.compile(mode=
+"reduce-overhead")``, in one process on one card.
+
+Usage (on a CUDA machine, from the repository root)::
+
+    python -m benchmarks.default_call --out default_call.json                       # B = 1, 4, 64, every workload
+    python -m benchmarks.default_call --stream 200 --first-calls --eager-rounds 3   # the other targets
+
+DeiT-B 224 fp16, random seeded weights, each workload at its keep rate (Threshold-L2 calibrated 0.5, ATS 0.5,
+DynamicViT 0.7, EViT 0.7, ToMe ``r = 13``). Rows:
+
+* ``timm_eager``; ``timm_compiled``: ``torch.compile(model, mode="reduce-overhead", dynamic=False)``, compiled anew
+  for each batch size (a fresh Dynamo): the best a user gets from one line;
+* ``default``: the pipeline as constructed, called: ``mode="auto"`` (CUDA graphs per batch bucket, compiled
+  blocks), or, run against an older checkout, whatever its default call did;
+* ``eager``: ``mode="eager"`` (skipped where the checkout has no modes);
+* ``graphed``: the expert path, ``GraphedPrunedViT(PrunedViT(..., compile_blocks=True))`` (the same in every
+  checkout: the before/after of the graphed path).
+
+Each row is checked before it is timed (its counts against the eager pipeline's; its logits on the images whose
+counts agree, to fp16 with compiled rounding), then timed with :func:`benchmarks.timing.forward_times`: each
+forward synchronised (median), and as many back to back. ``--first-calls``: the seconds until the first logits of
+each new batch size (ours: its bucket's compilation and capture; timm: its compilation and graph recording).
+``--stream N``: N batches, sizes drawn from 1-64 (seed 0), after a first pass over the distinct sizes: ours against
+timm under ``torch.compile``'s defaults (``dynamic=None``: it recompiles with dynamic shapes at the second size and
+records a CUDA graph per size), total seconds each forward synchronised and back to back. ``--eager-rounds R``: timm
+eager and ``mode="eager"`` in turn, R rounds, B = 1, 4, 16, 64. Nothing asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import ragged_vit
+from benchmarks import comma_list
+from benchmarks.e2e_common import DEIT_B, Lab
+from benchmarks.timing import elapsed, environment, forward_times, sync
+from benchmarks.workloads import WORKLOADS
+from ragged_vit import GraphedPrunedViT, PrunedViT
+
+DEFAULT_WORKLOADS = (("l2_calibrated", 0.5), ("ats", 0.5), ("dynamicvit", 0.7), ("evit", 0.7), ("tome", 13))
+ROWS = ("timm_compiled", "default", "eager", "graphed")
+HAS_MODES = "mode" in inspect.signature(PrunedViT).parameters  # False against checkouts before the modes
+
+
+def pipeline(lab: Lab, workload: str, keep: float, **kwargs: object) -> PrunedViT:
+    """The workload's pipeline on DeiT-B (shared model; pruners cached by the lab; ToMe: a fixed ``r = keep``)."""
+    if workload == "tome":
+        merger = ragged_vit.build_pruner("tome", lab.model(DEIT_B), r=int(keep)).to(lab.device, lab.dtype)
+        return PrunedViT(lab.model(DEIT_B), merger, "triton", **kwargs)
+    return PrunedViT(lab.model(DEIT_B), lab.pruner(DEIT_B, workload, keep), "triton", **kwargs)
+
+
+def row_forward(lab: Lab, workload: str, keep: float, row: str):
+    """``(forward, cleanup)`` of one pruned row."""
+    if row == "default":
+        pv = pipeline(lab, workload, keep)
+        return pv, getattr(pv, "reset_graphs", lambda: None)
+    if row == "eager":
+        return pipeline(lab, workload, keep, mode="eager"), lambda: None
+    runner = GraphedPrunedViT(pipeline(lab, workload, keep, compile_blocks=True))
+    return runner, runner.reset
+
+
+def check(out: tuple[torch.Tensor, torch.Tensor], ref: object) -> dict[str, object]:
+    """Counts against the eager pipeline's; max |logit diff| on the images whose counts agree."""
+    logits, counts = out
+    same = (counts == ref.counts).all(dim=1)
+    diff = (logits[same].float() - ref.logits[same].float()).abs().max().item() if bool(same.any()) else None
+    ok = bool(torch.isfinite(logits).all()) and same.float().mean().item() >= 0.5 and diff is not None and diff < 0.1
+    return {"ok": ok, "counts_agree": same.float().mean().item(), "max_abs_diff": diff}
+
+
+def timed(calls: list, device: torch.device) -> dict[str, float]:
+    times = forward_times(calls, device, warmup=3, target_s=0.4, min_iters=15, max_iters=80, back_to_back=True)
+    return {"each_us": times.wall.median, "each_q1": times.wall.q1, "each_q3": times.wall.q3,
+            "back_to_back_us": times.back_to_back, "iters": times.iters}  # fmt: skip
+
+
+def first_call(forward, images: torch.Tensor, device: torch.device) -> tuple[float, object]:
+    out = []
+    seconds = elapsed([lambda: out.append(forward(images))], device)
+    return seconds, out[0]
+
+
+def timm_compiled(model: torch.nn.Module, images: list[torch.Tensor], device: torch.device) -> dict[str, object]:
+    torch._dynamo.reset()
+    compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
+    seconds, logits = first_call(compiled, images[0], device)
+    ref = model(images[0])
+    entry = {"first_call_s": round(seconds, 3), "max_abs_diff": (logits.float() - ref.float()).abs().max().item()}
+    return {**entry, **timed([functools.partial(compiled, img) for img in images], device)}
+
+
+def ours(lab: Lab, workload: str, keep: float, row: str, images: list[torch.Tensor]) -> dict[str, object]:
+    torch._dynamo.reset()  # compile as a fresh process would
+    forward, cleanup = row_forward(lab, workload, keep, row)
+    try:
+        seconds, _ = first_call(functools.partial(forward, return_counts=True), images[0], lab.device)
+        ref = pipeline(lab, workload, keep).run(images[0]) if not HAS_MODES else \
+            pipeline(lab, workload, keep, mode="eager").run(images[0])  # fmt: skip
+        entry = {"first_call_s": round(seconds, 3), "check": check(forward(images[0], return_counts=True), ref)}
+        if not entry["check"]["ok"]:
+            return {**entry, "status": "failed"}
+        return {**entry, **timed([functools.partial(forward, img) for img in images], lab.device)}
+    finally:
+        cleanup()
+
+
+def main_table(lab: Lab, workloads, batches, rows) -> list[dict]:
+    results = []
+    model = lab.model(DEIT_B)
+    for batch in batches:
+        images = lab.images(DEIT_B, batch)
+        with torch.no_grad():
+            base = {"batch": batch, "timm_eager": timed([functools.partial(model, img) for img in images], lab.device)}
+            if "timm_compiled" in rows:
+                base["timm_compiled"] = timm_compiled(model, images, lab.device)
+            results.append(base)
+            for workload, keep in workloads:
+                for row in rows:
+                    if row == "timm_compiled" or (row == "eager" and not HAS_MODES):
+                        continue
+                    entry = ours(lab, workload, keep, row, images)
+                    results.append({"batch": batch, "workload": workload, "keep": keep, "row": row, **entry})
+                    print(json.dumps(results[-1]), flush=True)
+    return results
+
+
+def stream(lab: Lab, workloads, n: int) -> dict[str, object]:
+    """``n`` batches, sizes from 1-64 (seed 0), after a first pass over the distinct sizes."""
+    sizes = random.Random(0).choices(range(1, 65), k=n)
+    pool = lab.images(DEIT_B, 64)[0]
+    batches = [pool[:b] for b in sizes]
+    out = {"sizes": sizes, "distinct": len(set(sizes))}
+
+    def clocks(forward) -> dict[str, float]:
+        first = elapsed([functools.partial(forward, pool[:b]) for b in sorted(set(sizes))], lab.device)
+        each = 0.0
+        for images in batches:
+            sync(lab.device)
+            t0 = time.perf_counter()
+            forward(images)
+            sync(lab.device)
+            each += time.perf_counter() - t0
+        in_a_row = elapsed([functools.partial(forward, images) for images in batches], lab.device)
+        return {"first_pass_s": round(first, 2), "each_s": each, "back_to_back_s": in_a_row,
+                "img_per_s_each": sum(sizes) / each, "img_per_s_back_to_back": sum(sizes) / in_a_row}  # fmt: skip
+
+    with torch.no_grad():
+        torch._dynamo.reset()
+        compiled = torch.compile(lab.model(DEIT_B), mode="reduce-overhead")  # torch's defaults: dynamic=None
+        out["timm_compiled"] = clocks(compiled)
+        for workload, keep in workloads:
+            torch._dynamo.reset()
+            forward, cleanup = row_forward(lab, workload, keep, "default")
+            out[workload] = clocks(forward)
+            cleanup()
+            print(json.dumps({workload: out[workload]}), flush=True)
+    return out
+
+
+def eager_rounds(lab: Lab, workloads, rounds: int, batches=(1, 4, 16, 64)) -> list[dict]:
+    """timm eager and every workload's ``mode="eager"`` pipeline in turn, ``rounds`` times."""
+    model, results = lab.model(DEIT_B), []
+    with torch.no_grad():
+        for batch in batches:
+            images = lab.images(DEIT_B, batch)
+            pvs = {w: pipeline(lab, w, k, mode="eager") for w, k in workloads}
+            for r in range(rounds):
+                row = {"batch": batch, "round": r, "timm_eager": timed([functools.partial(model, i) for i in images],
+                                                                        lab.device)}  # fmt: skip
+                for w, pv in pvs.items():
+                    row[w] = timed([functools.partial(pv, img) for img in images], lab.device)
+                results.append(row)
+                print(json.dumps(row), flush=True)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.default_call", description=__doc__.split("\n")[0])
+    parser.add_argument("--batches", default="1,4,64")
+    parser.add_argument("--workloads", default=",".join(f"{w}:{k:g}" for w, k in DEFAULT_WORKLOADS),
+                        help="WORKLOAD:KEEP,... (tome:R is ToMe with a fixed r = R)")  # fmt: skip
+    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}; none: ''")
+    parser.add_argument("--stream", type=int, default=0, help="also a stream of this many batches of sizes 1-64")
+    parser.add_argument("--eager-rounds", type=int, default=0, help="also timm eager vs mode='eager', R rounds")
+    parser.add_argument("--out", type=Path, default=None, help="JSON file for the results")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks.default_call needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
+    try:
+        batches = comma_list(args.batches, int, None)
+        rows = comma_list(args.rows, str, ROWS) if args.rows else ()
+        workloads = []
+        for item in args.workloads.split(","):
+            name, _, keep = item.partition(":")
+            if name != "tome" and name not in WORKLOADS:
+                raise ValueError(f"--workloads: unknown workload {name!r}")
+            workloads.append((name, float(keep) if keep else 0.5))
+    except ValueError as exc:
+        print(f"benchmarks.default_call: {exc}", file=sys.stderr)
+        return 2
+    torch.backends.cuda.matmul.allow_tf32 = False
+    lab = Lab(torch.device("cuda"), torch.float16)
+    payload: dict[str, object] = {"environment": environment(), "modes": HAS_MODES, "argv": sys.argv[1:]}
+    payload["table"] = main_table(lab, workloads, batches, rows) if rows else []
+    if args.stream:
+        payload["stream"] = stream(lab, workloads, args.stream)
+    if args.eager_rounds:
+        payload["eager_rounds"] = eager_rounds(lab, workloads, args.eager_rounds)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    print(summary(payload))
+    return 0
+
+
+def summary(payload: dict) -> str:
+    """The ratios to timm ``reduce-overhead`` (each forward synchronised / back to back), one line a row."""
+    lines, base = [], {}
+    for entry in payload["table"]:
+        if "row" not in entry:
+            base[entry["batch"]] = entry
+            continue
+        timm = base[entry["batch"]].get("timm_compiled", {})
+        if entry.get("status") == "failed" or "each_us" not in entry or "each_us" not in timm:
+            lines.append(f"B={entry['batch']} {entry['workload']} {entry['row']}: {entry.get('check')}")
+            continue
+        lines.append(
+            f"B={entry['batch']:>3} {entry['workload']:>13} {entry['row']:>8}: "
+            f"{timm['each_us'] / entry['each_us']:.2f}x / {timm['back_to_back_us'] / entry['back_to_back_us']:.2f}x "
+            f"timm reduce-overhead ({entry['batch'] * 1e6 / entry['each_us']:,.0f} img/s; first call "
+            f"{entry['first_call_s']} s vs timm {timm['first_call_s']} s)"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
