@@ -325,6 +325,7 @@ class GraphedPrunedViT:
             return self.batch_buckets[index] if index < len(self.batch_buckets) else None
         return batch if self.batch_sizes is None or batch in self.batch_sizes else None
 
+    @torch.no_grad()
     def run_checked(self, images: torch.Tensor) -> PrunedOutput:
         """:meth:`run` on images the pipeline checked (``check_images``)."""
         pipeline, batch = self.pipeline, images.shape[0]
@@ -340,7 +341,7 @@ class GraphedPrunedViT:
         (bufs.images if size == batch else bufs.images[:batch]).copy_(images)
         try:
             if bufs.plan.fixed:
-                self._launch(bufs.key, functools.partial(self._whole, bufs, self._program(bufs)))
+                self._launch(bufs.key, functools.partial(self._whole, bufs))
                 self._check_binding()
             else:
                 self._run_segments(bufs)
@@ -448,10 +449,10 @@ class GraphedPrunedViT:
             bufs.plan, bufs.batch, graphs=True, triton=triton, overlap_rows=rows if self.overlap_decisions else 0
         )
 
-    def _whole(self, bufs: _Buffers, program: Program) -> None:
+    def _whole(self, bufs: _Buffers) -> None:
         """A fixed-count forward on the static images, into the static outputs (the CPU repacks with the
         reference)."""
-        pipeline = self.pipeline
+        pipeline, program = self.pipeline, self._program(bufs)
         on_cuda = pipeline.device.type == "cuda"
         run = Run(pipeline, self._parts(), ExactRepack(host_counts(pipeline.device), reference=not on_cuda))
         state = ForwardState(bufs.batch, bufs.images)
@@ -507,11 +508,11 @@ class GraphedPrunedViT:
         # stage skips its read every later one does): its sides (read (j - 1) % 2, write j % 2) differ.
         assert len(chain) == 1 or chain[-1].index == len(bufs.plan.segments) - 1
         chain = tuple(chain)
-        self._launch((*bufs.key, *chain), functools.partial(self._chain, bufs, chain, self._program(bufs)))
+        self._launch((*bufs.key, *chain), functools.partial(self._chain, bufs, chain))
         if chain[0].index == 0:
             self._check_binding()  # on the host, while the first graph runs
 
-    def _chain(self, bufs: _Buffers, chain: tuple[SegmentShape, ...], program: Program) -> None:
+    def _chain(self, bufs: _Buffers, chain: tuple[SegmentShape, ...]) -> None:
         """Consecutive segments of the program in one graph: each hands its decision to the next directly; the last
         one stores it in the static buffers (unless it ends with the head).
 
@@ -520,7 +521,7 @@ class GraphedPrunedViT:
         total form ``shape.pads`` padding images of at most ``shape.max_seqlen`` rows (the repack writes their
         offsets after the real ones, into ``bufs.cu[j]``). Every step runs through the executor loop.
         """
-        pipeline, batch, plan = self.pipeline, bufs.batch, bufs.plan
+        pipeline, batch, plan, program = self.pipeline, bufs.batch, bufs.plan, self._program(bufs)
         targets = {
             shape.index - 1: Target(shape.capacity, shape.max_seqlen, shape.pads,
                                     cu_out=bufs.cu[shape.index, : batch + 1 + shape.pads])

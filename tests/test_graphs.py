@@ -228,9 +228,9 @@ def test_stages_without_a_read_run_as_one_chain(backend, first_read, poisoned, m
     chains = []
     real_chain = runner._chain
 
-    def chain(bufs, shapes, program):
+    def chain(bufs, shapes):
         chains.append(shapes)
-        real_chain(bufs, shapes, program)
+        real_chain(bufs, shapes)
 
     monkeypatch.setattr(runner, "_chain", chain)
     images = tiny_images(4, 5)
@@ -292,9 +292,9 @@ def test_lagged_reads_size_each_segment_by_the_total_before(case, backend, poiso
     shapes, reads = [], []
     real_chain, real_read = runner._chain, HostCounts.read
 
-    def chain(bufs, chained, program):
+    def chain(bufs, chained):
         shapes.extend(chained)
-        real_chain(bufs, chained, program)
+        real_chain(bufs, chained)
 
     def read(counts, stage):
         reads.append(real_read(counts, stage))

@@ -179,6 +179,7 @@ def test_compile_blocks_in_graphs(lab, case):
     """
     pv = lab.pipeline(SMALL, case, "triton")
     pv.compile_blocks = True
+    torch._dynamo.reset()  # compiled anew, whatever earlier tests of the process compiled
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     graphed = GraphedPrunedViT(pv)
     eager = GraphedPrunedViT(pv, max_graphs=0).run
