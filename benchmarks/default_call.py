@@ -228,6 +228,115 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+TARGETS = {"each": ((1, 1.25), (4, 1.25), (64, 1.45)), "back_to_back": ((1, 1.1), (4, 1.15), (64, 1.45))}
+"""Issue 36's bars for the default call over timm ``reduce-overhead``: each forward synchronised, and back to back."""
+
+
+def _split(table: list[dict]) -> tuple[dict, dict]:
+    """``(timm rows by batch, pruned rows by (batch, workload, row))`` of a stored table."""
+    base, rows = {}, {}
+    for entry in table:
+        if "row" in entry:
+            rows[entry["batch"], entry["workload"], entry["row"]] = entry
+        else:
+            base[entry["batch"]] = entry
+    return base, rows
+
+
+def _ratio(timm: dict, entry: dict | None, clock: str) -> float | None:
+    if entry is None or clock not in entry or clock not in timm:
+        return None
+    return timm[clock] / entry[clock]
+
+
+def render(payload: dict) -> str:
+    """Markdown of a stored run (``docs/results.md``): ratios to timm ``reduce-overhead`` on both clocks, the
+    graphed path before/after, first calls, the stream and the eager rounds."""
+    base, rows = _split(payload["table"])
+    batches = sorted(base)
+    workloads = list(dict.fromkeys(key[1] for key in rows))
+    head = "| row | " + " | ".join(f"B={b}" for b in batches) + " |\n|---|" + "---|" * len(batches)
+    out = [f"Commit {payload.get('commit', '?')}. `python -m benchmarks.default_call` (DeiT-B 224 fp16, random "
+           "weights): ours over unpruned timm `torch.compile(mode=\"reduce-overhead\")` in the same process, each "
+           "forward synchronised / back to back (img/s of each forward alone in brackets)."]  # fmt: skip
+    table = [head]
+    timm = [base[b]["timm_compiled"] for b in batches]
+    speeds = [f"{b * 1e6 / t['each_us']:,.0f} / {b * 1e6 / t['back_to_back_us']:,.0f}" for b, t in zip(batches, timm,
+                                                                                                         strict=True)]
+    table.append("| timm `reduce-overhead`, img/s | " + " | ".join(speeds) + " |")
+    for workload in workloads:
+        for row in ("default", "eager", "graphed"):
+            cells = []
+            for b, t in zip(batches, timm, strict=True):
+                entry = rows.get((b, workload, row))
+                each, b2b = _ratio(t, entry, "each_us"), _ratio(t, entry, "back_to_back_us")
+                cells.append("-" if each is None else f"{each:.2f}x / {b2b:.2f}x ({b * 1e6 / entry['each_us']:,.0f})")
+            if any(c != "-" for c in cells):
+                table.append(f"| {workload}, {row} | " + " | ".join(cells) + " |")
+    out.append("\n".join(table))
+    met = []
+    for clock, bars in TARGETS.items():
+        for b, bar in bars:
+            values = [_ratio(base[b]["timm_compiled"], rows.get((b, w, "default")), f"{clock}_us") for w in workloads]
+            values = [v for v in values if v is not None]
+            if values:
+                worst = min(values)
+                met.append(f"{clock.replace('_', ' ')} B={b} >= {bar}x: worst {worst:.3f}x "
+                           f"({'met' if worst >= bar else 'missed'})")  # fmt: skip
+    out.append("Targets of the default call: " + "; ".join(met) + ".")
+    before = payload.get("before")
+    if before:
+        _, old = _split(before["table"])
+        lines = ["| graphed path, back to back (us) | " + " | ".join(f"B={b}" for b in batches) + " |",
+                 "|---|" + "---|" * len(batches)]  # fmt: skip
+        for workload in workloads:
+            cells = []
+            for b in batches:
+                a, n = old.get((b, workload, "graphed")), rows.get((b, workload, "graphed"))
+                ok = a and n and "back_to_back_us" in a and "back_to_back_us" in n
+                cells.append(f"{a['back_to_back_us']:.0f} -> {n['back_to_back_us']:.0f} "
+                             f"({a['back_to_back_us'] / n['back_to_back_us']:.3f}x)" if ok else "-")  # fmt: skip
+            lines.append(f"| {workload} | " + " | ".join(cells) + " |")
+        olds = [b * 1e6 / old[b, w, "default"]["each_us"] for b in batches for w in workloads
+                if "each_us" in old.get((b, w, "default"), {})]  # fmt: skip
+        out.append(f"Before ({before['commit']}, {before.get('note', '')}): the default call then ran eagerly "
+                   f"({min(olds):,.0f}-{max(olds):,.0f} img/s over these cells). The graphed path against it:")
+        out.append("\n".join(lines))
+    firsts = []
+    for b in batches:
+        ours = [rows.get((b, w, "default"), {}).get("first_call_s") for w in workloads]
+        ours = [s for s in ours if s is not None]
+        timm_s = base[b]["timm_compiled"]["first_call_s"]
+        firsts.append(f"B={b}: ours {min(ours):.1f}-{max(ours):.1f} s, timm {timm_s:.1f} s")
+    out.append("First calls (until the first logits of a new batch size; ours compile what earlier rows of the "
+               "process did not): " + "; ".join(firsts) + ".")  # fmt: skip
+    stream = payload.get("stream")
+    if stream:
+        t = stream["timm_compiled"]
+        cells = []
+        for w in workloads:
+            if w in stream:
+                o = stream[w]
+                cells.append(f"{w} {o['img_per_s_each'] / t['img_per_s_each']:.2f}x / "
+                             f"{o['img_per_s_back_to_back'] / t['img_per_s_back_to_back']:.2f}x "
+                             f"(first pass {o['first_pass_s']:.0f} s)")  # fmt: skip
+        out.append(f"A stream of {len(stream['sizes'])} batches, {stream['distinct']} distinct sizes from 1-64, after "
+                   f"a first pass over them: timm (torch.compile's defaults: dynamic shapes from the second size, a "
+                   f"CUDA graph per size) {t['img_per_s_each']:,.0f} / {t['img_per_s_back_to_back']:,.0f} img/s "
+                   f"(first pass {t['first_pass_s']:.0f} s); ours over it: " + "; ".join(cells) + ".")  # fmt: skip
+    eager = payload.get("eager_rounds")
+    if eager:
+        by = {}
+        for r in eager["rounds"]:
+            for w in workloads:
+                if w in r:
+                    by.setdefault((r["batch"], w), []).append(r["timm_eager"]["each_us"] / r[w]["each_us"])
+        cells = [f"B={b} {w} {'/'.join(f'{v:.2f}' for v in vs)}" for (b, w), vs in sorted(by.items())]
+        out.append("`mode=\"eager\"` over timm eager, each round (" + eager.get("commit", "") + "): "
+                   + "; ".join(cells) + ".")  # fmt: skip
+    return "\n\n".join(out)
+
+
 def summary(payload: dict) -> str:
     """The ratios to timm ``reduce-overhead`` (each forward synchronised / back to back), one line a row."""
     lines, base = [], {}

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from benchmarks import BASELINES, REPO_ROOT, tome_peer
+from benchmarks import BASELINES, REPO_ROOT, default_call, tome_peer
 from benchmarks import tables as T
 from benchmarks.workloads import WORKLOADS
 
@@ -41,6 +41,8 @@ PART_TITLES = {  # in document order
 }
 DEIT_B = "deit_base_patch16_224"
 TOME_FILE = "tome_peer.json"  # python -m benchmarks.tome_peer's default output, in the card's directory
+DEFAULT_CALL_FILE = "default_call.json"  # python -m benchmarks.default_call's output, in the card's directory
+DEFAULT_CALL_TITLE = "The default call (`prune(model)(images)`) against unpruned timm `reduce-overhead`"
 # ToMe's targets (docs/targets.md), fixed r = 13 on DeiT-B: ours over unpruned timm reduce-overhead and over the peer's
 # best mode per batch size, and the adaptive mode over fixed r
 TOME_TARGETS = {"vs_timm": ((1, 1.2), (4, 1.3), (64, 1.5)), "vs_peer": ((1, 1.7), (4, 1.7), (64, 1.6)),
@@ -72,7 +74,7 @@ def card_dirs(baselines: Path) -> list[Path]:
     """Card directories holding e2e parts, a kernel benchmark or a ToMe run, sorted by name."""
     if not baselines.is_dir():
         return []
-    stored = ("attention.json", TOME_FILE)
+    stored = ("attention.json", TOME_FILE, DEFAULT_CALL_FILE)
     return sorted(
         d for d in baselines.iterdir() if d.is_dir() and ((d / "e2e").is_dir() or any((d / f).exists() for f in stored))
     )
@@ -409,6 +411,11 @@ def card_section(
                 + "\n\n</details>"
             )
         out.append("\n\n".join(body))
+    call_path = card_dir / DEFAULT_CALL_FILE
+    if call_path.exists():
+        out.append(f"### {DEFAULT_CALL_TITLE}\n\n" + default_call.render(json.loads(call_path.read_text())))
+    else:
+        out.append(f"### {DEFAULT_CALL_TITLE}\n\n(not measured on this card: `python -m benchmarks.default_call`)")
     if tome is None:
         out.append(f"### {TOME_TITLE}\n\n(not measured on this card: `python -m benchmarks.tome_peer`)")
     else:
