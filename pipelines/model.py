@@ -136,12 +136,12 @@ class PrunedViT(nn.Module):
         self.model = model
         self.pruner = _check_pruner(pruner, len(model.blocks))
         self.backend = backend
+        self.stages: tuple[Stage, ...] = make_stages(self.pruner, model)
         self._plans: dict[tuple[int, int], ForwardPlan] = {}  # by image size (H, W): plan_for()
         self._plan = self.plan_for(self.image_size)
         for k in range(self._plan.dense_blocks, len(model.blocks)):
             check_packable(model.blocks[k], f"model.blocks[{k}]")
         self._head_dims = {blk.attn.head_dim for blk in model.blocks[self._plan.dense_blocks :]}
-        self.stages: tuple[Stage, ...] = make_stages(self.pruner, self._plan, model)
         self._programs: dict[tuple, Program] = {}  # by (H, W, B, way of running): program()
         self.eval()
 
@@ -171,7 +171,9 @@ class PrunedViT(nn.Module):
         if plan is None:
             (height, width), (p, q) = size, self.patch_size
             prefix = self.model.num_prefix_tokens
-            plan = build_plan(self.pruner, len(self.model.blocks), (height // p) * (width // q) + prefix, prefix)
+            commutes = all(stage.commutes_with_mlp for stage in self.stages)
+            plan = build_plan(self.pruner, len(self.model.blocks), (height // p) * (width // q) + prefix, prefix,
+                              mlp_commutes=commutes)  # fmt: skip
             _check_stages(plan, self.pruner, self.model, f"{height}x{width}")
             self._plans[size] = plan
         return plan

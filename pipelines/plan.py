@@ -211,10 +211,13 @@ class ForwardPlan:
 _OFFSET = {Placement.BEFORE_BLOCK: 0, Placement.MID_BLOCK: 1, Placement.AFTER_BLOCK: 2}
 
 
-def build_plan(pruner: Pruner | None, depth: int, tokens: int, num_prefix: int = 1) -> ForwardPlan:
+def build_plan(
+    pruner: Pruner | None, depth: int, tokens: int, num_prefix: int = 1, *, mlp_commutes: bool = True
+) -> ForwardPlan:
     """The plan of a forward of a ``depth``-block model on images of ``tokens`` rows, the first ``num_prefix`` of
     them prefix rows, with ``pruner`` (its ``blocks``, ``placement``, ``fixed_count``, ``count_after`` and
-    ``max_count_after``; None: unpruned)."""
+    ``max_count_after``; None: unpruned). ``mlp_commutes``: the stages' repacks commute with the MLP half after them
+    (their stage objects say: :attr:`ragged_vit.pipelines.stages.Stage.commutes_with_mlp`)."""
     check_int(depth, "depth", 1)
     check_int(num_prefix, "num_prefix", 0)
     check_int(tokens, "tokens", num_prefix + 1)
@@ -230,10 +233,7 @@ def build_plan(pruner: Pruner | None, depth: int, tokens: int, num_prefix: int =
         steps += _halves(position, point)
         steps += [Step(StepKind.DECIDE, stage=index), Step(StepKind.REPACK, stage=index)]
         counts, patches = _counts(pruner, index, rows - num_prefix, tokens - num_prefix)
-        # A merge averages rows, and an appended token (EViT's fused one) is made from the rows before the MLP and
-        # must go through it: neither commutes with the MLP.
-        commutes = not pruner.merges and not pruner.appends_token
-        mlp_beside = block if placement is Placement.MID_BLOCK and commutes else None
+        mlp_beside = block if placement is Placement.MID_BLOCK and mlp_commutes else None
         stages.append(StagePlan(index, block, placement, counts, rows, num_prefix + patches, mlp_beside))
         rows, position = num_prefix + patches, point
     steps += [*_halves(position, 2 * depth), Step(StepKind.HEAD)]

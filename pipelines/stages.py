@@ -1,5 +1,5 @@
 """The stages of a pruned forward: one object per stage that knows its decision, its repack and what a graph runner
-keeps of it between two graphs. Every ``pruner.merges`` test of the pipelines is here, in :func:`make_stages`.
+keeps of it between two graphs. The pipelines ask a pruner whether it merges in one place: :func:`make_stages`.
 
 * :class:`PruneStage`: a keep mask (:class:`~ragged_vit.core.selection.TokenSelection`); the repack keeps the rows
   it marks (:mod:`ragged_vit.triton_impl.pack`; the pure-PyTorch :mod:`ragged_vit.reference.packing` where the
@@ -26,7 +26,6 @@ from ragged_vit.core.segments import seqlens
 from ragged_vit.core.selection import Decision, DecisionInput, MergeSelection, Placement, Pruner, TokenSelection
 from ragged_vit.pipelines.heads import MERGE_POOLS, pool_of
 from ragged_vit.pipelines.parts import Parts
-from ragged_vit.pipelines.plan import ForwardPlan
 from ragged_vit.pipelines.state import ForwardState
 from ragged_vit.reference import merging as ref_merging
 from ragged_vit.reference import packing as ref_packing
@@ -131,6 +130,7 @@ class Stage:
     target are common."""
 
     selection_type: type = TokenSelection  # what its decision returns (and a replayed one must be)
+    commutes_with_mlp = True  # its repack may follow the MLP half after it (the MLP acts per row)
     fuses_attention = False  # its repack takes the residual add of the attention half before it
     decides_from_keys = False  # its decision reads only its block's qkv: it may run beside the attention core
 
@@ -207,6 +207,11 @@ class Handover:
 class PruneStage(Stage):
     """A stage that keeps some rows of each image (and may append one token per image: EViT's fused token)."""
 
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        # An appended token is made from the rows before the MLP and must go through it.
+        self.commutes_with_mlp = not self.pruner.appends_token
+
     def check_replayed(self, sel: Decision, state: ForwardState) -> None:
         x, keep, kept = state.x, sel.keep, sel.kept
         if keep.dim() != 1 or keep.shape[0] != x.shape[0] or keep.device != x.device or kept.shape != (state.batch,):
@@ -271,9 +276,11 @@ class _PruneHandover(Handover):
 
 class MergeStage(Stage):
     """A stage that merges rows (ToMe): size-weighted averages, the rows' sizes carried, ``log(size)`` as the key
-    bias of the attention after it. Its decision reads its block's keys alone."""
+    bias of the attention after it. Its decision reads its block's keys alone; a merge averages rows, so it does not
+    commute with the MLP."""
 
     selection_type = MergeSelection
+    commutes_with_mlp = False
     fuses_attention = True  # where the Triton merge kernel runs: the program says (its ``fuse_merge``)
     decides_from_keys = True
 
@@ -367,20 +374,20 @@ class _MergeHandover(Handover):
         return [*self.x, *self.cu, *self.sizes, *self.key_bias]
 
 
-def make_stages(pruner: Pruner | None, plan: ForwardPlan, model: VisionTransformer) -> tuple[Stage, ...]:
-    """The stage objects of ``plan`` (the same at every image size); raises ``ValueError`` where the model's pooling
-    does not suit the kind of stage."""
+def make_stages(pruner: Pruner | None, model: VisionTransformer) -> tuple[Stage, ...]:
+    """The stage objects of ``pruner``'s schedule on ``model`` (the same at every image size); raises ``ValueError``
+    where the model's pooling does not suit the kind of stage."""
     if pruner is None:
         return ()
     placement = Placement(pruner.placement)
     if not pruner.merges:
-        return tuple(PruneStage(s.index, s.block, placement, pruner, model) for s in plan.stages)
+        return tuple(PruneStage(i, block, placement, pruner, model) for i, block in enumerate(pruner.blocks))
     if pool_of(model) not in MERGE_POOLS:
         raise ValueError(
             f"pruner {pruner.name!r} merges rows, and the model pools with {pool_of(model)!r}: merging supports "
             f"{' and '.join(map(repr, MERGE_POOLS))} pooling (the average weighted by the patches each row holds)"
         )
-    return tuple(MergeStage(s.index, s.block, placement, pruner, model) for s in plan.stages)
+    return tuple(MergeStage(i, block, placement, pruner, model) for i, block in enumerate(pruner.blocks))
 
 
 def merge_fusion(state: ForwardState, rows: int | None) -> dict[str, object]:

@@ -104,8 +104,9 @@ def test_fixed_count_pruners_are_one_segment(name, kwargs, counts):
     ],
 )
 def test_the_mlp_half_runs_beside_a_decision_only_where_it_commutes_with_the_repack(name, kwargs, beside):
-    plan = build_plan(make_pruner(name, **kwargs), 12, 197)
-    assert tuple(s.mlp_beside for s in plan.stages) == beside
+    """The stage objects say whether their repack commutes with the MLP half after it; the plan records it."""
+    model = VisionTransformer(img_size=224, depth=12, embed_dim=192, num_heads=2)
+    assert tuple(s.mlp_beside for s in PrunedViT(model, make_pruner(name, **kwargs)).plan.stages) == beside
 
 
 def test_unpruned_model_is_one_segment():
