@@ -277,6 +277,8 @@ def render(payload: dict) -> str:
     met = []
     for clock, bars in TARGETS.items():
         for b, bar in bars:
+            if b not in base:
+                continue
             values = [_ratio(base[b]["timm_compiled"], rows.get((b, w, "default")), f"{clock}_us") for w in workloads]
             values = [v for v in values if v is not None]
             if values:

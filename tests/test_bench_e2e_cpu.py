@@ -315,7 +315,31 @@ def _write_fixtures(root: Path) -> Path:
     (e2e / "notes.json").write_text("[1, 2]")  # not a part: ignored
     (card / "attention.json").write_text(json.dumps(_kernel_fixture()))
     (card / "tome_peer.json").write_text(json.dumps(_tome_fixture()))
+    (card / "default_call.json").write_text(json.dumps(_default_call_fixture()))
     return card
+
+
+def _default_call_fixture() -> dict:
+    """A ``benchmarks.default_call`` run: two batch sizes, one workload, the before table, a stream, eager rounds."""
+    def clock(each: float, b2b: float, **extra: object) -> dict:
+        return {"each_us": each, "back_to_back_us": b2b, **extra}
+
+    def table(default: float) -> list[dict]:
+        rows = []
+        for batch, timm in ((1, 800.0), (64, 6400.0)):
+            rows.append({"batch": batch, "timm_eager": clock(5 * timm, 4 * timm),
+                         "timm_compiled": clock(timm, timm * 0.8, first_call_s=10.0)})
+            for row, us in (("default", default * timm), ("graphed", 0.8 * timm)):
+                rows.append({"batch": batch, "workload": "evit", "keep": 0.7, "row": row,
+                             **clock(us, us * 0.9, first_call_s=4.0)})
+        return rows
+
+    stream = {"sizes": [1, 5, 5], "distinct": 2, "timm_compiled": {"first_pass_s": 9.0, "img_per_s_each": 100.0,
+              "img_per_s_back_to_back": 200.0}, "evit": {"first_pass_s": 3.0, "img_per_s_each": 300.0,
+              "img_per_s_back_to_back": 260.0}}  # fmt: skip
+    rounds = [{"batch": 64, "round": r, "timm_eager": {"each_us": 6000.0}, "evit": {"each_us": 5000.0}} for r in (0, 1)]
+    return {"commit": "abc123", "table": table(0.8), "before": {"commit": "0ld", "table": table(5.0)},
+            "stream": stream, "eager_rounds": {"commit": "abc123", "rounds": rounds}}  # fmt: skip
 
 
 def _tome_fixture() -> dict:
@@ -390,10 +414,12 @@ def test_make_results_writes_tables_and_figures(tmp_path: Path) -> None:
     text = out.read_text()
     for heading in (
         "## NVIDIA H200", "### Targets", "### Tables I and II", "### Table III", "### Table IV", "### Table V",
-        "### Section V-D", "### Figure 1", "### Table VI",
+        "### Section V-D", "### Figure 1", "### Table VI", "### The default call",
     ):  # fmt: skip
         assert heading in text, heading
     assert "not measured on this card" not in text
+    assert "| evit, default | 1.25x / 1.11x (1,562) |" in text, "the default call's ratios on both clocks"
+    assert "evit 3.00x / 1.30x (first pass 3 s)" in text and "B=64 evit 1.20/1.20" in text
     assert "torch 2.11.0+cu130, triton 3.6.0, timm 1.0.29" in text
     assert "**ats** (ragged" in text and "**l2_ratio** (fixed" in text and "(dense" in text
     assert "503 / 418 / 467" in text, "the paper's Table III row beside ours"
