@@ -15,9 +15,9 @@ ViT-B-like instead of 1369 at its native 518), plus ViT-L/16 (``vit_large``) and
 
 * (a) the unpruned timm model under ``torch.compile(mode="reduce-overhead")`` (timm's own patch embedding), and
 * (b) the pruned pipeline: ``ragged_vit.prune(model, "threshold_l2", 0.5, "triton", threshold_mode="ratio")``
-  (the top ``ceil(0.5 * patches)`` patches after block 3: works on every family, fixed counts, so the whole forward
-  is ONE CUDA graph) with ``compile_blocks=True`` (and the default GEMM patch embedding), replayed by
-  ``GraphedPrunedViT``,
+  (the top ``ceil(0.5 * patches)`` patches after a quarter of the depth, block 3 of 12: works on every family,
+  fixed counts, so the whole forward is ONE CUDA graph) with ``compile_blocks=True`` (and the default GEMM patch
+  embedding), replayed by ``GraphedPrunedViT``,
 
 and their ratio b / a. Before it is timed, each output is checked: finite logits of shape ``[B, 1000]``, and for (b)
 every image's kept count equal to the plan's. The timing is ``report_e2e``'s (``benchmarks.timing.forward_times``:
@@ -101,7 +101,7 @@ SPEED_SPLIT = (  # the two device calls of the module docstring: the big model f
     ("vit_large", "deit", "deit_distilled", "deit3_layerscale", "reg4_avg_no_class", "dinov2_reg4"),
     ("vit_huge", "siglip_map", "clip_norm_pre", "qk_norm", "class_avg", "avgmax"),
 )
-SPEED_KEEP = 0.5  # Threshold-L2 ratio keep rate (after block 3)
+SPEED_KEEP = 0.5  # Threshold-L2 ratio keep rate (after a quarter of the depth: block 3 of 12)
 NUM_CLASSES = 1000
 INPUT_SETS = 3  # input batches the timed loops rotate through (as report_e2e)
 TIMING = dict(warmup=3, target_s=0.25, min_iters=10, max_iters=30)  # report_e2e --quick's, at most 30 forwards
@@ -215,7 +215,8 @@ def speed_model(name: str, device: torch.device | str, seed: int = 0) -> torch.n
 
 
 def pruned_pipeline(model: torch.nn.Module) -> PrunedViT:
-    """Speed row (b)'s pipeline: Threshold-L2 ratio at :data:`SPEED_KEEP` after block 3, Triton, compiled blocks."""
+    """Speed row (b)'s pipeline: Threshold-L2 ratio at :data:`SPEED_KEEP` after a quarter of the depth, Triton, compiled
+    blocks."""
     pv = prune(model, "threshold_l2", SPEED_KEEP, "triton", threshold_mode="ratio")
     pv.compile_blocks = True
     return pv
@@ -364,7 +365,8 @@ def speed_table(meta: dict[str, object], rows: Sequence[dict[str, object]]) -> s
     lines = [
         f"card: {meta.get('card') or 'none'}, torch {meta['torch']}, triton {meta['triton']}, timm {meta['timm']}, "
         f"CUDA {meta.get('cuda')}, commit {meta.get('commit')}; batch {meta['batch']}, fp16, random weights; "
-        f"pruned: Threshold-L2 ratio keep {SPEED_KEEP} after block 3, Triton, GraphedPrunedViT + compile_blocks",
+        f"pruned: Threshold-L2 ratio keep {SPEED_KEEP} after a quarter of the depth, Triton, GraphedPrunedViT + "
+        "compile_blocks",
         "",
         "| family | timm model | image | tokens | heads x dim | depth | kept patches "
         "| timm reduce-overhead (img/s) | pruned graphed (img/s) | pruned / timm |",

@@ -122,7 +122,7 @@ def test_from_keep_rate_picks_the_nearest_constant_r():
     # DeiT-B: r=13 leaves 196 - 13 * (1..12) patches after the blocks, mean 111.5 = 0.569 of 196
     assert ToMeMerger.from_keep_rate(0.57, embed_dim=768, num_patches=196).limits == (13,) * 12
     assert ToMeMerger.from_keep_rate(0.5, embed_dim=768, num_patches=196, depth=4, r=7).limits == (7,) * 4
-    with pytest.raises(ValueError, match="r must be > 0"):
+    with pytest.raises(ValueError, match="keep_rate=1.0 maps to r = 0 for tome"):
         ToMeMerger.from_keep_rate(1.0, embed_dim=768, num_patches=196)
 
 

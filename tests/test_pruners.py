@@ -15,9 +15,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
+from timm.models.vision_transformer import VisionTransformer
 
 from ragged_vit.core.segments import cu_seqlens_from_counts, seqlens, uniform_cu_seqlens
 from ragged_vit.core.selection import DecisionInput, Placement, Pruner
+from ragged_vit.pipelines.factory import build_pruner
 from ragged_vit.reference.cls_attention import cls_attention
 from ragged_vit.reference.packing import pack, repack
 from ragged_vit.reference.pruners import (
@@ -499,3 +501,40 @@ def test_uniform_batch_reports_its_host_count(gen: torch.Generator, name: str) -
     assert sel.fixed_count and sel.count == 1 + pruner.count_after(1, 196, NUM_PATCHES)
     fused = int(sel.extra_token is not None)
     assert (sel.keep.view(2, 197).sum(1) + fused).tolist() == [sel.count] * 2
+
+
+@pytest.mark.parametrize(
+    "depth,expected",
+    [
+        (12, {"dynamicvit": (3, 6, 9), "evit": (3, 6, 9), "ats": tuple(range(3, 12)), "threshold_l2": (3,)}),
+        (24, {"dynamicvit": (6, 12, 18), "evit": (6, 12, 18), "ats": (6, 8, 10, 12, 14, 16, 18, 20, 22),
+              "threshold_l2": (6,)}),  # fmt: skip
+        (32, {"dynamicvit": (8, 16, 24), "evit": (8, 16, 24), "threshold_l2": (8,)}),
+        (4, {"dynamicvit": (1, 2, 3), "evit": (1, 2, 3), "ats": (1, 2, 3), "threshold_l2": (1,)}),
+        (3, {"dynamicvit": (0, 1, 2), "evit": (0, 1, 2), "ats": (0, 1, 2), "threshold_l2": (0,)}),
+    ],
+)
+def test_schedules_keep_the_papers_fractions_of_the_depth(depth: int, expected: dict) -> None:
+    """Built for a model (``build_pruner``), a schedule's blocks are the 12-block ones at the same fractions of the
+    depth: ``floor(b * depth / 12)``, 3/6/9 exactly at 12; ATS's coinciding stages merge."""
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=depth, num_heads=2)
+    for name, blocks in expected.items():
+        assert build_pruner(name, model, 0.7).blocks == blocks, name
+
+
+@pytest.mark.parametrize("name", ["dynamicvit", "evit"])
+def test_a_depth_that_cannot_hold_three_compounding_stages_is_refused(name: str) -> None:
+    model = VisionTransformer(img_size=32, patch_size=8, embed_dim=64, depth=2, num_heads=2)
+    with pytest.raises(ValueError, match=rf"{name}'s 3 stages \(blocks \(3, 6, 9\) of 12\) cannot be placed in 2 "
+                                         rf"blocks: .* fall on blocks \(0, 1, 1\); build the pruner with blocks="):
+        build_pruner(name, model, 0.7)
+    assert build_pruner("ats", model, 0.7).blocks == (0, 1)  # a range: coinciding stages merge
+
+
+@pytest.mark.parametrize("keep_rate", [1.0, 0.99])
+def test_tome_keep_rate_without_a_merge_says_which_keep_rates_merge(keep_rate: float) -> None:
+    model = VisionTransformer(img_size=224, patch_size=16, embed_dim=64, depth=12, num_heads=2)
+    with pytest.raises(ValueError, match=rf"keep_rate={keep_rate} maps to r = 0 for tome .* keep rates below 0\.98"
+                                         r".*use pruner 'none', or give r=, or threshold= with r_max="):
+        build_pruner("tome", model, keep_rate)
+    assert build_pruner("tome", model, 0.98).limits == (1,) * 12

@@ -33,6 +33,7 @@ from ragged_vit.core.segments import (
 from ragged_vit.core.selection import DecisionInput, Placement, Pruner, TokenSelection, kept_counts
 from ragged_vit.core.validation import check_blocks, check_int, check_rate
 from ragged_vit.reference.cls_attention import attention_inputs
+from ragged_vit.reference.pruners.schedule import at_depth
 
 
 def inverse_transform_sample(
@@ -162,11 +163,13 @@ class ATSPruner(Pruner):
         self.min_keep = check_int(min_keep, "min_keep", 0)
 
     @classmethod
-    def from_keep_rate(cls, keep_rate: float, *, embed_dim: int, num_patches: int) -> ATSPruner:
-        """Inside blocks 3-11, ``ceil(keep_rate * N)`` CDF samples of an image of ``N`` patches (the batch's own
-        ``N`` at every image size): an upper bound on the patches kept (ATS keeps fewer where its scores are
-        peaked); 1.0 is the method's default, ``N`` samples."""
-        return cls(sample_rate=None if keep_rate == 1.0 else keep_rate)
+    def from_keep_rate(cls, keep_rate: float, *, embed_dim: int, num_patches: int, depth: int = 12) -> ATSPruner:
+        """Inside blocks 3-11 of 12 (the same fractions of another depth, stages that coincide merged:
+        :func:`ragged_vit.reference.pruners.schedule.at_depth`), ``ceil(keep_rate * N)`` CDF samples of an image of
+        ``N`` patches (the batch's own ``N`` at every image size): an upper bound on the patches kept (ATS keeps fewer
+        where its scores are peaked); 1.0 is the method's default, ``N`` samples."""
+        blocks = at_depth(range(3, 12), depth, merge=True, name="ats")
+        return cls(blocks=blocks, sample_rate=None if keep_rate == 1.0 else keep_rate)
 
     def extra_repr(self) -> str:
         rate = self.sample_rate

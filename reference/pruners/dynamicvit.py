@@ -19,6 +19,7 @@ from torch import nn
 from ragged_vit.core.segments import prefix_rows, segment_ids, segment_rank, segment_sum, uniform_length
 from ragged_vit.core.selection import DecisionInput, Placement, Pruner, TokenSelection, kept_counts
 from ragged_vit.core.validation import check_blocks, check_int, check_rate
+from ragged_vit.reference.pruners.schedule import at_depth
 
 
 class PredictorLG(nn.Module):
@@ -82,9 +83,10 @@ class DynamicViTPruner(Pruner):
         self.score_predictor = nn.ModuleList(PredictorLG(embed_dim) for _ in self.blocks)
 
     @classmethod
-    def from_keep_rate(cls, keep_rate: float, *, embed_dim: int, num_patches: int) -> DynamicViTPruner:
-        """Before blocks 3, 6, 9, ``int(num_patches * keep_rate ** s)`` patches at stage ``s`` (0.7 -> 137/96/67)."""
-        return cls(embed_dim, rate=keep_rate)
+    def from_keep_rate(cls, keep_rate: float, *, embed_dim: int, num_patches: int, depth: int = 12) -> DynamicViTPruner:
+        """Before blocks 3, 6, 9 of 12 (the same fractions of another depth: :func:`ragged_vit.reference.pruners.
+        schedule.at_depth`), ``int(num_patches * keep_rate ** s)`` patches at stage ``s`` (0.7 -> 137/96/67)."""
+        return cls(embed_dim, rate=keep_rate, blocks=at_depth((3, 6, 9), depth, merge=False, name="dynamicvit"))
 
     def extra_repr(self) -> str:
         return f"rate={self.rate}, blocks={self.blocks}"

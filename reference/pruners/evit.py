@@ -29,6 +29,7 @@ from ragged_vit.core.segments import (
 from ragged_vit.core.selection import DecisionInput, Placement, Pruner, TokenSelection, kept_counts
 from ragged_vit.core.validation import check_blocks, check_rate
 from ragged_vit.reference.cls_attention import attention_inputs
+from ragged_vit.reference.pruners.schedule import at_depth
 
 
 class EViTPruner(Pruner):
@@ -56,11 +57,13 @@ class EViTPruner(Pruner):
 
     @classmethod
     def from_keep_rate(
-        cls, keep_rate: float, *, embed_dim: int, num_patches: int, fuse_token: bool = False
+        cls, keep_rate: float, *, embed_dim: int, num_patches: int, depth: int = 12, fuse_token: bool = False
     ) -> EViTPruner:
-        """Inside blocks 3, 6, 9, ``ceil(keep_rate * current)`` patches at each stage; ``fuse_token`` adds EViT's
-        fused token."""
-        return cls(rate=keep_rate, fuse_token=fuse_token)
+        """Inside blocks 3, 6, 9 of 12 (the same fractions of another depth: :func:`ragged_vit.reference.pruners.
+        schedule.at_depth`), ``ceil(keep_rate * current)`` patches at each stage; ``fuse_token`` adds EViT's fused
+        token."""
+        blocks = at_depth((3, 6, 9), depth, merge=False, name="evit")
+        return cls(rate=keep_rate, blocks=blocks, fuse_token=fuse_token)
 
     def extra_repr(self) -> str:
         return f"rate={self.rate}, blocks={self.blocks}, fuse_token={self.fuse_token}"

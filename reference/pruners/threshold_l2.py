@@ -33,6 +33,7 @@ from ragged_vit.core.selection import (
     kept_counts,
 )
 from ragged_vit.core.validation import FLOAT_DTYPES, check_int, check_rate, check_tensor
+from ragged_vit.reference.pruners.schedule import at_depth
 
 _SCORE_DTYPES = (*FLOAT_DTYPES, torch.float64)
 MODES = ("threshold", "ratio", "calibrated")
@@ -107,15 +108,18 @@ class ThresholdL2Pruner(Pruner):
         *,
         embed_dim: int,
         num_patches: int,
+        depth: int = 12,
         threshold_mode: str = "ratio",
         threshold: float | None = None,
     ) -> ThresholdL2Pruner:
-        """One stage after block 3. ``ratio`` keeps the top ``ceil(keep_rate * patches)``; ``calibrated`` keeps
+        """One stage after block 3 of 12 (the same fraction of another depth: :func:`ragged_vit.reference.pruners.
+        schedule.at_depth`). ``ratio`` keeps the top ``ceil(keep_rate * patches)``; ``calibrated`` keeps
         ``keep_rate`` on average once :meth:`calibrate` set the threshold; ``threshold`` keeps ``||x|| >= threshold``
         (``keep_rate`` unused)."""
+        (block,) = at_depth((3,), depth, merge=True, name="threshold_l2")
         if threshold_mode == "threshold":
-            return cls(mode="threshold", threshold=threshold)
-        return cls(mode=threshold_mode, threshold=threshold, rate=keep_rate)
+            return cls(mode="threshold", threshold=threshold, block=block)
+        return cls(mode=threshold_mode, threshold=threshold, rate=keep_rate, block=block)
 
     def extra_repr(self) -> str:
         return f"mode={self.mode!r}, threshold={self.threshold}, rate={self.rate}, min_keep={self.min_keep}"

@@ -114,8 +114,8 @@ class ToMeMerger(Pruner):
         """``r``, or ``threshold`` with ``r_max``, as given (``keep_rate`` unused); ``r_max`` alone: the calibrated
         mode at ``rate=keep_rate`` (refused if ``r_max`` merging in every block cannot get down to ``keep_rate``);
         none of them: the constant ``r`` whose mean patch count over the blocks (after each block's merge) is nearest
-        ``keep_rate * num_patches`` (r=13 on DeiT-B's 196 patches: 0.57). A keep rate of 1.0 gives ``r = 0``, which
-        is no merger: refused."""
+        ``keep_rate * num_patches`` (r=13 on DeiT-B's 196 patches: 0.57). A keep rate that maps to ``r = 0`` (1.0, and
+        any above the midpoint to ``r = 1``'s) is no merger: refused, with the keep rates that merge."""
         if r is None and threshold is None and r_max is not None:
             merger = cls(r_max=r_max, rate=check_rate(keep_rate, "keep_rate"), depth=depth)
             merger.check_target(num_patches, "keep_rate")
@@ -128,6 +128,13 @@ class ToMeMerger(Pruner):
                 return abs(sum(fixed_r_counts(num_patches, [r_k] * depth, 0)) / depth - target)
 
             r = min(range(num_patches // 2 + 1), key=miss)
+            if r == 0:  # nearer to no merge at all than to one row a block
+                one = sum(fixed_r_counts(num_patches, [1] * depth, 0)) / depth / num_patches
+                raise ValueError(
+                    f"keep_rate={keep_rate} maps to r = 0 for tome (no merge in any block): a constant r merges at "
+                    f"keep rates below {(1 + one) / 2:.4f} (r = 1 keeps {one:.4f} of the patch rows on average); "
+                    "for the unpruned model use pruner 'none', or give r=, or threshold= with r_max="
+                )
         return cls(r, threshold=threshold, r_max=r_max, depth=depth)
 
     def extra_repr(self) -> str:
