@@ -23,7 +23,9 @@ import torch
 import torch.nn.functional as F
 
 SAMPLE_IMAGES: tuple[str, ...] = ("chelsea", "astronaut", "coffee", "rocket")
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp")
+IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".gif", ".tif", ".tiff", ".webp")
+"""The image files the demo's ``--images`` and ``validate``'s class folders take (compared in lower case):
+``torchvision.datasets.ImageFolder``'s suffixes and GIF, all read by Pillow."""
 
 
 @dataclass
@@ -90,7 +92,11 @@ def load_images(sources: list[str] | None = None) -> list[LoadedImage]:
         if path.is_dir():
             files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
             if not files:
-                raise FileNotFoundError(f"images: folder {path} holds no image files ({', '.join(IMAGE_SUFFIXES)})")
+                nested = any(p.is_dir() for p in path.iterdir())
+                where = " (its subfolders are not searched: `ragged-vit validate` reads a class-folder tree)"
+                raise FileNotFoundError(
+                    f"images: folder {path} holds no image files ({', '.join(IMAGE_SUFFIXES)}){where if nested else ''}"
+                )
             images.extend(_read_file(p) for p in files)
         elif path.is_file():
             images.append(_read_file(path))

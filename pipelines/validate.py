@@ -52,8 +52,7 @@ from typing import TextIO
 
 import torch
 
-IMAGE_SUFFIXES: tuple[str, ...] = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-"""The image suffixes ``torchvision.datasets.ImageFolder`` takes (compared in lower case)."""
+from ragged_vit.pipelines.images import IMAGE_SUFFIXES
 
 TOP_K = 5
 DATA_BOUND_SHARE = 0.2
@@ -874,7 +873,8 @@ def report_lines(results: dict) -> list[str]:
             f"top-5 {acc['top5']:7.3f}% ({acc['top5_correct']}/{n})"
         )
 
-    lines.append(row("pruned", pruned))
+    label = "pruned" if results["kept_patches"] else "unpruned"  # --pruner none: the model as it is
+    lines.append(row(label, pruned))
     if unpruned is not None:
         lines.append(row("unpruned", unpruned))
         lines.append(
@@ -894,7 +894,7 @@ def report_lines(results: dict) -> list[str]:
     total, ranks = results["throughput"]["total"], results["throughput"]["ranks"]
     world = len(ranks)
     lines.append(f"Throughput in img/s ({'sum of ' + str(world) + ' ranks' if world > 1 else 'one process'}):")
-    lines.append(f"  pruned, model only      {_img_s(total['img_per_s_model']):>10}  (synchronised forwards)")
+    lines.append(f"  {label + ', model only':<24}{_img_s(total['img_per_s_model']):>10}  (synchronised forwards)")
     if unpruned is not None:
         lines.append(f"  unpruned, model only    {_img_s(total['unpruned_img_per_s_model']):>10}  (timm eager)")
     both = ", both forwards" if unpruned is not None else ""
@@ -921,7 +921,7 @@ def report_lines(results: dict) -> list[str]:
             )
     skipped = results["data"]["skipped"]
     if skipped:
-        lines.append(f"Skipped {len(skipped)} files (--skip-bad):")
+        lines.append(f"Skipped {len(skipped)} file{'s' if len(skipped) != 1 else ''} (--skip-bad):")
         for s in skipped[:LISTED_SKIPS]:
             lines.append(f"  {s['path']}: {s['reason']}")
         if len(skipped) > LISTED_SKIPS:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import os
 import re
 from pathlib import Path
@@ -61,9 +62,9 @@ def create_model(name: str, **kwargs: object) -> nn.Module:
         if not Path(file).is_file():
             raise FileNotFoundError(f"pretrained_cfg_overlay file not found: {file} (weights are never downloaded)")
     if not timm.is_model(name):
-        family = name.split("_")[0] + "*"
-        similar = timm.list_models(family)[:12] or timm.list_models("deit*")
-        raise ValueError(f"model {name!r} is not a timm model; similar names: {', '.join(similar)}")
+        similar = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.6)
+        hint = f"did you mean {', '.join(map(repr, similar))}?" if similar else "timm.list_models() lists them"
+        raise ValueError(f"model {name!r} is not a timm model: {hint}")
     return timm.create_model(name, **{"pretrained": False, **kwargs})
 
 
@@ -194,6 +195,8 @@ def load_checkpoint(
     if strip_prefix == "":
         raise ValueError("strip_prefix must not be empty (None strips nothing)")
     path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"checkpoint {path} is a directory: pass the checkpoint file in it (.pth, .pt, .bin)")
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint file not found: {path} (weights are never downloaded; pass a local file)")
     state = _state_dict_of(_read(path), path)

@@ -242,9 +242,13 @@ def test_load_images_sources_and_errors(tmp_path):
     image_lib.fromarray(rgba).save(tmp_path / "x.png")
     (loaded,) = load_images([str(tmp_path / "x.png")])
     assert loaded.pixels.shape == (40, 50, 3) and loaded.pixels.dtype == np.uint8 and loaded.name == "x.png"
-    with pytest.raises(FileNotFoundError, match="holds no image files"):
+    with pytest.raises(FileNotFoundError, match=r"holds no image files \(\.jpg, .*\.webp\)$"):
         (tmp_path / "empty").mkdir()
         load_images([str(tmp_path / "empty")])
+    (tmp_path / "classes" / "cat").mkdir(parents=True)
+    image_lib.fromarray(rgba).save(tmp_path / "classes" / "cat" / "x.png")
+    with pytest.raises(FileNotFoundError, match="its subfolders are not searched: `ragged-vit validate` reads a"):
+        load_images([str(tmp_path / "classes")])
     with pytest.raises(FileNotFoundError, match="is neither a file, a folder nor a scikit-image sample"):
         load_images(["not_a_sample_name"])
 

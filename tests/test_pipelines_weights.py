@@ -55,6 +55,14 @@ def test_missing_file_names_the_path(tmp_path):
         load_checkpoint(model, None, path)
     with pytest.raises(FileNotFoundError, match="checkpoint file not found"):
         build_pipeline(MODEL, "evit", 0.7, checkpoint=str(path))
+    with pytest.raises(ValueError, match=f"checkpoint {tmp_path} is a directory: pass the checkpoint file in it"):
+        load_checkpoint(model, None, tmp_path)
+
+
+def test_a_model_name_typo_suggests_the_close_names():
+    with pytest.raises(ValueError, match=r"'deit_tinyy_patch16_224' is not a timm model: did you mean "
+                                         r"'deit_tiny_patch16_224'"):
+        create_model("deit_tinyy_patch16_224")
 
 
 def test_missing_and_unexpected_keys_are_listed(tmp_path):

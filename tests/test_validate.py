@@ -260,6 +260,17 @@ def test_known_accuracy_agreement_kept_patches_and_outputs(data, tmp_path, capsy
     assert float(rows[1]["top1"]) == pytest.approx(100 * PRUNED_TOP1 / IMAGES)
 
 
+def test_the_unpruned_model_is_labelled_unpruned(data, capsys):
+    folder, checkpoint = data
+    model_args = [a for k, v in MODEL_ARGS.items() for a in ("--model-arg", f"{k}={v}")]
+    argv = [str(folder), *model_args, "--checkpoint", str(checkpoint), "--pruner", "none", "--batch-size", "4",
+            "--device", "cpu"]
+    assert cli_main(["validate", *argv, *_fast()]) == 0
+    out = capsys.readouterr().out
+    assert f"  unpruned   top-1  {100 * UNPRUNED_TOP1 / IMAGES:.3f}%" in out and "  pruned " not in out
+    assert "Kept patches: all" in out and "  unpruned, model only" in out
+
+
 def _validate_main(argv: list[str]) -> int:
     """``python -m ragged_vit.validate``'s entry, in this process."""
     from ragged_vit.validate import main
