@@ -24,6 +24,7 @@ not a timm ViT) exit with status 2 and a one-line message.
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import os
 import sys
@@ -112,6 +113,36 @@ def add_pruner_arguments(parser: argparse.ArgumentParser, calibrated_on: str) ->
     )
 
 
+def _model_arg(text: str) -> tuple[str, object]:
+    """``KEY=VALUE`` -> ``(KEY, VALUE)``: a ``timm.create_model`` argument, VALUE a Python literal or a bare word."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"must be KEY=VALUE with a timm.create_model argument name, got {text!r}")
+    if key == "pretrained":
+        raise argparse.ArgumentTypeError("pretrained would download weights: pass a local file with --checkpoint")
+    try:
+        parsed = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        parsed = value  # a bare word: a string (global_pool=avg)
+    return key, parsed
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--model-arg``, shared by the demo and ``validate``."""
+    parser.add_argument(
+        "--model", help="timm model name (default: deit_tiny_patch16_224 on CPU, deit_base_patch16_224 on CUDA)"
+    )
+    parser.add_argument(
+        "--model-arg",
+        type=_model_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="timm.create_model argument, repeatable (num_classes=100, img_size=384, global_pool=avg); "
+        "VALUE is a Python literal or a bare word",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's parser; its backend and pruner choices come from the registries (which import timm and triton)."""
     import ragged_vit
@@ -126,9 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         f"[options] ({_PROG} validate --help).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {ragged_vit.__version__}")
-    parser.add_argument(
-        "--model", help="timm model name (default: deit_tiny_patch16_224 on CPU, deit_base_patch16_224 on CUDA)"
-    )
+    add_model_arguments(parser)
     add_pruner_arguments(parser, calibrated_on="the given images")
     parser.add_argument(
         "--backends",
@@ -295,6 +324,7 @@ def _demo(argv: list[str] | None) -> int:
 
     demo = DemoOptions(
         model=args.model or ("deit_base_patch16_224" if on_gpu else "deit_tiny_patch16_224"),
+        model_kwargs=dict(args.model_arg),
         pruner=args.pruner,
         keep_rate=0.5 if args.keep_rate is None else args.keep_rate,
         backends=backends,

@@ -59,6 +59,7 @@ class DemoOptions:
     backends: list[str]
     device: torch.device
     dtype: torch.dtype
+    model_kwargs: dict[str, object] = field(default_factory=dict)  # timm.create_model's (--model-arg)
     images: list[str] | None = None
     checkpoint: str | None = None
     strip_prefix: str | None = None  # removed from the checkpoint's keys (load_checkpoint)
@@ -337,7 +338,7 @@ def run_demo(options: DemoOptions, out: TextIO | None = None) -> int:
     on_gpu = options.device.type == "cuda"
     with torch.random.fork_rng():
         torch.manual_seed(options.seed)  # reproducible random weights
-        model = create_model(options.model)
+        model = create_model(options.model, **options.model_kwargs)
         pruner = build_pruner(options.pruner, model, options.keep_rate, **options.pruner_options)
     if options.checkpoint is not None:
         load_checkpoint(model, pruner, options.checkpoint, strip_prefix=options.strip_prefix)

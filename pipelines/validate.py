@@ -37,7 +37,6 @@ all images over the slowest rank's wall time.
 from __future__ import annotations
 
 import argparse
-import ast
 import csv
 import json
 import math
@@ -993,19 +992,6 @@ class _Parser(argparse.ArgumentParser):
             super()._print_message(message, file)
 
 
-def _model_arg(text: str) -> tuple[str, object]:
-    key, sep, value = text.partition("=")
-    if not sep or not key.isidentifier():
-        raise argparse.ArgumentTypeError(f"must be KEY=VALUE with a timm.create_model argument name, got {text!r}")
-    if key == "pretrained":
-        raise argparse.ArgumentTypeError("pretrained would download weights: pass a local file with --checkpoint")
-    try:
-        parsed = ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        parsed = value  # a bare word: a string (global_pool=avg)
-    return key, parsed
-
-
 def _path_to_write(what: str):
     def parse(text: str) -> str:
         parent = Path(text).expanduser().resolve().parent
@@ -1021,7 +1007,7 @@ def _path_to_write(what: str):
 def build_parser(prog: str = "ragged-vit validate") -> argparse.ArgumentParser:
     """The parser of ``ragged-vit validate`` (its pruner choices come from the registry, which imports timm)."""
     from ragged_vit.pipelines.backends import BACKENDS
-    from ragged_vit.pipelines.cli import _DTYPES, _int_at_least, add_pruner_arguments
+    from ragged_vit.pipelines.cli import _DTYPES, _int_at_least, add_model_arguments, add_pruner_arguments
 
     positive, non_negative = _int_at_least(1, "positive"), _int_at_least(0, "non-negative")
     parser = _Parser(
@@ -1036,18 +1022,7 @@ def build_parser(prog: str = "ragged-vit validate") -> argparse.ArgumentParser:
         metavar="FILE",
         help="text file, one class folder name per line: line i (from 0) is class i (default: sorted folder names)",
     )
-    parser.add_argument(
-        "--model", help="timm model name (default: deit_tiny_patch16_224 on CPU, deit_base_patch16_224 on CUDA)"
-    )
-    parser.add_argument(
-        "--model-arg",
-        type=_model_arg,
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="timm.create_model argument, repeatable (num_classes=100, img_size=384, global_pool=avg); "
-        "VALUE is a Python literal or a bare word",
-    )
+    add_model_arguments(parser)
     add_pruner_arguments(parser, calibrated_on="images spread over DATA_DIR, the same on every rank")
     parser.add_argument(
         "--backend", choices=tuple(BACKENDS), help="attention backend (default: triton on CUDA, reference on CPU)"

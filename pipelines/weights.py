@@ -163,7 +163,32 @@ def _check_keys(module: nn.Module, state: dict[str, torch.Tensor], path: Path, w
     if shapes:
         problems.append(f"shape mismatches (checkpoint vs {what}) ({len(shapes)}): {_listed(shapes)}")
     if problems:
-        raise ValueError(f"checkpoint {path} does not fit the {what}: " + "; ".join(problems))
+        hint = _architecture_hint(state) if shapes or missing else ""
+        raise ValueError(f"checkpoint {path} does not fit the {what}: " + "; ".join(problems) + hint)
+
+
+_WIDTHS = {192: "deit_tiny_patch16_224", 384: "deit_small_patch16_224", 768: "deit_base_patch16_224",
+           1024: "vit_large_patch16_224", 1280: "vit_huge_patch14_224"}  # fmt: skip
+"""A timm model of each common ViT width, for :func:`_architecture_hint`."""
+
+
+def _architecture_hint(state: dict[str, torch.Tensor]) -> str:
+    """What a ViT checkpoint holds (width, depth, patch, classes) and a ``--model`` / ``--model-arg`` it fits, or
+    ``""`` for a checkpoint that is no timm ViT's."""
+    proj, head = state.get("patch_embed.proj.weight"), state.get("head.weight")
+    if proj is None or proj.dim() != 4:
+        return ""
+    width, patch = proj.shape[0], proj.shape[-1]
+    depth = 1 + max((int(k.split(".")[1]) for k in state if k.startswith("blocks.") and k.split(".")[1].isdigit()),
+                    default=-1)  # fmt: skip
+    classes = head.shape[0] if head is not None and head.dim() == 2 else None
+    facts = f"width {width}, {depth} blocks, {patch}x{patch} patches" + (f", {classes} classes" if classes else "")
+    model = _WIDTHS.get(width)
+    other = classes and classes != 1000
+    kwargs, args = (f", num_classes={classes}", f" --model-arg num_classes={classes}") if other else ("", "")
+    suggestion = (f"; its width is {model!r}'s: create_model({model!r}{kwargs}) (command line: --model {model}{args}), "
+                  "if depth and patch size agree" if model else "")  # fmt: skip
+    return f" (the checkpoint is a ViT of {facts}{suggestion})"
 
 
 def load_checkpoint(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -203,6 +204,16 @@ def test_cli_checkpoints_training_ddp_and_corrupt(tmp_path, capsys):
     assert "every key starts with 'module.'" in _one_line_error(capsys)  # and says: --strip-prefix module.
     assert main(["--checkpoint", str(training), "--strip-prefix", "module.", *run]) == 2
     assert "no key starts with strip_prefix 'module.'" in _one_line_error(capsys)
+    assert main(["--checkpoint", str(tmp_path), *run]) == 2
+    assert f"checkpoint {tmp_path} is a directory" in _one_line_error(capsys)
+    two = tmp_path / "two_classes.pth"
+    torch.save(create_model("deit_tiny_patch16_224", num_classes=2).state_dict(), two)
+    assert main(["--checkpoint", str(two), *run]) == 2
+    assert "(command line: --model deit_tiny_patch16_224 --model-arg num_classes=2)" in _one_line_error(capsys)
+    if importlib.util.find_spec("skimage") is not None:
+        assert main(["--checkpoint", str(two), "--model-arg", "num_classes=2", *run]) == 0
+        out = capsys.readouterr().out  # 2 classes: named "class <i>", not ImageNet's
+        assert f"weights from checkpoint {two}" in out and re.search(r": [0-9.]+% class [01]$", out, re.M), out
 
 
 @pytest.mark.interpreter

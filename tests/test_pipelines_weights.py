@@ -272,3 +272,17 @@ def test_ddp_prefix_is_suggested_and_stripped(tmp_path, gen):
         load_checkpoint(create_model(MODEL), None, plain, strip_prefix="")
     with pytest.raises(TypeError, match="strip_prefix must be a str or None"):
         load_checkpoint(create_model(MODEL), None, plain, strip_prefix=1)
+
+
+def test_a_checkpoint_of_another_head_or_width_says_what_it_fits(tmp_path):
+    """The mismatch error says what the checkpoint holds and the model it fits; the demo's ``--model-arg`` builds
+    that model (``validate`` has the same flag)."""
+    path = tmp_path / "two_classes.pth"
+    torch.save(create_model(MODEL, num_classes=2).state_dict(), path)
+    with pytest.raises(ValueError, match=r"head.weight \(2, 192\) vs \(1000, 192\).*the checkpoint is a ViT of width "
+                                         r"192, 12 blocks, 16x16 patches, 2 classes; its width is "
+                                         r"'deit_tiny_patch16_224'.s: create_model\('deit_tiny_patch16_224', "
+                                         r"num_classes=2\) \(command line: --model deit_tiny_patch16_224 "
+                                         r"--model-arg num_classes=2\)"):
+        load_checkpoint(create_model(MODEL), None, path)
+    load_checkpoint(create_model(MODEL, num_classes=2), None, path)  # what the message says fits
