@@ -10,7 +10,8 @@ Examples::
     python -m ragged_vit --device cuda --backends triton,padded_sdpa,fa2_varlen,nested_sdpa --batch-repeats 16
     python -m ragged_vit validate ~/imagenet/val --checkpoint deit_base.pth --compare-unpruned   # the subcommand
 
-The device is read first, with only argparse, os and torch imported: on a CPU the Triton kernels run under Triton's
+``--version`` alone is answered before anything else is imported. The device is read first, with only argparse, os
+and torch imported: on a CPU the Triton kernels run under Triton's
 interpreter, which must be switched on (``TRITON_INTERPRET=1``) before timm (which imports ``triton.language``) is
 imported; :func:`interpreter_env` switches it on for the run only (a caller that runs ``main`` in its own process
 keeps compiled kernels afterwards: Inductor's, on its GPU). Then the registries are imported and give the parser its
@@ -29,11 +30,13 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # annotations only: torch is imported once the arguments ask for more than --version
+    import torch
 
 _PROG = "ragged-vit"
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = ("float32", "float16", "bfloat16")  # torch's names (torch is imported once the device is read)
 
 
 def _keep_rate(text: str) -> float:
@@ -65,6 +68,8 @@ _positive, _non_negative = _int_at_least(1, "positive"), _int_at_least(0, "non-n
 
 
 def _device(text: str) -> torch.device:
+    import torch
+
     if text == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -267,6 +272,11 @@ def main(argv: list[str] | None = None) -> int:
     """Parses ``argv`` (default ``sys.argv[1:]``), runs the demo; returns the exit status. ``validate ...`` runs the
     ``validate`` subcommand instead (:mod:`ragged_vit.pipelines.validate`)."""
     words = sys.argv[1:] if argv is None else list(argv)
+    if words == ["--version"]:  # answered before torch is imported
+        import ragged_vit
+
+        print(f"{_PROG} {ragged_vit.__version__}")
+        return 0
     if words[:1] == ["validate"]:
         from ragged_vit.pipelines.validate import main as validate
 
@@ -294,6 +304,8 @@ def interpreter_env(cpu: bool) -> Iterator[None]:
 
 def _demo(argv: list[str] | None) -> int:
     """The demo command (:func:`main` without the subcommand), in the interpreter setting of its device."""
+    import torch
+
     parser = build_parser()
     args = parser.parse_args(argv)
     device = args.device
@@ -329,7 +341,7 @@ def _demo(argv: list[str] | None) -> int:
         keep_rate=0.5 if args.keep_rate is None else args.keep_rate,
         backends=backends,
         device=device,
-        dtype=_DTYPES[args.dtype] if args.dtype != "auto" else (torch.float16 if on_gpu else torch.float32),
+        dtype=getattr(torch, args.dtype) if args.dtype != "auto" else (torch.float16 if on_gpu else torch.float32),
         images=args.images,
         checkpoint=args.checkpoint,
         strip_prefix=args.strip_prefix,

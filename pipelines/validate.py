@@ -1145,7 +1145,6 @@ def main(argv: list[str] | None = None, prog: str = "ragged-vit validate") -> in
 
 def _validate_command(argv: list[str], prog: str) -> int:
     """:func:`main` in the interpreter setting of its device."""
-    from ragged_vit.pipelines.cli import _DTYPES
 
     group = Distributed()
     parser = build_parser(prog)
@@ -1165,7 +1164,7 @@ def _validate_command(argv: list[str], prog: str) -> int:
         backend=args.backend or ("triton" if on_gpu else "reference"),
         device=device,
         dtype=(
-            _DTYPES[args.dtype]
+            getattr(torch, args.dtype)
             if args.dtype != "auto"
             else (torch.float16 if on_gpu else torch.float32)
         ),

@@ -281,10 +281,15 @@ def test_preprocess_matches_the_model_config():
 
 
 def test_version(capsys):
+    """``--version`` alone is answered before torch is imported (a fresh process); with other arguments, by the
+    parser."""
     import ragged_vit
 
+    code = "import sys; from ragged_vit.pipelines.cli import main; main(['--version']); print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split("\n")[:2] == [f"ragged-vit {ragged_vit.__version__}", "False"]
     with pytest.raises(SystemExit) as exit_info:
-        main(["--version"])
+        main(["--verbose", "--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"ragged-vit {ragged_vit.__version__}"
 
