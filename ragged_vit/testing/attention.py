@@ -21,6 +21,12 @@ The cases:
 * ``loose_bound``: ``max_seqlen`` twice the longest image (the result stays within the rule);
 * ``scale``: a softmax scale other than ``D ** -0.5``;
 * ``isolation``: changing one image's inputs leaves every other image's output unchanged, bit for bit;
+* numerically adversarial inputs: ``large_logits`` (one image's logits reach +60 and another's all lie near -60:
+  an exp without its image's own maximum subtracted overflows in fp16 and bf16, and one stabilised by the maximum
+  of the whole batch underflows to 0 / 0), ``dominant_key`` (one key per image +30 above the others: a one-hot
+  softmax), ``equal_keys`` (every key of an image equal: the mean of its values), and in fp32 ``tiny`` and
+  ``huge`` magnitudes (inputs scaled by 1e-18 and 1e12: logits that underflow to 0, and that reach 1e25);
+  ``tiles`` (``full``): lengths at the usual tile sizes and one past them (16, 17, 32, 33, 128, 129);
 * ``out`` (with ``accepts_out``): the output buffer, given poisoned with NaN, is written everywhere;
 * ``bad_inputs`` (with ``bad_inputs``): a wrong dtype or shape raises ``TypeError`` / ``ValueError``.
 
@@ -55,6 +61,14 @@ from ragged_vit.reference.attention import ragged_attention, split_qkv
 from ragged_vit.testing.report import Failure, bad_call_failures, level, raise_failures
 
 QUICK_LENGTHS = (1, 2, 63, 64, 65, 197)
+TILE_LENGTHS = (16, 17, 32, 33, 128, 129)
+NUMERIC_CASES = {  # kind -> (lengths, dtypes it runs in: None = every dtype of the device)
+    "large_logits": ((33, 64, 5), None),
+    "dominant_key": ((40, 7, 65), None),
+    "equal_keys": ((9, 64), None),
+    "tiny": ((40, 7), (torch.float32,)),
+    "huge": ((40, 7), (torch.float32,)),
+}
 ADVERSARIAL_LENGTHS = (*QUICK_LENGTHS, 577, 1025)
 BIAS_LENGTHS = (1, 63, 65, 197)
 FLOOR = {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -138,6 +152,16 @@ def attention_cases(
         for head_dim in head_dims
         for kind, lens, bias in shapes
     ]
+    if not key_bias:
+        if full:
+            cases += [AttentionCase("tiles", TILE_LENGTHS, heads, d, dtype) for dtype in dtypes for d in head_dims]
+        cases += [
+            AttentionCase(kind, lens, heads, head_dim, dtype)
+            for kind, (lens, only) in NUMERIC_CASES.items()
+            for dtype in dtypes
+            if only is None or dtype in only
+            for head_dim in head_dims
+        ]
     if bad_inputs:
         cases.append(AttentionCase("bad_inputs", (4, 6), 2, 32, torch.float32, "normal" if key_bias else ""))
     return cases
@@ -244,8 +268,10 @@ def run_attention_case(
 
 def _qkv(total: int, width: int, case: AttentionCase, device: torch.device, g: torch.Generator) -> torch.Tensor:
     """The qkv projection ``[T, 3*H*D]`` of a case: a plain tensor, a view with padded rows, or one element off an
-    aligned address."""
+    aligned address; the numerically adversarial cases' values (module docstring)."""
     values = torch.randn(total, 3 * width, generator=g)
+    if case.kind in NUMERIC_CASES:
+        return _adversarial(values, case).to(device, case.dtype)
     if case.kind == "strided":
         store = torch.randn(total, 3 * width + 8, generator=g)
         store[:, : 3 * width] = values
@@ -256,6 +282,37 @@ def _qkv(total: int, width: int, case: AttentionCase, device: torch.device, g: t
         view.copy_(values)
         return view
     return values.to(device, case.dtype)
+
+
+def _adversarial(values: torch.Tensor, case: AttentionCase) -> torch.Tensor:
+    """The numerically adversarial qkv values of ``case`` (``values``: fresh normal ones, ``[T, 3*H*D]``), exactly
+    representable in its dtype where it matters (the logits are what the case is about)."""
+    heads, dim = case.heads, case.head_dim
+    q, k, v = (t.reshape(-1, heads, dim) for t in values.split(heads * dim, dim=1))
+    cu = cu_seqlens_from_counts(torch.tensor(case.lengths)).tolist()
+    scale = dim**-0.5
+    if case.kind in ("tiny", "huge"):
+        factor = 1e-18 if case.kind == "tiny" else 1e12
+        q, k = q * factor, k * factor
+    for b, (s, e) in enumerate(zip(cu[:-1], cu[1:], strict=True)):
+        if e == s:
+            continue
+        if case.kind == "large_logits" and b == 0:  # logits spread up to +60
+            logits = torch.einsum("qhd,khd->hqk", q[s:e], k[s:e]) * scale
+            q[s:e] *= 60.0 / logits.abs().amax().clamp_min(1e-6)
+        elif case.kind == "large_logits" and b == 1:  # every logit near -60: q and k point apart
+            u = torch.randn(heads, dim)
+            u = u / u.norm(dim=-1, keepdim=True) * (60.0 / scale) ** 0.5
+            q[s:e] = u + 0.1 * q[s:e]
+            k[s:e] = -u + 0.1 * k[s:e]
+        elif case.kind == "dominant_key":  # queries share a direction; the image's first key's logit is ~30 along it
+            u = torch.randn(heads, dim)
+            u = u / u.norm(dim=-1, keepdim=True) * dim**0.5
+            q[s:e] = u + 0.3 * q[s:e]
+            k[s] = u * (30.0 / (scale * dim))
+        elif case.kind == "equal_keys":
+            k[s:e] = k[s]
+    return torch.cat([t.reshape(-1, heads * dim) for t in (q, k, v)], dim=1)
 
 
 def _key_bias(case: AttentionCase, device: torch.device, g: torch.Generator) -> torch.Tensor:

@@ -31,6 +31,9 @@ The cases (``quick`` / ``full`` as in :func:`ragged_vit.testing.level`), each in
 * ``lengths``: images of the adversarial lengths (1, 2, 63, 64, 65 at quick; 197, 577 and 1025 too at full);
 * ``ragged``: random lengths (``many`` at full: 64 images of up to 197 rows);
 * ``ties``: every patch of an image equal (equal scores, ``2**k`` patches: ties go to the earlier row);
+* ``large``: numerically adversarial magnitudes: ``x`` times 100 (a squared norm or a variance summed in fp16
+  overflows) and the attention's q and k times 4 (logits of +-50: an exp without its row's maximum subtracted
+  overflows in fp16);
 * ``nan``: a few rows of NaN (for a pruner scoring ``x``, NaN scores rank first, as in ``torch.sort``, by either
   rule; for one scoring by attention, where the NaN spreads is the implementation's: only what always holds is
   checked);
@@ -105,7 +108,8 @@ def decision_cases(
     cases = []
     for dtype in dtypes:
         kinds = [("lengths", ADVERSARIAL_LENGTHS if full else QUICK_LENGTHS, 1), ("ragged", ragged, 1),
-                 ("ties", (33, 65, 9), 1), ("nan", (40, 65, 2), 1), ("loose_bound", (30, 7, 19), 1),
+                 ("ties", (33, 65, 9), 1), ("large", (40, 65, 9), 1), ("nan", (40, 65, 2), 1),
+                 ("loose_bound", (30, 7, 19), 1),
                  ("isolation", (40, 70, 9), 1), *(("prefix", (5, 40, 70, 6), p) for p in (5, *no_prefix))]  # fmt: skip
         if empty_images:
             kinds.append(("empty", (5, 0, 64, 0), 1))
@@ -252,6 +256,10 @@ def _input(
             if qkv is not None:
                 qkv[start:end, :width] = 0.0  # no query: every logit equal
                 qkv[first:end, width:] = qkv[first, width:]
+    if case.kind == "large":
+        x *= 100.0
+        if qkv is not None:
+            qkv[:, : 2 * width] *= 4.0
     if case.kind == "nan":
         nan_rows = torch.randperm(total, generator=g)[:3]
         (x if qkv is None else qkv)[nan_rows] = float("nan")
