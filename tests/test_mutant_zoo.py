@@ -1,0 +1,236 @@
+"""The lab's mutant zoo: deliberately broken ports of the attention, pack and decision contracts, each of which the
+quick level must catch, and correct ports that must pass. The score (caught / mutants) is printed here and stated in
+``docs/porting.md``.
+
+Each mutant is one classic bug of a port (cross-image attention, a missing max subtraction, a batch-wide stabiliser,
+an off-by-one offset, ``max_seqlen`` taken as every image's length, a dropped row, int64 offsets, the wrong tie rule,
+...), written as a knob of one port per contract, or as a broken copy of the worked examples' ports
+(``tests/test_porting_example.py``, ``tests/test_porting_decision.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+
+from ragged_vit.core.selection import DecisionInput, TokenSelection
+from ragged_vit.reference.pruners import ThresholdL2Pruner
+from ragged_vit.testing import (
+    ConformanceError,
+    attention_suite,
+    check_attention,
+    check_decision,
+    check_pack,
+    pack_suite,
+)
+from tests.test_porting_decision import floor_count, int64_counts, later_ties, top_rate_per_image
+from tests.test_porting_example import drops_last_row, off_by_one, starts_late, wrong_scale
+
+# --- attention: one tiled port (online softmax over key tiles, as a fused kernel computes it) -----------------------
+
+
+def online_softmax(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    num_heads: int,
+    scale: float,
+    *,
+    tile: int = 16,
+    span: str = "image",
+    stabiliser: str = "row",
+    normalise: bool = True,
+    key_tiles: int | None = None,
+    layout: str = "qkv",
+    offsets: str = "int32",
+    last_row: bool = True,
+) -> torch.Tensor:
+    """The contract's ``qkv`` layout, one image at a time, keys in tiles of ``tile`` rows with a running maximum and
+    sum in fp32 (flash attention's recurrence). The keyword arguments are the mutants' knobs; the defaults are the
+    correct port."""
+    total, width = qkv.shape
+    dim = width // (3 * num_heads)
+    split = (3, num_heads, dim) if layout == "qkv" else (num_heads, 3, dim)
+    q, k, v = qkv.unflatten(1, split).unbind(1 if layout == "qkv" else 2)  # [T, H, D] each
+    if offsets == "int64":  # read the int32 offsets as if they were int64
+        raw = torch.cat([cu_seqlens, cu_seqlens.new_zeros(len(cu_seqlens) % 2)])
+        cu_seqlens = raw.view(torch.int64).clamp(0, total)
+    bounds = cu_seqlens.tolist()
+    if span == "batch":  # one softmax over every row: images attend to each other
+        bounds = [0, total]
+    elif span == "bound":  # every image taken as max_seqlen rows from its start
+        bounds = [(s, min(s + max_seqlen, total)) for s in bounds[:-1]]
+    pairs = bounds if span == "bound" else list(zip(bounds[:-1], bounds[1:], strict=True))
+    peak = (torch.einsum("qhd,khd->hqk", q.float(), k.float()) * scale).amax() if stabiliser == "batch" else None
+    out = torch.zeros_like(q)
+    for start, end in pairs:
+        if end <= start:
+            continue
+        qs = q[start:end].float()
+        m = torch.full((num_heads, end - start), -math.inf)
+        s = torch.zeros(num_heads, end - start)
+        acc = torch.zeros(num_heads, end - start, dim)
+        for index, first in enumerate(range(start, end, tile)):
+            if key_tiles is not None and index >= key_tiles:
+                break
+            ks, vs = k[first : min(first + tile, end)].float(), v[first : min(first + tile, end)].float()
+            logits = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+            if stabiliser == "none":  # exp of the raw logits, in the inputs' dtype
+                p = logits.to(qkv.dtype).exp().float()
+                acc += torch.einsum("hqk,khd->hqd", p, vs)
+                s += p.sum(-1)
+                continue
+            top = torch.maximum(m, logits.amax(-1)) if stabiliser == "row" else peak.expand_as(m)
+            p = (logits - top[..., None]).exp()
+            correction = (m - top).exp().nan_to_num(0.0) if stabiliser == "row" else torch.ones_like(m)
+            acc = acc * correction[..., None] + torch.einsum("hqk,khd->hqd", p, vs)
+            s = s * correction + p.sum(-1)
+            m = top
+        result = acc / s[..., None] if normalise else acc
+        out[start:end] = result.transpose(0, 1).to(qkv.dtype)
+        if not last_row:
+            out[end - 1] = 0
+    return out.flatten(1)
+
+
+ATTENTION_MUTANTS = {
+    "wrong_scale": wrong_scale,
+    "off_by_one_offsets": off_by_one,
+    "cross_image": functools.partial(online_softmax, span="batch"),
+    "max_seqlen_as_every_length": functools.partial(online_softmax, span="bound"),
+    "no_max_subtraction": functools.partial(online_softmax, stabiliser="none"),
+    "batch_wide_stabiliser": functools.partial(online_softmax, stabiliser="batch"),
+    "unnormalised": functools.partial(online_softmax, normalise=False),
+    "first_key_tile_only": functools.partial(online_softmax, tile=64, key_tiles=1),
+    "heads_interleaved": functools.partial(online_softmax, layout="hqkv"),
+    "int64_offsets": functools.partial(online_softmax, offsets="int64"),
+    "last_row_unwritten": functools.partial(online_softmax, last_row=False),
+}
+
+# --- pack: a repack port by boolean indexing, one image at a time ---------------------------------------------------
+
+
+def repack_by_indexing(tokens, cu_seqlens, keep, max_seqlen, *, order=1, bound=0, offsets="int32", uniform=False,
+                       in_place=False):  # fmt: skip
+    """The contract's ``repack``: each image's kept rows in order, then the offsets and the longest image. The
+    keyword arguments are the mutants' knobs; the defaults are the correct port."""
+    bounds = cu_seqlens.tolist()
+    rows, lengths = [], []
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        kept = tokens[start:end][keep[start:end]]
+        rows.append(kept.flip(0) if order < 0 else kept)
+        lengths.append(kept.shape[0])
+    if in_place:  # writes its input: zeroes the dropped rows
+        tokens[~keep] = 0
+    out = torch.cat(rows) if rows else tokens[:0]
+    counts = torch.tensor(lengths, dtype=torch.int64)
+    if uniform:  # offsets as if every image kept the same number of rows
+        counts = torch.full_like(counts, out.shape[0] // max(len(lengths), 1))
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
+    cu[1:] = counts.cumsum(0)
+    cu = cu.to(torch.int32 if offsets == "int32" else torch.int64)
+    return out, cu.to(tokens.device), max(lengths, default=0) + bound
+
+
+PACK_MUTANTS = {
+    "pack_drops_last_row": ("pack", drops_last_row),
+    "pack_starts_late": ("pack", starts_late),
+    "repack_reversed_rows": ("repack", functools.partial(repack_by_indexing, order=-1)),
+    "repack_bound_below_longest": ("repack", functools.partial(repack_by_indexing, bound=-1)),
+    "repack_int64_offsets": ("repack", functools.partial(repack_by_indexing, offsets="int64")),
+    "repack_uniform_offsets": ("repack", functools.partial(repack_by_indexing, uniform=True)),
+    "repack_writes_its_input": ("repack", functools.partial(repack_by_indexing, in_place=True)),
+}
+
+# --- decision: broken copies of the worked example's Threshold-L2 ratio port ----------------------------------------
+
+
+def fp16_scores(pruner: ThresholdL2Pruner, inp: DecisionInput) -> TokenSelection:
+    """Broken: norms summed in the inputs' fp16 (overflow to inf, then ties, on large rows)."""
+    half = inp.x.half() if inp.x.dtype == torch.float16 else inp.x
+    norms = half.pow(2).sum(-1).sqrt()  # summed in fp16 when x is fp16
+    scaled = inp.x * (norms / torch.linalg.vector_norm(inp.x.float(), dim=-1).clamp_min(1e-30)).to(inp.x.dtype)[:, None]
+    return top_rate_per_image(pruner, DecisionInput(**{**vars(inp), "x": scaled}))
+
+
+def batch_top_k(pruner: ThresholdL2Pruner, inp: DecisionInput) -> TokenSelection:
+    """Broken: one top-k over the whole batch's patches (as many as the images keep together)."""
+    sel = top_rate_per_image(pruner, inp)
+    bounds, prefix = inp.cu_seqlens.tolist(), inp.num_prefix
+    patch = torch.ones(inp.x.shape[0], dtype=torch.bool)
+    for start, end in zip(bounds[:-1], bounds[1:], strict=True):
+        patch[start : min(start + prefix, end)] = False
+    scores = torch.linalg.vector_norm(inp.x.float(), dim=-1).masked_fill(~patch, -math.inf)
+    best = scores.argsort(descending=True, stable=True)[: int((sel.keep & patch).sum())]
+    keep = ~patch
+    keep[best] = True
+    kept = torch.tensor([int(keep[s:e].sum()) for s, e in zip(bounds[:-1], bounds[1:], strict=True)], dtype=torch.int32)
+    return TokenSelection(keep, kept, sel.fixed_count, sel.count)
+
+
+def drops_prefix(pruner: ThresholdL2Pruner, inp: DecisionInput) -> TokenSelection:
+    """Broken: the prefix rows (class token, registers) are not kept."""
+    sel = top_rate_per_image(pruner, inp)
+    keep = sel.keep.clone()
+    for start in inp.cu_seqlens.tolist()[:-1]:
+        keep[start : start + inp.num_prefix] = False
+    return TokenSelection(keep, sel.kept, sel.fixed_count, sel.count)
+
+
+def counts_off_by_one(pruner: ThresholdL2Pruner, inp: DecisionInput) -> TokenSelection:
+    """Broken: every image's kept count one too many (the repack would read a row no image keeps)."""
+    sel = top_rate_per_image(pruner, inp)
+    return TokenSelection(sel.keep, sel.kept + 1, sel.fixed_count, sel.count)
+
+
+DECISION_MUTANTS = {
+    "later_ties": later_ties,
+    "floor_count": floor_count,
+    "int64_counts": int64_counts,
+    "fp16_scores": fp16_scores,
+    "batch_top_k": batch_top_k,
+    "drops_prefix": drops_prefix,
+    "counts_off_by_one": counts_off_by_one,
+}
+
+PRUNER = ThresholdL2Pruner("ratio", rate=0.5, min_keep=0)
+
+
+def _caught(check) -> bool:
+    try:
+        check()
+    except ConformanceError:
+        return True
+    return False
+
+
+def _zoo() -> dict[str, bool]:
+    """Every mutant, caught or not at the quick level."""
+    caught = {f"attention/{n}": _caught(lambda f=f: check_attention(f, level_name="quick")) for n, f in
+              ATTENTION_MUTANTS.items()}  # fmt: skip
+    caught |= {f"pack/{n}": _caught(lambda op=op, f=f: check_pack(**{op: f}, level_name="quick")) for n, (op, f) in
+               PACK_MUTANTS.items()}  # fmt: skip
+    caught |= {f"decision/{n}": _caught(lambda f=f: check_decision(PRUNER, f, "quick")) for n, f in
+               DECISION_MUTANTS.items()}  # fmt: skip
+    return caught
+
+
+def test_every_mutant_is_caught_at_the_quick_level():
+    caught = _zoo()
+    assert len(caught) >= 20
+    score = sum(caught.values())
+    print(f"\nmutation score: {score}/{len(caught)} caught at the quick level")  # shown with pytest -s
+    assert score == len(caught), f"survivors: {[name for name, ok in caught.items() if not ok]}"
+
+
+# The correct ports: every case passes, each a test item.
+test_online_softmax_conforms = attention_suite(online_softmax, layout="qkv")
+test_repack_by_indexing_conforms = pack_suite(repack=repack_by_indexing)
+
+
+@pytest.mark.parametrize("tile", [1, 7, 64])
+def test_online_softmax_at_other_tiles(tile):
+    check_attention(functools.partial(online_softmax, tile=tile), level_name="quick")
