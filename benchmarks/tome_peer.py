@@ -13,12 +13,14 @@ shapes).
 Per block, with the block's own weights:
 
 1. ``x = x + ls1(attn(norm1(x)))`` with ``softmax(q k^T * scale + log(size)_key) v`` (explicit, or SDPA);
-2. bipartite soft matching on the keys of that attention averaged over heads and L2-normalised (fp32): A = even
-   positions among the patch rows, B = odd; each A row's match is its most similar B row (ties: lowest B index);
-   the ``min(r, patches // 2)`` A rows of highest best similarity (ties: lower A index first) merge into their
-   matches, several possibly into one; a merged row is the size-weighted average (summed in fp32 by
-   ``scatter_add``), its size the sum of sizes; prefix rows (class, distillation, registers) never merge; the new
-   order is the prefix rows, then the surviving rows in their previous relative order;
+2. bipartite soft matching on the keys of that attention averaged over heads and L2-normalised (fp32), the paper's
+   algorithm: A = even positions among all of an image's rows (the class token is A's first), B = odd ones (a
+   distillation token is B's first); a prefix row (class, distillation, registers) is never a source (A) nor a
+   destination (B); each A row's match is its most similar B row (ties: lowest B index); the ``min(r, patches //
+   2)`` A rows of highest best similarity (ties: lower A index first) merge into their matches, several possibly
+   into one; a merged row is the size-weighted average (summed in fp32 by ``scatter_add``), its size the sum of
+   sizes; the new order is the prefix rows, the other unmerged A rows (in order; in rank order without prefix
+   rows), then the other B rows in order;
 3. ``x = x + ls2(mlp(norm2(x)))``;
 
 then the final norm and timm's head (``token`` pooling, a distilled DeiT's two heads), or, for ``avg`` pooling, the
@@ -80,6 +82,7 @@ import argparse
 import copy
 import dataclasses
 import functools
+import math
 import os
 import sys
 import time
@@ -243,35 +246,37 @@ def bipartite_merge(
         source: optional int64 ``[B, num_patches]``: the row holding each original patch; updated.
 
     Returns:
-        ``(x [B, N', C], size [B, N'], source)``, ``N' = N - min(r, patches // 2)``: the prefix rows, then the
-        surviving rows in their previous order, merged rows the size-weighted average of their members.
+        ``(x [B, N', C], size [B, N'], source)``, ``N' = N - min(r, patches // 2)``: the prefix rows, the other
+        unmerged A rows, the other B rows (module docstring), merged rows the size-weighted average of their members.
     """
     batch, n, channels = x.shape
-    patches = n - num_prefix
-    r = min(r, patches // 2)
-    if r == 0:
+    r = min(r, (n - num_prefix) // 2)
+    if r <= 0:
         return x, size, source
-    metric = F.normalize(keys.float().mean(dim=1)[:, num_prefix:], dim=-1)  # [B, P, D]
+    device = x.device
+    metric = F.normalize(keys.float().mean(dim=1), dim=-1)  # [B, N, D]
     scores = metric[:, 0::2] @ metric[:, 1::2].transpose(1, 2)  # [B, |A|, |B|] cosine similarities
+    a_rows, b_rows = torch.arange(0, n, 2, device=device), torch.arange(1, n, 2, device=device)
+    scores[:, a_rows < num_prefix, :] = -math.inf  # a prefix row is never a source nor a destination
+    scores[:, :, b_rows < num_prefix] = -math.inf
     best, match = scores.max(dim=-1)  # ties: the first (lowest) B index
     order = torch.argsort(best, dim=-1, descending=True, stable=True)  # ties: the lower A index first
-    merged_a = order[:, :r]  # [B, r] A indices that merge
-    src = 2 * merged_a  # their positions among the patch rows
-    dst = 2 * match.gather(1, merged_a) + 1  # the positions of their B rows
-    keep = torch.ones(batch, patches, dtype=torch.bool, device=x.device).scatter(1, src, False)
-    new_row = keep.cumsum(1) - 1  # survivors keep their order
-    new_row = new_row.scatter(1, src, new_row.gather(1, dst))  # a merged A row goes where its B row goes
-    rows = patches - r
-    patch_size = size[:, num_prefix:]
-    weighted = x[:, num_prefix:].float() * patch_size[:, :, None]
+    merged_a, rest_a = order[:, :r], order[:, r:]
+    if num_prefix:  # the unmerged A rows back in their order, without the protected ones (they lead it)
+        rest_a = rest_a.sort(dim=1).values[:, (num_prefix + 1) // 2 :]
+    b_kept = b_rows[b_rows >= num_prefix].expand(batch, -1)
+    survivors = torch.cat([torch.arange(num_prefix, device=device).expand(batch, -1), 2 * rest_a, b_kept], dim=1)
+    new_row = torch.empty(batch, n, dtype=torch.int64, device=device)
+    new_row.scatter_(1, survivors, torch.arange(n - r, device=device).expand(batch, -1))
+    new_row.scatter_(1, 2 * merged_a, new_row.gather(1, 2 * match.gather(1, merged_a) + 1))  # to their B rows
+    weighted = x.float() * size[:, :, None]
     index = new_row[:, :, None].expand(-1, -1, channels)
-    sums = weighted.new_zeros(batch, rows, channels).scatter_add_(1, index, weighted)
-    sizes = patch_size.new_zeros(batch, rows).scatter_add_(1, new_row, patch_size)
-    x = torch.cat([x[:, :num_prefix], (sums / sizes[:, :, None]).to(x.dtype)], dim=1)
-    size = torch.cat([size[:, :num_prefix], sizes], dim=1)
+    sums = weighted.new_zeros(batch, n - r, channels).scatter_add_(1, index, weighted)
+    sizes = size.new_zeros(batch, n - r).scatter_add_(1, new_row, size)
+    x = (sums / sizes[:, :, None]).to(x.dtype)
     if source is not None:
-        source = new_row.gather(1, source - num_prefix) + num_prefix
-    return x, size, source
+        source = new_row.gather(1, source)
+    return x, sizes, source
 
 
 # --------------------------------------------------------------------------------------------------- the benchmark

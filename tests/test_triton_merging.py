@@ -39,6 +39,7 @@ from ragged_vit.core.segments import cu_seqlens_from_counts, seqlens
 from ragged_vit.core.selection import MergeSelection
 from ragged_vit.reference import merging as ref
 from ragged_vit.reference import packing as ref_packing
+from ragged_vit.reference.merging import VARIANTS
 from ragged_vit.testing.ops import op_names
 from ragged_vit.triton_impl import merging as ker
 from ragged_vit.triton_impl.launcher import pdl_supported
@@ -155,11 +156,11 @@ def _strided(keys):
 # --- decisions ------------------------------------------------------------------------------------------------------
 
 
-def _check_decision(keys, cu, max_seqlen, num_prefix, mode):
+def _check_decision(keys, cu, max_seqlen, num_prefix, mode, variant="published"):
     """The kernel's map against the reference's, bit for bit; returns the kernel's."""
     ones = torch.ones(keys.shape[0], dtype=torch.int64)
-    want = ref.decide_merges(keys.cpu(), cu.cpu(), ones, num_prefix, **mode)
-    got = ker.decide_merges(keys, cu, max_seqlen, num_prefix, **mode)
+    want = ref.decide_merges(keys.cpu(), cu.cpu(), ones, num_prefix, **mode, variant=variant)
+    got = ker.decide_merges(keys, cu, max_seqlen, num_prefix, **mode, variant=variant)
     batch = cu.shape[0] - 1
     for name, tensor, shape in (("destination", got.destination, keys.shape[:1]), ("kept", got.kept, (batch,)),
                                 ("cu_seqlens", got.cu_seqlens, (batch + 1,))):  # fmt: skip
@@ -177,21 +178,23 @@ def _check_decision(keys, cu, max_seqlen, num_prefix, mode):
     return got
 
 
-def _decisions(device, lengths, mode, num_prefix, gen, shape, dtype=torch.float32, ties=None, bound=None):
+def _decisions(device, lengths, mode, num_prefix, gen, shape, dtype=torch.float32, ties=None, bound=None,
+               variant="published"):  # fmt: skip
     mode = _resolve(mode, gen)
     keys = _keys(lengths, mode, num_prefix, gen, dtype=dtype, ties=ties, **shape).to(device)
     cu = cu_seqlens_from_counts(torch.tensor(lengths)).to(device)
     if num_prefix == 1:  # the pipelines' layout: a view of the qkv projection
         keys = _strided(keys)
-    _check_decision(keys, cu, bound or max(max(lengths), 1), num_prefix, mode)
+    _check_decision(keys, cu, bound or max(max(lengths), 1), num_prefix, mode, variant)
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("num_prefix,dtype", [(0, torch.float32), (1, torch.float32), (2, torch.float32),
-                                              (1, torch.float16)])  # fmt: skip
-def test_decisions_are_the_reference_interpreter(num_prefix, dtype, gen):
+@pytest.mark.parametrize("num_prefix,dtype,variant", [(0, torch.float32, "published"), (1, torch.float32, "published"),
+                                                      (2, torch.float32, "published"), (1, torch.float16, "published"),
+                                                      (2, torch.float32, "patch_rows")])  # fmt: skip
+def test_decisions_are_the_reference_interpreter(num_prefix, dtype, variant, gen):
     for mode in MODES:
-        _decisions("cpu", LENGTHS, mode, num_prefix, gen, CPU_SHAPE, dtype)
+        _decisions("cpu", LENGTHS, mode, num_prefix, gen, CPU_SHAPE, dtype, variant=variant)
 
 
 @pytest.mark.interpreter
@@ -214,7 +217,8 @@ def test_decisions_on_large_batch_tiles_interpreter(sms, tile, gen, monkeypatch)
 def test_decisions_are_the_reference_gpu(mode, num_prefix, dtype, gen):
     ragged = tuple(torch.randint(0, 198, (64,), generator=gen).tolist())
     for lengths in (LENGTHS, (197,) * 8, ragged, (577,) * 4):
-        _decisions("cuda", lengths, mode, num_prefix, gen, GPU_SHAPE, dtype)
+        for variant in VARIANTS:
+            _decisions("cuda", lengths, mode, num_prefix, gen, GPU_SHAPE, dtype, variant=variant)
 
 
 @pytest.mark.gpu
@@ -459,7 +463,7 @@ def _poisoned(device, shape, channels, dtype, gen, mode):
         sources=torch.full((total,), -7, dtype=torch.int32, device=device),
         source_offsets=torch.full((total + 1,), -7, dtype=torch.int32, device=device),
     )
-    got = ker.decide_merges_unchecked(keys, cu, 65, 1, limit, threshold, out)
+    got = ker.decide_merges_unchecked(keys, cu, 65, 1, limit, threshold, True, out)
     assert got is out
     for name in ("destination", "kept", "cu_seqlens", "sources"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
@@ -882,7 +886,7 @@ def test_decision_host_ops(mode, monkeypatch):
         monkeypatch.setattr(ker, name, lambda *args, **kwargs: None)
     keys, cu = torch.randn(10, 2, 8), torch.tensor([0, 4, 10], dtype=torch.int32)
     limit, threshold = _limit_threshold(mode)
-    names = op_names(ker.decide_merges_unchecked, keys, cu, 6, 1, limit, threshold)
+    names = op_names(ker.decide_merges_unchecked, keys, cu, 6, 1, limit, threshold, True)
     assert sorted(names) == ["aten::empty", "aten::empty", "aten::split_with_sizes"], names
 
 

@@ -120,7 +120,7 @@ import triton.language as tl
 from ragged_vit.core.decisions import register_decision
 from ragged_vit.core.selection import DecisionInput, MergeSelection
 from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
-from ragged_vit.reference.merging import check_merge_mode, check_sizes, merge_sources
+from ragged_vit.reference.merging import VARIANTS, check_merge_mode, check_sizes, merge_sources
 from ragged_vit.reference.pruners.tome import ToMeMerger, fixed_count
 from ragged_vit.triton_impl.cls_attention import image_rows
 from ragged_vit.triton_impl.launcher import (
@@ -186,20 +186,27 @@ B = 64 16,116 / 16,057 -> 15,287 / 15,293 (-5%) (``docs/tome.md``, ``docs/data/t
 
 
 @triton.jit
-def _image_sets(CU, b, total, num_prefix, limit):
-    """Image ``b``'s rows, its first patch row, the sizes of A (even positions among its patch rows) and B (odd
-    ones), and its cap ``min(limit, |B|)``."""
+def _image_sets(CU, b, total, num_prefix, limit, PUBLISHED: tl.constexpr):
+    """Image ``b``'s rows, the row its split starts at (``base``: A rows ``base + 2i``, B rows ``base + 2j + 1``),
+    the sizes of A and B, its cap ``min(limit, patches // 2)``, its protected A and B rows (the first ``a0`` and
+    ``b0``: prefix rows) and its prefix rows. ``PUBLISHED``: the split alternates over all the image's rows, prefix
+    rows protected; else over its patch rows (module docstring)."""
     start, end = image_rows(CU, b, total)
     first = tl.minimum(start + num_prefix, end)
-    num_a = (end - first + 1) // 2
-    num_b = (end - first) // 2
-    return start, end, first, num_a, num_b, tl.minimum(limit, num_b)
+    prefix = first - start
+    base = start if PUBLISHED else first
+    num_a = (end - base + 1) // 2
+    num_b = (end - base) // 2
+    a0 = (prefix + 1) // 2 if PUBLISHED else 0
+    b0 = prefix // 2 if PUBLISHED else 0
+    return start, end, base, num_a, num_b, tl.minimum(limit, (end - first) // 2), a0, b0, prefix
 
 
 @triton.jit(do_not_specialize=["total", "limit", "num_prefix"])
 def _metric_kernel(
     KEYS, CU, METRIC, total, stride_kt, stride_kh, stride_kd, limit, num_prefix,
     H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
+    PUBLISHED: tl.constexpr,
 ):  # fmt: skip
     """The metric of every patch row of images that merge: the keys' mean over heads, L2-normalised (F.normalize:
     eps 1e-12), fp32, into ``METRIC [T, D_PAD]``; a program per image and ``BLOCK_M`` rows (grid-stride). With
@@ -207,11 +214,11 @@ def _metric_kernel(
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
-    start, end, first, num_a, num_b, cap = _image_sets(CU, b, total, num_prefix, limit)
+    start, end, base, num_a, num_b, cap, a0, b0, prefix = _image_sets(CU, b, total, num_prefix, limit, PUBLISHED)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     if cap > 0:
-        for r0 in range(first + tl.program_id(1) * BLOCK_M, end, tl.num_programs(1) * BLOCK_M):
+        for r0 in range(base + tl.program_id(1) * BLOCK_M, end, tl.num_programs(1) * BLOCK_M):
             rows = r0 + offs_m
             mask = (rows < end)[:, None] & (offs_d < D)[None, :]
             keys = KEYS + rows.to(tl.int64)[:, None] * stride_kt + offs_d[None, :] * stride_kd
@@ -227,7 +234,7 @@ def _metric_kernel(
 @triton.jit(do_not_specialize=["total", "limit", "num_prefix"])
 def _best_kernel(
     CU, METRIC, WORK, total, limit, num_prefix,
-    D_PAD: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr, PUBLISHED: tl.constexpr,
 ):  # fmt: skip
     """Each A row's best B row: the first maximum over B tiles in order, the lowest index inside a tile; a program
     per image and ``BLOCK_A`` A rows (grid-stride). Writes the best similarity's bits and the B index to ``WORK``.
@@ -236,7 +243,7 @@ def _best_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
-    start, end, first, num_a, num_b, cap = _image_sets(CU, b, total, num_prefix, limit)
+    start, end, base, num_a, num_b, cap, a0, b0, prefix = _image_sets(CU, b, total, num_prefix, limit, PUBLISHED)
     BEST = WORK + start
     MATCH = WORK + total + start
     offs_a = tl.arange(0, BLOCK_A)
@@ -246,23 +253,23 @@ def _best_kernel(
         for i0 in range(tl.program_id(1) * BLOCK_A, num_a, tl.num_programs(1) * BLOCK_A):
             i = i0 + offs_a
             in_a = i < num_a
-            rows_a = (first + 2 * i).to(tl.int64)
+            rows_a = (base + 2 * i).to(tl.int64)
             metric_a = tl.load(METRIC + rows_a[:, None] * D_PAD + offs_d[None, :], mask=in_a[:, None], other=0.0)
             best = tl.full([BLOCK_A], float("-inf"), tl.float32)
             match = tl.zeros([BLOCK_A], dtype=tl.int32)
             for j0 in range(0, num_b, BLOCK_B):
                 j = j0 + offs_b
                 in_b = j < num_b
-                rows_b = (first + 2 * j + 1).to(tl.int64)
+                rows_b = (base + 2 * j + 1).to(tl.int64)
                 metric_bt = tl.load(METRIC + rows_b[None, :] * D_PAD + offs_d[:, None], mask=in_b[None, :], other=0.0)
                 sim = tl.dot(metric_a, metric_bt, input_precision="ieee")  # [A, B] cosine similarities
-                sim = tl.where(in_b[None, :], sim, float("-inf"))
+                sim = tl.where((in_b & (j >= b0))[None, :], sim, float("-inf"))  # a protected B row: no destination
                 tile_best = tl.max(sim, 1)
                 tile_match = tl.min(tl.where(sim == tile_best[:, None], j[None, :], num_b), 1)
                 better = tile_best > best
                 best = tl.where(better, tile_best, best)
                 match = tl.where(better, tile_match, match)
-            best = tl.where(best == best, best, float("-inf"))  # NaN (non-finite keys): ranked last
+            best = tl.where((best == best) & (i >= a0), best, float("-inf"))  # NaN, or a protected A row: last
             tl.store(BEST + i, best.to(tl.int32, bitcast=True), mask=in_a)
             tl.store(MATCH + i, match, mask=in_a)
 
@@ -271,7 +278,7 @@ def _best_kernel(
 def _match_kernel(
     CU, WORK, DEST, COUNTS, CU_OUT, SRC, SRC_OFF, total, batch, limit, threshold, num_prefix,
     BLOCK_AB: tl.constexpr, BLOCK_DST: tl.constexpr, BLOCK_S: tl.constexpr, B_PAD: tl.constexpr,
-    ADAPTIVE: tl.constexpr, PDL: tl.constexpr,
+    ADAPTIVE: tl.constexpr, PDL: tl.constexpr, PUBLISHED: tl.constexpr,
 ):  # fmt: skip
     """The merged A rows (ranked by best similarity, descending, then index), the image's count and (fixed mode)
     offsets, every row's destination and the source lists; a program per image and ``BLOCK_S`` of its rows: each
@@ -282,12 +289,14 @@ def _match_kernel(
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     lead = tl.program_id(1) == 0  # the program that writes the image's count and offsets
-    start, end, first, num_a, num_b, cap = _image_sets(CU, b, total, num_prefix, limit)
-    # WORK (int32 [3, T]), at the image's first rows: per A row i, row start + i holds its best similarity's bits,
-    # start + total + i its best B row, start + 2 * total + i the merged A rows up to i (inclusive) * 2 + merged.
+    start, end, base, num_a, num_b, cap, a0, b0, prefix = _image_sets(CU, b, total, num_prefix, limit, PUBLISHED)
+    # WORK (int32 [3, T]; [4, T] published), at the image's first rows: per A row i, row start + i holds its best
+    # similarity's bits, start + total + i its best B row, start + 2 * total + i the merged A rows up to i (inclusive)
+    # * 2 + merged, and (published) start + 3 * total + i its rank.
     BEST = WORK + start
     MATCH = WORK + total + start
     MERGED = WORK + 2 * total + start
+    RANK = WORK + 3 * total + start
     offs_a = tl.arange(0, BLOCK_AB)
     offs_b = tl.arange(0, BLOCK_AB)
     merged_rows = 0
@@ -307,12 +316,14 @@ def _match_kernel(
             if ADAPTIVE:
                 merged = merged & (best_i >= threshold)
             merged = merged.to(tl.int32)
+            if PUBLISHED:
+                tl.store(RANK + i, rank, mask=in_a)
             tl.store(MERGED + i, (merged_rows + tl.cumsum(merged, 0)) * 2 + merged, mask=in_a)
             merged_rows += tl.sum(merged, 0)
         tl.debug_barrier()
     count = end - start - merged_rows
     if ADAPTIVE:  # offsets in the merged buffer: _offset_kernel adds the images before this one
-        base = 0
+        base_out = 0
         if lead:
             tl.store(COUNTS + b, count)
     else:  # the rule's counts, n - min(r, patches // 2), from every image's length
@@ -322,29 +333,41 @@ def _match_kernel(
         hi = tl.load(CU + offs_img + 1, mask=offs_img < batch, other=0)
         hi = tl.minimum(tl.maximum(hi, lo), total)
         rows_left = hi - lo - tl.minimum(limit, tl.maximum(hi - lo - num_prefix, 0) // 2)
-        base = tl.sum(tl.where(offs_img < b, rows_left, 0), 0)
+        base_out = tl.sum(tl.where(offs_img < b, rows_left, 0), 0)
         if lead:
             tl.store(COUNTS + b, count)
-            tl.store(CU_OUT + b + 1, base + count)
+            tl.store(CU_OUT + b + 1, base_out + count)
             if b == 0:
                 tl.store(CU_OUT, 0)
-    # Destinations: a surviving row moves up by the merged A rows before it; a merged A row goes where its B row goes.
+    # Destinations. Patch rows: a surviving row moves up by the merged A rows before it; a merged A row goes where its
+    # B row goes. Published: the prefix rows, the other unmerged A rows (in order; in rank order without prefix rows),
+    # the other B rows; an image that merges nothing keeps its order.
     offs_r = tl.arange(0, BLOCK_DST)
+    kept_a = num_a - a0 - merged_rows  # published: the unmerged unprotected A rows, before the B rows
     for r0 in range(start, end, BLOCK_DST):  # one step for an image of up to BLOCK_DST rows: its gathers at once
         rows = r0 + offs_r
         in_r = rows < end
-        patch = rows - first  # position among the patch rows (< 0: a prefix row)
-        slot = tl.maximum(patch, 0) // 2  # A row `slot` for an even patch position, B row `slot` for an odd one
+        patch = rows - base  # position in the split (< 0: a prefix row before the patch rows)
+        slot = tl.maximum(patch, 0) // 2  # A row `slot` for an even position, B row `slot` for an odd one
         state = tl.load(MERGED + slot, mask=in_r & (patch >= 0) & (cap > 0), other=0)
         merges = in_r & (patch >= 0) & (patch % 2 == 0) & ((state & 1) == 1)
         j = tl.load(MATCH + slot, mask=merges, other=0)
-        state_j = tl.load(MERGED + j, mask=merges, other=0)
-        local = tl.where(merges, first - start + 2 * j + 1 - (state_j >> 1), rows - start - (state >> 1))
-        tl.store(DEST + rows, base + local, mask=in_r)
+        if PUBLISHED:
+            q = rows - start
+            is_a = q % 2 == 0
+            rank = tl.load(RANK + slot, mask=in_r & is_a & (cap > 0) & (prefix == 0), other=0)
+            a_place = tl.where(prefix > 0, prefix + slot - a0 - (state >> 1), rank - merged_rows)
+            b_place = prefix + kept_a + tl.where(merges, j, slot) - b0
+            local = tl.where(q < prefix, q, tl.where(is_a & ~merges, a_place, b_place))
+            local = tl.where(merged_rows == 0, q, local)
+        else:
+            state_j = tl.load(MERGED + j, mask=merges, other=0)
+            local = tl.where(merges, base - start + 2 * j + 1 - (state_j >> 1), rows - start - (state >> 1))
+        tl.store(DEST + rows, base_out + local, mask=in_r)
     # Source lists: image b's rows grouped by destination in SRC[start:end), row order inside a group; the group of
     # its merged row d (local) starts at start + d + (merged A rows sent below d): the rows sent below d are the d
-    # surviving rows before it and those. Its start goes to SRC_OFF[base + d] (adaptive: to SRC_OFF[start + d], moved
-    # by _offset_kernel, which knows base).
+    # surviving rows before it and those. Its start goes to SRC_OFF[base_out + d] (adaptive: to SRC_OFF[start + d],
+    # moved by _offset_kernel, which knows base_out).
     tl.debug_barrier()  # the destinations above, read back
     offs_s = tl.arange(0, BLOCK_S)
     offs_k = tl.arange(0, BLOCK_AB)
@@ -352,11 +375,11 @@ def _match_kernel(
         rows = r0 + offs_s
         in_r = rows < end
         dest = tl.load(DEST + rows, mask=in_r, other=0)
-        patch = rows - first
+        patch = rows - base
         slot = tl.maximum(patch, 0) // 2
         state = tl.load(MERGED + slot, mask=in_r & (patch >= 0) & (patch % 2 == 0) & (cap > 0), other=0)
         merges = in_r & (patch >= 0) & (patch % 2 == 0) & ((state & 1) == 1)
-        joins = first + 2 * tl.load(MATCH + slot, mask=merges, other=0) + 1  # the B row a merged A row joins
+        joins = base + 2 * tl.load(MATCH + slot, mask=merges, other=0) + 1  # the B row a merged A row joins
         below = tl.zeros([BLOCK_S], dtype=tl.int32)  # merged A rows sent below the row's destination
         ahead = tl.zeros([BLOCK_S], dtype=tl.int32)  # merged A rows before it sent to its destination
         if cap > 0:
@@ -364,19 +387,19 @@ def _match_kernel(
                 k = k0 + offs_k
                 in_k = k < num_a
                 merged_k = in_k & ((tl.load(MERGED + k, mask=in_k, other=0) & 1) == 1)
-                dest_k = tl.load(DEST + first + 2 * k, mask=merged_k, other=0)
+                dest_k = tl.load(DEST + base + 2 * k, mask=merged_k, other=0)
                 to_k = merged_k[None, :] & (dest_k[None, :] <= dest[:, None])
                 below += tl.sum((to_k & (dest_k[None, :] < dest[:, None])).to(tl.int32), 1)
-                same = to_k & (dest_k[None, :] == dest[:, None]) & ((first + 2 * k)[None, :] < rows[:, None])
+                same = to_k & (dest_k[None, :] == dest[:, None]) & ((base + 2 * k)[None, :] < rows[:, None])
                 ahead += tl.sum(same.to(tl.int32), 1)
-        group = start + dest - base + below
+        group = start + dest - base_out + below
         tl.store(SRC + group + ahead + (merges & (joins < rows)).to(tl.int32), rows, mask=in_r)
-        if ADAPTIVE:  # base is 0 here: into the starts scratch, by input row
+        if ADAPTIVE:  # base_out is 0 here: into the starts scratch, by input row
             tl.store(SRC_OFF + start + dest, group, mask=in_r & ~merges)
         else:
             tl.store(SRC_OFF + dest, group, mask=in_r & ~merges)
     if not ADAPTIVE and lead:
-        tl.store(SRC_OFF + base + count, end)  # the end of the last group (T at T'; equal values elsewhere)
+        tl.store(SRC_OFF + base_out + count, end)  # the end of the last group (T at T'; equal values elsewhere)
 
 
 @triton.jit(do_not_specialize=["total", "batch"])
@@ -569,6 +592,7 @@ def decide_merges(
     r: int | None = None,
     threshold: float | None = None,
     r_max: int | None = None,
+    variant: str = "published",
     check_values: bool | None = None,
 ) -> MergeSelection:
     """One block's merges by bipartite soft matching, per image: the kernels' twin of
@@ -585,6 +609,7 @@ def decide_merges(
         threshold: adaptive mode: each image merges the A rows whose best cosine similarity is ``>= threshold``
             (compared in fp32), at most ``min(r_max, patches // 2)`` of them.
         r_max: the cap of the adaptive mode (with ``threshold`` only).
+        variant: ``"published"`` or ``"patch_rows"`` (:data:`ragged_vit.reference.merging.VARIANTS`).
         check_values: read ``cu_seqlens`` to validate it (default: only on the CPU).
 
     Returns:
@@ -601,7 +626,9 @@ def decide_merges(
     cu = check_cu_seqlens(cu_seqlens, total=keys.shape[0], device=keys.device, check_values=check_values)
     check_max_seqlen(max_seqlen)
     check_int(num_prefix, "num_prefix", 0)
-    return decide_merges_unchecked(keys, cu, max_seqlen, num_prefix, limit, threshold)
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {variant!r}")
+    return decide_merges_unchecked(keys, cu, max_seqlen, num_prefix, limit, threshold, variant == "published")
 
 
 def decide_merges_unchecked(
@@ -611,9 +638,11 @@ def decide_merges_unchecked(
     num_prefix: int,
     limit: int,
     threshold: float | None,
+    published: bool,
     out: MergeSelection | None = None,
 ) -> MergeSelection:
-    """:func:`decide_merges` without its checks (``limit``: ``r``, or ``r_max`` with a ``threshold``), written into
+    """:func:`decide_merges` without its checks (``limit``: ``r``, or ``r_max`` with a ``threshold``; ``published``:
+    the variant), written into
     ``out`` (contiguous int32 tensors of the right shapes, every element overwritten but the source offsets past
     ``T'``) when given: for a merge stage that built its input itself. An ``out`` without source lists gets new ones
     (a copy of ``out`` with them is returned)."""
@@ -625,17 +654,19 @@ def decide_merges_unchecked(
     # seven, at each of a ToMe forward's twelve stages when it runs eagerly). Only the buffers ``out`` does not bring:
     # the map, counts and offsets, the source lists, the matching's work and (adaptive) the group starts.
     need_out, need_lists = out is None, out is None or out.sources is None or out.source_offsets is None
-    lengths = [total, batch, batch + 1] * need_out + [total, total + 1] * need_lists + [3 * total] + [total] * adaptive
+    work_rows = 4 if published else 3  # (published: the A rows' ranks too)
+    lengths = [total, batch, batch + 1] * need_out + [total, total + 1] * need_lists + [work_rows * total]
+    lengths += [total] * adaptive
     views = iter(scratch(lengths, torch.int32, device))
     if need_out:
         out = MergeSelection(next(views), next(views), next(views))
     if need_lists:
         out = dataclasses.replace(out, sources=next(views), source_offsets=next(views))
-    work = next(views)  # [3, T] flat: best similarities' bits, best B rows, merged A rows
+    work = next(views)  # [3, T] flat: best similarities' bits, best B rows, merged A rows (and their ranks)
     d_pad = _tile(dim, _MAX_HEAD_DIM)
     metric = torch.empty(total, d_pad, dtype=torch.float32, device=device)
-    patches = max(max_seqlen - num_prefix, 1)
-    num_a = cdiv(patches, 2)  # a bound on every image's A rows
+    split = max(max_seqlen if published else max_seqlen - num_prefix, 1)  # rows of an image's split, at most
+    num_a = cdiv(split, 2)  # a bound on every image's A rows
     block_ab = _tile(num_a, _BLOCK_AB)
     b_pad = 1 if adaptive else next_power_of_2(batch)  # the fixed mode's offsets read every image's length
     block_m = max(1, _METRIC_ELEMENTS // d_pad)
@@ -650,20 +681,20 @@ def decide_merges_unchecked(
     ok = aligned(keys, cu, metric, work, out.destination, out.kept, out.cu_seqlens, out.sources, out.source_offsets,
                  starts)  # fmt: skip
     pdl = batch <= DECISION_PDL_MAX_IMAGES and keys.is_cuda and pdl_supported(device_index)
-    args = (keys, cu, metric, total, *strides, limit, num_prefix, heads, dim, d_pad, block_m, pdl)
-    key = (keys.dtype, heads, dim, block_m, *map(int_spec, strides), pdl) if ok else None
-    grid = (batch, cdiv(patches, block_m))
+    args = (keys, cu, metric, total, *strides, limit, num_prefix, heads, dim, d_pad, block_m, pdl, published)
+    key = (keys.dtype, heads, dim, block_m, *map(int_spec, strides), pdl, published) if ok else None
+    grid = (batch, cdiv(split, block_m))
     _metric_launcher(key, device_index, grid, args, num_warps=_NUM_WARPS, num_stages=1)
-    args = (cu, metric, work, total, limit, num_prefix, d_pad, block_a, block_b, pdl)
+    args = (cu, metric, work, total, limit, num_prefix, d_pad, block_a, block_b, pdl, published)
     grid = (batch, cdiv(num_a, block_a))
-    key = (d_pad, block_b, block_a, best_warps, pdl) if ok else None
+    key = (d_pad, block_b, block_a, best_warps, pdl, published) if ok else None
     _best_launcher(key, device_index, grid, args, num_warps=best_warps, num_stages=1, **_pdl_option(pdl))
     args = (
         cu, work, out.destination, out.kept, out.cu_seqlens, out.sources, starts, total, batch, limit,
         _fp32_threshold(threshold) if adaptive else 0.0, num_prefix, block_ab, block_dst, block_s, b_pad, adaptive,
-        pdl,
+        pdl, published,
     )  # fmt: skip
-    key = (block_ab, block_dst, block_s, b_pad, adaptive, pdl) if ok else None
+    key = (block_ab, block_dst, block_s, b_pad, adaptive, pdl, published) if ok else None
     grid = (batch, cdiv(max(max_seqlen, 1), block_s))  # the source lists' row tiles over programs
     _match_launcher(key, device_index, grid, args, num_warps=_MATCH_WARPS, num_stages=1, **_pdl_option(pdl))
     if adaptive:
@@ -914,6 +945,6 @@ def _decide(merger: ToMeMerger, inp: DecisionInput) -> MergeSelection:
     qkv, heads = inp.qkv, inp.num_heads
     keys = qkv.view(qkv.shape[0], 3, heads, qkv.shape[1] // (3 * heads))[:, 1]  # [T, H, D], strided
     merged = decide_merges_unchecked(keys, inp.cu_seqlens, inp.row_bound, inp.num_prefix, merger.limit(inp.stage),
-                                     merger.threshold)  # fmt: skip
+                                     merger.threshold, merger.variant == "published")  # fmt: skip
     fixed, count = fixed_count(merger, inp)
     return dataclasses.replace(merged, fixed_count=fixed, count=count)
