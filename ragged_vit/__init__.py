@@ -7,7 +7,8 @@ One import package. Its subpackages, from the bottom of the import graph up:
   placement), the fused-decision registry, input validation and per-image segment operations.
 * :mod:`ragged_vit.reference` -- the pure-PyTorch ground truth (runs on CPU): pruners, packing, attention.
 * :mod:`ragged_vit.triton_impl` -- the Triton kernels, each beside its reference.
-* :mod:`ragged_vit.pipelines` -- timm ViTs end to end: the forward plan, its eager and CUDA-graph executors,
+* :mod:`ragged_vit.pipelines` -- timm ViTs end to end: the forward plan and the one executor that runs it, eagerly
+  or from CUDA graphs (the default call's fast path),
   attention backends, checkpoints, the CLI.
 
 The public API below is imported lazily: importing timm imports ``triton.language``, and Triton's interpreter
@@ -22,7 +23,8 @@ __version__ = "0.2.0"
 
 _EXPORTS = {
     "PrunedViT": "ragged_vit.pipelines.model",
-    "PrunedOutput": "ragged_vit.pipelines.model",
+    "PrunedOutput": "ragged_vit.pipelines.state",
+    "EagerFallbackWarning": "ragged_vit.pipelines.model",
     "GraphedPrunedViT": "ragged_vit.pipelines.graphs",
     "TokenBuckets": "ragged_vit.pipelines.buckets",
     "BACKENDS": "ragged_vit.pipelines.backends",
