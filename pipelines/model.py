@@ -132,6 +132,7 @@ class PrunedViT(nn.Module):
         self.last_call: str | None = None  # how the last forward ran: "graphs", or "eager: <why>"
         self._runner = None  # the graph modes' GraphedPrunedViT, made on first use
         self._said: set[str] = set()  # the eager reasons said so far
+        self._compile_failed = False  # torch.compile failed here once: the graphs run the plain parts
         _check_model(model)
         self.model = model
         self.pruner = _check_pruner(pruner, len(model.blocks))
@@ -325,24 +326,24 @@ class PrunedViT(nn.Module):
 
     def _graphed(self, images: torch.Tensor) -> PrunedOutput:
         """The graph modes' forward of checked ``images``: replayed (or captured first) by this pipeline's runner."""
-        from_graphs = self._runner
-        if from_graphs is None:
-            from_graphs = self._runner = GraphedPrunedViT(
+        runner = self._runner
+        if runner is None:
+            runner = self._runner = GraphedPrunedViT(
                 self, batch_buckets=BATCH_BUCKETS, max_graphs=MAX_GRAPHS, rebind=True
             )
-        from_graphs.compile_blocks = self.compile_blocks is not False and "compile" not in self._said
+        runner.compile_blocks = self.compile_blocks is not False and not self._compile_failed
         try:
-            out = from_graphs.run_checked(images)
+            out = runner.run_checked(images)
         except torch._dynamo.exc.TorchDynamoException as error:  # Inductor cannot compile here: plain parts
-            if not from_graphs.compile_blocks:
+            if not runner.compile_blocks:
                 raise
-            self._said.add("compile")
+            self._compile_failed = True
             first = str(error).strip().splitlines()[0] if str(error).strip() else ""
             warnings.warn(f"PrunedViT's CUDA graphs run without compiled blocks: torch.compile failed "
                           f"({type(error).__name__}: {first})", EagerFallbackWarning, stacklevel=3)  # fmt: skip
-            from_graphs.reset()
-            from_graphs.compile_blocks = False
-            out = from_graphs.run_checked(images)
+            runner.reset()
+            runner.compile_blocks = False
+            out = runner.run_checked(images)
         self.last_call = "graphs"
         return out
 
