@@ -69,13 +69,12 @@ class BoundedRepack(ExactRepack):
 
     def target(self, stage: Stage, state: ForwardState) -> Target:
         sel, batch, rows = state.selection, state.batch, state.x.shape[0]
-        if sel.fixed_count and sel.count is not None:
-            return Target(batch * sel.count, sel.count, count=sel.count)
         rows_after = self.plan.stages[stage.index].rows_after
         capacity = min(rows, batch * rows_after)
+        fixed = sel.fixed_count and sel.count is not None
         extra = getattr(sel, "extra_token", None) is not None
-        if extra or (self.may_read and capacity == rows and rows > self.sync_free_rows):
-            return super().target(stage, state)  # every earlier stage read: no padding images
+        if fixed or extra or (self.may_read and capacity == rows and rows > self.sync_free_rows):
+            return super().target(stage, state)  # the host count, or a read: no padding images
         self.may_read = False  # at most B padding images, as many as the rows past the smallest total need
         longest = max(rows_after, -(-(capacity - batch) // batch))
         return Target(capacity, longest, padding_images(capacity, batch, longest))

@@ -222,8 +222,8 @@ class GraphedPrunedViT:
             ``padded_sdpa``; ``reference`` on a CPU, where nothing is captured).
         buckets: the token-budget capacities of variable-count segments. None: ``TokenBuckets()``, with
             ``sync_free_rows=1024`` when the pruner has several variable-count stages (ATS: 9 host reads per
-            forward; skipping them below 1024 rows measured 1.15-1.26x faster at batch 1-4 on an H100) and 0 for
-            one (Threshold-L2 threshold/calibrated: 0.96-1.02x, so its one read stays).
+            forward) and 0 for one (Threshold-L2 threshold/calibrated keeps its one read); the measurements behind
+            the default: ``docs/graphs.md``, ``sync_free_rows``.
         batch_sizes: the batch sizes graphs are captured for (at every image size); others run the pipeline's eager
             forward. None: any.
         max_graphs: at most this many graphs; beyond, segments run eagerly on the static buffers. None: no limit.
@@ -357,9 +357,11 @@ class GraphedPrunedViT:
 
     def _check_binding(self) -> None:
         """Raises ``RuntimeError`` (with ``rebind``: :class:`_Changed`) if the pipeline changed since binding."""
-        if self.rebind and not self._binding.matches(self.pipeline):
+        if self._binding.matches(self.pipeline):  # the state computed once on the hot path
+            return
+        if self.rebind:
             raise _Changed
-        self._binding.check(self.pipeline)
+        self._binding.check(self.pipeline)  # raises, naming what may have changed
 
     def memory_report(self) -> GraphMemory:
         """Graphs captured, bytes reserved by their memory pool and bytes of the static buffers."""
