@@ -301,8 +301,9 @@ def render(payload: dict) -> str:
             lines.append(f"| {workload} | " + " | ".join(cells) + " |")
         olds = [b * 1e6 / old[b, w, "default"]["each_us"] for b in batches for w in workloads
                 if "each_us" in old.get((b, w, "default"), {})]  # fmt: skip
-        out.append(f"Before ({before['commit']}, {before.get('note', '')}): the default call then ran eagerly "
-                   f"({min(olds):,.0f}-{max(olds):,.0f} img/s over these cells). The graphed path against it:")
+        ran = f": the default call then ran eagerly ({min(olds):,.0f}-{max(olds):,.0f} img/s over these cells)" \
+            if olds else ""  # fmt: skip
+        out.append(f"Before ({before['commit']}, {before.get('note', '')}){ran}. The graphed path against it:")
         out.append("\n".join(lines))
     firsts = []
     for b in batches:
