@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from ragged_vit.core.selection import DecisionInput, Pruner, TokenSelection
+from .selection import DecisionInput, Pruner, TokenSelection
 
 FusedDecision = Callable[[Pruner, DecisionInput], TokenSelection]
 """``fn(pruner, inp) -> TokenSelection``: the pruner's decision on validated input, on a device."""

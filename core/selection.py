@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ragged_vit.core.segments import segment_ids, segment_sum, uniform_cu_seqlens
-from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_tensor
+from .segments import segment_ids, segment_sum, uniform_cu_seqlens
+from .validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_tensor
 
 _SCORE_DTYPES = (*FLOAT_DTYPES, torch.float64)
 

@@ -22,7 +22,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from ragged_vit.core.validation import check_int
+from ..core.validation import check_int
 
 AUTO_SYNC_FREE_ROWS = 1024
 """``sync_free_rows`` of a forward with several variable-count stages (:func:`default_sync_free_rows`), in the

@@ -94,7 +94,7 @@ def _device_of(argv: list[str] | None) -> torch.device | None:
 def add_pruner_arguments(parser: argparse.ArgumentParser, calibrated_on: str) -> None:
     """--pruner, --keep-rate, --threshold-mode, --threshold, --fuse-token, --r and --r-max (the CLI's and
     validate's)."""
-    from ragged_vit.pipelines.factory import PRUNER_NAMES
+    from .factory import PRUNER_NAMES
 
     parser.add_argument("--pruner", default="threshold_l2", choices=PRUNER_NAMES, help="pruning method")
     parser.add_argument("--keep-rate", type=_keep_rate, help="keep rate in (0, 1] (default 0.5)")
@@ -150,9 +150,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The CLI's parser; its backend and pruner choices come from the registries (which import timm and triton)."""
-    import ragged_vit
-    from ragged_vit.pipelines.backends import BACKENDS
-    from ragged_vit.pipelines.demo import COMPILED_WARMUP
+    from .. import __version__
+    from .backends import BACKENDS
+    from .demo import COMPILED_WARMUP
 
     parser = argparse.ArgumentParser(
         prog=_PROG,
@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"Accuracy on an image folder (ImageFolder layout), also under torchrun: {_PROG} validate DATA_DIR "
         f"[options] ({_PROG} validate --help).",
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {ragged_vit.__version__}")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     add_model_arguments(parser)
     add_pruner_arguments(parser, calibrated_on="the given images")
     parser.add_argument(
@@ -226,7 +226,7 @@ _PRUNER_FLAGS = {
 def pruner_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, object]:
     """The pruner's own options given (``add_pruner_arguments``' flags), checked: a flag the pruner does not take, or
     that would do nothing with the others given, is an error (``parser.error``: status 2)."""
-    from ragged_vit.pipelines.factory import pruner_options
+    from .factory import pruner_options
 
     options = {name: getattr(args, name) for name in _PRUNER_FLAGS if getattr(args, name) is not None}
     for name in sorted(set(options) - set(pruner_options(args.pruner))):
@@ -273,12 +273,12 @@ def main(argv: list[str] | None = None) -> int:
     ``validate`` subcommand instead (:mod:`ragged_vit.pipelines.validate`)."""
     words = sys.argv[1:] if argv is None else list(argv)
     if words == ["--version"]:  # answered before torch is imported
-        import ragged_vit
+        from .. import __version__
 
-        print(f"{_PROG} {ragged_vit.__version__}")
+        print(f"{_PROG} {__version__}")
         return 0
     if words[:1] == ["validate"]:
-        from ragged_vit.pipelines.validate import main as validate
+        from .validate import main as validate
 
         return validate(words[1:], prog=f"{_PROG} validate")
     device = _device_of(argv)
@@ -311,7 +311,7 @@ def _demo(argv: list[str] | None) -> int:
     device = args.device
     on_gpu = device.type == "cuda"
 
-    from ragged_vit.pipelines.backends import BACKENDS
+    from .backends import BACKENDS
 
     defaults = "triton,fa2_varlen,padded_sdpa" if on_gpu else "reference,triton"
     if args.pruner == "none":  # no packed block: one backend, which is not used
@@ -332,7 +332,7 @@ def _demo(argv: list[str] | None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
 
-    from ragged_vit.pipelines.demo import DemoOptions, run_demo
+    from .demo import DemoOptions, run_demo
 
     demo = DemoOptions(
         model=args.model or ("deit_base_patch16_224" if on_gpu else "deit_tiny_patch16_224"),

@@ -34,11 +34,11 @@ from typing import TextIO
 
 import torch
 
-from ragged_vit.core.selection import Placement
-from ragged_vit.pipelines.factory import build_pruner
-from ragged_vit.pipelines.images import load_images, preprocess
-from ragged_vit.pipelines.model import PrunedOutput, PrunedViT
-from ragged_vit.pipelines.weights import create_model, load_checkpoint
+from ..core.selection import Placement
+from .factory import build_pruner
+from .images import load_images, preprocess
+from .model import PrunedOutput, PrunedViT
+from .weights import create_model, load_checkpoint
 
 GPU_BATCH = 64
 """The large batch on a GPU (the images repeated up to at least this many) unless ``batch_repeats`` is given."""

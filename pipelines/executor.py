@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ragged_vit.core.segments import uniform_cu_seqlens
-from ragged_vit.core.selection import Decision
-from ragged_vit.pipelines.buckets import padding_images
-from ragged_vit.pipelines.heads import head_logits
-from ragged_vit.pipelines.packed_block import lean_block
-from ragged_vit.pipelines.parts import Parts
-from ragged_vit.pipelines.plan import ForwardPlan, Step, StepKind
-from ragged_vit.pipelines.stages import HostCounts, Stage, Target
-from ragged_vit.pipelines.state import ForwardState, MergeFusion
+from ..core.segments import uniform_cu_seqlens
+from ..core.selection import Decision
+from .buckets import padding_images
+from .heads import head_logits
+from .packed_block import lean_block
+from .parts import Parts
+from .plan import ForwardPlan, Step, StepKind
+from .stages import HostCounts, Stage, Target
+from .state import ForwardState, MergeFusion
 
 OnStep = Callable[[Step, ForwardState], None]
 """``on_step(step, state)``: called before each step with the forward's state as that step will find it

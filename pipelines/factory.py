@@ -35,12 +35,12 @@ import os
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ragged_vit.core.selection import Pruner
-from ragged_vit.core.validation import check_rate
-from ragged_vit.pipelines.backends import AttentionBackend
-from ragged_vit.pipelines.model import PrunedViT
-from ragged_vit.pipelines.weights import create_model, load_checkpoint
-from ragged_vit.reference.pruners import PRUNERS
+from ..core.selection import Pruner
+from ..core.validation import check_rate
+from ..reference.pruners import PRUNERS
+from .backends import AttentionBackend
+from .model import PrunedViT
+from .weights import create_model, load_checkpoint
 
 PRUNER_NAMES: tuple[str, ...] = (*PRUNERS, "none")
 _MODEL_FACTS = ("embed_dim", "num_patches", "depth")  # what build_pruner reads from the model, not the caller

@@ -85,14 +85,14 @@ from typing import NamedTuple
 
 import torch
 
-from ragged_vit.core.validation import check_int
-from ragged_vit.pipelines.backends import BACKENDS
-from ragged_vit.pipelines.buckets import TokenBuckets, default_sync_free_rows, padding_images
-from ragged_vit.pipelines.executor import CapturedRepack, ExactRepack, Run, execute, stage_counts
-from ragged_vit.pipelines.plan import MLP_OVERLAP_MAX_ROWS, ForwardPlan, Program
-from ragged_vit.pipelines.stages import HostCounts, Target, host_counts
-from ragged_vit.pipelines.state import ForwardState, PrunedOutput
-from ragged_vit.triton_impl.launcher import INTERPRETED
+from ..core.validation import check_int
+from ..triton_impl.launcher import INTERPRETED
+from .backends import BACKENDS
+from .buckets import TokenBuckets, default_sync_free_rows, padding_images
+from .executor import CapturedRepack, ExactRepack, Run, execute, stage_counts
+from .plan import MLP_OVERLAP_MAX_ROWS, ForwardPlan, Program
+from .stages import HostCounts, Target, host_counts
+from .state import ForwardState, PrunedOutput
 
 Pipeline = torch.nn.Module
 """A :class:`ragged_vit.pipelines.model.PrunedViT` (not imported here: that module builds its runner from this one)."""

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from ragged_vit.core.segments import positions, segment_ids, segment_softmax, segment_sum
+from ..core.segments import positions, segment_ids, segment_softmax, segment_sum
 
 POOLS = ("token", "avg", "max", "avgmax", "map")
 MERGE_POOLS = ("token", "avg")

@@ -51,21 +51,21 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from ragged_vit.core.selection import Decision, DecisionInput, Placement, Pruner
-from ragged_vit.core.validation import check_tensor
-from ragged_vit.pipelines.backends import AttentionBackend, make_backend
-from ragged_vit.pipelines.buckets import default_sync_free_rows
-from ragged_vit.pipelines.executor import BoundedRepack, ExactRepack, OnStep, Run, execute, stage_counts
-from ragged_vit.pipelines.graphs import GraphedPrunedViT
-from ragged_vit.pipelines.heads import pool_of
-from ragged_vit.pipelines.packed_block import check_packable
-from ragged_vit.pipelines.parts import Parts, front, parts
-from ragged_vit.pipelines.patch_embed import patch_embed_gemm, supports_gemm
-from ragged_vit.pipelines.plan import ForwardPlan, Program, build_plan
-from ragged_vit.pipelines.stages import Stage, host_counts, make_stages
-from ragged_vit.pipelines.state import ForwardState, PrunedOutput
-from ragged_vit.reference.pruners.tome import ToMeMerger
-from ragged_vit.reference.tome import bisect_threshold
+from ..core.selection import Decision, DecisionInput, Placement, Pruner
+from ..core.validation import check_tensor
+from ..reference.pruners.tome import ToMeMerger
+from ..reference.tome import bisect_threshold
+from .backends import AttentionBackend, make_backend
+from .buckets import default_sync_free_rows
+from .executor import BoundedRepack, ExactRepack, OnStep, Run, execute, stage_counts
+from .graphs import GraphedPrunedViT
+from .heads import pool_of
+from .packed_block import check_packable
+from .parts import Parts, front, parts
+from .patch_embed import patch_embed_gemm, supports_gemm
+from .plan import ForwardPlan, Program, build_plan
+from .stages import Stage, host_counts, make_stages
+from .state import ForwardState, PrunedOutput
 
 MODES = ("auto", "eager", "graphs")
 """How :meth:`PrunedViT.forward` runs: ``auto`` (CUDA graphs where the call can be captured, else eager, saying once

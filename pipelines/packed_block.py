@@ -52,8 +52,8 @@ from timm.models.vision_transformer import (  # Attention lives in timm.layers i
 from torch import nn
 from torch.nn.modules import module as _module
 
-from ragged_vit.pipelines.backends.base import AttentionBackend
-from ragged_vit.reference.attention import split_qkv
+from ..reference.attention import split_qkv
+from .backends.base import AttentionBackend
 
 
 def check_packable(block: nn.Module, name: str = "block") -> None:

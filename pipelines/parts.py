@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ragged_vit.core.decisions import fused_decision
-from ragged_vit.core.selection import Decision, DecisionInput, Pruner
-from ragged_vit.pipelines.packed_block import (
+from ..core.decisions import fused_decision
+from ..core.selection import Decision, DecisionInput, Pruner
+from .packed_block import (
     dense_block,
     packed_attention,
     packed_attention_branch,

@@ -37,8 +37,8 @@ import enum
 import functools
 from dataclasses import dataclass
 
-from ragged_vit.core.selection import Placement, Pruner
-from ragged_vit.core.validation import check_int
+from ..core.selection import Placement, Pruner
+from ..core.validation import check_int
 
 
 class StepKind(str, enum.Enum):

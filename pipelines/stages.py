@@ -22,15 +22,15 @@ from dataclasses import dataclass
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from ragged_vit.core.segments import seqlens
-from ragged_vit.core.selection import Decision, DecisionInput, MergeSelection, Placement, Pruner, TokenSelection
-from ragged_vit.pipelines.heads import MERGE_POOLS, pool_of
-from ragged_vit.pipelines.parts import Parts
-from ragged_vit.pipelines.state import ForwardState
-from ragged_vit.reference import merging as ref_merging
-from ragged_vit.reference import packing as ref_packing
-from ragged_vit.triton_impl import merging as triton_merging
-from ragged_vit.triton_impl import pack as triton_pack
+from ..core.segments import seqlens
+from ..core.selection import Decision, DecisionInput, MergeSelection, Placement, Pruner, TokenSelection
+from ..reference import merging as ref_merging
+from ..reference import packing as ref_packing
+from ..triton_impl import merging as triton_merging
+from ..triton_impl import pack as triton_pack
+from .heads import MERGE_POOLS, pool_of
+from .parts import Parts
+from .state import ForwardState
 
 MERGE_NORM_MAX_ROWS = 1024
 """The merge kernel also writes ``norm2`` of the merged rows (whole rows a program) for merges of at most this many

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ragged_vit.core.selection import Decision
+from ..core.selection import Decision
 
 
 @dataclass(frozen=True, eq=False)

@@ -51,7 +51,7 @@ from typing import TextIO
 
 import torch
 
-from ragged_vit.pipelines.images import IMAGE_SUFFIXES
+from .images import IMAGE_SUFFIXES
 
 TOP_K = 5
 DATA_BOUND_SHARE = 0.2
@@ -546,9 +546,9 @@ def _fingerprint(index: ImageFolderIndex) -> tuple[int, int]:
 
 def _prepare(options: ValidateOptions) -> _Setup:
     """Scans the data, builds the model, pruner and pipeline (checkpoint loaded, moved, calibrated)."""
-    from ragged_vit.pipelines.factory import build_pruner
-    from ragged_vit.pipelines.model import PrunedViT
-    from ragged_vit.pipelines.weights import create_model, load_checkpoint
+    from .factory import build_pruner
+    from .model import PrunedViT
+    from .weights import create_model, load_checkpoint
 
     device, dtype = options.device, options.dtype
     index = scan_image_folder(options.data_dir, options.class_map, options.skip_bad)
@@ -611,8 +611,8 @@ def validate(options: ValidateOptions, group: Distributed | None = None, out: Te
             message names the file or option), on every rank when one rank has them. A file that cannot be decoded
             raises on every rank once all ranks have finished their shards, unless ``options.skip_bad``.
     """
-    from ragged_vit.pipelines.demo import describe_pruner, progress_bar
-    from ragged_vit.pipelines.graphs import GraphedPrunedViT
+    from .demo import describe_pruner, progress_bar
+    from .graphs import GraphedPrunedViT
 
     group = group or Distributed()
     out = out or sys.stdout
@@ -759,7 +759,7 @@ def _results(options, index, pv, tally, per_rank, skipped, notes, weights, mode,
     import timm
     import triton
 
-    import ragged_vit
+    from .. import __version__
 
     device = options.device
     unused = options.pruner == "none" or options.pruner_options.get("threshold_mode") == "threshold"
@@ -806,7 +806,7 @@ def _results(options, index, pv, tally, per_rank, skipped, notes, weights, mode,
     return {
         "command": options.command,
         "versions": {
-            "ragged_vit": ragged_vit.__version__,
+            "ragged_vit": __version__,
             "torch": torch.__version__,
             "triton": triton.__version__,
             "timm": timm.__version__,
@@ -1006,8 +1006,8 @@ def _path_to_write(what: str):
 
 def build_parser(prog: str = "ragged-vit validate") -> argparse.ArgumentParser:
     """The parser of ``ragged-vit validate`` (its pruner choices come from the registry, which imports timm)."""
-    from ragged_vit.pipelines.backends import BACKENDS
-    from ragged_vit.pipelines.cli import _DTYPES, _int_at_least, add_model_arguments, add_pruner_arguments
+    from .backends import BACKENDS
+    from .cli import _DTYPES, _int_at_least, add_model_arguments, add_pruner_arguments
 
     positive, non_negative = _int_at_least(1, "positive"), _int_at_least(0, "non-negative")
     parser = _Parser(
@@ -1083,7 +1083,7 @@ def build_parser(prog: str = "ragged-vit validate") -> argparse.ArgumentParser:
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, on_gpu: bool) -> dict[str, object]:
     """Options that would do nothing with the others given, or on this device, are errors (status 2); returns the
     pruner's own options."""
-    from ragged_vit.pipelines.cli import pruner_arguments
+    from .cli import pruner_arguments
 
     options = pruner_arguments(parser, args)
     if args.pruner == "none":
@@ -1110,7 +1110,7 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, on_gp
 
 
 def _resolve_device(parser: argparse.ArgumentParser, text: str, group: Distributed) -> torch.device:
-    from ragged_vit.pipelines.cli import _device
+    from .cli import _device
 
     try:
         device = _device(text)
@@ -1135,7 +1135,7 @@ def _early_device(argv: list[str]) -> str:
 
 def main(argv: list[str] | None = None, prog: str = "ragged-vit validate") -> int:
     """Parses ``argv`` (default ``sys.argv[1:]``), validates; returns the exit status (2: a one-line error)."""
-    from ragged_vit.pipelines.cli import interpreter_env
+    from .cli import interpreter_env
 
     argv = sys.argv[1:] if argv is None else list(argv)
     early = _early_device(argv)

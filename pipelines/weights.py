@@ -26,7 +26,7 @@ import timm
 import torch
 from torch import nn
 
-from ragged_vit.core.selection import Pruner
+from ..core.selection import Pruner
 
 _LISTED = 8  # keys shown per error message
 

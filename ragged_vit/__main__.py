@@ -2,6 +2,6 @@
 
 import sys
 
-from ragged_vit.pipelines.cli import main
+from .pipelines.cli import main
 
 sys.exit(main())

@@ -3,7 +3,7 @@ token-pruned ViT on an image folder, the same as ``ragged-vit validate`` (:mod:`
 
 import sys
 
-from ragged_vit.pipelines.validate import main
+from .pipelines.validate import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -5,9 +5,9 @@ here. The types these functions share (pruner interface, selections) and the per
 layer down, in :mod:`ragged_vit.core`.
 """
 
-from ragged_vit.reference.attention import padded_attention, ragged_attention, split_qkv
-from ragged_vit.reference.cls_attention import cls_attention
-from ragged_vit.reference.packing import cls_rows, pack, repack, total_and_longest, unpack
+from .attention import padded_attention, ragged_attention, split_qkv
+from .cls_attention import cls_attention
+from .packing import cls_rows, pack, repack, total_and_longest, unpack
 
 __all__ = [
     "cls_attention",

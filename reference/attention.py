@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ragged_vit.core.validation import check_cu_seqlens, check_same_device, check_tensor
+from ..core.validation import check_cu_seqlens, check_same_device, check_tensor
 
 _REF_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

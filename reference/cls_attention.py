@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from ragged_vit.core.segments import segment_ids, segment_softmax
-from ragged_vit.core.selection import DecisionInput
-from ragged_vit.core.validation import check_cu_seqlens, check_same_device, check_tensor
-from ragged_vit.reference.attention import split_qkv
+from ..core.segments import segment_ids, segment_softmax
+from ..core.selection import DecisionInput
+from ..core.validation import check_cu_seqlens, check_same_device, check_tensor
+from .attention import split_qkv
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ragged_vit.core.segments import cu_seqlens_from_counts
-from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_tensor
+from ..core.segments import cu_seqlens_from_counts
+from ..core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_tensor
 
 _REF_DTYPES = (*FLOAT_DTYPES, torch.float64)
 VARIANTS = ("published", "patch_rows")

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ragged_vit.core.segments import cu_seqlens_from_counts, positions, segment_ids, seqlens
-from ragged_vit.core.validation import (
+from ..core.segments import cu_seqlens_from_counts, positions, segment_ids, seqlens
+from ..core.validation import (
     FLOAT_DTYPES,
     check_cu_seqlens,
     check_int,

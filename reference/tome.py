@@ -31,10 +31,10 @@ import torch
 from timm.models.vision_transformer import Attention, Block, VisionTransformer
 from torch import nn
 
-from ragged_vit.core.segments import positions, segment_ids, segment_sum, seqlens, uniform_cu_seqlens
-from ragged_vit.core.validation import check_int, check_tensor
-from ragged_vit.reference.attention import ragged_attention, split_qkv
-from ragged_vit.reference.merging import check_merge_mode, decide_merges, fixed_r_counts, merge_rows
+from ..core.segments import positions, segment_ids, segment_sum, seqlens, uniform_cu_seqlens
+from ..core.validation import check_int, check_tensor
+from .attention import ragged_attention, split_qkv
+from .merging import check_merge_mode, decide_merges, fixed_r_counts, merge_rows
 
 POOLS = ("token", "avg")
 _CALIBRATION_STEPS = 30  # halvings of [-2, 2]: below fp32's spacing near 1 (6e-8), every fp32 threshold resolved

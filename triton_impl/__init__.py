@@ -11,4 +11,4 @@ The fused decisions register themselves for their pruner types (:mod:`ragged_vit
 modules are imported, which importing this package does: a new fused decision is one new module plus one line here.
 """
 
-from ragged_vit.triton_impl import ats, dynamicvit, evit, merging, threshold_l2  # noqa: F401  (register their fused decisions)
+from . import ats, dynamicvit, evit, merging, threshold_l2  # noqa: F401  (register their fused decisions)

@@ -34,17 +34,17 @@ import torch
 import triton
 import triton.language as tl
 
-from ragged_vit.core.decisions import register_decision
-from ragged_vit.core.selection import DecisionInput, TokenSelection
-from ragged_vit.core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
-from ragged_vit.reference.pruners.ats import ATSPruner
-from ragged_vit.triton_impl.cls_attention import (
+from ..core.decisions import register_decision
+from ..core.selection import DecisionInput, TokenSelection
+from ..core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
+from ..reference.pruners.ats import ATSPruner
+from .cls_attention import (
     check_qkv,
     check_qkv_input,
     cls_attention_logits,
     image_rows,
 )
-from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, next_power_of_2, scratch
+from .launcher import CompiledLauncher, aligned, next_power_of_2, scratch
 
 
 @triton.jit

@@ -39,9 +39,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_max_seqlen, check_tensor
-from ragged_vit.triton_impl.configs import AttentionConfig, attention_config
-from ragged_vit.triton_impl.launcher import CompiledLauncher, cdiv, next_power_of_2
+from ..core.validation import FLOAT_DTYPES, check_cu_seqlens, check_max_seqlen, check_tensor
+from .configs import AttentionConfig, attention_config
+from .launcher import CompiledLauncher, cdiv, next_power_of_2
 
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))
 _LOG2E = tl.constexpr(1.4426950408889634)

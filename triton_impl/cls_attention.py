@@ -15,9 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ragged_vit.core.selection import DecisionInput
-from ragged_vit.core.validation import FLOAT_DTYPES, check_int, check_max_seqlen, check_tensor
-from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, cdiv, next_power_of_2
+from ..core.selection import DecisionInput
+from ..core.validation import FLOAT_DTYPES, check_int, check_max_seqlen, check_tensor
+from .launcher import CompiledLauncher, aligned, cdiv, next_power_of_2
 
 _BLOCK_T = 16  # rows per step of the logits kernel: a DeiT image spreads over 13 programs
 

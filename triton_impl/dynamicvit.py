@@ -66,14 +66,14 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ragged_vit.core.decisions import register_decision
-from ragged_vit.core.segments import uniform_length
-from ragged_vit.core.selection import DecisionInput, TokenSelection
-from ragged_vit.core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
-from ragged_vit.reference.pruners.dynamicvit import DynamicViTPruner, PredictorLG
-from ragged_vit.triton_impl.cls_attention import image_rows
-from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, cdiv, next_power_of_2, scratch
-from ragged_vit.triton_impl.select import rank_keep_unchecked
+from ..core.decisions import register_decision
+from ..core.segments import uniform_length
+from ..core.selection import DecisionInput, TokenSelection
+from ..core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
+from ..reference.pruners.dynamicvit import DynamicViTPruner, PredictorLG
+from .cls_attention import image_rows
+from .launcher import CompiledLauncher, aligned, cdiv, next_power_of_2, scratch
+from .select import rank_keep_unchecked
 
 
 @triton.jit

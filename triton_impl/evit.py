@@ -42,14 +42,14 @@ import torch
 import triton
 import triton.language as tl
 
-from ragged_vit.core.decisions import register_decision
-from ragged_vit.core.segments import uniform_length
-from ragged_vit.core.selection import DecisionInput, TokenSelection
-from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_tensor
-from ragged_vit.reference.pruners.evit import EViTPruner
-from ragged_vit.triton_impl.cls_attention import check_qkv_input, cls_attention_mean, image_rows
-from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, cdiv, int_spec
-from ragged_vit.triton_impl.select import rank_keep_unchecked
+from ..core.decisions import register_decision
+from ..core.segments import uniform_length
+from ..core.selection import DecisionInput, TokenSelection
+from ..core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_tensor
+from ..reference.pruners.evit import EViTPruner
+from .cls_attention import check_qkv_input, cls_attention_mean, image_rows
+from .launcher import CompiledLauncher, aligned, cdiv, int_spec
+from .select import rank_keep_unchecked
 
 _BLOCK_T = 128  # patch rows per step: DeiT-B's 196 patches in two steps, its later stages in one
 _BLOCK_C = 32  # channels per program: one DeiT-B image (768) spreads over 24 programs, batch 64 over 1536

@@ -117,13 +117,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ragged_vit.core.decisions import register_decision
-from ragged_vit.core.selection import DecisionInput, MergeSelection
-from ragged_vit.core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
-from ragged_vit.reference.merging import VARIANTS, check_merge_mode, check_sizes, merge_sources
-from ragged_vit.reference.pruners.tome import ToMeMerger, fixed_count
-from ragged_vit.triton_impl.cls_attention import image_rows
-from ragged_vit.triton_impl.launcher import (
+from ..core.decisions import register_decision
+from ..core.selection import DecisionInput, MergeSelection
+from ..core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
+from ..reference.merging import VARIANTS, check_merge_mode, check_sizes, merge_sources
+from ..reference.pruners.tome import ToMeMerger, fixed_count
+from .cls_attention import image_rows
+from .launcher import (
     CompiledLauncher,
     aligned,
     cdiv,
@@ -132,7 +132,7 @@ from ragged_vit.triton_impl.launcher import (
     pdl_supported,
     scratch,
 )
-from ragged_vit.triton_impl.pack import store_total_and_longest
+from .pack import store_total_and_longest
 
 # Keys per head of one metric step (DeiT-B: 4 rows of 64), every head loaded at once: 256 took the decision 16.6 /
 # 17.5 / 39.2 us per DeiT-B block at B = 1 / 4 / 64 against 18.8 / 19.4 / 39.9 for 1024 (H100, graph replay, r = 13;

@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ragged_vit.core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
-from ragged_vit.triton_impl.launcher import CompiledLauncher, aligned, cdiv
+from ..core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
+from .launcher import CompiledLauncher, aligned, cdiv
 
 _BLOCK_I = 16  # rows ranked per step: a DeiT image spreads over 13 programs, so batch 1-4 fills the card
 _BLOCK_J = 64  # rows compared against per step

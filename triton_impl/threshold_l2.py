@@ -12,11 +12,11 @@ CUDA (:mod:`ragged_vit.core.decisions`), which the pipelines use.
 
 from __future__ import annotations
 
-from ragged_vit.core.decisions import register_decision
-from ragged_vit.core.segments import uniform_length
-from ragged_vit.core.selection import DecisionInput, TokenSelection
-from ragged_vit.reference.pruners.threshold_l2 import ThresholdL2Pruner, l2_scores
-from ragged_vit.triton_impl.select import rank_keep_unchecked
+from ..core.decisions import register_decision
+from ..core.segments import uniform_length
+from ..core.selection import DecisionInput, TokenSelection
+from ..reference.pruners.threshold_l2 import ThresholdL2Pruner, l2_scores
+from .select import rank_keep_unchecked
 
 
 def threshold_l2_select(pruner: ThresholdL2Pruner, inp: DecisionInput) -> TokenSelection:

@@ -5,12 +5,12 @@ A new backend is one new file here plus one line in :data:`BACKENDS`; tests and 
 
 from __future__ import annotations
 
-from ragged_vit.pipelines.backends.base import AttentionBackend
-from ragged_vit.pipelines.backends.fa2_varlen import FA2VarlenBackend
-from ragged_vit.pipelines.backends.nested_sdpa import NestedSDPABackend
-from ragged_vit.pipelines.backends.padded_sdpa import PaddedSDPABackend
-from ragged_vit.pipelines.backends.reference import ReferenceBackend
-from ragged_vit.pipelines.backends.triton import TritonBackend
+from .base import AttentionBackend
+from .fa2_varlen import FA2VarlenBackend
+from .nested_sdpa import NestedSDPABackend
+from .padded_sdpa import PaddedSDPABackend
+from .reference import ReferenceBackend
+from .triton import TritonBackend
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
     "reference": ReferenceBackend,

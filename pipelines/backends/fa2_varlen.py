@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from ragged_vit.pipelines.backends.base import AttentionBackend, Capabilities, aligned
-from ragged_vit.reference.attention import split_qkv
+from ...reference.attention import split_qkv
+from .base import AttentionBackend, Capabilities, aligned
 
 
 class FA2VarlenBackend(AttentionBackend):

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ragged_vit.pipelines.backends.base import AttentionBackend, Capabilities, aligned
-from ragged_vit.reference.attention import split_qkv
+from ...reference.attention import split_qkv
+from .base import AttentionBackend, Capabilities, aligned
 
 
 class NestedSDPABackend(AttentionBackend):

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ragged_vit.core.segments import positions, segment_ids, seqlens
-from ragged_vit.pipelines.backends.base import AttentionBackend, Capabilities
+from ...core.segments import positions, segment_ids, seqlens
+from .base import AttentionBackend, Capabilities
 
 
 class PaddedSDPABackend(AttentionBackend):

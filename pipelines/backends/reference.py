@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ragged_vit.pipelines.backends.base import AttentionBackend, Capabilities
-from ragged_vit.reference.attention import ragged_attention, split_qkv
+from ...reference.attention import ragged_attention, split_qkv
+from .base import AttentionBackend, Capabilities
 
 
 class ReferenceBackend(AttentionBackend):

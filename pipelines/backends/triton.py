@@ -16,13 +16,13 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ragged_vit.pipelines.backends.base import AttentionBackend, Capabilities
-from ragged_vit.triton_impl.attention import (
+from ...triton_impl.attention import (
     SUPPORTED_HEAD_DIMS,
     ragged_attention_qkv_op,
     ragged_attention_qkv_unchecked,
 )
-from ragged_vit.triton_impl.launcher import INTERPRETED
+from ...triton_impl.launcher import INTERPRETED
+from .base import AttentionBackend, Capabilities
 
 
 class TritonBackend(AttentionBackend):

@@ -21,7 +21,7 @@ contracts and walks through a port. Pure PyTorch; runs on CPU and GPU; imports n
 :mod:`ragged_vit.reference`.
 """
 
-from ragged_vit.testing.attention import (
+from .attention import (
     AttentionCase,
     assert_attention_close,
     attention_cases,
@@ -29,9 +29,9 @@ from ragged_vit.testing.attention import (
     attention_suite,
     check_attention,
 )
-from ragged_vit.testing.decision import DecisionCase, check_decision, decision_cases, decision_suite
-from ragged_vit.testing.pack import PackCase, check_pack, pack_cases, pack_suite
-from ragged_vit.testing.report import ConformanceError, level
+from .decision import DecisionCase, check_decision, decision_cases, decision_suite
+from .pack import PackCase, check_pack, pack_cases, pack_suite
+from .report import ConformanceError, level
 
 __all__ = [
     "AttentionCase",

@@ -56,9 +56,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ragged_vit.core.segments import cu_seqlens_from_counts
-from ragged_vit.reference.attention import ragged_attention, split_qkv
-from ragged_vit.testing.report import Failure, bad_call_failures, level, raise_failures
+from ..core.segments import cu_seqlens_from_counts
+from ..reference.attention import ragged_attention, split_qkv
+from .report import Failure, bad_call_failures, level, raise_failures
 
 QUICK_LENGTHS = (1, 2, 63, 64, 65, 197)
 TILE_LENGTHS = (16, 17, 32, 33, 128, 129)

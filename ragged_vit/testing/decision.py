@@ -59,10 +59,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ragged_vit.core.segments import cu_seqlens_from_counts
-from ragged_vit.core.selection import DecisionInput, Pruner, TokenSelection, kept_counts
-from ragged_vit.testing.attention import default_dtypes
-from ragged_vit.testing.report import Failure, bad_call_failures, level, raise_failures
+from ..core.segments import cu_seqlens_from_counts
+from ..core.selection import DecisionInput, Pruner, TokenSelection, kept_counts
+from .attention import default_dtypes
+from .report import Failure, bad_call_failures, level, raise_failures
 
 FusedDecision = Callable[[Pruner, DecisionInput], TokenSelection]
 QUICK_LENGTHS = (1, 2, 63, 64, 65)

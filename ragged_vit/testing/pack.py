@@ -65,10 +65,10 @@ from typing import ClassVar
 
 import torch
 
-from ragged_vit.core.segments import cu_seqlens_from_counts, positions, segment_rank, seqlens, uniform_cu_seqlens
-from ragged_vit.reference import packing as reference
-from ragged_vit.testing.attention import ADVERSARIAL_LENGTHS, QUICK_LENGTHS, default_dtypes
-from ragged_vit.testing.report import Failure, bad_call_failures, level, raise_failures
+from ..core.segments import cu_seqlens_from_counts, positions, segment_rank, seqlens, uniform_cu_seqlens
+from ..reference import packing as reference
+from .attention import ADVERSARIAL_LENGTHS, QUICK_LENGTHS, default_dtypes
+from .report import Failure, bad_call_failures, level, raise_failures
 
 OPS = ("pack", "repack", "unpack", "cls_rows")
 FILL = -1.0  # unpack's fill value in every case

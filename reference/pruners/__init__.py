@@ -5,12 +5,12 @@ Adding a pruner is one new file here plus one line in :data:`PRUNERS`; tests and
 
 from __future__ import annotations
 
-from ragged_vit.core.selection import Pruner
-from ragged_vit.reference.pruners.ats import ATSPruner
-from ragged_vit.reference.pruners.dynamicvit import DynamicViTPruner, PredictorLG
-from ragged_vit.reference.pruners.evit import EViTPruner
-from ragged_vit.reference.pruners.threshold_l2 import ThresholdL2Pruner
-from ragged_vit.reference.pruners.tome import ToMeMerger
+from ...core.selection import Pruner
+from .ats import ATSPruner
+from .dynamicvit import DynamicViTPruner, PredictorLG
+from .evit import EViTPruner
+from .threshold_l2 import ThresholdL2Pruner
+from .tome import ToMeMerger
 
 PRUNERS: dict[str, type[Pruner]] = {
     "threshold_l2": ThresholdL2Pruner,

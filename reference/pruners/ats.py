@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from ragged_vit.core.segments import (
+from ...core.segments import (
     patch_counts,
     positions,
     prefix_rows,
@@ -30,10 +30,10 @@ from ragged_vit.core.segments import (
     seqlens,
     to_padded,
 )
-from ragged_vit.core.selection import DecisionInput, Placement, Pruner, TokenSelection, kept_counts
-from ragged_vit.core.validation import check_blocks, check_int, check_rate
-from ragged_vit.reference.cls_attention import attention_inputs
-from ragged_vit.reference.pruners.schedule import at_depth
+from ...core.selection import DecisionInput, Placement, Pruner, TokenSelection, kept_counts
+from ...core.validation import check_blocks, check_int, check_rate
+from ..cls_attention import attention_inputs
+from .schedule import at_depth
 
 
 def inverse_transform_sample(

@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ragged_vit.core.segments import prefix_rows, segment_ids, segment_rank, segment_sum, uniform_length
-from ragged_vit.core.selection import DecisionInput, Placement, Pruner, TokenSelection, kept_counts
-from ragged_vit.core.validation import check_blocks, check_int, check_rate
-from ragged_vit.reference.pruners.schedule import at_depth
+from ...core.segments import prefix_rows, segment_ids, segment_rank, segment_sum, uniform_length
+from ...core.selection import DecisionInput, Placement, Pruner, TokenSelection, kept_counts
+from ...core.validation import check_blocks, check_int, check_rate
+from .schedule import at_depth
 
 
 class PredictorLG(nn.Module):

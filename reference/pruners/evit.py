@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ragged_vit.core.segments import (
+from ...core.segments import (
     ceil_rate,
     patch_counts,
     prefix_rows,
@@ -26,10 +26,10 @@ from ragged_vit.core.segments import (
     segment_sum,
     uniform_length,
 )
-from ragged_vit.core.selection import DecisionInput, Placement, Pruner, TokenSelection, kept_counts
-from ragged_vit.core.validation import check_blocks, check_rate
-from ragged_vit.reference.cls_attention import attention_inputs
-from ragged_vit.reference.pruners.schedule import at_depth
+from ...core.selection import DecisionInput, Placement, Pruner, TokenSelection, kept_counts
+from ...core.validation import check_blocks, check_rate
+from ..cls_attention import attention_inputs
+from .schedule import at_depth
 
 
 class EViTPruner(Pruner):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ragged_vit.core.validation import check_int
+from ...core.validation import check_int
 
 BASE_DEPTH = 12
 """The depth the published schedules are written for."""

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from ragged_vit.core.segments import (
+from ...core.segments import (
     ceil_rate,
     patch_counts,
     prefix_rows,
@@ -24,7 +24,7 @@ from ragged_vit.core.segments import (
     segment_rank,
     uniform_length,
 )
-from ragged_vit.core.selection import (
+from ...core.selection import (
     DecisionInput,
     Placement,
     Pruner,
@@ -32,8 +32,8 @@ from ragged_vit.core.selection import (
     check_decision_input,
     kept_counts,
 )
-from ragged_vit.core.validation import FLOAT_DTYPES, check_int, check_rate, check_tensor
-from ragged_vit.reference.pruners.schedule import at_depth
+from ...core.validation import FLOAT_DTYPES, check_int, check_rate, check_tensor
+from .schedule import at_depth
 
 _SCORE_DTYPES = (*FLOAT_DTYPES, torch.float64)
 MODES = ("threshold", "ratio", "calibrated")

@@ -31,12 +31,12 @@ from collections.abc import Sequence
 
 import torch
 
-from ragged_vit.core.segments import seqlens
-from ragged_vit.core.selection import DecisionInput, MergeSelection, Placement, Pruner
-from ragged_vit.core.validation import check_rate
-from ragged_vit.reference.attention import split_qkv
-from ragged_vit.reference.merging import VARIANTS, check_merge_mode, decide_merges, fixed_r_counts, merge_count
-from ragged_vit.reference.tome import per_block
+from ...core.segments import seqlens
+from ...core.selection import DecisionInput, MergeSelection, Placement, Pruner
+from ...core.validation import check_rate
+from ..attention import split_qkv
+from ..merging import VARIANTS, check_merge_mode, decide_merges, fixed_r_counts, merge_count
+from ..tome import per_block
 
 
 class ToMeMerger(Pruner):
