@@ -4,9 +4,9 @@
 non-overlapping ``C x p x p`` patch, plus the bias. Rearranging the image into patch rows (one copy) and calling
 ``F.linear`` computes exactly that sum (in another accumulation order: rounding-level differences, no others).
 
-Why: on an H200 (torch 2.11, cuDNN of CUDA 13) the 16x16/stride-16 convolution of DeiT-B runs as an implicit-GEMM
-kernel plus two layout transposes: 83 + 19 us at B=4 and 388 + 152 us at B=64, 10-12% of a graphed pruned
-forward, where the GEMM on patch rows needs a few microseconds. ``PrunedViT`` uses it on CUDA
+Why: cuDNN runs the 16x16/stride-16 convolution of DeiT-B as an implicit-GEMM kernel plus two layout transposes,
+a noticeable share of a graphed pruned forward, where the GEMM on patch rows needs a few microseconds
+(``docs/tuning.md#gemm-patch-embedding``). ``PrunedViT`` uses it on CUDA
 (``gemm_patch_embed=True``, the default); on the CPU timm's own convolution runs, so the reference path stays
 timm's forward exactly. ``ci/forward_profile.py`` measures both, and the unpruned timm model with the same
 embedding, so the gain is not credited to pruning.

@@ -2,8 +2,8 @@
 
 The reference scores and samples with ~250 small kernels per stage on a GPU (CLS attention, segment softmax, value
 norms, a padded sort, a cumulative sum, a ``[B, S, W]`` distance argmin, a scatter, a rank for the floor); ATS has
-a stage in each of blocks 3-11, so its decisions were ~3.5 ms of a 4 ms graphed DeiT-B forward at batch 1 (H100).
-Here one stage is two launches:
+a stage in each of blocks 3-11, so its decisions were most of a graphed DeiT-B forward at batch 1
+(``docs/tuning.md#ats-decision-kernels``). Here one stage is two launches:
 
 1. the CLS-logits kernel of :mod:`ragged_vit.triton_impl.cls_attention` (one program per image, head and 16-row
    block): the CLS query's logit against every key and the squared norm of every value, per head (two ``[T, H]``
@@ -12,8 +12,8 @@ Here one stage is two launches:
    ``[rows, heads]`` tile, the normalised significance ``S_j`` (CLS 0), then the sampling itself: one
    ``tl.sort`` of 64-bit keys ``(score bits, row)`` (non-negative floats order as their bits, so this is the
    reference's stable ascending sort), ``tl.cumsum``, min-max normalisation, then every target's nearest CDF
-   value by binary search in the sorted CDF (a per-image scratch row; the ``[targets, rows]`` distance argmin
-   of the reference took 16-29 us per program on an H100, the search 2 us), and the floor: a second sort of
+   value by binary search in the sorted CDF (a per-image scratch row; far cheaper than the reference's
+   ``[targets, rows]`` distance argmin: ``docs/tuning.md#ats-decision-kernels``), and the floor: a second sort of
    the unsampled patches by (descending score, row) whose ``k``-th key is the cut. It writes every row's keep
    flag and the image's kept count.
 

@@ -363,7 +363,7 @@ def ragged_attention_qkv_unchecked(
 
 
 # The custom op for torch.compile. Registered through torch.library.Library rather than the custom_op
-# decorator: the decorator's Python wrapper cost ~30 us per eager call on an H200 (ci/dispatch_profile.py).
+# decorator: the decorator's Python wrapper adds host time to every eager call (docs/tuning.md#attention-custom-op).
 _LIBRARY = torch.library.Library("ragged_vit", "DEF")
 _LIBRARY.define(
     "ragged_attention_qkv(Tensor qkv, Tensor cu_seqlens, SymInt max_seqlen, int num_heads, float scale, "

@@ -6,11 +6,11 @@ Python-side lookup to every launch, and fails under Triton's interpreter. A smal
 
 How the entries were chosen:
 
-* SM89 (Ada, RTX 4000 Ada): the paper's values, BLOCK_M = BLOCK_N = 64, one program per (image, head). We have
-  no SM89 card, so these are kept as published and are not re-tuned.
-* SM90 (H100/H200): measured with ``python -m ci.tune_attention`` (``bash ci/gpu_suite.sh tune``) on our cards;
-  see ``docs/kernel_tuning.md`` for the sweep (tile sizes, warps, stages, grid shape) and the winners. The best
-  configuration depends on the sequence length, so the table holds bands keyed by the mean length ``T / B``.
+* SM89: the paper's values, BLOCK_M = BLOCK_N = 64, one program per (image, head). We have no SM89 card, so
+  these are kept as published and are not re-tuned (``docs/tuning.md#attention-tile-table``).
+* SM90: chosen by a sweep of ``python -m ci.tune_attention`` (``bash ci/gpu_suite.sh tune``): tile sizes, warps,
+  stages, grid shape (``docs/tuning.md#attention-tile-table``). The best configuration depends on the sequence
+  length, so the table holds bands keyed by the mean length ``T / B``.
 * Anything else (and the CPU interpreter): a safe 64x64 default.
 
 ``grid_per_tile`` picks the grid: True launches ``(ceil(max_seqlen / BLOCK_M), B * H)`` programs (one per
@@ -44,16 +44,16 @@ _Bands = tuple[tuple[float, AttentionConfig], ...]
 _OPEN = float("inf")
 
 _SM89 = AttentionConfig(64, 64, 4, 2, False)  # the paper's values, kept as published (no SM89 card here)
-# SM90, measured on an H200 (torch 2.11, triton 3.6; docs/kernel_tuning.md): short sequences (80% pruned,
-# ~40 tokens) are latency-bound and want one program per (image, head) walking 64x64 tiles without software
-# pipelining; longer ones want a program per query tile and 64x32 key tiles, three stages deep.
+# SM90 (docs/tuning.md#attention-tile-table): short sequences (a mean of at most 64 tokens) are latency-bound and
+# want one program per (image, head) walking 64x64 tiles without software pipelining; longer ones want a program
+# per query tile and 64x32 key tiles, three stages deep.
 _SM90_SHORT = AttentionConfig(64, 64, 4, 1, False)
 _SM90_LONG = AttentionConfig(64, 32, 4, 3, True)
 
 _TABLE: dict[tuple[int, int], dict[int, _Bands]] = {
     (8, 9): {d: ((_OPEN, _SM89),) for d in (16, 32, 64, 128)},
-    # 80 (ViT-H/14) and 96 run 128-wide padded tiles; their sweeps (H100, docs/kernel_tuning.md) pick the same two
-    # bands: 3.5-13% faster than the untuned default below in every cell.
+    # 80 (ViT-H/14) and 96 run 128-wide padded tiles; their sweeps pick the same two bands, faster than the untuned
+    # default below in every cell (docs/tuning.md#attention-tile-table).
     (9, 0): {d: ((64.0, _SM90_SHORT), (_OPEN, _SM90_LONG)) for d in (16, 32, 64, 80, 96, 128)},
 }
 

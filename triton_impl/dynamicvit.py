@@ -2,28 +2,28 @@
 launches (the reference: ``reference/pruners/dynamicvit.py``).
 
 The reference runs the predictor (``PredictorLG``) as ~25 small torch ops and ranks with ~35 more (sorts, scans,
-gathers): 100-280 us per stage of a graphed DeiT-B forward on an H100, slower than the blocks it saves. Here:
+gathers): per stage of a graphed DeiT-B forward it costs more than the blocks it saves
+(``docs/tuning.md#dynamicvit-decision-kernels``). Here:
 
 1. The first layer, ``z = GELU(LayerNorm(x) @ W1^T + b1)`` ``[T, C]``, is the reference's own three ops (cuBLAS's
    GEMM), bit for bit the reference's ``z``: it follows torch's matmul settings as the reference does (TF32 for an
    fp32 model only where the caller allows it). A fused Triton kernel (LayerNorm statistics per row tile, then the
-   GEMM with ``tl.dot``) was slower at every batch size on an H100: 13.4 against 9.6 us at B = 1, 27 against 11 at
-   B = 4, 116 against 65 at B = 64 (DeiT-B, graph replay).
+   GEMM with ``tl.dot``) was slower at every batch size (``docs/tuning.md#dynamicvit-first-layer``).
 2. ``_global_kernel`` (a program per image and 32 columns of the global half ``z[:, C/2:]``): the image's sum over
    its patch rows (prefix rows excluded) in fp32, 256 rows a step (one load each, summed by a fixed tree), rounded
    once, then the mean (an image without patches divides by 1) and that chunk's share of the second layer's global
    half, ``glob[chunk] @ W2[:, C/2 + chunk]^T``, fp32 ``[B, chunks, C/2]``. No atomics: the same bits on every run,
-   in a graph or not. (The reference summed row after row in the model dtype, rounding at every step, until
-   8670a2b: a serial chain that kept this kernel at ~12 us per stage on an H100 whatever its launch shape; the sum
-   in fp32 is also what the official code's ``.sum()`` of a half tensor computes on a GPU.)
+   in a graph or not. (The reference once summed row after row in the model dtype, rounding at every step: a
+   serial chain that bounded this kernel whatever its launch shape, ``docs/tuning.md#dynamicvit-mean-in-fp32``; the
+   sum in fp32 is also what the official code's ``.sum()`` of a half tensor computes on a GPU.)
 3. ``_out_conv_kernel`` (a program per image and 16 or 64 of its rows): ``g = b2 + sum of the shares`` (in chunk
    order), ``h1 = GELU(z[:, :C/2] @ W2[:, :C/2]^T + g)`` in chunks of 64 columns, each chunk accumulated at once
    into ``h2 += h1_chunk @ W3^T[chunk]`` (``h1`` never leaves the program), then ``GELU(h2 + b3) @ W4^T + b4`` and
    the keep log-probability, fp32 ``[T]`` (every row's, prefix rows included, as the reference computes them).
    Small batches (up to ``_SMALL_ROWS`` rows) give each 64-column chunk its own program (DeiT-B: 6 per row tile;
-   one program walking all six was 21.5 us of a 47 us stage at B = 1 on an H100), which writes its share of ``h2``
-   (fp32 ``[T, 6, C/4]``); ``_out_head_kernel`` (a program per 8 rows) adds the shares in chunk order and computes
-   the rest.
+   one program walking all six was nearly half of a stage at B = 1: ``docs/tuning.md#dynamicvit-tiles``), which
+   writes its share of ``h2`` (fp32 ``[T, 6, C/4]``); ``_out_head_kernel`` (a program per 8 rows) adds the shares
+   in chunk order and computes the rest.
 4. the rank-select kernel of :mod:`ragged_vit.triton_impl.select` (``count`` mode): each image's top
    ``max(keep_patches, min_patches)`` patches, NaN first and ties to the earlier row as the reference ranks them
    (``segment_rank``: ``torch.sort`` order), and the kept counts.
@@ -40,10 +40,9 @@ as the reference's are, and the ties that quantisation makes are broken by row a
 What still differs (after the first layer, which is the reference's): the order of the mean's and the later GEMMs'
 fp32 sums, and the exp/log approximations; where the two sides round an intermediate differently it moves by one
 unit in the last place. The scores agree to ``rtol = 1e-5`` in fp32, ``2 eps`` relative in fp16 and ``8 eps`` in
-bf16 (``tests/test_triton_dynamicvit.py``; measured on an H100: bf16 up to 4.8 eps, where an intermediate rounded
-one unit apart in bf16 moves every later layer; on the CPU, whose fp16 ``log_softmax`` also rounds its log-sum to
-fp16, fp16 one unit). Rule for the decisions, with ``b`` that bound at an image's cut: the kept
-counts are the pruner's; where the pruner's own scores at the cut are more than ``2 b`` apart (last kept minus
+bf16 (``tests/test_triton_dynamicvit.py``; the observed errors behind these bounds:
+``docs/tuning.md#dynamicvit-score-tolerances``). Rule for the decisions, with ``b`` that bound at an image's cut: the
+kept counts are the pruner's; where the pruner's own scores at the cut are more than ``2 b`` apart (last kept minus
 first dropped) the image's mask is the pruner's; closer, only rows within ``2 b`` of the cut may change sides.
 Equal rows of an image score bit for bit alike (ties go to the earlier row, as in the reference); a NaN patch row
 makes its image's mean, hence every score of the image, NaN, as in the reference, and the image is decided as the
@@ -226,7 +225,8 @@ class _Tiles:
 _SMALL_ROWS = 2048  # up to ~10 DeiT images: small tiles for more programs; larger batches want larger tiles
 _SMALL = _Tiles(rows_out=16, num_warps=4, split_hidden=True)
 _LARGE = _Tiles(rows_out=64, num_warps=8, split_hidden=False)
-_HEAD_ROWS = 8  # rows per program of the scores from the split sums (32 left 7 programs at B=1: 13 us, H100)
+# Rows per program of the scores from the split sums (32 left too few programs at B=1: docs/tuning.md#dynamicvit-tiles)
+_HEAD_ROWS = 8
 _BLOCK_K = 64  # reduction step of every GEMM
 _BLOCK_H = 64  # hidden columns of the second layer per step of the third
 _GLOBAL_COLUMNS = 32  # columns of the global half per program of the mean (12 programs per DeiT-B image)

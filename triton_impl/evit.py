@@ -8,8 +8,7 @@ tile, averaged), one ranks and selects them (:mod:`ragged_vit.triton_impl.select
 computes it (:func:`fused_token`), besides two zero-fills (the scores, the kept counts): 3 launches a stage without
 the fused token, 4 with it, whatever the batch. The reference computes the same scores with segment operations
 (~30 kernels), ranks them with two sorts (~35 more) and fuses the token with ~8 more (masks, products, a segment
-sum, casts: 47-55 us of a graphed DeiT-B stage at batch 1-4 on an H100, 159 us at batch 64, against ~10 us for the
-rest of this decision).
+sum, casts: several times the rest of this decision, ``docs/tuning.md#evit-decision-kernels``).
 
 Same decisions as :class:`ragged_vit.reference.pruners.EViTPruner` given the same scores (the selection is exact); the
 scores agree with the reference's to fp32 rounding (the kernels sum in another order), so two patches whose scores

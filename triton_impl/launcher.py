@@ -1,9 +1,9 @@
 """Low-overhead repeated launches of a compiled Triton kernel.
 
-``kernel[grid](...)`` binds and specialises every argument on every call. Measured on an H200 (torch 2.11,
-triton 3.6, ``python -m ci.dispatch_profile``): 18.1 us per call for the 24-argument attention kernel, against
-5.7 us for launching the already compiled kernel through its own ``run``. :class:`CompiledLauncher` keeps the
-compiled kernel per caller-supplied key and launches it directly.
+``kernel[grid](...)`` binds and specialises every argument on every call, which costs the host several times
+what launching the already compiled kernel through its own ``run`` does (``python -m ci.dispatch_profile``;
+``docs/tuning.md#compiled-launcher``). :class:`CompiledLauncher` keeps the compiled kernel per caller-supplied key
+and launches it directly.
 
 The key must capture everything Triton specialises on for the arguments that vary: dtypes, 16-byte alignment of
 every pointer, and for integers ``== 1`` / ``% 16 == 0`` (pass ``do_not_specialize`` for the integers that the
@@ -42,9 +42,8 @@ def aligned(*tensors: torch.Tensor) -> bool:
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` of host integers (``b > 0``), as ``triton.cdiv``. In the Triton versions we run (3.6 on the
     GPU machines, 3.8 here) ``triton.cdiv`` and ``triton.next_power_of_2`` are constexpr functions: every host call
-    goes through their wrapper (an import and two comprehensions, ~2 us on our CPU machine against 0.03 for the
-    arithmetic), and a launch path sizes its grid and tiles with a few of them per launch (an eager ATS forward at
-    B = 1 made ~70 such calls, H100 host profile at 736ce63)."""
+    goes through their wrapper (an import and two comprehensions, far slower than the arithmetic), and a launch
+    path sizes its grid and tiles with a few of them per launch (``docs/tuning.md#host-grid-helpers``)."""
     return -(-a // b)
 
 
@@ -74,8 +73,8 @@ except (ImportError, AttributeError):
 @functools.cache
 def pdl_supported(device_index: int) -> bool:
     """Whether kernels on CUDA device ``device_index`` may be launched with programmatic dependent launch (PDL: a
-    launch may start while the kernel before it in the stream runs, and waits for it with ``gdc_wait``): a Hopper or
-    newer GPU and a Triton that has the ``launch_pdl`` option; never under the interpreter."""
+    launch may start while the kernel before it in the stream runs, and waits for it with ``gdc_wait``): a GPU of
+    compute capability 9.0 or newer and a Triton that has the ``launch_pdl`` option; never under the interpreter."""
     return _KNOWS_PDL and not INTERPRETED and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 

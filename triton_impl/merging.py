@@ -3,7 +3,7 @@ reference :mod:`ragged_vit.reference.merging` (the rule: ``docs/tome.md``).
 
 :func:`decide_merges` (the reference's ``decide_merges`` without the sizes, which only the merge needs) is three
 launches in the fixed mode and four in the adaptive one, each spread over as many programs as its work allows (one
-program per image doing everything measured ~37 us per block at batch 1-4 on an H100: L1-bound on one SM):
+program per image doing everything is L1-bound on one SM: ``docs/tuning.md#tome-decision-split``):
 
 1. ``_metric_kernel`` (grid ``(B, cdiv(patches, 256 / D))``): the metric of every patch row (the keys summed over
    heads in head order, every head's load in flight at once, divided by ``H``, then by the L2 norm clamped to
@@ -40,8 +40,8 @@ bit for bit, whatever its size (as in the reference, whose float64 products are 
 stage it also writes ``log(size)`` of every merged row (float64, rounded once to fp32: the key bias of the blocks
 after it, as the reference rounds it), so no separate launch computes it. No atomics: every row's sum runs in row
 order, so the same bits on every run, eager or replayed from a CUDA graph, whatever the tile sizes. (It searched the
-destination map before: a ``[16, 64]`` match per step of the image's rows, 61 us per DeiT-B block at B=64 on an
-H100, against the decision's 30.)
+destination map before, a ``[16, 64]`` match per step of the image's rows: at large batches slower than the whole
+decision; ``docs/tuning.md#tome-source-lists``.)
 
 The same launch can take in the two launches around the merge in a ToMe block, each switched by a constexpr (off,
 the kernel and its tiling are the above, instruction for instruction): with ``residual`` every source row is
@@ -88,13 +88,9 @@ slower, never wrong. ``T'`` is not known on the host: :func:`merge_rows` writes 
 ``capacity`` rows (default ``T``, always enough) and leaves the rest as allocated, in its ``normed`` rows too (read
 ``merged_cu_seqlens[-1]`` for ``T'`` where it matters). No zero-fills: every output is written by the kernels.
 
-Cost (``docs/tome.md``, H100, DeiT-B r = 13, per block): at B = 1 the metric 5, the best match 6, the match 11 and
-the merge 4 us; at B = 64 about 12 us each. Spreading the match's source lists over programs took the whole decision
-(graph replay) from 25.9 / 26.8 / 44.4 to 21.6 / 22.4 / 39.8 us at B = 1 / 4 / 64 with 128 rows a program, and
-18.7 / 19.3 at B = 1 / 4 with 32 (``_list_rows``). One program per image doing the whole matching took ~37 us per block
-at B = 1-4 (L1-bound on one SM); fp16/TF32 similarity tiles would lose the fp32 exactness above. Tile sweeps (H100,
-graph replay): the metric in steps of 4 DeiT-B rows (was 16) takes the decision to 16.6 / 17.5 / 39.2 us, the merge
-in steps of 8 rows (was 16) takes 2.6 / 3.1 / 17.0 us (``_METRIC_ELEMENTS``, ``_BLOCK_D``).
+Cost: what each kernel costs and why the launches and tiles are what they are is in ``docs/tuning.md`` (its ToMe
+sections, from ``#tome-decision-split``). The similarity tiles stay fp32: fp16/TF32 tiles would lose the fp32
+exactness above.
 
 Not supported: fp64 (the reference's fp64 metric and float64 sums); non-finite keys (the reference refuses them;
 here a NaN best similarity ranks last, as ``-inf``, and the map stays valid: every destination inside its image's
@@ -134,55 +130,44 @@ from .launcher import (
 )
 from .pack import store_total_and_longest
 
-# Keys per head of one metric step (DeiT-B: 4 rows of 64), every head loaded at once: 256 took the decision 16.6 /
-# 17.5 / 39.2 us per DeiT-B block at B = 1 / 4 / 64 against 18.8 / 19.4 / 39.9 for 1024 (H100, graph replay, r = 13;
-# 64 to 2048 swept with 2 to 8 warps in one call)
+# Keys per head of one metric step (DeiT-B: 4 rows of 64), every head loaded at once: the fastest decision of the
+# sizes swept (docs/tuning.md#tome-metric-tile)
 _METRIC_ELEMENTS = 256
 _MAX_BLOCK_DST = 1024  # rows per step of the destinations (an image's rows in one step up to this)
 # A rows per tile of the match's rank and source lists (DeiT-B's 98 in 2 tiles)
 _BLOCK_AB = 64
 _MAX_HEAD_DIM = 256  # D of one metric tile in registers
-# Merged rows per step of the merge: 8 took 2.6 / 3.1 / 17.0 us per DeiT-B block at B = 1 / 4 / 64 against 3.5 / 3.4 /
-# 18.0 for 16 (H100, graph replay, r = 13; 4 to 32 rows, 64 to 256 channels, 2 to 8 warps swept in one call)
+# Merged rows per step of the merge: the fastest of the sizes swept (docs/tuning.md#tome-merge-rows)
 _BLOCK_D = 8
 # Rows per program of the source lists (against _BLOCK_AB A rows): the smallest of these whose programs all fit on the
 # SMs at once (_list_rows); every program of an image also ranks its A rows and writes all its destinations.
 _LIST_ROWS = (32, 64, 128)
-_INTERPRETER_SMS = 132  # the SMs the interpreter assumes (an H100's), so the CPU twins run the GPU's tiles
+# The SMs the interpreter assumes (those of the SM90 cards the tiles were chosen on, so the CPU twins run the GPU's
+# tiles: docs/tuning.md#tome-one-wave-tiles)
+_INTERPRETER_SMS = 132
 _BLOCK_C = 128  # channels per program of the merge (DeiT-B: 6)
 # Merged rows per step when the merge also writes their LayerNorm (whole rows: next_power_of_2(C) channels, one
-# program column): 1 row of DeiT-B's 768 channels is 1,024 fp32 lanes, 8 a thread in 4 warps (64 registers with both
-# fusions, fp16, contiguous residual; ptxas -v for sm_90a, Triton 3.8). Against 2 rows a program (128 registers),
-# ToMe r = 13 graphed, H100, one process, four rounds in turn: 1,803-1,810 -> 1,866-1,870 img/s at B = 1 (+3.4%),
-# 5,689-5,708 -> 5,836-5,845 at B = 4 (+2.4%), the same logits bit for bit (each row's sums run in the same lanes);
-# 1 row in 8 warps was within 0.5% (other bits: its sums run in other lanes); 1 row in 2 warps, 2 rows in 2 or 8
-# and 4 rows in 8 were slower or no faster than 2 in 4 (docs/data/tome_merge_norm_rows_h100_fcfdf62.json).
+# program column): 1 row of DeiT-B's 768 channels is 1,024 fp32 lanes, 8 a thread in 4 warps: faster than 2 rows a
+# program, with the same logits bit for bit (docs/tuning.md#tome-merge-layernorm-rows)
 _NORM_ROWS = 1
-# Channels of the fused LayerNorm's whole-row tiles at most: up to 2048 no spills (ptxas as above: 234 registers at
+# Channels of the fused LayerNorm's whole-row tiles at most: up to 2048 no spills (ptxas -v for sm_90a: 234 registers at
 # ViT-H's 1280), at 8192 ~10 kB of spills a thread, correct but slow; wider rows take a separate LayerNorm
 _MAX_NORM_CHANNELS = 8192
 # A rows and warps per program of the best-match search: the first tile whose programs all run at once
 # (_best_tile), else the last; and its B rows per tile, at most _BEST_B_ELEMENTS fp32 a tile (DeiT-B's 98 B rows in
-# one tile of 128 for D = 64). Against 16 A rows in 4 warps up to B = 18, then 32 in 2 warps, with 64 B rows a tile:
-# 15.7-15.9 / 17.2-17.4 / 32.0 us per DeiT-B decision at B = 1 / 4 / 64 -> 15.0 / 16.0-16.1 / 29.6 (H100, graph
-# replay, r = 13, 06ff7f1, one call, two rounds; 128 B rows with 16 / 32 / 64 A rows in 2 to 8 warps swept;
-# docs/data/tome_best_tiles_h100_06ff7f1.json). ToMe r = 13 end to end, graphed, same call: +0.3% / +0.4% / +0.2%
-# at B = 1 / 4 / 64, within the rounds' spread.
+# one tile of 128 for D = 64): a faster decision than the fixed tiles before it (docs/tuning.md#tome-best-match-tiles).
 _BEST_TILES = ((16, 2), (32, 4), (64, 8))
 _BEST_B_ELEMENTS = 8192
 _NUM_WARPS = 4
-_MATCH_WARPS = 8  # the match kernel: one program per image (8 warps: 10% faster than 4 at B 1-64, H200)
+_MATCH_WARPS = 8  # the match kernel: one program per image (8 warps: faster than 4, docs/tuning.md#tome-match-warps)
 
 DECISION_PDL_MAX_IMAGES = 1
 """Batches of at most this many images launch the best match and the match with programmatic dependent launch where
 the GPU and Triton allow it (:func:`ragged_vit.triton_impl.launcher.pdl_supported`): each may start while the kernel
 before it runs (the metric and the best match let it at once) and waits for it before any memory access, so the
 results are the same bits; it saves the launch gaps between the decision's three dependent kernels, but the early
-programs hold SM slots while they wait. ToMe r = 13, graphs + compile_blocks, H100, PDL for every batch against none
-(one process, in turn, two rounds, graphed spans): B = 1 1,728 / 1,730 -> 1,791 / 1,789 img/s (+3.5%), B = 4 5,600 /
-5,618 -> 5,553 / 5,554 (-1%: there the decision runs beside the attention, whose programs the waiting ones crowd),
-B = 64 16,116 / 16,057 -> 15,287 / 15,293 (-5%) (``docs/tome.md``, ``docs/data/tome_decision_pdl_h100.json``); B = 2
--15%, B = 3 -1% (``docs/data/tome_probes_h100_06ff7f1.json``)."""
+programs hold SM slots while they wait: a gain for one image, a loss from two up (the waiting programs crowd the
+attention the decision runs beside, or the decision's own later programs; ``docs/tuning.md#tome-decision-pdl``)."""
 
 
 @triton.jit
@@ -561,8 +546,7 @@ def _one_wave(tiles: Sequence[_Tile], rows_of: Callable[[_Tile], int], batch: in
 def _list_rows(batch: int, max_seqlen: int, sms: int) -> int:
     """Rows per program of the match's source lists: the smallest tile whose ``batch * cdiv(max_seqlen, tile)``
     programs all run at once on ``sms`` SMs, else the largest. Smaller tiles shorten the serial phase; past one
-    wave, the ranking each program repeats costs more (H100, DeiT-B, r = 13, graph replay of the whole decision:
-    32 rows 18.7 / 19.3 / 48.8 us at B = 1 / 4 / 64, 64 rows 19.7 / 19.8 / 45.9, 128 rows 21.4 / 22.3 / 39.6)."""
+    wave, the ranking each program repeats costs more (``docs/tuning.md#tome-source-lists``)."""
     return _one_wave(_LIST_ROWS, int, batch, max_seqlen, sms)
 
 
@@ -699,7 +683,8 @@ def decide_merges_unchecked(
     _match_launcher(key, device_index, grid, args, num_warps=_MATCH_WARPS, num_stages=1, **_pdl_option(pdl))
     if adaptive:
         b_pad = next_power_of_2(batch)
-        # an image in one step, as for the destinations (rows per step 32: 2.8 us more per block at B = 64, H100)
+        # an image in one step, as for the destinations (32 rows a step was slower:
+        # docs/tuning.md#tome-offsets-in-one-step)
         args = (cu, out.kept, out.destination, out.cu_seqlens, starts, out.source_offsets, total, batch, block_dst,
                 b_pad)  # fmt: skip
         key = (block_dst, b_pad) if ok else None

@@ -43,8 +43,8 @@ from ..core.segments import segment_ids, segment_sum
 from ..core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
 from .launcher import CompiledLauncher, aligned, cdiv, next_power_of_2
 
-# Rows per program of the repack. 8 or 16 rows (2 or 4 warps) measured within +-1% of 32 in 4 warps at B = 1 and 4 for
-# Threshold-L2, ATS, DynamicViT and EViT (graphed, H100; docs/data/pack_block_rows_h100_ed47389.json)
+# Rows per program of the repack: 8 or 16 rows (2 or 4 warps) were no faster than 32 in 4 warps
+# (docs/tuning.md#repack-rows-per-program)
 _BLOCK_R = 32
 
 

@@ -3,13 +3,13 @@
 ``torch.sort``; prefix rows never ranked, always kept).
 
 The reference ranks every patch inside its image with two stable argsorts over the packed rows, then compares ranks;
-on a GPU that is ~40 small kernels (sorts, scans, gathers, comparisons): ~60-140 us of a graphed DeiT-B forward at
-batch 1-4 on an H200, more than the attention itself. Here programs of 16 rows each rank their image's patches by
-counting, for each patch, the patches that beat it, and write the keep mask; the image's kept count is
-``min(k, patches)`` plus its prefix rows, written by its first program (the ranks are a permutation), except in the
-threshold mode, where every program adds its kept rows to it (integer atomics: order-free). ``N`` patches cost
-``N^2`` comparisons in 16x64 tiles, nothing next to a GEMM; one program per image took 14 us at B=4 on an H200, too
-serial.
+on a GPU that is ~40 small kernels (sorts, scans, gathers, comparisons): more of a graphed DeiT-B forward at batch
+1-4 than the attention itself (``docs/tuning.md#rank-select-kernel``). Here programs of 16 rows each rank their
+image's patches by counting, for each patch, the patches that beat it, and write the keep mask; the image's kept
+count is ``min(k, patches)`` plus its prefix rows, written by its first program (the ranks are a permutation),
+except in the threshold mode, where every program adds its kept rows to it (integer atomics: order-free). ``N``
+patches cost ``N^2`` comparisons in 16x64 tiles, nothing next to a GEMM; one program per image was too serial
+(``docs/tuning.md#rank-select-kernel``).
 
 Three ways to choose ``k``, each a pruner's rule: ``rate`` keeps ``ceil(rate * patches)`` (Threshold-L2 ratio, EViT;
 computed in float64 from the exact bits of ``rate``, as the reference's ``ceil_rate``), ``count`` keeps

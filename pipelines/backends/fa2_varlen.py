@@ -1,11 +1,11 @@
 """FlashAttention-2 varlen through the direct aten call ``torch.ops.aten._flash_attention_forward``.
 
-The same FA2 kernel PyTorch's SDPA uses, called with the packed layout and ``cu_seqlens`` directly: q, k, v are
-strided views of the qkv buffer (no ``.contiguous()`` copies), and no wrapper adds host work (the public
-``varlen_attn`` wrapper costs ~50 us per call; docs/targets.md). CUDA only, fp16/bf16, head_dim a multiple of 8
-up to 256. ``scale`` is passed by keyword: it is keyword-only in newer torch (2.14) and positional-or-keyword in
-older ones (2.11), and the keyword form works in both. No key bias: the varlen forward takes no additive bias
-(``attend`` refuses a ``key_bias``).
+The same FA2 kernel PyTorch's SDPA uses, called with the packed layout and ``cu_seqlens`` directly: q, k, v are strided
+views of the qkv buffer (no ``.contiguous()`` copies), and no wrapper adds host work (the public ``varlen_attn`` wrapper
+costs a few times as much per call; docs/tuning.md#fa2-varlen-direct-call). CUDA only, fp16/bf16, head_dim a multiple of
+8 up to 256. ``scale`` is passed by keyword: it is keyword-only in newer torch (2.14) and positional-or-keyword in older
+ones (2.11), and the keyword form works in both. No key bias: the varlen forward takes no additive bias (``attend``
+refuses a ``key_bias``).
 """
 
 from __future__ import annotations

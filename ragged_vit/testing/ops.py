@@ -1,12 +1,12 @@
 """Counting host dispatches: the top-level operator calls a function issues (what eager pays per op on the host).
 
 At batch 1-4 an eager forward is bound by the host: every operator called from Python costs its binding and dispatch
-(~20-50 us each on the GPU machine), whatever the kernel does. :func:`op_names` lists the operators a call issues at
-the top level, as ``torch.profiler`` records them (``aten::linear``, ``aten::dropout``, a backend's custom op, ...;
-the ops they call in turn, ``aten::addmm`` under ``aten::linear``, are not counted again), and :func:`count_ops`
-counts them: a deterministic measure to compare two ways of computing the same thing (a timm block against the
-pipeline's lean block, an eager forward against timm's), on the CPU or on CUDA. Not a timing: kernel work and
-Python between the ops are not in it.
+(tens of microseconds each on the GPU machines: ``docs/tuning.md#host-dispatch-per-op``), whatever the kernel does.
+:func:`op_names` lists the operators a call issues at the top level, as ``torch.profiler`` records them
+(``aten::linear``, ``aten::dropout``, a backend's custom op, ...; the ops they call in turn, ``aten::addmm`` under
+``aten::linear``, are not counted again), and :func:`count_ops` counts them: a deterministic measure to compare two ways
+of computing the same thing (a timm block against the pipeline's lean block, an eager forward against timm's), on the
+CPU or on CUDA. Not a timing: kernel work and Python between the ops are not in it.
 
 The profiler must not be running already (profilers do not nest).
 """
