@@ -1,7 +1,7 @@
 """Which patches ToMe merged: ``python -m ci.tome_figure [--r 13] [--out docs/figures/tome_merges.png]``.
 
 Runs the reference ToMe forward (``ragged_vit.reference.tome.tome_forward``, fixed ``r`` in every block) on the
-demo's sample photos (``ragged_vit.pipelines.images``: scikit-image's ``chelsea``, ``astronaut``, ``coffee``,
+demo's sample photos (``ragged_vit.pipelines.apps.images``: scikit-image's ``chelsea``, ``astronaut``, ``coffee``,
 ``rocket``, or ``--images`` files) and draws, as the paper's figures do, each photo's model input with the patches
 that ended in the same row after the last block painted in one colour (the mean colour of that group's pixels) and
 the group borders outlined. ``tome_forward``'s ``sources`` say, for every original patch, the row holding it at the
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from benchmarks.make_results import panels, save_figure
-from ragged_vit.pipelines.images import SAMPLE_IMAGES, LoadedImage, load_images, preprocess
+from ragged_vit.pipelines.apps.images import SAMPLE_IMAGES, LoadedImage, load_images, preprocess
 from ragged_vit.pipelines.weights import create_model, load_checkpoint
 from ragged_vit.reference.tome import tome_forward
 

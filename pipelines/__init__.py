@@ -6,5 +6,5 @@ repack strategies), ``stages`` (prune and merge stages), ``state`` (a forward's 
 points), ``graphs`` (:class:`GraphedPrunedViT`, the CUDA-graph runner) and ``buckets`` (its token budgets),
 ``packed_block`` (a timm block on a packed buffer), ``backends`` (one attention interface, five implementations),
 ``patch_embed`` (the GEMM patch embedding), ``weights`` (local checkpoints only), ``factory`` (names to a
-pipeline), ``images`` / ``demo`` / ``cli`` (the command line). The public API is re-exported by :mod:`ragged_vit`.
+pipeline); ``apps`` (the command line: the demo and ``validate``). The public API is re-exported by :mod:`ragged_vit`.
 """

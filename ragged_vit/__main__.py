@@ -1,7 +1,7 @@
-"""``python -m ragged_vit``: the command-line demo (:mod:`ragged_vit.pipelines.cli`)."""
+"""``python -m ragged_vit``: the command-line demo (:mod:`ragged_vit.pipelines.apps.cli`)."""
 
 import sys
 
-from .pipelines.cli import main
+from .pipelines.apps.cli import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
 """The CLI (``python -m ragged_vit`` / ``ragged-vit``) and its image loading, on the CPU with tiny settings.
 
-In-process runs call ``ragged_vit.pipelines.cli.main([...])``; one subprocess run checks the console entry from a fresh
-interpreter, where the CLI itself must switch Triton's interpreter on before timm is imported.
+In-process runs call ``ragged_vit.pipelines.apps.cli.main([...])``; one subprocess run checks the console entry from a
+fresh interpreter, where the CLI itself must switch Triton's interpreter on before timm is imported.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from ragged_vit.pipelines.cli import main
-from ragged_vit.pipelines.images import load_images, preprocess
+from ragged_vit.pipelines.apps.cli import main
+from ragged_vit.pipelines.apps.images import load_images, preprocess
 from ragged_vit.pipelines.weights import create_model
 
 FAST = ["--device", "cpu", "--timed-runs", "1", "--warmup", "0"]
@@ -285,7 +285,9 @@ def test_version(capsys):
     parser."""
     import ragged_vit
 
-    code = "import sys; from ragged_vit.pipelines.cli import main; main(['--version']); print('torch' in sys.modules)"
+    code = (
+        "import sys; from ragged_vit.pipelines.apps.cli import main; main(['--version']); print('torch' in sys.modules)"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split("\n")[:2] == [f"ragged-vit {ragged_vit.__version__}", "False"]
     with pytest.raises(SystemExit) as exit_info:
@@ -300,7 +302,7 @@ def test_cpu_run_sets_triton_interpret_for_its_own_run_only(monkeypatch, command
     """A CPU run switches Triton's interpreter on while it runs, unless the caller set the variable, and leaves it
     as it was: a process that runs the CLI in-process and then compiles GPU kernels (Inductor's) must get compiled
     ones (the GPU suite does exactly that)."""
-    from ragged_vit.pipelines import cli, validate
+    from ragged_vit.pipelines.apps import cli, validate
 
     if before is None:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -314,3 +316,37 @@ def test_cpu_run_sets_triton_interpret_for_its_own_run_only(monkeypatch, command
     assert main(argv) == 3
     assert seen == ["1" if before is None else before]
     assert os.environ.get("TRITON_INTERPRET") == before
+
+
+def test_static_choices_name_the_registries():
+    """The parsers' choices are static name lists (``--help`` imports no registry): the registries' names."""
+    from ragged_vit import BACKENDS, PRUNERS
+    from ragged_vit.pipelines.apps.arguments import BACKEND_NAMES, PRUNER_NAMES
+    from ragged_vit.pipelines.factory import PRUNER_NAMES as FACTORY_NAMES
+
+    assert BACKEND_NAMES == tuple(BACKENDS)
+    assert PRUNER_NAMES == (*PRUNERS, "none") == FACTORY_NAMES
+
+
+@pytest.mark.parametrize(
+    "command,usage",
+    [
+        (["ragged_vit", "--help"], "usage: ragged-vit [-h]"),
+        (["ragged_vit", "validate", "--help"], "usage: ragged-vit validate [-h]"),
+        (["ragged_vit.validate", "--help"], "usage: ragged-vit validate [-h]"),
+    ],
+)
+def test_help_in_a_fresh_process_imports_neither_torch_nor_timm(command, usage, tmp_path):
+    """``--help`` is answered before torch, timm or triton is imported (``-X importtime`` lists every import)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", *command], capture_output=True, text=True, env=env, cwd=tmp_path,
+        timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.startswith(usage)
+    imported = {
+        line.rsplit("|", 1)[1].strip().split(".")[0] for line in done.stderr.splitlines() if line.startswith("import ")
+    }
+    assert {"argparse", "ragged_vit"} <= imported  # the listing is there
+    assert not imported & {"torch", "timm", "triton", "torchvision"}, sorted(imported & {"torch", "timm", "triton"})

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ragged_vit import build_pipeline
-from ragged_vit.pipelines import demo
-from ragged_vit.pipelines.demo import Contender, Measured, check_lines, contenders, measure, speed_lines
+from ragged_vit.pipelines.apps import demo
+from ragged_vit.pipelines.apps.demo import Contender, Measured, check_lines, contenders, measure, speed_lines
 
 
 @pytest.fixture(scope="module")

@@ -253,7 +253,7 @@ for _name in BACKENDS:
 
 def test_cli_on_cuda(tmp_path, capsys):
     image_lib = pytest.importorskip("PIL.Image")
-    from ragged_vit.pipelines.cli import main
+    from ragged_vit.pipelines.apps.cli import main
 
     pixels = (_synthetic_images(2, 256).clamp(-2, 2) * 60 + 128).to(torch.uint8).permute(0, 2, 3, 1).numpy()
     for i, p in enumerate(pixels):

@@ -26,9 +26,10 @@ from ragged_vit.core.selection import MergeSelection
 from ragged_vit.pipelines import model as model_module
 from ragged_vit.pipelines import parts as parts_module
 from ragged_vit.pipelines import stages as stages_module
+from ragged_vit.pipelines.apps.arguments import pruner_arguments
+from ragged_vit.pipelines.apps.cli import build_parser
+from ragged_vit.pipelines.apps.cli import main as cli_main
 from ragged_vit.pipelines.buckets import TokenBuckets
-from ragged_vit.pipelines.cli import build_parser, pruner_arguments
-from ragged_vit.pipelines.cli import main as cli_main
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.plan import OVERLAP_MAX_IMAGES, Program
 from ragged_vit.reference.merging import fixed_r_counts

@@ -14,7 +14,7 @@ from PIL import Image
 
 from ci import tome_figure
 from ci.tome_figure import draw, merge_maps
-from ragged_vit.pipelines.images import load_images, preprocess
+from ragged_vit.pipelines.apps.images import load_images, preprocess
 from ragged_vit.reference.tome import tome_forward
 
 

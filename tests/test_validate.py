@@ -24,8 +24,11 @@ import numpy as np
 import pytest
 import torch
 
-from ragged_vit.pipelines.cli import main as cli_main
-from ragged_vit.pipelines.validate import CSV_FIELDS, DataError, Tally, _agree, scan_image_folder, shard_range
+from ragged_vit.pipelines.apps.cli import main as cli_main
+from ragged_vit.pipelines.apps.evaluate import _agree
+from ragged_vit.pipelines.apps.folder import DataError, scan_image_folder, shard_range
+from ragged_vit.pipelines.apps.report import CSV_FIELDS
+from ragged_vit.pipelines.apps.tally import Tally
 from ragged_vit.pipelines.weights import create_model
 
 Image = pytest.importorskip("PIL.Image")
@@ -207,8 +210,9 @@ def test_ranks_agree_on_setup_errors_and_on_the_samples():
 
 def _expected_kept(folder: Path, checkpoint: Path) -> list[int]:
     """The kept patches of every image, from the pipeline itself (the same transform)."""
+    from ragged_vit.pipelines.apps.images import decode_image
+    from ragged_vit.pipelines.apps.images import eval_transform as _transform
     from ragged_vit.pipelines.factory import build_pipeline
-    from ragged_vit.pipelines.validate import _transform, decode_image
 
     pv = build_pipeline(
         "deit_tiny_patch16_224", "threshold_l2", model_kwargs=MODEL_ARGS, checkpoint=checkpoint,

@@ -1,31 +1,75 @@
-"""Real images for the demo: scikit-image's bundled photos or the user's files, preprocessed as timm does for eval.
+"""Images for the apps: the suffixes and the Pillow decoder the demo and ``validate`` share, timm's eval transform,
+and the demo's sources.
 
-Preprocessing follows the model's ``pretrained_cfg`` (timm's eval transform): resize the shorter side to
-``floor(size / crop_pct)`` with antialiased bicubic interpolation, center-crop to the input size, scale to
-``[0, 1]`` and normalise with the model's mean and std (ImageNet's for DeiT). Plain torch ops, no torchvision.
-Grayscale images are repeated to three channels; an alpha channel is dropped.
+Preprocessing is timm's own eval transform (``timm.data.resolve_data_config`` and ``create_transform`` from the
+model's ``pretrained_cfg``, at the model's own input size, where ``img_size`` was changed): resize, center crop,
+normalise with the model's mean and std. Grayscale images are repeated to three channels; an alpha channel is dropped.
 
-Sources: a path to an image file (read with Pillow), a path to a folder (its image files, sorted by name), or the
-name of a scikit-image sample that ships with the package (``chelsea``, ``astronaut``, ``coffee``, ``rocket``,
+The demo's sources: a path to an image file (read with Pillow), a path to a folder (its image files, sorted by name),
+or the name of a scikit-image sample that ships with the package (``chelsea``, ``astronaut``, ``coffee``, ``rocket``,
 ``camera``, ...; samples that need a download are refused offline by scikit-image itself). scikit-image is an
 optional dependency (the ``demo`` extra): without it only files and folders work.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 SAMPLE_IMAGES: tuple[str, ...] = ("chelsea", "astronaut", "coffee", "rocket")
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".gif", ".tif", ".tiff", ".webp")
 """The image files the demo's ``--images`` and ``validate``'s class folders take (compared in lower case):
 ``torchvision.datasets.ImageFolder``'s suffixes and GIF, all read by Pillow."""
+
+
+def image_files(folder: str | os.PathLike, recursive: bool = False) -> list[str]:
+    """The image files (:data:`IMAGE_SUFFIXES`) in ``folder``, or anywhere below it with ``recursive`` (walked with
+    links followed), in torchvision's order: sorted by directory, then by name."""
+    walk = os.walk(folder, followlinks=True)
+    directories = sorted(walk) if recursive else [next(walk, (str(folder), [], []))]
+    return [
+        os.path.join(directory, name)
+        for directory, _, names in directories
+        for name in sorted(names)
+        if name.lower().endswith(IMAGE_SUFFIXES)
+    ]
+
+
+class BadImage(ValueError):
+    """A file Pillow cannot decode: its ``path``, the ``reason`` and, where Pillow read it but failed, the ``detail``
+    (what Pillow said)."""
+
+    def __init__(self, path: str | os.PathLike, reason: str, detail: str | None = None) -> None:
+        super().__init__(f"bad image {path}: {reason}")
+        self.path, self.reason, self.detail = str(path), reason, detail
+
+
+def decode_image(path: str | os.PathLike):
+    """The image at ``path`` as an RGB Pillow image; a file Pillow cannot decode raises :class:`BadImage`."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except UnidentifiedImageError:
+        raise BadImage(path, "not an image file Pillow can read") from None
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # truncated, broken, too large
+        detail = " ".join(str(e).split()) or type(e).__name__
+        raise BadImage(path, f"cannot decode it: {detail}", detail) from None
+
+
+def eval_transform(model: torch.nn.Module):
+    """timm's eval transform from the model's pretrained config, at the model's own input size, and the config."""
+    from timm.data import create_transform, resolve_data_config
+
+    config = resolve_data_config({}, model=model)
+    size = (model.patch_embed.proj.in_channels, *model.patch_embed.img_size)
+    config["input_size"] = tuple(int(s) for s in size)
+    return create_transform(**config), config
 
 
 @dataclass
@@ -52,16 +96,12 @@ def _to_rgb(pixels: np.ndarray, name: str) -> np.ndarray:
 
 
 def _read_file(path: Path) -> LoadedImage:
-    from PIL import Image, UnidentifiedImageError
-
     try:
-        with Image.open(path) as image:
-            return LoadedImage(path.name, np.asarray(image.convert("RGB")))
-    except UnidentifiedImageError:
-        raise ValueError(f"images: {path} is not an image file Pillow can read") from None
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:  # truncated, broken, too large
-        reason = " ".join(str(e).split()) or type(e).__name__
-        raise ValueError(f"images: cannot read {path}: {reason}") from None
+        return LoadedImage(path.name, np.asarray(decode_image(path)))
+    except BadImage as e:
+        if e.detail is None:
+            raise ValueError(f"images: {path} is {e.reason}") from None
+        raise ValueError(f"images: cannot read {path}: {e.detail}") from None
 
 
 def _skimage_data():
@@ -90,14 +130,14 @@ def load_images(sources: list[str] | None = None) -> list[LoadedImage]:
     for source in SAMPLE_IMAGES if sources is None else sources:
         path = Path(os.path.expanduser(source))
         if path.is_dir():
-            files = sorted(p for p in path.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES)
+            files = image_files(path)
             if not files:
                 nested = any(p.is_dir() for p in path.iterdir())
                 where = " (its subfolders are not searched: `ragged-vit validate` reads a class-folder tree)"
                 raise FileNotFoundError(
                     f"images: folder {path} holds no image files ({', '.join(IMAGE_SUFFIXES)}){where if nested else ''}"
                 )
-            images.extend(_read_file(p) for p in files)
+            images.extend(_read_file(Path(f)) for f in files)
         elif path.is_file():
             images.append(_read_file(path))
         elif (
@@ -119,21 +159,8 @@ def load_images(sources: list[str] | None = None) -> list[LoadedImage]:
 
 
 def preprocess(images: list[LoadedImage], model: torch.nn.Module) -> torch.Tensor:
-    """Resize + center crop + normalise, per the model's eval config -> float32 ``[B, 3, H, W]`` on the CPU."""
-    cfg = model.pretrained_cfg
-    height, width = tuple(model.patch_embed.img_size)
-    crop_pct = float(cfg.get("crop_pct") or 1.0)
-    mode = "bilinear" if cfg.get("interpolation") == "bilinear" else "bicubic"
-    mean = torch.tensor(cfg.get("mean", (0.485, 0.456, 0.406)))[:, None, None]
-    std = torch.tensor(cfg.get("std", (0.229, 0.224, 0.225)))[:, None, None]
-    short = math.floor(min(height, width) / crop_pct)
-    out = []
-    for image in images:
-        x = torch.from_numpy(np.array(image.pixels)).permute(2, 0, 1).float()[None] / 255.0
-        h, w = x.shape[-2:]
-        ratio = short / min(h, w)
-        size = (max(height, round(h * ratio)), max(width, round(w * ratio)))
-        x = F.interpolate(x, size=size, mode=mode, align_corners=False, antialias=True).clamp_(0.0, 1.0)
-        top, left = (size[0] - height) // 2, (size[1] - width) // 2
-        out.append((x[0, :, top : top + height, left : left + width] - mean) / std)
-    return torch.stack(out)
+    """The images through :func:`eval_transform` -> float32 ``[B, 3, H, W]`` on the CPU."""
+    from PIL import Image
+
+    transform, _ = eval_transform(model)
+    return torch.stack([transform(Image.fromarray(np.ascontiguousarray(image.pixels))) for image in images])

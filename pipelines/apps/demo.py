@@ -34,24 +34,22 @@ from typing import TextIO
 
 import torch
 
-from ..core.selection import Placement
-from .factory import build_pruner
+from ...core.selection import Placement
+from ..factory import build_pruner
+from ..model import PrunedOutput, PrunedViT
+from ..weights import create_model, load_checkpoint
+from .arguments import COMPILED_WARMUP
 from .images import load_images, preprocess
-from .model import PrunedOutput, PrunedViT
-from .weights import create_model, load_checkpoint
 
 GPU_BATCH = 64
 """The large batch on a GPU (the images repeated up to at least this many) unless ``batch_repeats`` is given."""
-
-COMPILED_WARMUP = 3
-"""Untimed calls at least before timing a compiled or graphed forward: compilation, CUDA-graph recording, a replay."""
 
 TOP_K_VERBOSE = 5
 
 
 @dataclass
 class DemoOptions:
-    """Everything the demo needs; the CLI fills it from its arguments (see ``ragged_vit.pipelines.cli``)."""
+    """Everything the demo needs; the CLI fills it from its arguments (see :mod:`ragged_vit.pipelines.apps.cli`)."""
 
     model: str
     pruner: str
