@@ -410,14 +410,18 @@ def test_merge_prefers_full_and_later_runs() -> None:
 def test_make_results_writes_tables_and_figures(tmp_path: Path) -> None:
     card = _write_fixtures(tmp_path / "baselines")
     out = tmp_path / "docs" / "results.md"
+    targets, readme = out.parent / "targets.md", tmp_path / "README.md"
+    targets.parent.mkdir(parents=True)
+    targets.write_text("# Targets\n\nby hand\n\n<!-- targets:begin -->\nSTALE\n<!-- targets:end -->\n\nafter\n")
+    readme.write_text("# R\n\n<!-- results:begin -->\n<!-- results:end -->\n\n## Tests\n")
     assert make_results.main(["--baselines", str(card.parent), "--out", str(out)]) == 0
     text = out.read_text()
     for heading in (
-        "## NVIDIA H200", "### Targets", "### Tables I and II", "### Table III", "### Table IV", "### Table V",
+        "## NVIDIA H200", "### Tables I and II", "### Table III", "### Table IV", "### Table V",
         "### Section V-D", "### Figure 1", "### Table VI", "### The default call",
     ):  # fmt: skip
         assert heading in text, heading
-    assert "not measured on this card" not in text
+    assert "not measured on this card" not in text and "docs/targets.md" in text
     assert "| evit, default | 1.25x / 1.11x (1,562) |" in text, "the default call's ratios on both clocks"
     assert "evit 3.00x / 1.30x (first pass 3 s)" in text and "B=64 evit 1.20/1.20" in text
     assert "torch 2.11.0+cu130, triton 3.6.0, timm 1.0.29" in text
@@ -428,15 +432,32 @@ def test_make_results_writes_tables_and_figures(tmp_path: Path) -> None:
     assert "paper: padded (fair) (RTX 4000 Ada, B=8) | 2.31 | 0.28 | 5.24 | 0.03 | 7.86" in text
     assert "4.88e-04" in text and "3.91e-03" in text, "Table VI kernel and E2E rows of the paper"
     assert "0.112" in text, "Table I of the paper"
-    assert "**missed**" in text or "met" in text
-    # ToMe: its stored run's report (both clocks) and its targets, by the per-forward clock
+    # ToMe: its stored run's report (both clocks)
     assert "### Token merging (ToMe) against its peer (deit_base_patch16_224, r = 13)" in text
-    assert "| ToMe r = 13 vs unpruned timm reduce-overhead, B=4: >= 1.3x | ours 1.20x | **missed** |" in text
-    assert "| ToMe r = 13 vs the ToMe peer's best mode, B=4: >= 1.7x | ours 1.60x | **missed** |" in text
-    assert "| ToMe r = 13 vs the ToMe peer's best mode, B=64: >= 1.6x | ours 1.45x | **missed** |" in text
-    assert "| adaptive ToMe (r = 13's mean rows) vs fixed r, B=64: >= 0.95x | reads 0.97x | met |" in text
     assert "| ours vs unpruned reduce-overhead | 1.55x | 1.27x | 1.60x |" in text, "the back-to-back table"
     assert "| ToMe peer (patched timm, explicit attention), torch.compile" in text and "failed: raised X" in text
+    # docs/targets.md: the hand-written parts kept, one generated row per target and card with its data file
+    tt = targets.read_text()
+    assert tt.startswith("# Targets\n\nby hand\n") and tt.endswith("<!-- targets:end -->\n\nafter\n")
+    assert "STALE" not in tt and "| target | card | value | verdict | date | data file |" in tt
+    data = "`" + (card / "tome_peer.json").name + "`"  # outside the repository: the file's name
+    tome = "ToMe r = 13 (`GraphedPrunedViT`) vs unpruned timm reduce-overhead, each forward alone"
+    assert f"| {tome}: >= 1.20x / 1.30x / 1.50x at B=1 / B=4 / B=64 | NVIDIA H200 | 1.50x / 1.20x / 1.60x | " \
+           f"**missed** (B=4: ours 1.20x) | d | {data} |" in tt  # fmt: skip
+    assert "vs the ToMe peer's best mode (timm patched with the merge, reduce-overhead): >= 1.70x / 1.70x / 1.60x " \
+           "at B=1 / B=4 / B=64 | NVIDIA H200 | 2.14x / 1.60x / 1.45x | **missed** (B=4: ours 1.60x; B=64: ours " \
+           "1.45x) |" in tt  # fmt: skip
+    assert "| adaptive ToMe (r = 13's mean rows) vs fixed r: >= 0.95x at B=64 | NVIDIA H200 | 0.97x | met |" in tt
+    assert "default call, every pruner, vs unpruned timm reduce-overhead, each forward synchronised: >= 1.25x / " \
+           "1.25x / 1.45x at B=1 / B=4 / B=64 | NVIDIA H200 | 1.25x / - / 1.25x | **missed** (B=64: evit 1.25x) " \
+           "(B=4 not measured) |" in tt  # fmt: skip
+    kernel = "| attention device time (graph replay) over FA2-aten, every cell: <= 0.60x | NVIDIA H200 | 0.50x (B=1 0%)"
+    assert f"{kernel} | met |" in tt
+    assert "**missed**" in tt and "| met |" in tt
+    # README: one generated table per card, the default call's ratios to timm reduce-overhead on both clocks
+    rt = readme.read_text()
+    assert rt.endswith("<!-- results:end -->\n\n## Tests\n") and "**nvidia-h200** (`default_call.json`)" in rt
+    assert "| B | timm `reduce-overhead`, img/s | EViT 0.7 |" in rt and "| 1 | 1,250 / 1,562 | 1.25x / 1.11x |" in rt
     figures = out.parent / "figures"
     pytest.importorskip("matplotlib")
     pngs = sorted(p.name for p in figures.glob("*.png"))
@@ -448,7 +469,7 @@ def test_make_results_writes_tables_and_figures(tmp_path: Path) -> None:
     # Deterministic: the same JSON gives the same bytes.
     first = {p: (figures / p).read_bytes() for p in pngs}
     assert make_results.main(["--baselines", str(card.parent), "--out", str(out)]) == 0
-    assert out.read_text() == text
+    assert out.read_text() == text and targets.read_text() == tt and readme.read_text() == rt
     assert {p: (figures / p).read_bytes() for p in pngs} == first
 
 
