@@ -1,38 +1,75 @@
-"""The benchmark suites with stored baselines per GPU: save this run, compare with the last one, fail on slowdowns.
+"""The benchmark suites with stored baselines per GPU: run them, gate this run against the card's stored runs, store it.
 
-    python -m benchmarks.run_bench [--quick | quick] [--threshold 25] [--no-compare] [--export DIR] [pytest args]
+    python -m benchmarks.run_bench [--quick | quick] [--tolerance 15] [--no-compare] [--export DIR] [pytest args]
 
 Runs ``python -m pytest benchmarks --benchmark-only`` (the kernel and end-to-end suites; ``RAGGED_BENCH_QUICK=1``
-with ``--quick``) with
+with ``--quick``; any other arguments, ``-k EXPR`` say, go to pytest) with its results in
+``benchmarks/baselines/<gpu-slug>/bench-<quick|full>/<machine-id>/NNNN_<mode>-<commit>.json`` (pytest-benchmark's
+storage: one directory per card model and mode; the card, torch, triton, CUDA and commit in
+``machine_info.ragged_vit`` and in each benchmark's ``extra_info``).
 
-* ``--benchmark-storage=benchmarks/baselines/<gpu-slug>/bench-<quick|full>`` -- one directory per card model
-  and mode, so a run is only ever compared with the same card and the same grid (pytest-benchmark files the runs
-  under its machine id: OS, Python);
-* ``--benchmark-save=<mode>-<commit>`` -- every run is stored (``NNNN_<mode>-<commit>.json``, with the card,
-  torch, triton, CUDA and commit in ``machine_info.ragged_vit`` and in each benchmark's ``extra_info``);
-* ``--benchmark-compare --benchmark-compare-fail=median:<threshold>%`` when a stored run exists for this card and
-  machine id: the run fails if any benchmark's median is more than ``threshold`` percent slower than in the
-  latest stored run. Default 25%: wall times on the lent H100/H200 machines vary by about +-20% between
-  machines of one kind and between sessions (the attention suite's launch-bound cells most), so a tighter
-  threshold flags noise; 25% still catches a lost CUDA graph or an extra host sync per layer (2x and more).
+**The gate.** Wall-clock medians are stored, not gated: they move with the lent machine's host (the same code on
+a host twice as slow reads 80% slower in every launch-bound cell) and with the session. The gate compares what
+stays put across machines of one card model, each benchmark's ``extra_info["gate"]``, written by our entries of
+the two suites (their docstrings say which entry carries which):
 
-``--export DIR`` copies the files this run added to the storage into ``DIR`` (same relative paths), for machines
-whose working tree is thrown away after the run (copy them back into the repository and commit them). Without a
-GPU it says so and exits with status 0 (nothing to measure). The same command is ``nox -s bench [-- quick]``.
+* ``ratio_vs_<peer>`` -- a peer's time over ours, the median of rounds that time the two in turn in one process
+  (``timing.paired_spans``): our attention kernel against ``fa2_aten`` where a call costs its launch more than its
+  kernel; our pipelines against the other backend's pipeline and against the unpruned timm model, eager with eager
+  and CUDA graphs with CUDA graphs. A slower host slows both sides of a pair alike. Fails when it **drops** by more
+  than the tolerance.
+* ``device_us`` -- device time under CUDA-graph replay (``timing.graph_time``: the calls captured in one graph,
+  replays timed with CUDA events, divided): our attention kernel in every cell, our eager pipeline where it has no
+  host synchronisation. No host in it at all. Fails when it **rises** by more than the tolerance; fails too when
+  the baseline has one and this run reports none (the call stopped being capturable).
+
+Each gated quantity is compared with the latest stored run of the same card and mode that holds it (runs of any
+other card, runs with an injected regression and runs that failed the gate are never baselines). The tolerance,
+15% by default (``--tolerance``): a same-card ratio or graph-replay time repeats within a few percent between
+sessions and hosts, where a median moved by tens of percent; the regressions a gate exists for -- a lost CUDA
+graph, a synchronize per block, a kernel launched with a bad configuration -- move them by far more than 15%.
+The table of every gated quantity (baseline, now, change, verdict) is printed; the exit status is 1 only when a
+gated quantity regressed (otherwise pytest's own status: a peer that computes wrong results fails there).
+
+**Storing.** A run is stored only when it passed the gate, pytest passed and nothing was injected: a failing run
+does not become the next baseline. ``--no-compare`` stores without gating (to accept a new baseline: a new torch,
+an intended trade-off). A quantity with no stored value says so and passes, so the first run after a change of the
+gated quantities stores the new baselines. ``--threshold N`` adds pytest-benchmark's own check of the medians
+(``--benchmark-compare-fail=median:N%``) against the latest run of this machine id: off by default, meaningful
+only between runs on one machine in one session.
+
+**Injected regressions** (to see the gate fail): ``RAGGED_BENCH_INJECT=sync`` adds a ``torch.cuda.synchronize()``
+after every call of our kernel in the attention suite's timed loops and after every block's attention in our
+eager pipeline (the launch-bound ratios of ``ours`` and ``ours_op`` fail);
+``RAGGED_BENCH_INJECT=slow-kernel`` launches our attention kernel with one warp per program and 16 x 16 tiles, in
+the attention suite and in every pipeline on the Triton backend (the device times fail, and the ratios where the
+kernel's time shows). Read by ``benchmarks/conftest.py`` only; such a run is gated, never stored.
+
+``--export DIR`` copies the files this run stored into ``DIR`` (same relative paths as under
+``benchmarks/baselines``) and writes this run's JSON and the gate's table there (``<gpu-slug>-bench-<mode>.json``,
+``.gate.txt``), for machines whose working tree is thrown away after the run: copy ``DIR/<gpu-slug>/`` back into
+``benchmarks/baselines/`` and commit it. Without a GPU it says so and exits with status 0 (nothing to measure).
+The same command is ``nox -s bench [-- quick]``; on the lent machines ``bash ci/gpu_suite.sh bench-gate``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks import BASELINES, REPO_ROOT
 
-DEFAULT_THRESHOLD = 25.0
+DEFAULT_TOLERANCE = 15.0
+INJECT_ENV = "RAGGED_BENCH_INJECT"
+NO_BASELINE = "no baseline (passes)"
+NOT_GATED = "not gated now (passes)"  # the baseline has it, this run's entry no longer reports it
 
 
 def storage_dir(slug: str, quick: bool, root: Path | None = None) -> Path:
@@ -41,33 +78,225 @@ def storage_dir(slug: str, quick: bool, root: Path | None = None) -> Path:
 
 
 def stored_runs(storage: Path, machine_id: str) -> list[Path]:
-    """The saved runs pytest-benchmark would compare with (``<machine_id>/NNNN_*.json``), oldest first."""
+    """The saved runs of one machine id (``<machine_id>/NNNN_*.json``), oldest first."""
     return sorted((storage / machine_id).glob("[0-9][0-9][0-9][0-9]_*.json"))
 
 
+def card_runs(storage: Path) -> list[Path]:
+    """The saved runs of every machine id of one card and mode (``*/NNNN_*.json``)."""
+    return sorted(storage.glob("*/[0-9][0-9][0-9][0-9]_*.json"))
+
+
 def pytest_command(
-    storage: Path, name: str, compare: bool, threshold: float, extra: list[str], python: str = sys.executable
+    storage: Path,
+    name: str | None,
+    compare: bool,
+    threshold: float | None,
+    extra: list[str],
+    python: str = sys.executable,
+    json_path: Path | None = None,
 ) -> list[str]:
-    """The pytest command line (see the module docstring)."""
+    """The pytest command line: results into ``storage`` as ``NNNN_<name>.json`` (not saved when ``name`` is None)
+    and into ``json_path``; with ``compare``, pytest-benchmark's own median check at ``threshold`` percent."""
     cmd = [python, "-m", "pytest", "benchmarks", "--benchmark-only", f"--benchmark-storage={storage}"]
-    cmd.append(f"--benchmark-save={name}")
+    if name is not None:
+        cmd.append(f"--benchmark-save={name}")
+    if json_path is not None:
+        cmd.append(f"--benchmark-json={json_path}")
     if compare:
         cmd += ["--benchmark-compare", f"--benchmark-compare-fail=median:{threshold:g}%"]
     return cmd + extra
 
 
+# --------------------------------------------------------------------------------------------------- the gate
+
+
+@dataclass(frozen=True)
+class Gated:
+    """One gated quantity of this run against its baseline, and the verdict."""
+
+    benchmark: str  # pytest-benchmark's name, e.g. test_attention[B1-p0-ours]
+    key: str  # device_us or ratio_vs_<peer>
+    baseline: float | None
+    now: float | None
+    verdict: str
+    failed: bool
+    source: str | None = None  # the stored run the baseline comes from
+
+    @property
+    def change(self) -> float | None:
+        """``now / baseline - 1`` (None where either is missing)."""
+        if self.baseline is None or self.now is None or self.baseline == 0:
+            return None
+        return self.now / self.baseline - 1
+
+
+def higher_is_better(key: str) -> bool:
+    """Ratios (peer over ours) are better higher; device times lower."""
+    return key.startswith("ratio_")
+
+
+def run_slug(run: dict) -> str | None:
+    """The card directory name of a stored run (from its machine info), None if it names no card."""
+    from benchmarks.timing import gpu_slug
+
+    info = run.get("machine_info", {}).get("ragged_vit") or {}
+    if info.get("gpu_slug"):
+        return str(info["gpu_slug"])
+    return gpu_slug(info["card"]) if info.get("card") else None
+
+
+def run_inject(run: dict) -> str | None:
+    """The injected regression a run was measured with (None for a clean run)."""
+    return (run.get("machine_info", {}).get("ragged_vit") or {}).get("inject")
+
+
+def gated_values(run: dict) -> dict[tuple[str, str], float | None]:
+    """``(benchmark name, key) -> value`` of every ``extra_info["gate"]`` of ``run``; None: measured and lost."""
+    values = {}
+    for bench in run.get("benchmarks", []):
+        for key, value in ((bench.get("extra_info") or {}).get("gate") or {}).items():
+            values[(bench["name"], key)] = None if value is None else float(value)
+    return values
+
+
+def baselines(stored: list[tuple[str, dict]], slug: str) -> dict[tuple[str, str], tuple[float, str]]:
+    """``(benchmark, key) -> (value, run label)``: each quantity's value in the latest stored run of card ``slug``
+    that measured it. ``stored`` is ``(label, run)`` oldest first; runs of another card or with an injection are
+    skipped."""
+    found: dict[tuple[str, str], tuple[float, str]] = {}
+    for label, run in reversed(stored):
+        if run_slug(run) != slug or run_inject(run):
+            continue
+        for quantity, value in gated_values(run).items():
+            if value is not None and quantity not in found:
+                found[quantity] = (value, label)
+    return found
+
+
+def judge(benchmark: str, key: str, now: float | None, base: tuple[float, str] | None, tolerance: float) -> Gated:
+    """The verdict on one quantity: a ratio that dropped or a device time that rose by more than ``tolerance``
+    percent fails, and so does a value the baseline has and this run lost."""
+    if base is None:
+        return Gated(benchmark, key, None, now, NO_BASELINE, False)
+    value, source = base
+    if now is None:
+        return Gated(benchmark, key, value, None, "REGRESSION: not measured now", True, source)
+    limit = tolerance / 100
+    if higher_is_better(key):
+        bad, good = now < value * (1 - limit), now > value * (1 + limit)
+    else:
+        bad, good = now > value * (1 + limit), now < value * (1 - limit)
+    verdict = "REGRESSION" if bad else "ok (improved)" if good else "ok"
+    return Gated(benchmark, key, value, now, verdict, bad, source)
+
+
+def gate(run: dict, stored: list[tuple[str, dict]], slug: str, tolerance: float) -> list[Gated]:
+    """Every gated quantity of ``run`` judged against the stored runs of card ``slug`` (see the module docstring),
+    plus a note for each quantity the baseline has for a benchmark of this run that no longer reports it."""
+    base = baselines(stored, slug)
+    now = gated_values(run)
+    rows = [judge(bench, key, value, base.get((bench, key)), tolerance) for (bench, key), value in now.items()]
+    ran = {bench["name"] for bench in run.get("benchmarks", [])}
+    for (bench, key), (value, source) in base.items():
+        if bench in ran and (bench, key) not in now:
+            rows.append(Gated(bench, key, value, None, NOT_GATED, False, source))
+    return rows
+
+
+def fmt(key: str, value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}x" if higher_is_better(key) else f"{value:.2f} us"
+
+
+def render(rows: list[Gated], tolerance: float) -> str:
+    """The gate's table (name, baseline, now, change, verdict) and a one-line summary."""
+    lines = [
+        f"Gate: ratios may drop and device times rise by at most {tolerance:g}%",
+        "",
+        "| gated quantity | baseline | now | change | verdict |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        change = "-" if row.change is None else f"{row.change * 100:+.1f}%"
+        name = f"{row.benchmark} {row.key}"
+        lines.append(f"| {name} | {fmt(row.key, row.baseline)} | {fmt(row.key, row.now)} | {change} | {row.verdict} |")
+    failed = [f"{row.benchmark} {row.key}" for row in rows if row.failed]
+    judged = sum(row.verdict != NOT_GATED for row in rows)
+    sources = sorted({row.source for row in rows if row.source})
+    lines += ["", f"baselines from: {', '.join(sources) if sources else 'none stored'}"]
+    if not judged:
+        lines.append("gate: nothing gated in this run (no entry of ours ran)")
+    elif failed:
+        lines.append(f"gate: FAILED, {len(failed)} of {judged} gated quantities regressed: {', '.join(failed)}")
+    else:
+        lines.append(f"gate: passed ({judged} gated quantities)")
+    return "\n".join(lines)
+
+
+def load_runs(paths: list[Path], root: Path) -> list[tuple[str, dict]]:
+    """``(path relative to root, run)`` of stored runs, oldest first by the run's date; unreadable files skipped."""
+    runs = []
+    for path in paths:
+        try:
+            run = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        runs.append((str(path.relative_to(root)), run))
+    return sorted(runs, key=lambda item: (str(item[1].get("datetime", "")), item[0]))
+
+
+# --------------------------------------------------------------------------------------------------- the command
+
+
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run_bench", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the quick subset (RAGGED_BENCH_QUICK=1)")
-    parser.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD, help="fail above this %% slowdown")
-    parser.add_argument("--no-compare", action="store_true", help="save only, do not compare")
-    parser.add_argument("--export", type=Path, default=None, help="copy the saved files into this directory")
+    parser.add_argument(
+        "--tolerance", type=float, default=DEFAULT_TOLERANCE, help="gate: fail on a ratio drop or device-time rise "
+        "beyond this %% (default %(default)g)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--threshold", type=float, default=None, help="also pytest-benchmark's median check at this %% slowdown "
+        "(off by default: medians move with the host)",
+    )  # fmt: skip
+    parser.add_argument("--no-compare", action="store_true", help="store without gating (accept a new baseline)")
+    parser.add_argument("--export", type=Path, default=None, help="copy the stored files, run JSON and gate here")
     parser.add_argument("--storage-root", type=Path, default=None, help="default benchmarks/baselines")
     args, extra = parser.parse_known_args(argv)
     if "quick" in extra:  # nox -s bench -- quick
         extra = [a for a in extra if a != "quick"]
         args.quick = True
     return args, extra
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the run came to: the gate's rows, whether the run is kept in the storage, and the exit status."""
+
+    rows: list[Gated]
+    keep: bool
+    status: int
+    note: str
+
+
+def decide(
+    run: dict | None, stored: list[tuple[str, dict]], slug: str, tolerance: float, compare: bool, pytest_rc: int
+) -> Outcome:
+    """Gates ``run`` (None: pytest wrote no results) and decides whether to keep it and the exit status."""
+    if run is None:
+        return Outcome([], False, pytest_rc or 1, f"pytest wrote no results (exit status {pytest_rc}): nothing gated")
+    rows = gate(run, stored, slug, tolerance) if compare else []
+    regressed = any(row.failed for row in rows)
+    injected = run_inject(run)
+    if regressed:
+        return Outcome(rows, False, 1, "not stored: the gate failed")
+    if injected:
+        return Outcome(rows, False, pytest_rc, f"not stored: {INJECT_ENV}={injected} was set")
+    if pytest_rc != 0:
+        return Outcome(rows, False, pytest_rc, f"not stored: pytest exited with status {pytest_rc}")
+    return Outcome(rows, True, 0, "stored" + ("" if compare else " without gating (--no-compare)"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,29 +311,40 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.timing import git_commit, gpu_slug
 
     slug = gpu_slug()
-    storage = storage_dir(slug, args.quick, args.storage_root)
+    root = args.storage_root or BASELINES
+    storage = storage_dir(slug, args.quick, root)
     machine_id = get_machine_id()
-    before = set(stored_runs(storage, machine_id))
-    compare = bool(before) and not args.no_compare
+    before = set(card_runs(storage))
+    stored = load_runs(sorted(before), root)
     mode = "quick" if args.quick else "full"
     name = f"{mode}-{git_commit().replace('+', '-')[:16]}"
-    cmd = pytest_command(storage, name, compare, args.threshold, extra)
+    injected = os.environ.get(INJECT_ENV, "").strip()
+    legacy = args.threshold is not None and bool(stored_runs(storage, machine_id)) and not args.no_compare
+    workdir = Path(tempfile.mkdtemp(prefix="run_bench-"))
+    json_path = (args.export or workdir) / f"{slug}-bench-{mode}.json"
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = pytest_command(storage, None if injected else name, legacy, args.threshold, extra, json_path=json_path)
     env = dict(os.environ, RAGGED_BENCH_QUICK="1" if args.quick else "0")
-    plan = (
-        f"comparing with {sorted(before)[-1].name} (fails above +{args.threshold:g}% median)"
-        if compare
-        else "no stored run to compare with: saving only"
-    )
+    plan = "storing without gating" if args.no_compare else f"gating against {len(stored)} stored run(s) of this card"
     print(f"run_bench: {slug}, {mode}; storage {storage}; {plan}", file=sys.stderr, flush=True)
-    rc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=False).returncode
+    pytest_rc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=False).returncode
+    run = json.loads(json_path.read_text()) if json_path.is_file() else None
+    outcome = decide(run, stored, slug, args.tolerance, not args.no_compare, pytest_rc)
+    added = sorted(set(card_runs(storage)) - before)
+    if not outcome.keep:
+        for path in added:  # pytest-benchmark saved it; a run that is not kept must not become a baseline
+            path.unlink()
+        added = []
+    report = render(outcome.rows, args.tolerance) if not args.no_compare else "gate: not run (--no-compare)"
+    print(f"\n{report}\nrun_bench: {outcome.note}; this run's results: {json_path}", flush=True)
     if args.export is not None:
-        root = args.storage_root or BASELINES
-        for path in sorted(set(stored_runs(storage, machine_id)) - before):
+        json_path.with_suffix(".gate.txt").write_text(f"{report}\n{outcome.note}\n")
+        for path in added:
             dest = args.export / path.relative_to(root)
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, dest)
             print(f"run_bench: exported {dest}", file=sys.stderr)
-    return rc
+    return outcome.status
 
 
 if __name__ == "__main__":

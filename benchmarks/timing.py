@@ -9,6 +9,8 @@ all of its calls (an SDPA backend choice, say). Times are in microseconds per ca
 * :func:`event_time` -- CUDA events around each call issued to an idle device: the paper's method.
 * :func:`graph_time` -- device time alone: K calls captured in one CUDA graph, each replay timed with events.
 * :func:`span_time`  -- CUDA events around N back-to-back calls: device time plus the gaps between launches.
+* :func:`paired_spans` -- :func:`span_time` of several peers in turn, round by round; :func:`paired_ratio` of two.
+* :func:`graphed_calls` -- a peer's calls captured one per CUDA graph, replayed as its calls (a graphed peer).
 * :func:`forward_times` -- ``report_e2e``'s per-forward clock: host clock and CUDA events around each forward.
 * :func:`stage_breakdown` -- the paper's Table IV: the regions of one pruned forward, marked by CUDA events.
 * :func:`elapsed` -- seconds from an idle device to an idle device (first calls, sizing the rounds).
@@ -26,7 +28,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -120,12 +122,19 @@ def elapsed(plan: Sequence[Call], device: torch.device = CUDA) -> float:
     return time.perf_counter() - t0
 
 
-def calls_per_round(calls: Sequence[Call], context: ContextFactory = contextlib.nullcontext) -> int:
-    """How many back-to-back calls fill about 20 ms of wall time (20 to 2000)."""
+def calls_per_round(
+    calls: Sequence[Call],
+    context: ContextFactory = contextlib.nullcontext,
+    *,
+    target_s: float = 0.02,
+    lo: int = 20,
+    hi: int = 2000,
+) -> int:
+    """How many back-to-back calls fill about ``target_s`` of wall time (``lo`` to ``hi``)."""
     probe = schedule(calls, 10)
     with context(), gc_off():
         per_call = elapsed(probe) / len(probe)
-    return max(20, min(2000, round(0.02 / max(per_call, 1e-7))))
+    return max(lo, min(hi, round(target_s / max(per_call, 1e-7))))
 
 
 def wall_time(
@@ -163,6 +172,53 @@ def span_time(calls: Sequence[Call], n: int, context: ContextFactory = contextli
         end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / n
+
+
+def paired_spans(
+    peers: Mapping[str, tuple[Sequence[Call], ContextFactory]], rounds: int = 21, target_s: float = 0.01
+) -> dict[str, list[float]]:
+    """:func:`span_time` of every peer (``name -> (calls, context)``, warmed up) in turn, ``rounds`` times: one
+    span per peer and round, each of about ``target_s`` (2 calls at least) and started on an idle device.
+
+    The spans of one round lie milliseconds apart, so a ratio of two peers *within a round* compares them on one
+    state of the host and the card: a host that is slower as a whole slows both (the ratio of two host-bound peers
+    stays), and a hiccup spoils one round of one pair, which the median of the rounds' ratios ignores.
+    """
+    sizes = {name: calls_per_round(calls, context, target_s=target_s, lo=2) for name, (calls, context) in peers.items()}
+    spans: dict[str, list[float]] = {name: [] for name in peers}
+    for _ in range(rounds):
+        for name, (calls, context) in peers.items():
+            spans[name].append(span_time(calls, sizes[name], context))
+    return spans
+
+
+def paired_ratio(spans: Mapping[str, Sequence[float]], peer: str, row: str) -> dict[str, float]:
+    """``peer / row`` of :func:`paired_spans`, round by round (above 1: ``row`` is the faster): the spread of the
+    per-round ratios (``median`` is the paired estimate) and ``fastest``, the ratio of the two fastest rounds."""
+    ratios = [p / r for p, r in zip(spans[peer], spans[row], strict=True)]
+    return {**summarize(ratios).to_dict(), "fastest": min(spans[peer]) / min(spans[row])}
+
+
+def graphed_calls(calls: Sequence[Call], context: ContextFactory = contextlib.nullcontext) -> list[Call]:
+    """Each call captured in a CUDA graph of its own (inside ``context``, after a warm-up on a side stream, as
+    ``torch.cuda.graph`` asks) and returned as that graph's replay: the peer run as one graph launch per call.
+    The graphs (and their memory pools) live as long as the returned calls; their outputs are not kept."""
+    replays: list[Call] = []
+    with context():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for call in calls:
+                call()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        for call in calls:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                call()
+            replays.append(graph.replay)
+    torch.cuda.synchronize()
+    return replays
 
 
 @dataclass(frozen=True)
