@@ -39,10 +39,11 @@ def gpu_tests(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """pytest-benchmark suites against the stored baseline of this GPU; `nox -s bench -- quick` for the subset.
+    """pytest-benchmark suites gated against the stored runs of this GPU; `nox -s bench -- quick` for the subset.
 
-    Runs `python -m benchmarks.run_bench`: saves the run under benchmarks/baselines/<gpu>/bench-<quick|full>/ and,
-    when a run is stored there, fails on a median slowdown beyond 25% (`--threshold N` to change it). Other
+    Runs `python -m benchmarks.run_bench`: gates the run on our entries' same-run ratios to their peers and their
+    device times under CUDA-graph replay (not on wall-clock medians), fails when one regressed beyond 15%
+    (`--tolerance N`), and stores a passing run under benchmarks/baselines/<gpu>/bench-<quick|full>/. Other
     arguments go to pytest.
     """
     session.install("-e", ".[dev,demo]")

@@ -3,53 +3,60 @@
     python -m benchmarks.run_bench [--quick | quick] [--tolerance 15] [--no-compare] [--export DIR] [pytest args]
 
 Runs ``python -m pytest benchmarks --benchmark-only`` (the kernel and end-to-end suites; ``RAGGED_BENCH_QUICK=1``
-with ``--quick``; any other arguments, ``-k EXPR`` say, go to pytest) with its results in
-``benchmarks/baselines/<gpu-slug>/bench-<quick|full>/<machine-id>/NNNN_<mode>-<commit>.json`` (pytest-benchmark's
-storage: one directory per card model and mode; the card, torch, triton, CUDA and commit in
-``machine_info.ragged_vit`` and in each benchmark's ``extra_info``).
+with ``--quick``; other arguments, ``-k EXPR`` say, go to pytest), with pytest-benchmark's results (wall-clock
+statistics, and each benchmark's ``extra_info``: the card, torch, triton, CUDA, commit and the other clocks) written
+to one JSON file, then gates that run and stores it as
+``benchmarks/baselines/<gpu-slug>/bench-<quick|full>/NNNN_<mode>-<commit>.json``: one directory per card model and
+mode, numbered after the runs already there (those pytest-benchmark saved under ``<machine-id>/`` before the gate
+count too).
 
-**The gate.** Wall-clock medians are stored, not gated: they move with the lent machine's host (the same code on
-a host twice as slow reads 80% slower in every launch-bound cell) and with the session. The gate compares what
-stays put across machines of one card model, each benchmark's ``extra_info["gate"]``, written by our entries of
-the two suites (their docstrings say which entry carries which):
+**The gate.** Wall-clock medians are stored, not gated: they move with the lent machine's host, not only with the
+code (on an H200 whose host ran about twice as slow, 21 of 84 quick medians rose by more than 25% on a clean main,
+while our kernel's time over FA2's at B = 1 went from 0.86 to 0.84). The gate compares what stays put across
+machines of one card model, each benchmark's ``extra_info["gate"]``, written by our entries of the two suites (their
+docstrings say which entry carries which):
 
-* ``ratio_vs_<peer>`` -- a peer's time over ours, the median of rounds that time the two in turn in one process
-  (``timing.paired_spans``): our attention kernel against ``fa2_aten`` where a call costs its launch more than its
-  kernel; our pipelines against the other backend's pipeline and against the unpruned timm model, eager with eager
-  and CUDA graphs with CUDA graphs. A slower host slows both sides of a pair alike. Fails when it **drops** by more
-  than the tolerance.
-* ``device_us`` -- device time under CUDA-graph replay (``timing.graph_time``: the calls captured in one graph,
-  replays timed with CUDA events, divided): our attention kernel in every cell, our eager pipeline where it has no
-  host synchronisation. No host in it at all. Fails when it **rises** by more than the tolerance; fails too when
-  the baseline has one and this run reports none (the call stopped being capturable).
+* ``ratio_vs_<peer>`` -- a peer's time over ours (above 1: ours is faster), the median over rounds that time the two
+  in turn in one process (``timing.paired_spans``): our attention kernel against ``fa2_aten`` where a call costs its
+  launch more than its kernel; our pipelines against the other backend's pipeline and against the unpruned timm
+  model, eager with eager and CUDA graphs with CUDA graphs. A slower host slows both sides of a pair alike, and
+  a hiccup spoils single rounds, which the median ignores. Fails when it **drops** by more than the tolerance.
+* ``device_us`` -- device time under CUDA-graph replay (``timing.graph_time``: the calls captured in one graph, the
+  replays timed with CUDA events, divided by the calls): our attention kernel in every cell, our eager pipeline
+  where it has no host synchronisation. No host in it at all. Fails when it **rises** by more than the tolerance,
+  and when the baseline has one and this run measured none (the call stopped being capturable).
 
-Each gated quantity is compared with the latest stored run of the same card and mode that holds it (runs of any
-other card, runs with an injected regression and runs that failed the gate are never baselines). The tolerance,
-15% by default (``--tolerance``): a same-card ratio or graph-replay time repeats within a few percent between
-sessions and hosts, where a median moved by tens of percent; the regressions a gate exists for -- a lost CUDA
-graph, a synchronize per block, a kernel launched with a bad configuration -- move them by far more than 15%.
-The table of every gated quantity (baseline, now, change, verdict) is printed; the exit status is 1 only when a
-gated quantity regressed (otherwise pytest's own status: a peer that computes wrong results fails there).
+Each gated quantity is compared with the latest stored run of the same card and mode that holds it; runs of another
+card (by the card each run names) and runs with an injected regression are never baselines, and a run that fails
+the gate is not stored. Tolerance, ``--tolerance``, 15% by default: our device times under graph replay repeat
+within a few percent between stored runs of one card (machines, sessions, commits that left the kernel alone), and
+a same-process ratio of two peers bound by the same thing moves far less than either wall time. 15% stays clear of
+that spread and well under what the gate is for: a lost CUDA graph, a synchronize per block, a kernel launched with
+a bad configuration move these numbers by a factor. A 10% slowdown of one kernel can pass; time it with
+``report_attention`` on one machine.
 
-**Storing.** A run is stored only when it passed the gate, pytest passed and nothing was injected: a failing run
-does not become the next baseline. ``--no-compare`` stores without gating (to accept a new baseline: a new torch,
-an intended trade-off). A quantity with no stored value says so and passes, so the first run after a change of the
-gated quantities stores the new baselines. ``--threshold N`` adds pytest-benchmark's own check of the medians
-(``--benchmark-compare-fail=median:N%``) against the latest run of this machine id: off by default, meaningful
-only between runs on one machine in one session.
+The table of every gated quantity (baseline, now, change, verdict) is printed; the exit status is 1 when a gated
+quantity regressed, else pytest's own (a peer that computes wrong results fails there). A quantity without a stored
+value says so and passes, so the first run after a change of the gated quantities stores their baselines.
 
-**Injected regressions** (to see the gate fail): ``RAGGED_BENCH_INJECT=sync`` adds a ``torch.cuda.synchronize()``
-after every call of our kernel in the attention suite's timed loops and after every block's attention in our
-eager pipeline (the launch-bound ratios of ``ours`` and ``ours_op`` fail);
-``RAGGED_BENCH_INJECT=slow-kernel`` launches our attention kernel with one warp per program and 16 x 16 tiles, in
-the attention suite and in every pipeline on the Triton backend (the device times fail, and the ratios where the
-kernel's time shows). Read by ``benchmarks/conftest.py`` only; such a run is gated, never stored.
+**Storing.** A run is stored only when it passed the gate, pytest passed and nothing was injected. ``--no-compare``
+stores without gating: to accept a new baseline (a new torch, an intended trade-off). ``--threshold N`` adds
+pytest-benchmark's own check of the medians (``--benchmark-compare-fail=median:N%``) against the latest stored run:
+off by default, meaningful only between runs on one machine in one session.
 
-``--export DIR`` copies the files this run stored into ``DIR`` (same relative paths as under
-``benchmarks/baselines``) and writes this run's JSON and the gate's table there (``<gpu-slug>-bench-<mode>.json``,
-``.gate.txt``), for machines whose working tree is thrown away after the run: copy ``DIR/<gpu-slug>/`` back into
-``benchmarks/baselines/`` and commit it. Without a GPU it says so and exits with status 0 (nothing to measure).
-The same command is ``nox -s bench [-- quick]``; on the lent machines ``bash ci/gpu_suite.sh bench-gate``.
+**Injected regressions**, to see the gate fail (``benchmarks/conftest.py``; the library is untouched):
+``RAGGED_BENCH_INJECT=sync`` adds a ``torch.cuda.synchronize()`` after every call of our kernel in the attention
+suite's timed loops and after every block's attention of our eager pipeline rows (the launch-bound ratios of
+``ours`` and ``ours_op`` against ``fa2_aten`` fail); ``RAGGED_BENCH_INJECT=slow-kernel`` launches our attention
+kernel with one warp per program and 16 x 16 tiles, in the attention suite's ``ours`` and in every pipeline on the
+Triton backend (the device times fail, and the ratios where the kernel's time shows). Such a run is gated, never
+stored.
+
+``--export DIR`` writes this run's JSON and the gate's table into ``DIR`` (``<gpu-slug>-bench-<mode>.json`` and
+``.gate.txt``, stored or not) and copies a stored run to ``DIR/<gpu-slug>/bench-<mode>/``, for machines whose
+working tree is thrown away after the run: copy ``DIR/<gpu-slug>`` into ``benchmarks/baselines/`` and commit it.
+Without a GPU it says so and exits with status 0 (nothing to measure). The same command is
+``nox -s bench [-- quick]``; on the lent machines ``bash ci/gpu_suite.sh bench-gate``.
 """
 
 from __future__ import annotations
@@ -77,14 +84,25 @@ def storage_dir(slug: str, quick: bool, root: Path | None = None) -> Path:
     return (root or BASELINES) / slug / ("bench-quick" if quick else "bench-full")
 
 
+RUN_GLOB = "[0-9][0-9][0-9][0-9]_*.json"
+
+
 def stored_runs(storage: Path, machine_id: str) -> list[Path]:
-    """The saved runs of one machine id (``<machine_id>/NNNN_*.json``), oldest first."""
-    return sorted((storage / machine_id).glob("[0-9][0-9][0-9][0-9]_*.json"))
+    """The runs pytest-benchmark saved under one machine id (``<machine_id>/NNNN_*.json``), oldest first."""
+    return sorted((storage / machine_id).glob(RUN_GLOB))
 
 
 def card_runs(storage: Path) -> list[Path]:
-    """The saved runs of every machine id of one card and mode (``*/NNNN_*.json``)."""
-    return sorted(storage.glob("*/[0-9][0-9][0-9][0-9]_*.json"))
+    """Every stored run of one card and mode: ``NNNN_*.json`` (stored by this command) and the runs pytest-benchmark
+    saved under machine ids (``*/NNNN_*.json``, before the gate)."""
+    folders = sorted(p.name for p in storage.iterdir() if p.is_dir()) if storage.is_dir() else []
+    return sorted(storage.glob(RUN_GLOB)) + [path for folder in folders for path in stored_runs(storage, folder)]
+
+
+def next_run_path(storage: Path, name: str) -> Path:
+    """``storage / NNNN_<name>.json``, numbered after every stored run of the card and mode."""
+    numbers = [int(path.name[:4]) for path in card_runs(storage)]
+    return storage / f"{max(numbers, default=0) + 1:04d}_{name}.json"
 
 
 def pytest_command(
@@ -96,8 +114,9 @@ def pytest_command(
     python: str = sys.executable,
     json_path: Path | None = None,
 ) -> list[str]:
-    """The pytest command line: results into ``storage`` as ``NNNN_<name>.json`` (not saved when ``name`` is None)
-    and into ``json_path``; with ``compare``, pytest-benchmark's own median check at ``threshold`` percent."""
+    """The pytest command line: results into ``json_path``, and saved by pytest-benchmark into ``storage`` as
+    ``<machine id>/NNNN_<name>.json`` unless ``name`` is None (``main`` stores a run itself, once gated); with
+    ``compare``, pytest-benchmark's own median check at ``threshold`` percent against the latest run there."""
     cmd = [python, "-m", "pytest", "benchmarks", "--benchmark-only", f"--benchmark-storage={storage}"]
     if name is not None:
         cmd.append(f"--benchmark-save={name}")
@@ -306,44 +325,40 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("run_bench: no CUDA GPU here (torch.cuda.is_available() is False); nothing to measure", file=sys.stderr)
         return 0
-    from pytest_benchmark.utils import get_machine_id
-
     from benchmarks.timing import git_commit, gpu_slug
 
     slug = gpu_slug()
     root = args.storage_root or BASELINES
     storage = storage_dir(slug, args.quick, root)
-    machine_id = get_machine_id()
-    before = set(card_runs(storage))
-    stored = load_runs(sorted(before), root)
+    stored = load_runs(card_runs(storage), root)
     mode = "quick" if args.quick else "full"
     name = f"{mode}-{git_commit().replace('+', '-')[:16]}"
-    injected = os.environ.get(INJECT_ENV, "").strip()
-    legacy = args.threshold is not None and bool(stored_runs(storage, machine_id)) and not args.no_compare
-    workdir = Path(tempfile.mkdtemp(prefix="run_bench-"))
-    json_path = (args.export or workdir) / f"{slug}-bench-{mode}.json"
+    legacy = args.threshold is not None and bool(stored) and not args.no_compare
+    json_path = (args.export or Path(tempfile.mkdtemp(prefix="run_bench-"))) / f"{slug}-bench-{mode}.json"
     json_path.parent.mkdir(parents=True, exist_ok=True)
-    cmd = pytest_command(storage, None if injected else name, legacy, args.threshold, extra, json_path=json_path)
+    json_path.unlink(missing_ok=True)
+    cmd = pytest_command(storage, None, legacy, args.threshold, extra, json_path=json_path)
     env = dict(os.environ, RAGGED_BENCH_QUICK="1" if args.quick else "0")
     plan = "storing without gating" if args.no_compare else f"gating against {len(stored)} stored run(s) of this card"
     print(f"run_bench: {slug}, {mode}; storage {storage}; {plan}", file=sys.stderr, flush=True)
     pytest_rc = subprocess.run(cmd, cwd=REPO_ROOT, env=env, check=False).returncode
     run = json.loads(json_path.read_text()) if json_path.is_file() else None
     outcome = decide(run, stored, slug, args.tolerance, not args.no_compare, pytest_rc)
-    added = sorted(set(card_runs(storage)) - before)
-    if not outcome.keep:
-        for path in added:  # pytest-benchmark saved it; a run that is not kept must not become a baseline
-            path.unlink()
-        added = []
     report = render(outcome.rows, args.tolerance) if not args.no_compare else "gate: not run (--no-compare)"
-    print(f"\n{report}\nrun_bench: {outcome.note}; this run's results: {json_path}", flush=True)
-    if args.export is not None:
-        json_path.with_suffix(".gate.txt").write_text(f"{report}\n{outcome.note}\n")
-        for path in added:
+    note = outcome.note
+    if outcome.keep:
+        path = next_run_path(storage, name)
+        storage.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(json_path, path)
+        note += f" as {path}"
+        if args.export is not None:
             dest = args.export / path.relative_to(root)
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(path, dest)
-            print(f"run_bench: exported {dest}", file=sys.stderr)
+            note += f", exported as {dest} (copy {args.export / slug} into {root})"
+    print(f"\n{report}\nrun_bench: {note}; this run's results: {json_path}", flush=True)
+    if args.export is not None:
+        json_path.with_suffix(".gate.txt").write_text(f"{report}\n{note}\n")
     return outcome.status
 
 

@@ -35,6 +35,7 @@ for step in "${steps[@]}"; do
     tune-quick) "$PY" -m ci.tune_attention --quick --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | tail -30 ;;
     bench) "$PY" -m benchmarks.report_attention --out "$OUT/attention.json" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
     bench-quick) "$PY" -m benchmarks.report_attention --quick --out "$OUT/attention.json" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
+    bench-gate) "$PY" -m benchmarks.run_bench --quick --export "$OUT" 2>&1 | tee "$OUT/bench_gate.log" | grep -E "^(\||gate|run_bench|baselines)" || status=1 ;;  # benchmarks/run_bench.py
     profile) for cell in "64 0" "64 50"; do set -- $cell
                ncu --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis --section Occupancy \
                    --section LaunchStats -k regex:_ragged -s 2 -c 1 "$PY" -m ci.profile_attention --batch $1 --pruned $2 \

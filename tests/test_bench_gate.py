@@ -146,7 +146,7 @@ def test_injected_failed_and_broken_runs_are_not_stored() -> None:
 
 
 class FakePytest:
-    """Stands in for the pytest subprocess: writes ``run`` where pytest-benchmark would (the JSON, the storage)."""
+    """Stands in for the pytest subprocess: writes ``run`` where pytest-benchmark writes its JSON."""
 
     def __init__(self, run: dict, rc: int = 0) -> None:
         self.run, self.rc, self.commands = run, rc, []
@@ -154,25 +154,18 @@ class FakePytest:
     def __call__(self, cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess:
         self.commands.append(cmd)
         opts = dict(a.removeprefix("--").split("=", 1) for a in cmd if a.startswith("--benchmark-") and "=" in a)
-        text = json.dumps(self.run)
-        Path(opts["benchmark-json"]).write_text(text)
-        if "benchmark-save" in opts:
-            folder = Path(opts["benchmark-storage"]) / MACHINE
-            folder.mkdir(parents=True, exist_ok=True)
-            number = len(list(folder.glob("*.json"))) + 1
-            (folder / f"{number:04d}_{opts['benchmark-save']}.json").write_text(text)
+        Path(opts["benchmark-json"]).write_text(json.dumps(self.run))
         return subprocess.CompletedProcess(cmd, self.rc)
 
 
 @pytest.fixture
 def fake_gpu(monkeypatch: pytest.MonkeyPatch):
-    """``run_bench.main`` on a CPU: a CUDA card named H200, a fixed commit and machine id."""
+    """``run_bench.main`` on a CPU: a CUDA card named H200, a fixed commit, pytest replaced by :class:`FakePytest`."""
     from benchmarks import timing
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(timing, "gpu_slug", lambda name=None: "nvidia-h200" if name in (None, H200) else "other")
     monkeypatch.setattr(timing, "git_commit", lambda: "abc1234")
-    monkeypatch.setattr("pytest_benchmark.utils.get_machine_id", lambda: MACHINE)
     monkeypatch.delenv(run_bench.INJECT_ENV, raising=False)
 
     def main(run: dict, *args: str, rc: int = 0) -> tuple[int, FakePytest]:
@@ -186,33 +179,39 @@ def fake_gpu(monkeypatch: pytest.MonkeyPatch):
 def test_main_stores_a_passing_run_and_drops_a_failing_one(fake_gpu, tmp_path: Path, capsys) -> None:
     root, out = tmp_path / "baselines", tmp_path / "out"
     storage = root / "nvidia-h200" / "bench-quick"
+    (storage / MACHINE).mkdir(parents=True)
+    (storage / MACHINE / "0003_quick-old.json").write_text(json.dumps(make_run({})))  # stored before the gate
     rc, fake = fake_gpu(BASE, "--quick", "--storage-root", str(root), "--export", str(out), "-k", "B1")
     assert rc == 0
-    assert [p.name for p in run_bench.card_runs(storage)] == ["0001_quick-abc1234.json"]
-    assert (out / "nvidia-h200" / "bench-quick" / MACHINE / "0001_quick-abc1234.json").is_file()  # to copy back
-    assert fake.commands[0][-2:] == ["-k", "B1"] and "--benchmark-compare" not in fake.commands[0]
+    assert [p.name for p in run_bench.card_runs(storage)] == ["0004_quick-abc1234.json", "0003_quick-old.json"]
+    # What comes back from the lent machine: the stored run two folders down, the run and the gate's table on top.
+    assert (out / "nvidia-h200" / "bench-quick" / "0004_quick-abc1234.json").is_file()
+    assert {p.name for p in out.iterdir()} == {"nvidia-h200", "nvidia-h200-bench-quick.json",
+                                                "nvidia-h200-bench-quick.gate.txt"}  # fmt: skip
+    cmd = fake.commands[0]
+    assert cmd[-2:] == ["-k", "B1"] and not any(a.startswith(("--benchmark-compare", "--benchmark-save")) for a in cmd)
     assert run_bench.NO_BASELINE in capsys.readouterr().out
 
     slower = make_run({ATT: {"device_us": 13.0, "ratio_vs_fa2_aten": 1.2}}, date="2026-02-01")
     rc, _ = fake_gpu(slower, "--quick", "--storage-root", str(root), "--export", str(out))
     text = capsys.readouterr().out
     assert rc == 1 and f"regressed: {ATT} device_us" in text and "not stored: the gate failed" in text
-    assert len(run_bench.card_runs(storage)) == 1  # the failing run did not become the baseline
+    assert len(run_bench.card_runs(storage)) == 2  # the failing run did not become the baseline
     assert "REGRESSION" in (out / "nvidia-h200-bench-quick.gate.txt").read_text()
 
     rc, _ = fake_gpu(slower, "--quick", "--storage-root", str(root), "--no-compare")  # accepted as the new baseline
-    assert rc == 0 and len(run_bench.card_runs(storage)) == 2
-    rc, _ = fake_gpu(slower, "--quick", "--storage-root", str(root))
+    assert rc == 0 and run_bench.card_runs(storage)[1].name == "0005_quick-abc1234.json"
+    rc, fake = fake_gpu(slower, "--quick", "--storage-root", str(root), "--threshold", "25")
     assert rc == 0 and "gate: passed" in capsys.readouterr().out
+    assert fake.commands[0][-2:] == ["--benchmark-compare", "--benchmark-compare-fail=median:25%"]
 
 
 def test_main_never_stores_an_injected_run(fake_gpu, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
     root = tmp_path / "baselines"
     monkeypatch.setenv(run_bench.INJECT_ENV, "slow-kernel")
     run = make_run({ATT: {"device_us": 10.0}}, inject="slow-kernel")
-    rc, fake = fake_gpu(run, "--quick", "--storage-root", str(root))
-    assert rc == 0 and not any(a.startswith("--benchmark-save") for a in fake.commands[0])
-    assert run_bench.card_runs(root / "nvidia-h200" / "bench-quick") == []
+    rc, _ = fake_gpu(run, "--quick", "--storage-root", str(root))
+    assert rc == 0 and run_bench.card_runs(root / "nvidia-h200" / "bench-quick") == []
     assert "not stored: RAGGED_BENCH_INJECT=slow-kernel" in capsys.readouterr().out
 
 
