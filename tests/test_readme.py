@@ -1,5 +1,6 @@
 """The docs' code does what it says: the tested Python blocks of the README and docs/tome.md run as printed, on the
-CPU."""
+CPU; the README keeps its shape (the call first, the commands CI runs verbatim, the results tables as generated from
+the stored runs, links that resolve)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 TOME_DOC = ROOT / "docs" / "tome.md"
+CI_COMMANDS = (  # CI runs these two verbatim (.ci/run the test command): they stay exactly as printed
+    "python -m pip install nox && python -m nox -s tests",
+    "python -m pip install nox && python -m nox -s demo",
+)
 
 
 def _run_tested_block(path: Path) -> dict[str, object]:
@@ -45,3 +50,48 @@ def test_tome_doc_block_runs_as_printed():
     _, counts = calibrated(images, return_counts=True)
     assert calibrated.pruner.threshold == namespace["threshold"]
     assert abs(counts.double().mean().item() - 0.57 * 196) <= 1.0
+
+
+def test_readme_opens_with_the_call():
+    """The first Python block is the default call on your own model (the tested one), within the first 50 lines."""
+    lines = README.read_text().splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("```python"))
+    assert first < 50 and lines[first - 1] == "<!-- tested by tests/test_readme.py -->"
+    block = "\n".join(lines[first : lines.index("```", first + 1)])
+    assert "ragged_vit.prune(model," in block
+
+
+def test_readme_keeps_the_commands_ci_runs():
+    """The test and demo commands, each alone in a bash block of one marked section; .ci/run runs the first."""
+    text = README.read_text()
+    section = text[text.index("## Tests and demo (the commands CI runs)") :]
+    section = section[: section.index("\n## ", 1)] if "\n## " in section[1:] else section
+    blocks = re.findall(r"```bash\n(.*?)\n```", section, re.S)
+    for command in CI_COMMANDS:
+        assert command in blocks, command
+    assert CI_COMMANDS[0] in (ROOT / ".ci" / "run").read_text()
+
+
+def test_readme_and_targets_tables_are_generated_from_the_stored_runs():
+    """What lies between the README's results markers and docs/targets.md's targets markers is what
+    ``python -m benchmarks.make_results`` (``nox -s results``) writes from the stored JSON today."""
+    from benchmarks import BASELINES, make_results
+
+    def between(path: Path, name: str) -> str:
+        match = re.search(rf"<!-- {name}:begin -->\n(.*?)\n<!-- {name}:end -->", path.read_text(), re.S)
+        assert match, f"{path.name} lost its {name} markers"
+        return match.group(1)
+
+    assert between(README, "results") == make_results.readme_section(BASELINES).strip(), "run nox -s results"
+    targets = make_results.targets_table(make_results.all_targets(BASELINES, ROOT / "docs" / "data"))
+    assert between(ROOT / "docs" / "targets.md", "targets") == targets.strip(), "run nox -s results"
+    assert "**NVIDIA H100 80GB HBM3**" in between(README, "results") and "**NVIDIA H200**" in between(README, "results")
+
+
+def test_readme_links_resolve():
+    """Every docs/ page and repository path the README names exists."""
+    text = README.read_text()
+    named = set(re.findall(r"`((?:docs|benchmarks|ci|tests)/[\w./-]+\.(?:md|py|json|sh))`", text))
+    assert any(p.startswith("docs/") for p in named)
+    missing = sorted(p for p in named if not (ROOT / p).exists())
+    assert not missing, missing
