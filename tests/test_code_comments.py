@@ -11,7 +11,9 @@ every ``.py`` file of the library folders and fails on
   capabilities such as ``SM90`` are facts and pass);
 * a number followed by ``%`` (a modulo such as ``T % 16`` in a docstring passes: no number before the sign).
 
-Code (string literals that are not docstrings, hex constants) is never scanned.
+Code (string literals that are not docstrings, hex constants) is never scanned. Two more checks keep the pointers
+honest: every ``docs/tuning.md#section`` the library cites is a heading there, and every ``docs/data/`` file that
+``docs/tuning.md`` cites exists.
 """
 
 from __future__ import annotations
@@ -171,3 +173,11 @@ def test_every_pointer_into_tuning_md_names_a_section():
     assert cited, "the library points into docs/tuning.md"
     missing = sorted(f"{path}: #{anchor}" for path, anchor in cited if anchor not in anchors)
     assert not missing, "pointers to sections docs/tuning.md does not have:\n" + "\n".join(missing)
+
+
+def test_tuning_md_cites_only_data_files_that_exist():
+    text = (ROOT / "docs" / "tuning.md").read_text(encoding="utf-8")
+    cited = set(re.findall(r"docs/data/[\w.-]+\w", text))
+    assert cited, "docs/tuning.md cites its data files"
+    missing = sorted(name for name in cited if not (ROOT / name).is_file())
+    assert not missing, "docs/tuning.md cites data files that do not exist: " + ", ".join(missing)
