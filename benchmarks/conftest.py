@@ -39,6 +39,8 @@ SKIP_REASON = (
 _HERE = Path(__file__).resolve().parent
 INJECT_ENV = "RAGGED_BENCH_INJECT"
 INJECT_MODES = ("sync", "slow-kernel")
+# One warp per (image, head) walking 16 x 16 tiles: a valid launch on every card, far slower than any tuned choice.
+SLOW_CONFIG = AttentionConfig(block_m=16, block_n=16, num_warps=1, num_stages=1, grid_per_tile=False)
 
 
 def inject_mode() -> str | None:
@@ -131,10 +133,6 @@ def _slow_triton_attend(
 ) -> torch.Tensor:
     """``TritonBackend._attend`` with :data:`SLOW_CONFIG` (the injected ``slow-kernel`` regression)."""
     return ragged_attention_qkv_unchecked(qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias, None, SLOW_CONFIG)
-
-
-# One warp per (image, head) walking 16 x 16 tiles: a valid launch on every card, far slower than any tuned choice.
-SLOW_CONFIG = AttentionConfig(block_m=16, block_n=16, num_warps=1, num_stages=1, grid_per_tile=False)
 
 
 @pytest.fixture(scope="session")
