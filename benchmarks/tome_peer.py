@@ -257,15 +257,15 @@ def bipartite_merge(
     device = x.device
     metric = F.normalize(keys.float().mean(dim=1), dim=-1)  # [B, N, D]
     scores = metric[:, 0::2] @ metric[:, 1::2].transpose(1, 2)  # [B, |A|, |B|] cosine similarities
-    a_rows, b_rows = torch.arange(0, n, 2, device=device), torch.arange(1, n, 2, device=device)
-    scores[:, a_rows < num_prefix, :] = -math.inf  # a prefix row is never a source nor a destination
-    scores[:, :, b_rows < num_prefix] = -math.inf
+    b_rows = torch.arange(1, n, 2, device=device)
+    scores[:, : (num_prefix + 1) // 2, :] = -math.inf  # a prefix row is never a source nor a destination
+    scores[:, :, : num_prefix // 2] = -math.inf  # (slices, not masks: a mask is a data-dependent shape to Dynamo)
     best, match = scores.max(dim=-1)  # ties: the first (lowest) B index
     order = torch.argsort(best, dim=-1, descending=True, stable=True)  # ties: the lower A index first
     merged_a, rest_a = order[:, :r], order[:, r:]
     if num_prefix:  # the unmerged A rows back in their order, without the protected ones (they lead it)
         rest_a = rest_a.sort(dim=1).values[:, (num_prefix + 1) // 2 :]
-    b_kept = b_rows[b_rows >= num_prefix].expand(batch, -1)
+    b_kept = b_rows[num_prefix // 2 :].expand(batch, -1)
     survivors = torch.cat([torch.arange(num_prefix, device=device).expand(batch, -1), 2 * rest_a, b_kept], dim=1)
     new_row = torch.empty(batch, n, dtype=torch.int64, device=device)
     new_row.scatter_(1, survivors, torch.arange(n - r, device=device).expand(batch, -1))
