@@ -59,13 +59,46 @@ import timm
 import torch
 
 from benchmarks import comma_list
+from benchmarks.e2e_common import no_tf32
 from benchmarks.report_e2e import cudagraph_skips
 from benchmarks.timing import describe, elapsed, environment, forward_times
 from benchmarks.workloads import synthetic_images
 from ragged_vit import GraphedPrunedViT, PrunedViT, prune
 from ragged_vit.reference.pruners import make_pruner
-from tests.helpers import no_tf32
-from tests.test_models import FAMILIES, family, images
+
+# The small models of the families (tests/test_models.py runs them; docs/models.md lists them).
+SMALL = dict(depth=4, embed_dim=64, num_heads=2, num_classes=10)
+FAMILIES = {
+    "deit": ("deit_tiny_patch16_224", dict(img_size=64)),
+    "deit_distilled": ("deit_tiny_distilled_patch16_224", dict(img_size=64)),  # 2 prefix tokens, two heads
+    "deit3_layerscale": ("deit3_small_patch16_224", dict(img_size=64)),  # LayerScale, no_embed_class
+    "reg4_avg_no_class": ("vit_base_patch16_reg4_gap_256", dict(img_size=64)),  # 4 registers, no class, avg
+    "dinov2_reg4": ("vit_small_patch14_reg4_dinov2", dict(img_size=56)),  # class + 4 registers, LayerScale
+    "siglip_map": ("vit_base_patch16_siglip_224", dict(img_size=64)),  # no prefix, attention pooling
+    "clip_norm_pre": ("vit_base_patch16_clip_224", dict(img_size=64)),  # norm_pre
+    "qk_norm": ("vit_small_patch16_224", dict(img_size=64, qk_norm=True)),
+    "class_avg": ("vit_small_patch16_224", dict(img_size=64, global_pool="avg")),  # avg with a class token, fc_norm
+    "avgmax": ("vit_small_patch16_224", dict(img_size=64, class_token=False, global_pool="avgmax")),
+}
+
+
+def family(name: str, seed: int = 0) -> torch.nn.Module:
+    """The family's small model (``SMALL``), random weights of ``seed``, its qkv scaled for peaked attention."""
+    model_name, kwargs = FAMILIES[name]
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = timm.create_model(model_name, pretrained=False, **SMALL, **kwargs).eval()
+        for block in model.blocks:  # peaked attention: the pruners keep different counts per image
+            block.attn.qkv.weight.data.mul_(4.0)
+    return model
+
+
+def images(model: torch.nn.Module, count: int, seed: int) -> torch.Tensor:
+    """``count`` random images at the model's size, each at its own scale (0.2 to 2)."""
+    g = torch.Generator().manual_seed(seed)
+    size = model.patch_embed.img_size
+    return torch.randn(count, 3, *size, generator=g) * torch.linspace(0.2, 2.0, count)[:, None, None, None]
+
 
 PROG = "python -m ci.model_families"
 

@@ -13,8 +13,8 @@ from benchmarks.attention_peers import TOLERANCE, reference_output
 from benchmarks.workloads import NUM_PATCHES, make_workload
 from ci import model_families as mf
 from ci import tune_attention as tune
+from ci.model_families import FAMILIES, family
 from ragged_vit.triton_impl.configs import AttentionConfig
-from tests.test_models import FAMILIES, family
 
 
 def _error_line(capsys, argv, parse=mf.parse_args) -> str:

@@ -18,24 +18,12 @@ import pytest
 import timm
 import torch
 
+from ci.model_families import FAMILIES, family, images
 from ragged_vit import GraphedPrunedViT, PrunedViT
 from ragged_vit.pipelines.plan import Counts
 from ragged_vit.reference.pruners import make_pruner
 from tests.helpers import no_tf32
 
-SMALL = dict(depth=4, embed_dim=64, num_heads=2, num_classes=10)
-FAMILIES = {
-    "deit": ("deit_tiny_patch16_224", dict(img_size=64)),
-    "deit_distilled": ("deit_tiny_distilled_patch16_224", dict(img_size=64)),  # 2 prefix tokens, two heads
-    "deit3_layerscale": ("deit3_small_patch16_224", dict(img_size=64)),  # LayerScale, no_embed_class
-    "reg4_avg_no_class": ("vit_base_patch16_reg4_gap_256", dict(img_size=64)),  # 4 registers, no class, avg
-    "dinov2_reg4": ("vit_small_patch14_reg4_dinov2", dict(img_size=56)),  # class + 4 registers, LayerScale
-    "siglip_map": ("vit_base_patch16_siglip_224", dict(img_size=64)),  # no prefix, attention pooling
-    "clip_norm_pre": ("vit_base_patch16_clip_224", dict(img_size=64)),  # norm_pre
-    "qk_norm": ("vit_small_patch16_224", dict(img_size=64, qk_norm=True)),
-    "class_avg": ("vit_small_patch16_224", dict(img_size=64, global_pool="avg")),  # avg with a class token, fc_norm
-    "avgmax": ("vit_small_patch16_224", dict(img_size=64, class_token=False, global_pool="avgmax")),
-}
 PRUNERS = {
     "threshold_l2": lambda: make_pruner("threshold_l2", mode="calibrated", rate=0.5, block=1),
     "dynamicvit": lambda: make_pruner("dynamicvit", embed_dim=64, rate=0.7, blocks=(1, 2)),
@@ -48,22 +36,6 @@ KEEP_ALL = {
     "evit": lambda: make_pruner("evit", rate=1.0, blocks=(1, 2)),
 }
 FP32 = {"atol": 1e-5, "rtol": 1e-5}
-
-
-def family(name: str, seed: int = 0) -> torch.nn.Module:
-    model_name, kwargs = FAMILIES[name]
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = timm.create_model(model_name, pretrained=False, **SMALL, **kwargs).eval()
-        for block in model.blocks:  # peaked attention: the pruners keep different counts per image
-            block.attn.qkv.weight.data.mul_(4.0)
-    return model
-
-
-def images(model: torch.nn.Module, count: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    size = model.patch_embed.img_size
-    return torch.randn(count, 3, *size, generator=g) * torch.linspace(0.2, 2.0, count)[:, None, None, None]
 
 
 def has_class_token(model: torch.nn.Module) -> bool:

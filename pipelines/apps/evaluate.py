@@ -13,7 +13,7 @@ import os
 import sys
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -23,37 +23,9 @@ from .arguments import ERRORS
 from .distributed import Distributed
 from .folder import DataError, ImageFolderDataset, ImageFolderIndex, Skipped, scan_image_folder, shard_range
 from .images import eval_transform
+from .options import Setup, ValidateOptions
 from .report import append_csv, collect_results, csv_row, report_lines
 from .tally import Tally
-
-
-@dataclass
-class ValidateOptions:
-    """Everything a validation run needs; the command line fills it (:func:`.validate.main`)."""
-
-    data_dir: str
-    model: str
-    pruner: str
-    keep_rate: float
-    backend: str
-    device: torch.device
-    dtype: torch.dtype
-    batch_size: int
-    workers: int
-    model_kwargs: dict[str, object] = field(default_factory=dict)
-    pruner_options: dict[str, object] = field(default_factory=dict)
-    class_map: str | None = None
-    checkpoint: str | None = None
-    strip_prefix: str | None = None
-    seed: int = 0
-    graphs: bool = False
-    compile_blocks: bool = False
-    compare_unpruned: bool = False
-    warmup: int = 0
-    skip_bad: bool = False
-    results_json: str | None = None
-    results_csv: str | None = None
-    command: str = ""
 
 
 def _sync(device: torch.device) -> None:
@@ -112,19 +84,6 @@ class _RankTimes:
 
     def as_tensor(self) -> torch.Tensor:
         return torch.tensor([self.images, self.model_s, self.unpruned_s, self.wall_s, self.wait_s], dtype=torch.float64)
-
-
-@dataclass
-class Setup:
-    """What the run needs, built the same on every rank before the loop (:func:`_prepare`)."""
-
-    index: ImageFolderIndex
-    pv: object  # PrunedViT
-    dataset: ImageFolderDataset
-    data_config: dict
-    notes: list[str]
-    weights: str
-    fingerprint: tuple[int, int]
 
 
 def _fingerprint(index: ImageFolderIndex) -> tuple[int, int]:

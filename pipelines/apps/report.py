@@ -12,15 +12,12 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 from .folder import LISTED_SKIPS, Skipped
+from .options import Setup, ValidateOptions
 from .tally import TOP_K, Tally
-
-if TYPE_CHECKING:
-    from .evaluate import Setup, ValidateOptions
 
 DATA_BOUND_SHARE = 0.2
 """End to end counts as bound by data loading when the loop waits for batches this share of its wall time or more."""

@@ -191,7 +191,8 @@ def _validate_command(parser: argparse.ArgumentParser, args: argparse.Namespace,
     import torch
 
     from .distributed import Distributed
-    from .evaluate import ValidateOptions, validate
+    from .evaluate import validate
+    from .options import ValidateOptions
 
     group = Distributed()
     target = _resolve_device(parser, args.device, group)
