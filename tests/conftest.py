@@ -3,6 +3,8 @@
 Without a CUDA GPU the Triton kernels run under Triton's interpreter: ``TRITON_INTERPRET`` must be set before
 any module that defines kernels is imported, so it is set here, first. GPU-only tests carry ``@pytest.mark.gpu``
 and are skipped with a reason on CPU machines; their CPU twins run the same kernels under the interpreter.
+Long sweeps carry ``@pytest.mark.full`` and run with ``--full`` only (the GPU suite and releases); the quick level
+without it keeps one representative of each case family, so every contract is still checked on every run.
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ if not HAS_CUDA:
 import pytest  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+FULL_REASON = "long sweep: runs with --full (the GPU suite and releases)"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--full", action="store_true", default=False, help="also run the long sweeps (tests marked full)"
+    )
 
 
 if not HAS_CUDA:  # tl.dot summed as a GPU sums it, whatever BLAS numpy has on this CPU
@@ -47,9 +56,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     else:
         marker, reason = "gpu", "needs a CUDA GPU; its CPU twin runs under TRITON_INTERPRET=1"
     skip = pytest.mark.skip(reason=reason)
+    skip_full = None if config.getoption("--full") else pytest.mark.skip(reason=FULL_REASON)
     for item in items:
         if marker in item.keywords:
             item.add_marker(skip)
+        elif skip_full is not None and "full" in item.keywords:
+            item.add_marker(skip_full)
 
 
 @pytest.fixture

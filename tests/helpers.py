@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import pytest
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
@@ -36,3 +39,65 @@ def tiny_images(n: int, seed: int) -> torch.Tensor:
     """Images of increasing contrast for :func:`tiny_pipeline`: the pruners keep different counts per image."""
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 3, 32, 32, generator=g) * torch.linspace(0.1, 3.0, n)[:, None, None, None]
+
+
+def _requalified(test: Callable, quick_rows: Callable[[list[tuple]], list[bool]]) -> Callable:
+    """``test`` with the parametrisations of its parametrize marks rebuilt: those ``quick_rows`` (given every
+    parametrisation's values) flags false are marked ``full``."""
+    param_set = type(pytest.param(None))
+    marks = []
+    for mark in getattr(test, "pytestmark", []):
+        if mark.name == "parametrize":
+            names, values = mark.args[0], list(mark.args[1])
+            several = (names.count(",") > 0) if isinstance(names, str) else len(names) > 1
+            ids = mark.kwargs.get("ids")
+            ids = ids if isinstance(ids, list | tuple) else None  # callable ids stay in the mark's kwargs
+            params = [
+                v if isinstance(v, param_set) else pytest.param(*(v if several else (v,)), id=ids[i] if ids else None)
+                for i, v in enumerate(values)
+            ]
+            quick = quick_rows([p.values for p in params])
+            params = [
+                p if keep else pytest.param(*p.values, id=p.id, marks=(*p.marks, pytest.mark.full))
+                for p, keep in zip(params, quick, strict=True)
+            ]
+            kwargs = {k: v for k, v in mark.kwargs.items() if k != "ids" or ids is None}
+            mark = pytest.mark.parametrize(names, params, **kwargs).mark
+        marks.append(mark)
+    test.pytestmark = marks
+    return test
+
+
+def full_beyond(test: Callable, quick: Callable[..., bool]) -> Callable:
+    """``test`` (a parametrised test function, e.g. a conformance suite's) with every parametrisation for which
+    ``quick(*values)`` is false marked ``full``: the quick level keeps the chosen representatives, ``--full`` runs
+    all of them. ``values`` are the parameters in the order of the parametrize mark's names."""
+    return _requalified(test, lambda rows: [bool(quick(*row)) for row in rows])
+
+
+def one_per_family(test: Callable, family: Callable[..., object], variant: Callable[..., object]) -> Callable:
+    """``test`` (a conformance suite's test) keeping one parametrisation per case family at the quick level, the rest
+    marked ``full``: the k-th family (``family(*values)``, in order of appearance) keeps its parametrisation of the
+    k-th variant (``variant(*values)``: a dtype, a head dim, a pruner; taken in turn, in order of appearance), or its
+    first one where it has no such variant. Every family is checked, and the variants share the families."""
+
+    def quick_rows(rows: list[tuple]) -> list[bool]:
+        families = list(dict.fromkeys(family(*row) for row in rows))
+        variants = list(dict.fromkeys(variant(*row) for row in rows))
+        chosen = set()
+        for k, name in enumerate(families):
+            members = [i for i, row in enumerate(rows) if family(*row) == name]
+            wanted = [i for i in members if variant(*rows[i]) == variants[k % len(variants)]]
+            chosen.add((wanted or members)[0])
+        return [i in chosen for i in range(len(rows))]
+
+    return _requalified(test, quick_rows)
+
+
+def levels(rows: list[tuple], quick: Callable[..., bool], ids: Callable[..., str] | None = None) -> list:
+    """pytest parameters, one per row (a tuple of values), each marked ``full`` where ``quick(*row)`` is false: the
+    quick level runs the representatives, ``--full`` every row."""
+    return [
+        pytest.param(*row, id=ids(*row) if ids else None, marks=() if quick(*row) else (pytest.mark.full,))
+        for row in rows
+    ]

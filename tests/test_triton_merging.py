@@ -43,9 +43,11 @@ from ragged_vit.reference.merging import VARIANTS
 from ragged_vit.testing.ops import op_names
 from ragged_vit.triton_impl import merging as ker
 from ragged_vit.triton_impl.launcher import pdl_supported
+from tests.helpers import levels
 
 MARGIN = 1e-5  # far above fp32's rounding of a similarity (~1e-7), far below the gaps of random keys
 LENGTHS = (1, 2, 3, 63, 64, 65, 197, 0)  # around the 64-row tiles, DeiT's 197, an empty image
+EDGE_LENGTHS = (1, 2, 3, 63, 64, 65, 0)  # the quick level's: the tile edges without DeiT's 197 (a third of the work)
 RANDOM = "random"  # a threshold drawn per case, where it splits the best similarities
 MODES = [
     {"r": 0}, {"r": 1}, {"r": 8}, {"r": 13}, {"r": 16}, {"r": 200},  # 200: capped at patches // 2 everywhere
@@ -188,26 +190,43 @@ def _decisions(device, lengths, mode, num_prefix, gen, shape, dtype=torch.float3
     _check_decision(keys, cu, bound or max(max(lengths), 1), num_prefix, mode, variant)
 
 
-@pytest.mark.interpreter
-@pytest.mark.parametrize("num_prefix,dtype,variant", [(0, torch.float32, "published"), (1, torch.float32, "published"),
-                                                      (2, torch.float32, "published"), (1, torch.float16, "published"),
-                                                      (2, torch.float32, "patch_rows")])  # fmt: skip
-def test_decisions_are_the_reference_interpreter(num_prefix, dtype, variant, gen):
-    for mode in MODES:
-        _decisions("cpu", LENGTHS, mode, num_prefix, gen, CPU_SHAPE, dtype, variant=variant)
+DECISION_SETUPS = [(0, torch.float32, "published"), (1, torch.float32, "published"), (2, torch.float32, "published"),
+                   (1, torch.float16, "published"), (2, torch.float32, "patch_rows")]  # fmt: skip
+
+
+def _decision_rows():
+    """Quick: every mode once on the tile edges, the setups (prefix rows, dtype, variant) in turn; full: every setup
+    in every mode on the lengths with DeiT's 197."""
+    edges = [(*DECISION_SETUPS[i % len(DECISION_SETUPS)], mode, "edges") for i, mode in enumerate(MODES)]
+    return edges + [(*setup, mode, "deit") for setup in DECISION_SETUPS for mode in MODES]
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("sms,tile", [(32, 1), (1, 2)])
-def test_decisions_on_large_batch_tiles_interpreter(sms, tile, gen, monkeypatch):
+@pytest.mark.parametrize(
+    "num_prefix,dtype,variant,mode,lengths",
+    levels(_decision_rows(), lambda *row: row[-1] == "edges",
+           ids=lambda n, dtype, variant, mode, lengths: f"p{n}-{str(dtype)[6:]}-{variant}-{_mode_id(mode)}-{lengths}"),
+)  # fmt: skip
+def test_decisions_are_the_reference_interpreter(num_prefix, dtype, variant, mode, lengths, gen):
+    lengths = EDGE_LENGTHS if lengths == "edges" else LENGTHS
+    _decisions("cpu", lengths, mode, num_prefix, gen, CPU_SHAPE, dtype, variant=variant)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(
+    "sms,tile,mode",
+    levels([(sms, tile, mode) for sms, tile in ((32, 1), (1, 2)) for mode in MODES],
+           lambda sms, tile, mode: mode == ({"r": 13} if tile == 1 else {"threshold": RANDOM, "r_max": 40}),
+           ids=lambda sms, tile, mode: f"{sms}-{tile}-{_mode_id(mode)}"),
+)  # fmt: skip
+def test_decisions_on_large_batch_tiles_interpreter(sms, tile, mode, gen, monkeypatch):
     """The tiles of batches too large for the SMs (the best match's larger A tiles; 64 and 128 rows of the source
-    lists): the same maps as the reference's."""
+    lists): the same maps as the reference's (quick: a fixed and an adaptive mode, one per tile)."""
     monkeypatch.setattr(ker, "_INTERPRETER_SMS", sms)
     num_a = ker.cdiv(max(LENGTHS) - 1, 2)  # one prefix row
     assert ker._best_tile(len(LENGTHS), num_a, sms) == ker._BEST_TILES[tile]
     assert ker._list_rows(len(LENGTHS), max(LENGTHS), sms) == ker._LIST_ROWS[tile]
-    for mode in MODES:
-        _decisions("cpu", LENGTHS, mode, 1, gen, CPU_SHAPE)
+    _decisions("cpu", LENGTHS, mode, 1, gen, CPU_SHAPE)
 
 
 @pytest.mark.gpu
@@ -242,23 +261,51 @@ def test_dependent_launches_change_no_bit_gpu(mode, gen, monkeypatch):
         assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True))
 
 
+TIE_LENGTHS = (2, 9, 64, 65, 150, 33)  # 150: 74 B rows, two B tiles
+TIE_KINDS = ("duplicates", "dyadic")
+TIE_MODES = ({"r": 4}, {"r": 40}, {"threshold": RANDOM, "r_max": 40}, {"threshold": 0.5, "r_max": 9})
+
+
+def _tie_bounds(device, shape, gen, dtype=torch.float32):
+    """Exact ties with a loose bound (twice the longest image) and a short one."""
+    _decisions(device, TIE_LENGTHS, {"r": 13}, 1, gen, shape, dtype, "dyadic", bound=2 * 65 + 7)
+    _decisions(device, TIE_LENGTHS, {"threshold": 0.5, "r_max": 13}, 1, gen, shape, dtype, "duplicates", bound=5)
+
+
 def _ties(device, shape, gen, dtype=torch.float32):
     """Exact ties (duplicate keys; dyadic keys, whose similarities are exact): broken by index as the reference
     breaks them, in both modes; also with a loose bound (twice the longest image) and a short one."""
-    lengths = (2, 9, 64, 65, 150, 33)  # 150: 74 B rows, two B tiles
-    for ties in ("duplicates", "dyadic"):
+    for ties in TIE_KINDS:
         for num_prefix in (0, 1, 2):
-            for mode in ({"r": 4}, {"r": 40}, {"threshold": RANDOM, "r_max": 40}, {"threshold": 0.5, "r_max": 9}):
-                _decisions(device, lengths, mode, num_prefix, gen, shape, dtype, ties)
-    _decisions(device, lengths, {"r": 13}, 1, gen, shape, dtype, "dyadic", bound=2 * 65 + 7)
-    _decisions(device, lengths, {"threshold": 0.5, "r_max": 13}, 1, gen, shape, dtype, "duplicates", bound=5)
+            for mode in TIE_MODES:
+                _decisions(device, TIE_LENGTHS, mode, num_prefix, gen, shape, dtype, ties)
+    _tie_bounds(device, shape, gen, dtype)
+
+
+def _tie_quick(ties, num_prefix, mode):
+    """Quick: each tie kind with each prefix count once, the modes in turn."""
+    return mode == TIE_MODES[(TIE_KINDS.index(ties) * 3 + num_prefix) % len(TIE_MODES)]
 
 
 @pytest.mark.interpreter
-def test_exact_ties_break_by_index_interpreter(gen):
-    _ties("cpu", CPU_SHAPE, gen)
-    # DeiT's heads (12 of 64), 4 A rows and 3 B rows: there torch's CPU GEMM often summed two equal A rows
-    # differently, and the reference broke their tie by rounding (it now sums every pair alike)
+@pytest.mark.parametrize(
+    "ties,num_prefix,mode",
+    levels([(t, n, m) for t in TIE_KINDS for n in (0, 1, 2) for m in TIE_MODES], _tie_quick,
+           ids=lambda t, n, m: f"{t}-p{n}-{_mode_id(m)}"),
+)  # fmt: skip
+def test_exact_ties_break_by_index_interpreter(ties, num_prefix, mode, gen):
+    _decisions("cpu", TIE_LENGTHS, mode, num_prefix, gen, CPU_SHAPE, ties=ties)
+
+
+@pytest.mark.interpreter
+def test_exact_ties_with_loose_and_short_bounds_interpreter(gen):
+    _tie_bounds("cpu", CPU_SHAPE, gen)
+
+
+@pytest.mark.interpreter
+def test_exact_ties_at_deit_heads_interpreter(gen):
+    """DeiT's heads (12 of 64), 4 A rows and 3 B rows: there torch's CPU GEMM often summed two equal A rows
+    differently, and the reference broke their tie by rounding (it now sums every pair alike)."""
     for mode in ({"r": 2}, {"r": 3}, {"threshold": 0.5, "r_max": 3}):
         _decisions("cpu", (9,) * 8, mode, 2, gen, GPU_SHAPE, ties="duplicates")
 
@@ -370,11 +417,20 @@ def _merges(device, lengths, channels, dtype, gen, kind, num_prefix=1, mode=None
     assert torch.equal(log_sizes[:rows].cpu(), got_sizes[:rows].cpu().double().log().float())
 
 
+# Quick: random rows in fp16, dyadic rows in fp32, on the tile edges; full: both kinds in both dtypes with DeiT's 197.
+KIND_DTYPES = [(kind, dtype) for kind in ("random", "dyadic") for dtype in (torch.float32, torch.float16)]
+QUICK_KIND_DTYPES = [("random", torch.float16), ("dyadic", torch.float32)]
+
+
+def _kind_rows(quick_shape, full_shape):
+    return levels([(*kd, quick_shape) for kd in QUICK_KIND_DTYPES] + [(*kd, full_shape) for kd in KIND_DTYPES],
+                  lambda kind, dtype, shape: shape == quick_shape, ids=lambda k, d, shape: f"{k}-{str(d)[6:]}-{shape}")
+
+
 @pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("kind", ["random", "dyadic"])
-def test_merged_rows_follow_the_rule_interpreter(kind, dtype, gen):
-    _merges("cpu", LENGTHS, 24, dtype, gen, kind, strided=kind == "random")
+@pytest.mark.parametrize("kind,dtype,lengths", _kind_rows("edges", "deit"))
+def test_merged_rows_follow_the_rule_interpreter(kind, dtype, lengths, gen):
+    _merges("cpu", EDGE_LENGTHS if lengths == "edges" else LENGTHS, 24, dtype, gen, kind, strided=kind == "random")
 
 
 @pytest.mark.interpreter
@@ -447,23 +503,26 @@ def test_isolation_gpu(dtype, gen):
     _isolated("cuda", GPU_SHAPE, 768, dtype, gen)
 
 
-def _poisoned(device, shape, channels, dtype, gen, mode):
+POISON_LENGTHS = (65, 0, 1, 40, 30)
+SMALL_POISON_LENGTHS = (33, 0, 1, 12, 9)  # the interpreter's: the same paths, a third of the merged rows
+
+
+def _poisoned(device, shape, channels, dtype, gen, mode, lengths=POISON_LENGTHS):
     """Outputs filled with garbage (-7, NaN) are overwritten with the fresh call's bits; merged-buffer rows past
     ``T'`` (a capacity of T + 5) are left as they were."""
-    lengths = (65, 0, 1, 40, 30)
     cu = cu_seqlens_from_counts(torch.tensor(lengths)).to(device)
     total, batch = int(cu[-1]), len(lengths)
     keys = torch.randn(total, shape["heads"], shape["dim"], generator=gen).to(device, dtype)
     x, sizes = _rows(total, channels, dtype, gen, "random")
     x, sizes = x.to(device), sizes.to(device)
     limit, threshold = _limit_threshold(mode)
-    want = ker.decide_merges(keys, cu, 65, 1, **mode)
+    want = ker.decide_merges(keys, cu, max(lengths), 1, **mode)
     out = MergeSelection(
         *(torch.full((n,), -7, dtype=torch.int32, device=device) for n in (total, batch, batch + 1)),
         sources=torch.full((total,), -7, dtype=torch.int32, device=device),
         source_offsets=torch.full((total + 1,), -7, dtype=torch.int32, device=device),
     )
-    got = ker.decide_merges_unchecked(keys, cu, 65, 1, limit, threshold, True, out)
+    got = ker.decide_merges_unchecked(keys, cu, max(lengths), 1, limit, threshold, True, out)
     assert got is out
     for name in ("destination", "kept", "cu_seqlens", "sources"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
@@ -498,10 +557,13 @@ def _poisoned(device, shape, channels, dtype, gen, mode):
     return keys, cu, x, sizes, want, want_rows
 
 
+POISON_MODES = [{"r": 13}, {"threshold": 0.3, "r_max": 30}]
+
+
 @pytest.mark.interpreter
-@pytest.mark.parametrize("mode", [{"r": 13}, {"threshold": 0.3, "r_max": 30}], ids=_mode_id)
+@pytest.mark.parametrize("mode", levels([(m,) for m in POISON_MODES], lambda m: "threshold" in m, ids=_mode_id))
 def test_poisoned_outputs_are_overwritten_interpreter(mode, gen):
-    _poisoned("cpu", CPU_SHAPE, 24, torch.float16, gen, mode)
+    _poisoned("cpu", CPU_SHAPE, 24, torch.float16, gen, mode, SMALL_POISON_LENGTHS)
 
 
 @pytest.mark.gpu
@@ -683,20 +745,31 @@ def _fused(device, lengths, channels, dtype, gen, kind, num_prefix=1, mode=None,
                 assert bool(normed[rows:].isnan().all()), "rows past T' written"
 
 
+# One program per merged row: the quick level's few rows take the same paths as the tile edges' many.
+FUSED_LENGTHS = {"few_rows": (1, 2, 0, 30, 9), "tile_edges": (1, 2, 63, 0, 65, 30)}
+
+
 @pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("kind", ["random", "dyadic"])
-def test_fused_merge_follows_the_rules_interpreter(kind, dtype, gen):
+@pytest.mark.parametrize("kind,dtype,lengths", _kind_rows("few_rows", "tile_edges"))
+def test_fused_merge_follows_the_rules_interpreter(kind, dtype, lengths, gen):
     """72 channels (masked: a tile of 128 unfused, of 128 whole-row fused), every fusion, both maps."""
-    _fused("cpu", (1, 2, 63, 0, 65, 30), 72, dtype, gen, kind, strided=True)
+    _fused("cpu", FUSED_LENGTHS[lengths], 72, dtype, gen, kind, strided=True)
+
+
+DEIT_ROW_LENGTHS, DEIT_ROW_QUICK = (5, 40, 0, 33), (5, 17, 0, 9)  # quick: the fixed map on fewer rows
+DEIT_ROW_MODES = ({"r": 13}, {"threshold": RANDOM, "r_max": 40})
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("mode", [{"r": 13}, {"threshold": RANDOM, "r_max": 40}], ids=_mode_id)
-def test_fused_merge_deit_rows_interpreter(mode, gen):
+@pytest.mark.parametrize(
+    "mode,lengths",
+    levels([(DEIT_ROW_MODES[0], DEIT_ROW_QUICK)] + [(m, DEIT_ROW_LENGTHS) for m in DEIT_ROW_MODES],
+           lambda mode, lengths: lengths == DEIT_ROW_QUICK, ids=lambda m, lengths: f"{_mode_id(m)}-{max(lengths)}"),
+)  # fmt: skip
+def test_fused_merge_deit_rows_interpreter(mode, lengths, gen):
     """DeiT-B's 768 channels (whole-row tiles of 1024), fp16, the fixed and adaptive maps without prefix rows."""
     fusions = [f for f in FUSIONS if f[1] in (None, "wb", "")]
-    _fused("cpu", (5, 40, 0, 33), 768, torch.float16, gen, "random", 0, mode, fusions)
+    _fused("cpu", lengths, 768, torch.float16, gen, "random", 0, mode, fusions)
 
 
 @pytest.mark.gpu
@@ -710,13 +783,12 @@ def test_fused_merge_follows_the_rules_gpu(channels, kind, dtype, gen):
             _fused("cuda", lengths, channels, dtype, gen, kind, num_prefix, mode, strided=channels == 200)
 
 
-def _poisoned_fused(device, shape, channels, dtype, gen, mode):
+def _poisoned_fused(device, shape, channels, dtype, gen, mode, lengths=POISON_LENGTHS):
     """Every combination of the fusions into poisoned outputs (NaN rows and normed rows, -1 sizes) of capacity
     T + 5: rows ``[0, T')`` of ``out`` and ``normed`` get a fresh call's bits, rows past ``T'`` are left as they were
     in both; the same bits with the log sizes, the offsets and the host read in the same launch (the graph runner's
     call). ``normed`` depends on the merged rows only: the LayerNorm of ``x`` and ``residual`` merged is that of their
     sum merged, bit for bit."""
-    lengths = (65, 0, 1, 40, 30)
     cu = cu_seqlens_from_counts(torch.tensor(lengths)).to(device)
     total, batch = int(cu[-1]), len(lengths)
     keys = torch.randn(total, shape["heads"], shape["dim"], generator=gen).to(device, dtype)
@@ -724,7 +796,7 @@ def _poisoned_fused(device, shape, channels, dtype, gen, mode):
     residual, _ = _rows(total, channels, dtype, gen, "random")
     x, sizes, residual = x.to(device), sizes.to(device), residual.to(device)
     weight, bias = _norm_params(channels, dtype, device, gen, "wb")
-    want = ker.decide_merges(keys, cu, 65, 1, **mode)
+    want = ker.decide_merges(keys, cu, max(lengths), 1, **mode)
     merged = int(want.cu_seqlens[-1])
     lists = (want.sources, want.source_offsets, want.cu_seqlens)
     want_normed = torch.empty(total, channels, dtype=dtype, device=device)
@@ -772,9 +844,9 @@ def _poisoned_fused(device, shape, channels, dtype, gen, mode):
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore:divide by zero encountered in log:RuntimeWarning")  # numpy's log(0) past T'
-@pytest.mark.parametrize("mode", [{"r": 13}, {"threshold": 0.3, "r_max": 30}], ids=_mode_id)
+@pytest.mark.parametrize("mode", levels([(m,) for m in POISON_MODES], lambda m: "r" in m, ids=_mode_id))
 def test_fused_poisoned_outputs_are_overwritten_interpreter(mode, gen):
-    _poisoned_fused("cpu", CPU_SHAPE, 40, torch.float16, gen, mode)
+    _poisoned_fused("cpu", CPU_SHAPE, 40, torch.float16, gen, mode, SMALL_POISON_LENGTHS)
 
 
 # --- bad inputs -----------------------------------------------------------------------------------------------------
