@@ -75,20 +75,29 @@ def full_beyond(test: Callable, quick: Callable[..., bool]) -> Callable:
     return _requalified(test, lambda rows: [bool(quick(*row)) for row in rows])
 
 
-def one_per_family(test: Callable, family: Callable[..., object], variant: Callable[..., object]) -> Callable:
+def one_per_family(test: Callable, family: Callable[..., object], variant: Callable[..., tuple]) -> Callable:
     """``test`` (a conformance suite's test) keeping one parametrisation per case family at the quick level, the rest
-    marked ``full``: the k-th family (``family(*values)``, in order of appearance) keeps its parametrisation of the
-    k-th variant (``variant(*values)``: a dtype, a head dim, a pruner; taken in turn, in order of appearance), or its
-    first one where it has no such variant. Every family is checked, and the variants share the families."""
+    marked ``full``. ``family(*values)`` names a parametrisation's case family; ``variant(*values)`` is a tuple of
+    its other axes (a pruner, a dtype, a head dim). Family by family (in order of appearance), the kept one is the
+    variant whose axis values were kept least so far, then whose combination was, then the first: every family is
+    checked, every value of every axis as early as the families allow, then the combinations in turn."""
 
     def quick_rows(rows: list[tuple]) -> list[bool]:
-        families = list(dict.fromkeys(family(*row) for row in rows))
-        variants = list(dict.fromkeys(variant(*row) for row in rows))
+        used: dict[tuple, int] = {}  # (axis, value) and ("combination", variant) -> times kept
         chosen = set()
-        for k, name in enumerate(families):
+        for name in dict.fromkeys(family(*row) for row in rows):
             members = [i for i, row in enumerate(rows) if family(*row) == name]
-            wanted = [i for i in members if variant(*rows[i]) == variants[k % len(variants)]]
-            chosen.add((wanted or members)[0])
+
+            def rank(i: int) -> tuple[int, int, int]:
+                axes = variant(*rows[i])
+                spread = sum(used.get((j, value), 0) for j, value in enumerate(axes))
+                return spread, used.get(("combination", axes), 0), i
+
+            pick = min(members, key=rank)
+            chosen.add(pick)
+            axes = variant(*rows[pick])
+            for key in [*enumerate(axes), ("combination", axes)]:
+                used[key] = used.get(key, 0) + 1
         return [i in chosen for i in range(len(rows))]
 
     return _requalified(test, quick_rows)

@@ -23,6 +23,7 @@ from ragged_vit.testing import decision_suite
 from ragged_vit.testing.ops import op_names
 from ragged_vit.triton_impl import ats
 from ragged_vit.triton_impl import cls_attention as cls_kernels
+from tests.helpers import levels, one_per_family
 
 LENGTHS = {
     "deit": (197, 197),
@@ -80,14 +81,25 @@ def _reference_scores(qkv, cu, heads, scale):
     return significance(cls_attention(q, k, cu, scale), v.flatten(1), cu)
 
 
+SCORE_KINDS = ("flat", "peaked", "needle")
+SAMPLINGS = ((196, 8), (40, 0), (3, 8), (1, 30))  # (num_samples, min_keep); small ones: the floor tops up
+
+
+def _exact_cdf_quick(name, kind, sampling):
+    """Quick: each batch of lengths once, the score kinds and samplings in turn."""
+    k = list(LENGTHS).index(name)
+    return kind == SCORE_KINDS[k % len(SCORE_KINDS)] and sampling == SAMPLINGS[k % len(SAMPLINGS)]
+
+
 @pytest.mark.interpreter
-@pytest.mark.parametrize("lengths", list(LENGTHS.values()), ids=list(LENGTHS))
-@pytest.mark.parametrize("kind", ["flat", "peaked", "needle"])
-def test_keep_equals_reference_on_exact_cdf_interpreter(lengths, kind, gen):
-    cu = _cu(lengths)
-    scores = _dyadic_scores(cu, gen, kind)
-    for num_samples, min_keep in ((196, 8), (40, 0), (3, 8), (1, 30)):  # small ones: the floor tops up
-        _check_exact(scores, cu, 197, num_samples, min_keep)
+@pytest.mark.parametrize(
+    "name,kind,sampling",
+    levels([(n, k, s) for n in LENGTHS for k in SCORE_KINDS for s in SAMPLINGS], _exact_cdf_quick,
+           ids=lambda n, k, s: f"{k}-{n}-s{s[0]}-min{s[1]}"),
+)  # fmt: skip
+def test_keep_equals_reference_on_exact_cdf_interpreter(name, kind, sampling, gen):
+    cu = _cu(LENGTHS[name])
+    _check_exact(_dyadic_scores(cu, gen, kind), cu, 197, *sampling)
 
 
 @pytest.mark.interpreter
@@ -112,9 +124,11 @@ def test_scores_match_reference_interpreter(lengths, gen):
 # The conformance lab's decision cases (ragged_vit.testing.decision), near-tie rule (the CDF's last bits depend on the
 # summation order); one stage (ATS decides alike at every stage); on a GPU at DeiT-B's width (12 heads of 64).
 PRUNERS = {"default": ATSPruner(blocks=(3,)), "samples20-min12": ATSPruner(blocks=(3,), num_samples=20, min_keep=12)}
+# Quick: each case once, the pruners and dtypes in turn; full: every case for each pruner in each dtype.
 test_select_conforms_interpreter = pytest.mark.interpreter(
-    decision_suite(ats.ats_select, PRUNERS, exact=False, bad_inputs=True)
-)
+    one_per_family(decision_suite(ats.ats_select, PRUNERS, exact=False, bad_inputs=True),
+                   lambda pruner, case: (case.kind, case.num_prefix), lambda pruner, case: (id(pruner), case.dtype))
+)  # fmt: skip
 test_select_conforms_gpu = pytest.mark.gpu(
     decision_suite(ats.ats_select, PRUNERS, device="cuda", level_name="full", exact=False, channels=768,
                    capturable=True)
@@ -122,29 +136,37 @@ test_select_conforms_gpu = pytest.mark.gpu(
 
 
 @pytest.mark.interpreter
-def test_sampler_on_its_own_scores_is_the_reference_interpreter(gen):
+@pytest.mark.parametrize("name", levels([(n,) for n in PRUNERS], lambda n: n == "samples20-min12", ids=str))
+def test_sampler_on_its_own_scores_is_the_reference_interpreter(name, gen):
     """Given the kernel's own scores, the sampler makes the reference's decisions bit for bit (numpy sums as torch on
     the CPU): the fused decision differs from the pruner's only through the scores' rounding."""
     heads, head_dim = 3, 16
     qkv, cu = _qkv(LENGTHS["ragged"], heads, head_dim, "cpu", gen)
     scale = head_dim**-0.5
-    for pruner in PRUNERS.values():
-        got = ats.ats_select(pruner, _inp(qkv, cu, 196, heads, scale))
-        scores = ats.ats_scores(qkv, cu, heads, scale, 197)
-        assert torch.equal(got.keep, sample_keep(scores, cu, 197, pruner.num_samples or 196, pruner.min_keep))
+    pruner = PRUNERS[name]
+    got = ats.ats_select(pruner, _inp(qkv, cu, 196, heads, scale))
+    scores = ats.ats_scores(qkv, cu, heads, scale, 197)
+    assert torch.equal(got.keep, sample_keep(scores, cu, 197, pruner.num_samples or 196, pruner.min_keep))
+
+
+PREFIX_SAMPLINGS = ((60, 8), (4, 2), (3, 0))
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("num_prefix", [2, 5])
-def test_prefix_rows_are_kept_and_never_sampled_interpreter(num_prefix, gen):
+@pytest.mark.parametrize(
+    "num_prefix,sampling",
+    levels([(n, s) for n in (2, 5) for s in PREFIX_SAMPLINGS], lambda n, s: s == PREFIX_SAMPLINGS[n % 3],
+           ids=lambda n, s: f"p{n}-s{s[0]}-min{s[1]}"),
+)  # fmt: skip
+def test_prefix_rows_are_kept_and_never_sampled_interpreter(num_prefix, sampling, gen):
     """A class token plus distillation or register tokens: the prefix rows hold garbage scores (the kernel must
-    ignore them), are always kept, and the sampling over the patches is the reference's, bit for bit."""
+    ignore them), are always kept, and the sampling over the patches is the reference's, bit for bit (quick: two
+    samplings, one per prefix count)."""
     cu = _cu((0, 1, 3, 7, 70, 5))
     scores = _dyadic_scores(cu, gen, "flat")
     prefix = positions(cu, int(cu[-1])) < num_prefix
     scores[prefix] = 7.5
-    for num_samples, min_keep in ((60, 8), (4, 2), (3, 0)):
-        _check_exact(scores, cu, 70, num_samples, min_keep, num_prefix)
+    _check_exact(scores, cu, 70, *sampling, num_prefix)
 
 
 @pytest.mark.interpreter

@@ -19,14 +19,24 @@ from ragged_vit.testing import assert_attention_close, attention_suite
 from ragged_vit.triton_impl import attention as ta
 from ragged_vit.triton_impl import configs
 from ragged_vit.triton_impl.configs import AttentionConfig
+from tests.helpers import levels, one_per_family
 
 # Every case of the lab, on both entry points: under the interpreter (quick), on a GPU (full, every supported head
 # dim class: powers of two and padded ones).
 _INTERP = dict(device="cpu", accepts_out=True, bad_inputs=True, head_dims=(8, 24, 32, 64, 80))
 _GPU = dict(device="cuda", accepts_out=True, bad_inputs=True, level_name="full", head_dims=(64, 80, 256))
-test_qkv_layout_interpreter = pytest.mark.interpreter(attention_suite(ta.ragged_attention_qkv, layout="qkv", **_INTERP))
+
+
+def _one_per_case(test):
+    """The interpreter's quick level: each case once, the head dims and dtypes in turn (``--full``: every one)."""
+    return one_per_family(test, lambda case: case.kind, lambda case: (case.head_dim, case.dtype))
+
+
+test_qkv_layout_interpreter = pytest.mark.interpreter(
+    _one_per_case(attention_suite(ta.ragged_attention_qkv, layout="qkv", **_INTERP))
+)
 test_separate_layout_interpreter = pytest.mark.interpreter(
-    attention_suite(ta.ragged_attention, layout="separate", **{**_INTERP, "head_dims": (32,)})
+    _one_per_case(attention_suite(ta.ragged_attention, layout="separate", **{**_INTERP, "head_dims": (32,)}))
 )
 test_qkv_layout_gpu = pytest.mark.gpu(attention_suite(ta.ragged_attention_qkv, layout="qkv", **_GPU))
 test_separate_layout_gpu = pytest.mark.gpu(
@@ -37,7 +47,7 @@ test_separate_layout_gpu = pytest.mark.gpu(
 _INTERP_BIAS = {**_INTERP, "key_bias": True, "head_dims": (64, 80)}
 _GPU_BIAS = {**_GPU, "key_bias": True}
 test_qkv_layout_key_bias_interpreter = pytest.mark.interpreter(
-    attention_suite(ta.ragged_attention_qkv, layout="qkv", **_INTERP_BIAS)
+    _one_per_case(attention_suite(ta.ragged_attention_qkv, layout="qkv", **_INTERP_BIAS))
 )
 test_separate_layout_key_bias_interpreter = pytest.mark.interpreter(
     attention_suite(
@@ -79,12 +89,19 @@ def _launch_config(config, lengths, bound, dtype, device, gen, heads=1, head_dim
     return out.view(-1, heads, head_dim), (q, k, v, cu, bias)
 
 
+BOUNDS = (197, 40, 1000)
+
+
 @pytest.mark.interpreter
-@pytest.mark.parametrize("config", _CONFIGS, ids=repr)
-@pytest.mark.parametrize("bound", [197, 40, 1000])
+@pytest.mark.parametrize(
+    "config,bound",
+    levels([(c, b) for c in _CONFIGS for b in BOUNDS], lambda c, b: b == BOUNDS[_CONFIGS.index(c) % len(BOUNDS)],
+           ids=lambda c, b: f"{b}-{c!r}"),
+)  # fmt: skip
 def test_configs_and_bound_give_reference_results_interpreter(config, bound, gen):
     """Every tile shape and grid shape computes the reference result, for any max_seqlen bound
-    (the grid-stride loop covers query tiles beyond an underestimated bound); fp32 IEEE dots: 2e-6."""
+    (the grid-stride loop covers query tiles beyond an underestimated bound); fp32 IEEE dots: 2e-6. Quick: each
+    configuration once, the bounds in turn."""
     out, (q, k, v, cu, _) = _launch_config(config, TILE_LENGTHS, bound, torch.float32, "cpu", gen)
     torch.testing.assert_close(out, ragged_vit.reference.ragged_attention(q, k, v, cu), rtol=0, atol=2e-6)
 
