@@ -22,7 +22,7 @@ from ci.model_families import FAMILIES, family, images
 from ragged_vit import GraphedPrunedViT, PrunedViT
 from ragged_vit.pipelines.plan import Counts
 from ragged_vit.reference.pruners import make_pruner
-from tests.helpers import no_tf32
+from tests.helpers import levels, no_tf32
 
 PRUNERS = {
     "threshold_l2": lambda: make_pruner("threshold_l2", mode="calibrated", rate=0.5, block=1),
@@ -36,6 +36,14 @@ KEEP_ALL = {
     "evit": lambda: make_pruner("evit", rate=1.0, blocks=(1, 2)),
 }
 FP32 = {"atol": 1e-5, "rtol": 1e-5}
+# Quick: every family with one pruner that applies, every pruner on two or more families, one refusal (no class
+# token); full: every pair.
+QUICK_PAIRS = {
+    ("deit", "threshold_l2"), ("deit_distilled", "ats"), ("deit3_layerscale", "evit_fused"),
+    ("reg4_avg_no_class", "dynamicvit"), ("dinov2_reg4", "evit_fused"), ("siglip_map", "threshold_l2"),
+    ("clip_norm_pre", "ats"), ("qk_norm", "dynamicvit"), ("class_avg", "evit_fused"), ("avgmax", "dynamicvit"),
+    ("avgmax", "ats"),
+}  # fmt: skip
 
 
 def has_class_token(model: torch.nn.Module) -> bool:
@@ -59,8 +67,10 @@ def test_unpruned_and_keep_all_reproduce_timm(name):
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
-@pytest.mark.parametrize("pruner", list(PRUNERS))
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize(
+    "name,pruner",
+    levels([(n, p) for n in FAMILIES for p in PRUNERS], lambda *pair: pair in QUICK_PAIRS, ids=lambda n, p: f"{n}-{p}"),
+)
 def test_pruned_forward_on_every_family_interpreter(name, pruner):
     model = family(name)
     make = PRUNERS[pruner]

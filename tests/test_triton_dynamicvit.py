@@ -32,6 +32,7 @@ from ragged_vit.core.selection import DecisionInput
 from ragged_vit.reference.pruners import DynamicViTPruner
 from ragged_vit.testing import decision_suite
 from ragged_vit.triton_impl import dynamicvit, select
+from tests.helpers import levels, one_per_family
 
 LAUNCHERS = ("_global_launcher", "_out_conv_launcher", "_out_head_launcher")
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -45,10 +46,13 @@ def _pruners(channels: int) -> dict[str, DynamicViTPruner]:
 
 
 # The conformance lab's decision cases (ragged_vit.testing.decision), near-tie rule, first and last stage; on a GPU at
-# DeiT-B's width (module docstring: why these dtypes).
+# DeiT-B's width (module docstring: why these dtypes). Quick: each case once, the pruners in turn.
 test_select_conforms_interpreter = pytest.mark.interpreter(
-    decision_suite(dynamicvit.dynamicvit_select, _pruners(16), exact=False, channels=16, dtypes=(torch.float32,),
-                   bad_inputs=True)
+    one_per_family(
+        decision_suite(dynamicvit.dynamicvit_select, _pruners(16), exact=False, channels=16, dtypes=(torch.float32,),
+                       bad_inputs=True),
+        lambda pruner, case: (case.kind, case.num_prefix), lambda pruner, case: (id(pruner),),
+    )
 )  # fmt: skip
 test_select_conforms_gpu = pytest.mark.gpu(
     decision_suite(dynamicvit.dynamicvit_select, _pruners(768), device="cuda", level_name="full", exact=False,
@@ -96,10 +100,14 @@ def _images(cu):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("channels", [64, 22])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(
+    "channels,dtype",
+    levels([(c, d) for c in (64, 22) for d in (torch.float32, torch.float16)],
+           lambda c, d: (c, d) in ((64, torch.float32), (22, torch.float16)), ids=lambda c, d: f"c{c}-{str(d)[6:]}"),
+)  # fmt: skip
 def test_scores_match_the_reference_interpreter(channels, dtype, gen):
-    """Empty images and images of only prefix rows among the others; no prefix, a class token, two prefix rows."""
+    """Empty images and images of only prefix rows among the others; no prefix, a class token, two prefix rows.
+    Quick: each width and each dtype once."""
     predictor = _pruner(channels, dtype, "cpu").score_predictor[0]
     x, cu = _case((5, 0, 40, 1, 70, 2, 0), channels, dtype, "cpu", gen)
     for num_prefix in (0, 1, 2):
@@ -164,7 +172,9 @@ def _check_margin_rule(pruner, x, cu, num_prefix, num_patches, bound=None):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(  # quick: fp16, the dtype the lab's CPU cases leave out
+    "dtype", levels([(torch.float32,), (torch.float16,)], lambda d: d == torch.float16, ids=lambda d: str(d)[6:])
+)
 def test_decisions_follow_the_margin_rule_interpreter(dtype, gen):
     pruner = _pruner(64, dtype, "cpu")
     x, cu = _case((65, 0, 30, 1, 64), 64, dtype, "cpu", gen)

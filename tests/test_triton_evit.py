@@ -28,6 +28,7 @@ from ragged_vit.reference.pruners import EViTPruner
 from ragged_vit.testing import decision_suite
 from ragged_vit.triton_impl import cls_attention as cls_kernels
 from ragged_vit.triton_impl import evit, select
+from tests.helpers import levels, one_per_family
 
 
 def _case(lengths, heads, head_dim, device, gen, dtype=torch.float32, kind="random"):
@@ -62,9 +63,11 @@ PRUNERS = {
     "rate0.5-fused": EViTPruner(rate=0.5, fuse_token=True),
     "rate1.0-fused": EViTPruner(rate=1.0, fuse_token=True),
 }
+# Quick: each case once, the pruners and dtypes in turn; full: every case for each pruner in each dtype.
 test_select_conforms_interpreter = pytest.mark.interpreter(
-    decision_suite(evit.evit_select, PRUNERS, exact=False, bad_inputs=True)
-)
+    one_per_family(decision_suite(evit.evit_select, PRUNERS, exact=False, bad_inputs=True),
+                   lambda pruner, case: (case.kind, case.num_prefix), lambda pruner, case: (id(pruner), case.dtype))
+)  # fmt: skip
 test_select_conforms_gpu = pytest.mark.gpu(
     decision_suite(evit.evit_select, PRUNERS, device="cuda", level_name="full", exact=False, channels=768,
                    capturable=True)
@@ -183,11 +186,18 @@ def _check_token(x, scores, keep, cu, num_prefix, kind):
     assert bool((over <= 0).all()), f"{over.max().item():.3g} over the rule"
 
 
+TOKEN_DTYPES, TOKEN_CHANNELS = (torch.float32, torch.float16), (8, 72)
+
+
 @pytest.mark.interpreter
-@pytest.mark.parametrize("channels", [8, 72])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_prefix", [0, 1, 2])
+@pytest.mark.parametrize(
+    "num_prefix,dtype,channels",
+    levels([(n, d, c) for n in (0, 1, 2) for d in TOKEN_DTYPES for c in TOKEN_CHANNELS],
+           lambda n, d, c: (d, c) == (TOKEN_DTYPES[n % 2], TOKEN_CHANNELS[n % 2 if n < 2 else 1]),
+           ids=lambda n, d, c: f"p{n}-{str(d)[6:]}-c{c}"),
+)  # fmt: skip
 def test_fused_token_matches_float64_interpreter(num_prefix, dtype, channels, gen):
+    """Quick: each prefix count once, the dtypes and widths in turn."""
     for kind in ("random", "dyadic"):
         _check_token(*_token_case(TOKEN_LENGTHS, channels, dtype, "cpu", gen, num_prefix, kind), num_prefix, kind)
 

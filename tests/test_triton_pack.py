@@ -17,11 +17,17 @@ import ragged_vit.reference
 from ragged_vit.testing.pack import pack_cases, pack_suite, run_pack_case
 from ragged_vit.testing.report import raise_failures
 from ragged_vit.triton_impl import pack as tp
+from tests.helpers import one_per_family
 
 # Every case of the lab on the checked entry points, with every option they take.
 _OPTIONS = dict(extra_token=True, capacity=True, count=True, kept=True)
 _FAMILY = dict(pack=tp.pack, repack=tp.repack, unpack=tp.unpack, cls_rows=tp.cls_rows, **_OPTIONS)
-test_pack_family_interpreter = pytest.mark.interpreter(pack_suite(**_FAMILY, device="cpu"))
+# Quick: each case once, the dtypes in turn; full: each case in each dtype.
+test_pack_family_interpreter = pytest.mark.interpreter(
+    one_per_family(
+        pack_suite(**_FAMILY, device="cpu"), lambda case: (case.kind, case.lengths), lambda case: (case.dtype,)
+    )
+)
 test_pack_family_gpu = pytest.mark.gpu(pack_suite(**_FAMILY, device="cuda", level_name="full", bad_inputs=True))
 # The pipelines' hot path, repack without its checks, at their width (repack goes through it: the CPU suite covers it).
 test_repack_unchecked_gpu = pytest.mark.gpu(

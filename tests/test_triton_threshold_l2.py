@@ -16,6 +16,7 @@ from ragged_vit.reference.pruners import ThresholdL2Pruner
 from ragged_vit.testing import decision_suite
 from ragged_vit.triton_impl import select
 from ragged_vit.triton_impl import threshold_l2 as tl2
+from tests.helpers import one_per_family
 
 RATES = (0.5, 0.3, 0.7, 0.1, 1.0, 1 / 3)
 
@@ -33,9 +34,11 @@ def _pruners() -> dict[str, ThresholdL2Pruner]:
     return pruners | {"calibrated0.4": calibrated}
 
 
+# Quick: each case once, the pruners and dtypes in turn; full: every case for each pruner in each dtype.
 test_select_conforms_interpreter = pytest.mark.interpreter(
-    decision_suite(tl2.threshold_l2_select, _pruners(), bad_inputs=True)
-)
+    one_per_family(decision_suite(tl2.threshold_l2_select, _pruners(), bad_inputs=True),
+                   lambda pruner, case: (case.kind, case.num_prefix), lambda pruner, case: (id(pruner), case.dtype))
+)  # fmt: skip
 test_select_conforms_gpu = pytest.mark.gpu(
     decision_suite(tl2.threshold_l2_select, _pruners(), device="cuda", level_name="full", capturable=True)
 )
