@@ -26,6 +26,7 @@ from benchmarks.workloads import WORKLOADS, synthetic_images, synthetic_selectio
 from ragged_vit.pipelines.backends import PaddedSDPABackend, ReferenceBackend
 
 TINY = "deit_tiny_patch16_224"
+DRY_RUN = "test_vit"  # the dry runs' model: timm's own test ViT (100 patches, 6 blocks of width 64), the same paths
 CPU = torch.device("cpu")
 
 
@@ -145,7 +146,7 @@ def test_report_e2e_dry_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture
             "--device",
             "cpu",
             "--model",
-            TINY,
+            DRY_RUN,
             "--quick",
             "--part",
             "all",
@@ -181,7 +182,7 @@ def test_report_e2e_dry_run_on_cpu(tmp_path: Path, capsys: pytest.CaptureFixture
 
 
 def test_report_e2e_keep_rate_replaces_the_parts(tmp_path: Path) -> None:
-    argv = ["--device", "cpu", "--model", TINY, "--quick", "--part", "table3", "--batches", "2", "--workloads",
+    argv = ["--device", "cpu", "--model", DRY_RUN, "--quick", "--part", "table3", "--batches", "2", "--workloads",
             "evit_fused", "--rows", "timm_eager,padded", "--keep-rate", "0.7", "--out", str(tmp_path)]  # fmt: skip
     assert report_e2e.main(argv) == 0
     rows = {r["workload"]: r for r in json.loads((tmp_path / "table3-quick.json").read_text())["rows"]}

@@ -4,9 +4,10 @@ Tolerance rules: logits against ``tome_forward`` and (``r=0``) against timm's ow
 ``atol = rtol = 1e-5`` (the same modules and merges; the attention and the similarities are summed in another
 order, the merge in fp32 instead of float64); sources, counts and sizes: exact. Models are 4-block, width-64 timm
 models with seeded random weights, as in tests/test_reference_tome.py. The benchmark's CPU dry run uses timm's
-``test_vit`` (100 patches, 6 blocks), small enough for our pipeline's Triton kernels under the interpreter; its
-checks against ``tome_forward`` (fixed ``r`` and the calibrated threshold) are bounded by ``1e-4`` (max |diff|) with
-the same top-1, and the calibrated counts land within one row per image and block of the target
+``test_vit`` at 64x64 (16 patches) with 4 blocks, registered here as :data:`DRY_RUN_MODEL`, and ``r = 4``: small
+enough for our pipeline's Triton kernels under the interpreter (the sync-free rows run every stage at the full
+``B * N`` rows); its checks against ``tome_forward`` (fixed ``r`` and the calibrated threshold) are bounded by ``1e-4``
+(max |diff|) with the same top-1, and the calibrated counts land within one row per image and block of the target
 (``calibrate_threshold``'s promise on its own images).
 """
 
@@ -17,6 +18,7 @@ import json
 import pytest
 import timm
 import torch
+from timm.models import register_model
 from timm.models.vision_transformer import Block, VisionTransformer
 
 from benchmarks import tome_peer
@@ -32,6 +34,14 @@ FAMILIES = {
     "dinov2_reg4": ("vit_small_patch14_reg4_dinov2", dict(img_size=56)),  # class + 4 registers, LayerScale
 }
 FP32 = {"atol": 1e-5, "rtol": 1e-5}
+DRY_RUN_MODEL, DRY_RUN_R = "tome_peer_dry_run_vit", 4
+
+
+@register_model
+def tome_peer_dry_run_vit(pretrained: bool = False, **kwargs: object) -> VisionTransformer:
+    """The benchmark's CPU dry run model: timm's ``test_vit`` (width 64, 2 heads) at 64x64 (16 patches), 4 blocks."""
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("pretrained_cfg", "pretrained_cfg_overlay")}
+    return timm.create_model("test_vit", pretrained=False, img_size=64, depth=4, **kwargs)
 
 
 def family(name: str) -> VisionTransformer:
@@ -175,10 +185,11 @@ def test_markdown_table_by_the_back_to_back_clock():
 
 
 def dry_run(tmp_path, name: str, *argv: str) -> list[dict]:
-    """``tome_peer.main`` on the CPU (fp32, one input batch, 2 timed forwards) on ``test_vit`` (100 patches, 6
-    blocks: the Triton kernels run under the interpreter), at B=2; its JSON rows."""
+    """``tome_peer.main`` on the CPU (fp32, one input batch, one timed forward) on :data:`DRY_RUN_MODEL` (the Triton
+    kernels run under the interpreter) with ``r = 4``, at B=2; its JSON rows."""
     out = tmp_path / f"{name}.json"
-    base = ["--device", "cpu", "--model", "test_vit", "--quick", "--batches", "2", "--out", str(out)]
+    base = ["--device", "cpu", "--model", DRY_RUN_MODEL, "--r", str(DRY_RUN_R), "--quick", "--batches", "2",
+            "--out", str(out)]  # fmt: skip
     assert tome_peer.main([*base, *argv]) == 0
     return json.loads(out.read_text())["rows"]
 
@@ -204,15 +215,15 @@ def test_main_dry_run_on_cpu(tmp_path, capsys):
     for row in ("timm_compiled", "peer_compiled", "peer_sdpa_compiled"):  # CUDA-only rows say why
         assert rows[row]["status"] == "unavailable" and rows[row]["reason"]
 
-    model = timm.create_model("test_vit", pretrained=False)
+    model = timm.create_model(DRY_RUN_MODEL, pretrained=False)
     depth, n = len(model.blocks), model.patch_embed.num_patches + 1
-    fixed = fixed_r_counts(n, [13] * depth)
+    fixed = fixed_r_counts(n, [DRY_RUN_R] * depth)
     target = sum(fixed) / depth
-    fewest = fixed_r_counts(n, [26] * depth)  # every image merging r_max = 2 r everywhere
+    fewest = fixed_r_counts(n, [2 * DRY_RUN_R] * depth)  # every image merging r_max = 2 r everywhere
     for row in adaptive:
         e = rows[row]
         cal, c, vs = e["calibration"], e["counts"], e["vs_fixed"]
-        assert cal["r_max"] == 26 and cal["images"] == c["images"] == 2
+        assert cal["r_max"] == 2 * DRY_RUN_R and cal["images"] == c["images"] == 2
         assert cal["target_rows"] == c["target_rows"] == target
         assert abs(cal["reference_mean_rows"] - target) <= 1  # calibrate_threshold: within a row on its images
         assert abs(c["mean_rows"] - target) <= 1  # our pipeline at that threshold on the same images
@@ -224,7 +235,7 @@ def test_main_dry_run_on_cpu(tmp_path, capsys):
             assert 0 <= c["std"][k] <= (c["max"][k] - c["min"][k]) / 2 + 1e-9
         assert c["max"] == sorted(c["max"], reverse=True) and c["min"] == sorted(c["min"], reverse=True)  # no growth
         assert 0 < vs["mean"] <= vs["max"] and 0 <= vs["top1_agree"] <= 1  # another merge schedule: other logits
-        # B * N = 202 rows: the default buckets skip reads below 1024 too; the lagged row reads (late) every stage
+        # B * N = 34 rows: the default buckets skip reads below 1024 too; the lagged row reads (late) every stage
         assert e["host_reads_per_forward"] == (depth if row == "ours_adaptive_lagged" else 0)
     assert rows["ours_adaptive"]["buckets"]["sync_free_rows"] == 1024
     assert rows["ours_adaptive_sync_free"]["buckets"]["sync_free_rows"] == 2 * n
