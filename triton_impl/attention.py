@@ -16,6 +16,11 @@ Supported:
       scaled logits of key row ``t`` for every head and query: ToMe's proportional attention passes ``log(size)``),
       as :func:`ragged_vit.reference.ragged_attention` takes it. A constexpr switches it: without a bias the compiled
       kernel has no bias argument and no bias instruction.
+    * an optional rotary position embedding ``rotary`` (:class:`ragged_vit.reference.rotary.Rotary`: a RoPE ViT's
+      table of ``[sin | cos]`` per position, shared or one per head, each row's position, the interleaved or half
+      layout): q and k are rotated in fp32 as they are loaded, rounded to the input dtype, as
+      :func:`ragged_vit.reference.rotary.rotate` does (rows at positions outside the table, the prefix rows, stay as
+      they are). Another constexpr: without it nothing of the rotation is compiled in.
 
 Dispatch: no host synchronisation and no allocation besides the output (none with ``out=``). ``max_seqlen``
 is only an upper bound that sizes the grid; ``cu_seqlens`` is read on the GPU. Every program walks its query
@@ -40,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ..core.validation import FLOAT_DTYPES, check_cu_seqlens, check_max_seqlen, check_tensor
+from ..reference.rotary import Rotary, check_rotary
 from .configs import AttentionConfig, attention_config
 from .launcher import CompiledLauncher, cdiv, next_power_of_2
 
@@ -48,17 +54,34 @@ _LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def _rotate(x, partner_ptrs, table_ptrs, lanes, rotated_rows, sign, HEAD_DIM: tl.constexpr):
+    """RoPE on a loaded tile ``x`` (rows of q, or columns of k^T): ``x * cos + sign * partner * sin`` in fp32, rounded
+    to ``x``'s dtype (timm's order), where ``rotated_rows`` (else ``x`` unchanged). ``partner_ptrs`` address each
+    element's partner, ``table_ptrs`` its sin (its cos ``HEAD_DIM`` further); ``lanes`` masks the loads."""
+    partner = tl.load(partner_ptrs, mask=lanes, other=0.0).to(tl.float32)
+    sin = tl.load(table_ptrs, mask=lanes & rotated_rows, other=0.0).to(tl.float32)
+    cos = tl.load(table_ptrs + HEAD_DIM, mask=lanes & rotated_rows, other=1.0).to(tl.float32)
+    rotated = x.to(tl.float32) * cos + sign * partner * sin
+    return tl.where(rotated_rows, rotated.to(x.dtype), x)
+
+
+@triton.jit
 def _attend_key_tile(
     q, acc, m_i, l_i, k_base, v_base, b_base, n0, seqlen, qk_scale,
     stride_kt, stride_kd, stride_vt, stride_vd,
     offs_n0, offs_d, mask_d,
+    p_base, t_base, rope_rows, stride_rn, partner_d, sign,
     MASKED: tl.constexpr,
     EVEN_D: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys ``n0 : n0 + BLOCK_N``; only the ragged last tile is masked (and the padded
-    head-dim lanes, when the head dim is not a power of two). ``b_base`` points at the image's first key bias."""
+    head-dim lanes, when the head dim is not a power of two). ``b_base`` points at the image's first key bias; with
+    ``HAS_ROPE`` the keys are rotated as they are loaded (``p_base``: the image's first position, ``t_base``: the
+    head's rope table)."""
     offs_n = n0 + offs_n0
     k_ptrs = k_base + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd  # [BLOCK_D, BLOCK_N]
     v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd  # [BLOCK_N, BLOCK_D]
@@ -72,6 +95,19 @@ def _attend_key_tile(
     else:
         kt = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
+    if HAS_ROPE:
+        if MASKED:
+            pos = tl.load(p_base + offs_n, mask=offs_n < seqlen, other=-1)
+            lanes = (offs_n < seqlen)[None, :] & mask_d[:, None]
+        else:
+            pos = tl.load(p_base + offs_n)
+            lanes = (offs_n >= 0)[None, :] & mask_d[:, None]
+        ok = (pos >= 0) & (pos < rope_rows)
+        rows = tl.where(ok, pos, 0).to(tl.int64)
+        kt = _rotate(
+            kt, k_base + offs_n[None, :] * stride_kt + partner_d[:, None] * stride_kd,
+            t_base + rows[None, :] * stride_rn + offs_d[:, None], lanes, ok[None, :], sign[:, None], HEAD_DIM,
+        )  # fmt: skip
     s = tl.dot(q, kt, input_precision=DOT_PRECISION)
     if MASKED:
         s = tl.where(mask_n[None, :], s, float("-inf"))
@@ -95,11 +131,14 @@ def _attend_key_tile(
     return acc, m_new, l_i
 
 
-@triton.jit(do_not_specialize=["total_rows"])
+@triton.jit(do_not_specialize=["total_rows", "rope_rows"])
 def _ragged_attention_kernel(
     Q, K, V, O, CU_SEQLENS,
     KEY_BIAS,  # float32 [T], or None (then HAS_BIAS is False and the argument is compiled out)
+    ROPE_TABLE, ROPE_POS,  # [N, 2*D] or [H, N, 2*D] and int [T], or None (HAS_ROPE False: compiled out)
     total_rows,
+    rope_rows,  # N: positions outside [0, N) are left unrotated
+    stride_rh, stride_rn,  # the rope table's head (0: one table for every head) and row strides
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
@@ -113,6 +152,8 @@ def _ragged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    HAS_ROPE: tl.constexpr,
+    ROPE_HALF: tl.constexpr,  # the half layout (partners D/2 apart), else interleaved (neighbours)
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -135,6 +176,17 @@ def _ragged_attention_kernel(
     v_base = V + V_OFFSET + start.to(tl.int64) * stride_vt + h * stride_vh
     o_base = O + start.to(tl.int64) * stride_ot + h * stride_oh
     b_base = KEY_BIAS + start if HAS_BIAS else KEY_BIAS
+    if HAS_ROPE:
+        p_base = ROPE_POS + start
+        t_base = ROPE_TABLE + h * stride_rh
+        if ROPE_HALF:
+            partner_d = tl.where(offs_d < HEAD_DIM // 2, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
+            sign = tl.where(offs_d < HEAD_DIM // 2, -1.0, 1.0)
+        else:
+            partner_d = offs_d ^ 1
+            sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
+    else:
+        p_base, t_base, partner_d, sign = ROPE_POS, ROPE_TABLE, offs_d, offs_d
 
     # Grid-stride loop over query tiles: correct for any grid size along axis 0.
     for tile in range(pid_m, tl.cdiv(seqlen, BLOCK_M), tl.num_programs(0)):
@@ -145,6 +197,15 @@ def _ragged_attention_kernel(
             mask=mask_m[:, None] & mask_d[None, :],
             other=0.0,
         )
+        if HAS_ROPE:
+            pos = tl.load(p_base + offs_m, mask=mask_m, other=-1)
+            ok = (pos >= 0) & (pos < rope_rows)
+            rows = tl.where(ok, pos, 0).to(tl.int64)
+            q = _rotate(
+                q, q_base + offs_m[:, None] * stride_qt + partner_d[None, :] * stride_qd,
+                t_base + rows[:, None] * stride_rn + offs_d[None, :], mask_m[:, None] & mask_d[None, :], ok[:, None],
+                sign[None, :], HEAD_DIM,
+            )  # fmt: skip
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -152,13 +213,17 @@ def _ragged_attention_kernel(
             acc, m_i, l_i = _attend_key_tile(
                 q, acc, m_i, l_i, k_base, v_base, b_base, n0, seqlen, qk_scale,
                 stride_kt, stride_kd, stride_vt, stride_vd, offs_n0, offs_d, mask_d,
-                MASKED=False, EVEN_D=EVEN_D, HAS_BIAS=HAS_BIAS, DOT_PRECISION=DOT_PRECISION,
+                p_base, t_base, rope_rows, stride_rn, partner_d, sign,
+                MASKED=False, EVEN_D=EVEN_D, HAS_BIAS=HAS_BIAS, HAS_ROPE=HAS_ROPE, HEAD_DIM=HEAD_DIM,
+                DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
         if full_end < seqlen:
             acc, m_i, l_i = _attend_key_tile(
                 q, acc, m_i, l_i, k_base, v_base, b_base, full_end, seqlen, qk_scale,
                 stride_kt, stride_kd, stride_vt, stride_vd, offs_n0, offs_d, mask_d,
-                MASKED=True, EVEN_D=EVEN_D, HAS_BIAS=HAS_BIAS, DOT_PRECISION=DOT_PRECISION,
+                p_base, t_base, rope_rows, stride_rn, partner_d, sign,
+                MASKED=True, EVEN_D=EVEN_D, HAS_BIAS=HAS_BIAS, HAS_ROPE=HAS_ROPE, HEAD_DIM=HEAD_DIM,
+                DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
         acc = acc / l_i[:, None]
         tl.store(
@@ -182,6 +247,7 @@ def _launch(
     key_bias: torch.Tensor | None,
     config: AttentionConfig,
     key: tuple | None = None,
+    rotary: Rotary | None = None,
 ) -> None:
     """Launches the kernel on validated input; writes the output tensor (``tensors[3]``) in place.
 
@@ -193,11 +259,20 @@ def _launch(
     batch = cu_seqlens.shape[0] - 1
     grid = (cdiv(max_seqlen, config.block_m) if config.grid_per_tile else 1, batch * heads)
     precision = "ieee" if tensors[0].dtype == torch.float32 else "tf32"
-    args = (
-        *tensors, cu_seqlens, key_bias, total, scale * _LOG2E.value, *strides, *offsets,
-        heads, head_dim, next_power_of_2(head_dim), config.block_m, config.block_n, key_bias is not None,
-        precision,
-    )  # fmt: skip
+    if rotary is None:
+        args = (
+            *tensors, cu_seqlens, key_bias, None, None, total, 0, 0, 0, scale * _LOG2E.value, *strides, *offsets,
+            heads, head_dim, next_power_of_2(head_dim), config.block_m, config.block_n, key_bias is not None, False,
+            False, precision,
+        )  # fmt: skip
+    else:
+        table = rotary.table
+        head_stride = table.stride(0) if table.dim() == 3 else 0  # 0: one table for every head
+        args = (
+            *tensors, cu_seqlens, key_bias, table, rotary.positions, total, table.shape[-2], head_stride,
+            table.stride(-2), scale * _LOG2E.value, *strides, *offsets, heads, head_dim, next_power_of_2(head_dim),
+            config.block_m, config.block_n, key_bias is not None, True, bool(rotary.half), precision,
+        )  # fmt: skip
     device = tensors[0].get_device()
     _launcher(key, device, grid, args, num_warps=config.num_warps, num_stages=config.num_stages)
 
@@ -220,6 +295,8 @@ def _check_common(
     head_dim: int,
     device: torch.device,
     check_values: bool | None,
+    rotary: Rotary | None = None,
+    heads: int = 1,
 ) -> float:
     """Checks what both layouts share; returns the softmax scale."""
     if total == 0:
@@ -234,11 +311,23 @@ def _check_common(
             raise ValueError(f"key_bias must have one value per packed row ({total}), got {key_bias.shape[0]}")
         if not key_bias.is_contiguous():
             raise ValueError(f"key_bias must be contiguous, got stride {key_bias.stride(0)}")
+    if rotary is not None:
+        _check_rotary(rotary, total, heads, head_dim, device)
     if scale is None:
         return head_dim**-0.5
     if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite float or None, got {scale!r}")
     return float(scale)
+
+
+def _check_rotary(rotary: object, total: int, heads: int, head_dim: int, device: torch.device) -> None:
+    if not isinstance(rotary, Rotary):
+        raise TypeError(f"rotary must be a ragged_vit.reference.rotary.Rotary or None, got {type(rotary).__name__}")
+    check_rotary(rotary.table, rotary.positions, total, heads, head_dim, device)
+    if rotary.table.stride(-1) != 1 or not rotary.positions.is_contiguous():
+        raise ValueError("rotary table must have a contiguous last dimension and rotary positions must be contiguous")
+    if not isinstance(rotary.half, bool):
+        raise TypeError(f"rotary half must be a bool, got {type(rotary.half).__name__}")
 
 
 def ragged_attention(
@@ -250,6 +339,7 @@ def ragged_attention(
     scale: float | None = None,
     *,
     key_bias: torch.Tensor | None = None,
+    rotary: Rotary | None = None,
     out: torch.Tensor | None = None,
     check_values: bool | None = None,
     config: AttentionConfig | None = None,
@@ -263,6 +353,10 @@ def ragged_attention(
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         key_bias: optional float32 ``[T]`` (contiguous, finite), added to every logit of key row ``t`` after the
             scale, in natural-log units (ToMe's proportional attention passes ``log(size)``).
+        rotary: optional :class:`ragged_vit.reference.rotary.Rotary`: q and k rotated by their rows' rope table rows
+            as they are loaded (``table`` ``[N, 2*D]`` or ``[H, N, 2*D]``, last dimension contiguous; ``positions``
+            int32/int64 ``[T]``, contiguous, outside ``[0, N)`` unrotated), as
+            :func:`ragged_vit.reference.rotary.rotate` does (fp32, rounded to the input dtype).
         out: optional ``[T, H, D]`` output (any strides) to write into.
         check_values: read ``cu_seqlens`` to validate its values; default only on CPU (no GPU sync).
         config: launch configuration; ``None`` takes the tuned table's choice (``ragged_vit.triton_impl.configs``).
@@ -274,11 +368,16 @@ def ragged_attention(
         shapes = ", ".join(str(tuple(t.shape)) for t in (q, k, v))
         raise ValueError(f"q, k, v must share one shape [T, H, D], got {shapes}")
     total, heads, head_dim = q.shape
-    scale = _check_common(cu_seqlens, max_seqlen, scale, key_bias, total, head_dim, q.device, check_values)
+    scale = _check_common(
+        cu_seqlens, max_seqlen, scale, key_bias, total, head_dim, q.device, check_values, rotary, heads
+    )
     o = _check_out(out, (total, heads, head_dim), q)
     config = config or attention_config(q.device, head_dim, total / (cu_seqlens.shape[0] - 1))
     strides = (*q.stride(), *k.stride(), *v.stride(), *o.stride())
-    _launch((q, k, v, o), strides, (0, 0), cu_seqlens, (total, heads, head_dim), max_seqlen, scale, key_bias, config)
+    _launch(
+        (q, k, v, o), strides, (0, 0), cu_seqlens, (total, heads, head_dim), max_seqlen, scale, key_bias, config,
+        rotary=rotary,
+    )  # fmt: skip
     return o
 
 
@@ -290,6 +389,7 @@ def ragged_attention_qkv(
     scale: float | None = None,
     *,
     key_bias: torch.Tensor | None = None,
+    rotary: Rotary | None = None,
     out: torch.Tensor | None = None,
     check_values: bool | None = None,
     config: AttentionConfig | None = None,
@@ -307,6 +407,7 @@ def ragged_attention_qkv(
         num_heads: ``H``.
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         key_bias: optional float32 ``[T]`` per-key bias, as :func:`ragged_attention` takes it.
+        rotary: optional RoPE of q and k (a RoPE ViT's), as :func:`ragged_attention` takes it.
         out: optional ``[T, H*D]`` output (contiguous last dimension) to write into.
         check_values: read ``cu_seqlens`` to validate its values; default only on CPU (no GPU sync).
         config: launch configuration; ``None`` takes the tuned table's choice (``ragged_vit.triton_impl.configs``).
@@ -321,13 +422,17 @@ def ragged_attention_qkv(
     if width % (3 * num_heads):
         raise ValueError(f"qkv.shape[1] ({width}) must be divisible by 3 * num_heads ({3 * num_heads})")
     head_dim = width // (3 * num_heads)
-    scale = _check_common(cu_seqlens, max_seqlen, scale, key_bias, total, head_dim, qkv.device, check_values)
+    scale = _check_common(
+        cu_seqlens, max_seqlen, scale, key_bias, total, head_dim, qkv.device, check_values, rotary, num_heads
+    )
     inner = num_heads * head_dim
     o = _check_out(out, (total, inner), qkv)
     if qkv.stride(1) != 1 or o.stride(1) != 1:
         name = "qkv" if qkv.stride(1) != 1 else "out"
         raise ValueError(f"{name} must have a contiguous last dimension (stride 1)")
-    return ragged_attention_qkv_unchecked(qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias, o, config)
+    return ragged_attention_qkv_unchecked(
+        qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias, o, config, rotary=rotary
+    )
 
 
 def ragged_attention_qkv_unchecked(
@@ -339,6 +444,7 @@ def ragged_attention_qkv_unchecked(
     key_bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: AttentionConfig | None = None,
+    rotary: Rotary | None = None,
 ) -> torch.Tensor:
     """:func:`ragged_attention_qkv` without its checks (``scale`` required), for callers that validated their
     input once at their own entry: the pipelines' attention backend, called once per block. Wrong arguments here
@@ -355,9 +461,15 @@ def ragged_attention_qkv_unchecked(
     bias_ptr, bias_dtype = (0, None) if key_bias is None else (key_bias.data_ptr(), key_bias.dtype)
     aligned = qkv.is_cuda and (qkv.data_ptr() | o.data_ptr() | cu_seqlens.data_ptr() | bias_ptr) % 16 == 0
     key = (qkv.dtype, bias_dtype, num_heads, head_dim, config, row % 16, out_row % 16) if aligned else None
+    if rotary is not None and key is not None:  # the rope arguments' specialisation too
+        table, positions = rotary.table, rotary.positions
+        if (table.data_ptr() | positions.data_ptr()) % 16:
+            key = None
+        else:
+            key += (table.dtype, positions.dtype, table.dim(), table.stride(0) % 16, table.stride(-2) % 16, rotary.half)
     _launch(
         (qkv, qkv, qkv, o), strides, (inner, 2 * inner), cu_seqlens, (total, num_heads, head_dim), max_seqlen,
-        scale, key_bias, config, key,
+        scale, key_bias, config, key, rotary,
     )  # fmt: skip
     return o
 

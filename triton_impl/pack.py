@@ -72,6 +72,7 @@ def _count_kernel(KEEP, SRC_CU, COUNTS, dense_len, LEN_PAD: tl.constexpr, DENSE:
 @triton.jit(do_not_specialize=["dense_len", "batch", "capacity", "num_pads", "pad_len"])
 def _pack_kernel(
     X, KEEP, SRC_CU, COUNTS, EXTRA, OUT, CU_OUT,
+    POS, POS_OUT,  # int32 [T] and [rows]: each row's rotary position, moved with it (HAS_POS), or None
     dense_len, batch, capacity, stride_xt, stride_et, num_pads, pad_len,
     CHANNELS: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -81,6 +82,7 @@ def _pack_kernel(
     DENSE: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
     PADS_PAD: tl.constexpr,
+    HAS_POS: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     r = tl.program_id(1)
@@ -122,6 +124,8 @@ def _pack_kernel(
     for c0 in tl.static_range(0, CHANNELS, BLOCK_C):
         vals = tl.load(src + c0 + offs_c[None, :], mask=write[:, None])
         tl.store(dst + c0 + offs_c[None, :], vals, mask=write[:, None])
+    if HAS_POS:
+        tl.store(POS_OUT + dest, tl.load(POS + src_start + rows, mask=write), mask=write)
 
     if HAS_EXTRA:
         extra_row = offset + count_b
@@ -129,6 +133,8 @@ def _pack_kernel(
             for c0 in tl.static_range(0, CHANNELS, BLOCK_C):
                 extra_vals = tl.load(EXTRA + b.to(tl.int64) * stride_et + c0 + offs_c)
                 tl.store(OUT + extra_row.to(tl.int64) * CHANNELS + c0 + offs_c, extra_vals)
+            if HAS_POS:
+                tl.store(POS_OUT + extra_row, -1)  # a token made of several patches has no single position
 
 
 @triton.jit
@@ -212,6 +218,8 @@ def _repack(
     padding_images: int = 0,
     padding_len: int | None = None,
     cu_out: torch.Tensor | None = None,
+    positions: torch.Tensor | None = None,
+    positions_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     channels = x.shape[-1]
     dense = src_cu is None
@@ -241,11 +249,15 @@ def _repack(
     out = x.new_empty((rows, channels))
     stride_x, stride_e = x.stride(-2), extra_token.stride(0) if has_extra else 0
     block_c, b_pad = _channel_block(channels), next_power_of_2(batch)
-    key = (x.dtype, channels, len_pad, b_pad, dense, has_extra, pads_pad, stride_x % 16, stride_e % 16)
+    has_pos = positions is not None
+    if has_pos:
+        is_aligned = is_aligned and aligned(positions, positions_out)
+    key = (x.dtype, channels, len_pad, b_pad, dense, has_extra, pads_pad, stride_x % 16, stride_e % 16, has_pos)
     _pack_launcher(
         key if is_aligned else None, device, (batch, cdiv(max_len, _BLOCK_R)),
-        (x, keep, src_cu, counts, extra_token, out, cu_out, max_len, batch, rows, stride_x, stride_e,
-         padding_images, pad_len, channels, block_c, _BLOCK_R, len_pad, b_pad, dense, has_extra, pads_pad),
+        (x, keep, src_cu, counts, extra_token, out, cu_out, positions, positions_out, max_len, batch, rows, stride_x,
+         stride_e, padding_images, pad_len, channels, block_c, _BLOCK_R, len_pad, b_pad, dense, has_extra, pads_pad,
+         has_pos),
         num_warps=4, num_stages=1,
     )  # fmt: skip
     return out, cu_out, bound
@@ -428,16 +440,24 @@ def repack_unchecked(
     padding_len: int | None = None,
     cu_out: torch.Tensor | None = None,
     batch: int | None = None,
+    positions: torch.Tensor | None = None,
+    positions_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """:func:`repack` without its checks, for callers that built (and so validated) every argument themselves:
     the pipelines' hot path. Wrong arguments here give wrong results, not errors.
 
     ``batch``: repack the first ``batch`` images of ``cu_seqlens`` only (default: all of them); the entries of
     ``cu_seqlens`` and ``kept`` after theirs (an earlier buffer's padding images) are not read, so a caller passes
-    them whole instead of slicing them (one host op less each)."""
+    them whole instead of slicing them (one host op less each).
+
+    ``positions`` (int32 ``[T]``, contiguous) with ``positions_out`` (int32, the output's rows: ``B * count`` or
+    ``capacity``): each row's rotary position is copied with the row by the same kernel (a RoPE model's
+    :class:`ragged_vit.pipelines.eva.RotaryRows`), ``-1`` for an appended ``extra_token``; rows past the real total
+    are not written, as in the output."""
     return _repack(
         tokens, keep, cu_seqlens, cu_seqlens.shape[0] - 1 if batch is None else batch, max_seqlen, extra_token,
         count, capacity, kept=kept, padding_images=padding_images, padding_len=padding_len, cu_out=cu_out,
+        positions=positions, positions_out=positions_out,
     )  # fmt: skip
 
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ...reference.rotary import Rotary
+
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -42,6 +44,8 @@ class Capabilities:
         not_capturable_because: why not, when ``capturable`` is False.
         custom_op: whether ``torch.compile`` sees its attention as one opaque op (so compiled blocks fuse around it).
         key_bias: whether ``attend`` takes a per-key additive bias ``key_bias`` (else it raises when given one).
+        rotary: whether it rotates q and k itself as it reads them (:meth:`AttentionBackend.attend_rotary`); the
+            pipelines rotate them before ``attend`` for the others (:mod:`ragged_vit.reference.rotary`).
     """
 
     devices: tuple[str, ...] = ("cpu", "cuda")
@@ -51,6 +55,7 @@ class Capabilities:
     not_capturable_because: str = ""
     custom_op: bool = False
     key_bias: bool = False
+    rotary: bool = False
 
 
 class AttentionBackend(abc.ABC):
@@ -107,12 +112,32 @@ class AttentionBackend(abc.ABC):
             raise ValueError(f"backend {self.name!r} does not take a key_bias (its capabilities.key_bias is False)")
         return self._attend(qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias=key_bias)
 
+    def attend_rotary(
+        self,
+        qkv: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        num_heads: int,
+        scale: float,
+        rotary: Rotary,
+        key_bias: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`attend` with q and k rotated first by ``rotary`` (:class:`ragged_vit.reference.rotary.Rotary`: each
+        row's table row of the model's rope, prefix rows unrotated), by the backend as it reads them; only where
+        ``capabilities.rotary`` (else ``ValueError``). Trusted input, as :meth:`attend`'s."""
+        if not self.capabilities.rotary:
+            raise ValueError(f"backend {self.name!r} does not rotate q and k (its capabilities.rotary is False)")
+        if key_bias is not None and not self.capabilities.key_bias:
+            raise ValueError(f"backend {self.name!r} does not take a key_bias (its capabilities.key_bias is False)")
+        return self._attend(qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias=key_bias, rotary=rotary)
+
     @abc.abstractmethod
     def _attend(
         self, qkv: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, num_heads: int, scale: float
     ) -> torch.Tensor:
         """:meth:`attend` on trusted input. A backend that declares ``capabilities.key_bias`` adds a keyword
-        ``key_bias: torch.Tensor | None = None``; the others are never given one."""
+        ``key_bias: torch.Tensor | None = None``, one that declares ``capabilities.rotary`` a keyword ``rotary``; the
+        others are never given them."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

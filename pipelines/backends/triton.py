@@ -3,7 +3,8 @@
 The direct call has the lowest dispatch cost and is capturable in CUDA graphs (the custom op
 ``torch.ops.ragged_vit.ragged_attention_qkv`` is the same kernel for ``torch.compile``). It reads q, k, v through
 strides from the qkv buffer and writes ``[T, H*D]`` for the output projection: no copy, no sync. A ``key_bias`` goes
-to the kernel as it is (its constexpr switch; without one the kernel is compiled without any bias instruction).
+to the kernel as it is (its constexpr switch; without one the kernel is compiled without any bias instruction), and
+so does a RoPE model's rotation (``rotary``: the kernel rotates q and k as it loads them, another constexpr).
 
 On a CPU it runs only under Triton's interpreter, which must be switched on (``TRITON_INTERPRET=1``) before
 ``triton.language`` is first imported -- and importing timm imports it. A process that got the order wrong has
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
+from ...reference.rotary import Rotary, rotate_qkv
 from ...triton_impl.attention import (
     SUPPORTED_HEAD_DIMS,
     ragged_attention_qkv_op,
@@ -29,7 +31,7 @@ class TritonBackend(AttentionBackend):
     """Ragged attention straight from the packed qkv buffer (CUDA, or CPU under the interpreter)."""
 
     name = "triton"
-    capabilities = Capabilities(head_dims=SUPPORTED_HEAD_DIMS, custom_op=True, key_bias=True)
+    capabilities = Capabilities(head_dims=SUPPORTED_HEAD_DIMS, custom_op=True, key_bias=True, rotary=True)
 
     @property
     def interpreted(self) -> bool:
@@ -60,7 +62,10 @@ class TritonBackend(AttentionBackend):
         num_heads: int,
         scale: float,
         key_bias: torch.Tensor | None = None,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:
         if torch.compiler.is_compiling():  # one opaque op in a compiled graph (it has a fake implementation)
+            if rotary is not None:  # the op takes no rotation: q and k rotated before it
+                qkv = rotate_qkv(qkv, num_heads, *rotary)
             return ragged_attention_qkv_op(qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias)
-        return ragged_attention_qkv_unchecked(qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias)
+        return ragged_attention_qkv_unchecked(qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias, rotary=rotary)

@@ -45,6 +45,21 @@ images; with ``bad_inputs``, a bias of an integer dtype, 2-D, one row short or o
 ``key_bias``. ``key_bias=False`` checks the opposite: an implementation that takes no bias raises
 ``TypeError``/``ValueError`` naming ``key_bias`` when given one (before any launch, by contract: the lab sees only
 the error).
+
+**The rotary variant** (``rotary=True``): ``fn`` also takes ``rotary=``, a :class:`ragged_vit.reference.rotary.Rotary`
+(``table`` ``[N, 2*D]`` or ``[H, N, 2*D]`` of ``[sin | cos]`` per position, last dimension contiguous; ``positions``
+int32 ``[T]``, contiguous; ``half``, the layout) and rotates each row's query and key by its position's table row
+before attending, as :func:`ragged_vit.reference.rotary.rotate` does (RoPE ViTs: timm's Eva models); a position outside
+``[0, N)`` (``-1``: prefix rows, a token fused from several patches) leaves its row unrotated. The rule: the float64
+reference on q and k rotated in float64 against PyTorch's attention on q and k rotated in the implementation's dtype
+(the table's math, then rounded to the dtype, as timm rotates them). Its cases: both layouts on the odd lengths 1, 63,
+65, 197 (``full``: every adversarial length), a table per head, images with 0, 1 and 2 unrotated prefix rows each (in
+every case), the positions a pruned forward leaves (a sorted subset of the table, an unrotated fused token last),
+positions outside the table, misaligned inputs with a table in the inputs' dtype, a loose bound, images without rows,
+isolation, and (``full``) random lengths, strided inputs, another scale and 128 images; with ``bad_inputs``, a table of
+the wrong width, float positions, positions one row short and a table on another device raise an error naming
+``rotary``. ``rotary=False``: an implementation without a rotation raises ``TypeError``/``ValueError`` naming
+``rotary`` when given one.
 """
 
 from __future__ import annotations
@@ -58,6 +73,7 @@ import torch.nn.functional as F
 
 from ..core.segments import cu_seqlens_from_counts
 from ..reference.attention import ragged_attention, split_qkv
+from ..reference.rotary import Rotary, rotate
 from .report import Failure, bad_call_failures, level, raise_failures
 
 QUICK_LENGTHS = (1, 2, 63, 64, 65, 197)
@@ -71,14 +87,15 @@ NUMERIC_CASES = {  # kind -> (lengths, dtypes it runs in: None = every dtype of 
 }
 ADVERSARIAL_LENGTHS = (*QUICK_LENGTHS, 577, 1025)
 BIAS_LENGTHS = (1, 63, 65, 197)
+ROPES = ("interleaved", "half", "interleaved-per_head", "half-per_head")  # a rotary case's layout and table
 FLOOR = {torch.float64: 1e-12, torch.float32: 2e-6, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 LAYOUTS = ("qkv", "separate")
 
 
 @dataclass(frozen=True)
 class AttentionCase:
-    """One case: its kind, the images' lengths, heads, head dim and dtype, and the key bias it passes (``"normal"``,
-    ``"log_size"``, ``"large"``; ``""`` for none)."""
+    """One case: its kind, the images' lengths, heads, head dim and dtype, the key bias it passes (``"normal"``,
+    ``"log_size"``, ``"large"``; ``""`` for none) and the rotation (one of :data:`ROPES`; ``""`` for none)."""
 
     kind: str
     lengths: tuple[int, ...]
@@ -86,12 +103,13 @@ class AttentionCase:
     head_dim: int
     dtype: torch.dtype
     bias: str = ""
+    rope: str = ""
 
     @property
     def id(self) -> str:
         lengths = "-".join(map(str, self.lengths)) if len(self.lengths) <= 4 else f"{len(self.lengths)}images"
-        bias = f"-bias_{self.bias}" if self.bias else ""
-        return f"{self.kind}[{lengths}]{bias}-h{self.heads}d{self.head_dim}-{str(self.dtype).removeprefix('torch.')}"
+        extra = (f"-bias_{self.bias}" if self.bias else "") + (f"-rope_{self.rope}" if self.rope else "")
+        return f"{self.kind}[{lengths}]{extra}-h{self.heads}d{self.head_dim}-{str(self.dtype).removeprefix('torch.')}"
 
     def generator(self, salt: int = 0) -> torch.Generator:
         """Fresh inputs per case, reproducible per case."""
@@ -115,21 +133,29 @@ def attention_cases(
     bad_inputs: bool = False,
     empty_images: bool = True,
     key_bias: bool | None = None,
+    rotary: bool | None = None,
 ) -> list[AttentionCase]:
     """The cases of ``level_name`` (``quick``/``full``; see :func:`ragged_vit.testing.level`) for ``device``; with
     ``bad_inputs``, one more that checks the argument errors. ``key_bias``: None for the plain contract, True for its
-    key-bias variant, False for the one case that checks a key bias is refused (see the module docstring)."""
+    key-bias variant, False for the one case that checks a key bias is refused; ``rotary`` likewise for the rotary
+    variant (see the module docstring; not both)."""
+    if key_bias is not None and rotary is not None:
+        raise ValueError("key_bias and rotary choose two variants of the contract: give one")
     full = level(level_name) == "full"
     device = torch.device(device)
     dtypes = tuple(dtypes or default_dtypes(device))
     head_dims = tuple(head_dims or ((32, 64) if full else (32,)))
     if key_bias is False:
         return [AttentionCase("key_bias_refused", (4, 6), 2, head_dims[0], dtypes[0], "normal")]
+    if rotary is False:
+        return [AttentionCase("rotary_refused", (4, 6), 2, head_dims[0], dtypes[0], rope="interleaved")]
     heads = 3 if full else 2
     lengths = ADVERSARIAL_LENGTHS if full else QUICK_LENGTHS
     g = torch.Generator().manual_seed(0)
     ragged = tuple(int(n) for n in torch.randint(1, 198, (16 if full else 5,), generator=g))
     many = tuple(ADVERSARIAL_LENGTHS[int(i)] for i in torch.randint(len(ADVERSARIAL_LENGTHS), (128,), generator=g))
+    if rotary:
+        return _rotary_cases(full, dtypes, head_dims, heads, lengths, ragged, many, bad_inputs, empty_images)
     if key_bias:
         shapes = [("lengths", lengths if full else BIAS_LENGTHS, "normal"), ("misaligned", (40, 7), "log_size"),
                   ("loose_bound", (70, 5, 33), "large"), ("isolation", (40, 70, 9), "normal")]  # fmt: skip
@@ -167,6 +193,28 @@ def attention_cases(
     return cases
 
 
+def _rotary_cases(full, dtypes, head_dims, heads, lengths, ragged, many, bad_inputs, empty_images):
+    """The rotary variant's cases (module docstring)."""
+    shapes = [("lengths", lengths if full else BIAS_LENGTHS, "interleaved"), ("lengths", BIAS_LENGTHS, "half"),
+              ("per_head", (40, 7, 33), "half-per_head"), ("pruned", (50, 17), "interleaved"),
+              ("out_of_range", (20, 9), "half"), ("misaligned", (40, 7), "interleaved-per_head"),
+              ("loose_bound", (70, 5, 33), "half"), ("isolation", (40, 70, 9), "interleaved")]  # fmt: skip
+    if empty_images:
+        shapes.append(("empty", (5, 0, 64, 0), "half"))
+    if full:
+        shapes += [("ragged", ragged, "half"), ("strided", (3, 65, 1), "interleaved"),
+                   ("scale", (5, 64), "half-per_head"), ("many", many, "interleaved")]  # fmt: skip
+    cases = [
+        AttentionCase(kind, tuple(lens), heads, head_dim, dtype, rope=rope)
+        for dtype in dtypes
+        for head_dim in head_dims
+        for kind, lens, rope in shapes
+    ]
+    if bad_inputs:
+        cases.append(AttentionCase("bad_inputs", (4, 6), 2, 32, torch.float32, rope="interleaved"))
+    return cases
+
+
 def check_attention(
     fn: Callable[..., torch.Tensor],
     *,
@@ -179,8 +227,9 @@ def check_attention(
     bad_inputs: bool = False,
     empty_images: bool = True,
     key_bias: bool | None = None,
+    rotary: bool | None = None,
 ) -> int:
-    """Runs every case of the attention contract (or of its key-bias variant) on ``fn``; raises
+    """Runs every case of the attention contract (or of its key-bias or rotary variant) on ``fn``; raises
     :class:`ConformanceError` listing each failed case; returns how many cases ran.
 
     Args:
@@ -194,13 +243,14 @@ def check_attention(
         empty_images: ``fn`` takes images of no rows (the pipelines never make one).
         key_bias: None (the default) checks the plain contract (``fn`` is never given a ``key_bias``); True checks the
             key-bias variant (every case passes ``key_bias=``); False checks that ``fn`` refuses a ``key_bias``.
+        rotary: the same for the rotary variant (``rotary=``: RoPE of q and k); not with ``key_bias``.
     """
     cases = attention_cases(
         level_name, device=device, dtypes=dtypes, head_dims=head_dims, bad_inputs=bad_inputs,
-        empty_images=empty_images, key_bias=key_bias,
+        empty_images=empty_images, key_bias=key_bias, rotary=rotary,
     )  # fmt: skip
     failures = [f for case in cases for f in run_attention_case(fn, case, layout, device, accepts_out)]
-    raise_failures(_contract(layout, key_bias), failures)
+    raise_failures(_contract(layout, key_bias, rotary), failures)
     return len(cases)
 
 
@@ -213,12 +263,12 @@ def attention_suite(
     **options: object,
 ):
     """A pytest test function running every case of :func:`check_attention` as its own test item (``options``:
-    ``level_name``, ``dtypes``, ``head_dims``, ``bad_inputs``, ``empty_images``, ``key_bias``): a port's test file is
-    ``test_my_attention = attention_suite(my_fn, layout="qkv", device="cuda")``."""
+    ``level_name``, ``dtypes``, ``head_dims``, ``bad_inputs``, ``empty_images``, ``key_bias``, ``rotary``): a port's
+    test file is ``test_my_attention = attention_suite(my_fn, layout="qkv", device="cuda")``."""
     import pytest
 
     cases = attention_cases(device=device, **options)
-    contract = _contract(layout, options.get("key_bias"))
+    contract = _contract(layout, options.get("key_bias"), options.get("rotary"))
 
     @pytest.mark.parametrize("case", cases, ids=[c.id for c in cases])
     def test(case: AttentionCase) -> None:
@@ -227,8 +277,9 @@ def attention_suite(
     return test
 
 
-def _contract(layout: str, key_bias: bool | None) -> str:
+def _contract(layout: str, key_bias: bool | None, rotary: bool | None = None) -> str:
     said = {None: "", True: ", key bias", False: ", no key bias"}[key_bias]
+    said += {None: "", True: ", rotary", False: ", no rotary"}[rotary]
     return f"attention ({layout} layout{said})"
 
 
@@ -240,6 +291,8 @@ def run_attention_case(
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     device = torch.device(device)
     if case.kind == "bad_inputs":
+        if case.rope:
+            return _bad_rotary_failures(fn, layout, device)
         return _bad_input_failures(fn, layout, device, bool(case.bias))
     g = case.generator()
     cu = cu_seqlens_from_counts(torch.tensor(case.lengths)).to(device)
@@ -250,19 +303,21 @@ def run_attention_case(
     if case.kind == "loose_bound":
         bound = 2 * bound + 7
     key_bias = _key_bias(case, device, g) if case.bias else None
-    if case.kind == "key_bias_refused":
+    rotary = _rotary(case, device, g) if case.rope else None
+    if case.kind in ("key_bias_refused", "rotary_refused"):
+        name = "key_bias" if case.bias else "rotary"
 
         def given() -> torch.Tensor:
-            return _call(fn, layout, qkv, cu, bound, case, scale, accepts_out, key_bias)
+            return _call(fn, layout, qkv, cu, bound, case, scale, accepts_out, key_bias, rotary)
 
-        return bad_call_failures([("a key_bias given to an implementation that takes none", "key_bias", given)])
+        return bad_call_failures([(f"a {name} given to an implementation that takes none", name, given)])
     try:
-        out = _call(fn, layout, qkv, cu, bound, case, scale, accepts_out, key_bias)
+        out = _call(fn, layout, qkv, cu, bound, case, scale, accepts_out, key_bias, rotary)
     except Exception as exc:  # a crash is a failed case, reported like the others
         return [Failure(case.id, "runs", f"{type(exc).__name__}: {exc}", "a result")]
-    failures = _close(case, out, qkv, cu, scale, key_bias)
+    failures = _close(case, out, qkv, cu, scale, key_bias, rotary)
     if case.kind == "isolation" and not failures:
-        failures = _isolation(fn, layout, case, qkv, cu, bound, scale, key_bias, out, accepts_out, g)
+        failures = _isolation(fn, layout, case, qkv, cu, bound, scale, key_bias, out, accepts_out, g, rotary)
     return failures
 
 
@@ -331,9 +386,44 @@ def _key_bias(case: AttentionCase, device: torch.device, g: torch.Generator) -> 
     return values.to(device)
 
 
-def _call(fn, layout, qkv, cu, bound, case, scale, accepts_out, key_bias=None):
+def _rotary(case: AttentionCase, device: torch.device, g: torch.Generator) -> Rotary:
+    """A case's rotation: a table of ``[sin | cos]`` of random angles (fp32; in the case's dtype and one element off
+    an aligned address in the ``misaligned`` case), one per head for ``*-per_head``, and positions with image ``b``'s
+    first ``b % 3`` rows unrotated (``-1``), its patches in order (``pruned``: a sorted subset of the table, the last
+    row a fused token, ``-1``; ``out_of_range``: a third of the rows outside the table)."""
+    half = case.rope.startswith("half")
+    rows = max(case.lengths) + 9
+    shape = (case.heads, rows, case.head_dim // 2) if case.rope.endswith("per_head") else (rows, case.head_dim // 2)
+    angles = torch.rand(shape, generator=g) * 6.3
+    spread = (lambda t: torch.cat([t, t], -1)) if half else (lambda t: t.repeat_interleave(2, -1))
+    table = torch.cat([spread(angles.sin()), spread(angles.cos())], dim=-1)
+    pieces = []
+    for b, n in enumerate(case.lengths):
+        prefix = min(b % 3, n)
+        if case.kind == "pruned":
+            patches = torch.randperm(rows, generator=g)[: n - prefix].sort().values
+            if n - prefix > 1:
+                patches[-1] = -1
+        else:
+            patches = torch.arange(n - prefix)
+        pieces += [torch.full((prefix,), -1), patches]
+    positions = torch.cat(pieces).to(torch.int32)
+    if case.kind == "out_of_range":
+        far = torch.randint(0, 3, positions.shape, generator=g) == 0
+        outside = torch.where(positions % 2 == 0, positions + rows, positions - 3 * rows)  # past the end or below -1
+        positions = torch.where(far, outside, positions)
+    if case.kind == "misaligned":
+        flat = torch.empty(table.numel() + 1, dtype=case.dtype, device=device)
+        table = flat[1:].view(table.shape).copy_(table)
+        return Rotary(table, positions.to(device), half)
+    return Rotary(table.to(device), positions.to(device), half)
+
+
+def _call(fn, layout, qkv, cu, bound, case, scale, accepts_out, key_bias=None, rotary=None):
     total, width = qkv.shape[0], case.heads * case.head_dim
     kwargs = {} if key_bias is None else {"key_bias": key_bias}  # the plain contract never names it
+    if rotary is not None:
+        kwargs["rotary"] = rotary
     if layout == "qkv":
         if accepts_out:
             kwargs["out"] = _poisoned((total, width), qkv)
@@ -355,13 +445,14 @@ def _close(
     cu: torch.Tensor,
     scale: float,
     key_bias: torch.Tensor | None = None,
+    rotary: Rotary | None = None,
 ) -> list[Failure]:
     shape = (qkv.shape[0], case.heads, case.head_dim)
     if tuple(out.shape) != shape or out.dtype != qkv.dtype:
         return [Failure(case.id, "output shape and dtype", f"{tuple(out.shape)} {out.dtype}", f"{shape} {qkv.dtype}")]
     if not bool(torch.isfinite(out).all()):
         return [Failure(case.id, "finite output (NaN-poisoned buffers written everywhere)", "NaN or inf", "none")]
-    err, yard = attention_error(out, *split_qkv(qkv, case.heads), cu, scale, key_bias)
+    err, yard = attention_error(out, *split_qkv(qkv, case.heads), cu, scale, key_bias, rotary)
     allowed = 2 * yard + FLOOR[qkv.dtype]
     if not err <= allowed:
         rule = "max error <= 2 x PyTorch's in the same dtype + floor"
@@ -377,22 +468,31 @@ def attention_error(
     cu: torch.Tensor,
     scale: float | None = None,
     key_bias: torch.Tensor | None = None,
+    rotary: Rotary | None = None,
 ) -> tuple[float, float]:
     """``(error, yardstick)``: the max error of ``out [T, H, D]`` against the float64 reference, and that of PyTorch's
     own attention in ``q``'s dtype; the rule allows ``2 * yardstick + FLOOR[dtype]`` (see the module docstring). A
-    ``key_bias [T]`` goes to both: to the reference in float64, to PyTorch as a float mask in ``q``'s dtype."""
+    ``key_bias [T]`` goes to both: to the reference in float64, to PyTorch as a float mask in ``q``'s dtype. A
+    ``rotary`` rotates q and k for both: in float64 for the reference, as timm does in ``q``'s dtype for PyTorch."""
     if out.numel() == 0:
         return 0.0, 0.0
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     exact_bias = None if key_bias is None else key_bias.double()
-    ref = ragged_attention(q.double(), k.double(), v.double(), cu, scale=scale, key_bias=exact_bias)
+    q64, k64 = q.double(), k.double()
+    if rotary is not None:
+        table, positions, half = rotary
+        q64, k64 = (rotate(t, table.double(), positions, half) for t in (q64, k64))
+        q, k = (rotate(t, table, positions, half) for t in (q, k))
+    ref = ragged_attention(q64, k64, v.double(), cu, scale=scale, key_bias=exact_bias)
     err = (out.reshape(ref.shape).double() - ref).abs().max().item()
     return err, (_torch_in_dtype(q, k, v, cu, scale, key_bias).double() - ref).abs().max().item()
 
 
-def assert_attention_close(out, q, k, v, cu, scale: float | None = None, key_bias: torch.Tensor | None = None) -> None:
+def assert_attention_close(
+    out, q, k, v, cu, scale: float | None = None, key_bias: torch.Tensor | None = None, rotary: Rotary | None = None
+) -> None:
     """Asserts the rule on one output (for a test of a kernel's own configurations)."""
-    err, yard = attention_error(out, q, k, v, cu, scale, key_bias)
+    err, yard = attention_error(out, q, k, v, cu, scale, key_bias, rotary)
     allowed = 2 * yard + FLOOR[q.dtype]
     assert err <= allowed, f"max error {err:.3g} > 2 x PyTorch's {yard:.3g} + floor {FLOOR[q.dtype]:g}"
 
@@ -410,7 +510,7 @@ def _torch_in_dtype(q, k, v, cu, scale, key_bias) -> torch.Tensor:
     return out
 
 
-def _isolation(fn, layout, case, qkv, cu, bound, scale, key_bias, out, accepts_out, g) -> list[Failure]:
+def _isolation(fn, layout, case, qkv, cu, bound, scale, key_bias, out, accepts_out, g, rotary=None) -> list[Failure]:
     """Changing the middle image's rows (and its key bias) must leave the others' outputs unchanged, bit for bit."""
     bounds = cu.tolist()
     start, end = bounds[1], bounds[2]
@@ -419,13 +519,31 @@ def _isolation(fn, layout, case, qkv, cu, bound, scale, key_bias, out, accepts_o
     if key_bias is not None:
         key_bias = key_bias.clone()
         key_bias[start:end] = torch.randn(end - start, generator=g).to(case.dtype).float().to(key_bias.device)
-    again = _call(fn, layout, changed, cu, bound, case, scale, accepts_out, key_bias)
+    again = _call(fn, layout, changed, cu, bound, case, scale, accepts_out, key_bias, rotary)
     others = torch.ones(qkv.shape[0], dtype=torch.bool, device=qkv.device)
     others[start:end] = False
     if not torch.equal(again[others], out[others]):
         rule = "isolation: another image's inputs change no output"
         return [Failure(case.id, rule, "outputs changed", "bitwise equal")]
     return []
+
+
+def _bad_rotary_failures(fn, layout, device) -> list[Failure]:
+    """Wrong rotations (on other inputs that are right) must raise ``TypeError`` or ``ValueError`` naming ``rotary``."""
+    qkv = torch.randn(10, 3 * 2 * 32, device=device)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32, device=device)
+    q, k, v = split_qkv(qkv, 2)
+    call = {"qkv": lambda rot: fn(qkv, cu, 10, 2, 0.25, rotary=rot),
+            "separate": lambda rot: fn(q, k, v, cu, 10, 0.25, rotary=rot)}[layout]  # fmt: skip
+    table = torch.zeros(12, 64, device=device)
+    positions = torch.zeros(10, dtype=torch.int32, device=device)
+    rotations = {
+        "a rotary table of the wrong width": Rotary(table[:, :48], positions),
+        "float rotary positions": Rotary(table, positions.float()),
+        "rotary positions one row short": Rotary(table, positions[:-1]),
+        "a rotary table on another device": Rotary(table.to("meta"), positions),
+    }
+    return bad_call_failures((name, "rotary", lambda r=r: call(r)) for name, r in rotations.items())
 
 
 def _bad_input_failures(fn, layout, device, key_bias: bool) -> list[Failure]:
