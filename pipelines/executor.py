@@ -133,19 +133,22 @@ def stage_counts(run: Run, batch: int, num_prefix: int, device: torch.device) ->
 
 
 def _front(run: Run, step: Step, state: ForwardState) -> None:
-    x = run.parts.front(run.pipeline, state.x)  # [B, N, C]
+    x, table = run.parts.front(run.pipeline, state.x)  # [B, N, C], the rope table (None without RoPE)
     batch, tokens, channels = x.shape
     state.x = x.reshape(batch * tokens, channels)
     state.num_patches = tokens - run.pipeline.model.num_prefix_tokens
     if state.cu_seqlens is None:
         state.cu_seqlens = uniform_cu_seqlens(batch, tokens, x.device)
     state.max_seqlen = tokens
+    if table is not None:
+        state.rotary = run.pipeline.rotary_rows(table, batch, tokens)
 
 
 def _blocks(run: Run, step: Step, state: ForwardState) -> None:
     pv = run.pipeline
     group = [pv.model.blocks[k] for k in step.blocks]
-    state.x = run.parts.blocks(group, state.x, state.cu_seqlens, state.max_seqlen, pv.backend, key_bias=state.key_bias)
+    state.x = run.parts.blocks(group, state.x, state.cu_seqlens, state.max_seqlen, pv.backend, key_bias=state.key_bias,
+                               rotary=state.rotary)  # fmt: skip
 
 
 def _attention(run: Run, step: Step, state: ForwardState) -> None:
@@ -158,14 +161,14 @@ def _attention(run: Run, step: Step, state: ForwardState) -> None:
     packed = (state.cu_seqlens, state.max_seqlen, pv.backend)
     lean = lean_block(block) if step.branch else None
     if prepared is None and lean is None and not step.beside:  # the whole half: one call
-        state.x, state.qkv = parts.attention(block, x, *packed, key_bias=state.key_bias)
+        state.x, state.qkv = parts.attention(block, x, *packed, key_bias=state.key_bias, rotary=state.rotary)
         return
     normed, state.qkv = parts.qkv(block, x) if prepared is None else prepared
     rest = (normed, state.qkv, *packed)
     if lean is not None:
-        half = functools.partial(parts.branch, block, *rest, key_bias=state.key_bias)
+        half = functools.partial(parts.branch, block, *rest, key_bias=state.key_bias, rotary=state.rotary)
     else:
-        half = functools.partial(parts.residual, block, x, *rest, key_bias=state.key_bias)
+        half = functools.partial(parts.residual, block, x, *rest, key_bias=state.key_bias, rotary=state.rotary)
     if step.beside:
         state.selection, out = beside(x.device, lambda: _decision(run, step.stage, state), half)
     else:

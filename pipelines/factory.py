@@ -39,6 +39,7 @@ from ..core.selection import Pruner
 from ..core.validation import check_rate
 from ..reference.pruners import PRUNERS
 from .backends import AttentionBackend
+from .eva import is_eva
 from .model import PrunedViT
 from .weights import create_model, load_checkpoint
 
@@ -77,8 +78,8 @@ def build_pruner(name: str, model: nn.Module, keep_rate: float = 0.5, **options:
     if not isinstance(name, str) or name not in PRUNER_NAMES:
         raise ValueError(f"pruner must be one of {', '.join(PRUNER_NAMES)}, got {name!r}")
     keep_rate = check_rate(keep_rate, "keep_rate")
-    if not isinstance(model, VisionTransformer):
-        raise TypeError(f"model must be a timm VisionTransformer, got {type(model).__name__}")
+    if not isinstance(model, VisionTransformer) and not is_eva(model):
+        raise TypeError(f"model must be a timm VisionTransformer or Eva, got {type(model).__name__}")
     _check_options(name, options)
     if name == "none":
         return None
@@ -107,7 +108,7 @@ def prune(
     captured on first use of each batch bucket (``mode``: :class:`PrunedViT`).
 
     Args:
-        model: a timm ``VisionTransformer`` instance.
+        model: a timm ``VisionTransformer`` or ``Eva`` instance.
         pruner: one of :data:`PRUNER_NAMES`.
         keep_rate: in ``(0, 1]``, mapped onto the pruner's own parameters (module docstring).
         backend: the attention backend (``"triton"``: ours, on CUDA; ``"reference"`` on a CPU without Triton's

@@ -70,7 +70,8 @@ alive until ``reset()``, so a graph never reads freed memory. Not detected: in-p
 (they bypass the version counter) and parameters replaced by new ``Parameter`` objects; call ``reset()`` after
 those. Not thread-safe: one runner, one thread, the model's device current.
 
-Not supported: ``selections=`` replay, training, the ``nested_sdpa`` backend (NestedTensor construction is not
+Not supported: models with rotary position embeddings (RoPE: refused at construction), ``selections=`` replay,
+training, the ``nested_sdpa`` backend (NestedTensor construction is not
 capturable), the ``reference`` backend on CUDA (it reads the offsets on the host), and variable-count stages
 that append an extra token (no registered pruner does).
 """
@@ -568,6 +569,11 @@ class _Changed(Exception):
 
 
 def _check_capturable(pipeline: Pipeline) -> None:
+    if getattr(pipeline, "rope", None) is not None:
+        raise NotImplementedError(
+            "GraphedPrunedViT does not run models with rotary position embeddings (RoPE) yet: their rows' rotary "
+            "positions are not handed between graphs; run the pipeline eagerly (mode='eager' or 'auto')"
+        )
     backend = pipeline.backend
     caps = backend.capabilities
     on_cuda = pipeline.device.type == "cuda"

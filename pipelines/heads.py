@@ -9,7 +9,8 @@ over the rows that survived pruning:
   left out, as timm leaves them out, unless the model pools them too: ``pool_include_prefix``). EViT's fused
   token is a patch row here.
 * ``'map'``: timm's ``AttentionPoolLatent`` (SigLIP's multi-head attention pooling), on the packed rows: its latent
-  queries attend over each image's own rows through a per-image softmax (no padding), then its projection and MLP.
+  queries attend over each image's own rows through a per-image softmax (no padding), then its projection and MLP;
+  prefix rows included unless ``pool_include_prefix`` is False (timm's Eva, e.g. Perception Encoder, pools them).
 * Distilled DeiT: the average of its two heads on the class and distillation rows, as timm does at inference.
 
 The rows after the ``B`` real images (a graph executor's padding images) are left out of every pool.
@@ -68,7 +69,8 @@ def head_logits(
     else:
         total, images = x.shape[0], cu_seqlens.shape[0] - 1
         seg = segment_ids(cu_seqlens, total)
-        prefix = 0 if getattr(model, "pool_include_prefix", False) else model.num_prefix_tokens
+        # An attention pool reads every row unless the model says otherwise (timm's Eva has no such switch).
+        prefix = 0 if getattr(model, "pool_include_prefix", pool == "map") else model.num_prefix_tokens
         pooled = (positions(cu_seqlens, total) >= prefix) & (seg < batch)  # [T]: the rows this pool reads
         normed = model.norm(x)
         if pool == "map":

@@ -30,8 +30,11 @@ selections' types; their shapes at their stage); the steps call the kernels' unc
 
 Supported: timm ``VisionTransformer`` and its subclasses with any number of prefix tokens (class, distillation,
 register tokens, or none), every timm pooling (``token``, ``avg``, ``max``, ``avgmax``, ``map``:
-:mod:`ragged_vit.pipelines.heads`), blocks from the first stage on being timm ``Block``/``Attention``; inference only
-(eval mode). ``docs/models.md`` lists the tested families. Not supported: training.
+:mod:`ragged_vit.pipelines.heads`), blocks from the first stage on being timm ``Block``/``Attention``; timm's ``Eva``
+(EVA-02, DINOv3, Perception Encoder, ``vit_*_rope_*``: :mod:`ragged_vit.pipelines.eva`), whose rotary position
+embeddings travel with the packed rows (each row's rope table position, moved by every repack); inference only
+(eval mode). ``docs/models.md`` lists the tested families. Not supported: training; on a RoPE model, merging (ToMe),
+CUDA graphs (``auto`` runs it eagerly) and ``compile_blocks=True``.
 
 Image sizes: a model built with ``dynamic_img_size=False`` (timm's default) takes its own input size only
 (:attr:`PrunedViT.image_size`). One built with ``dynamic_img_size=True`` takes any height and width that are
@@ -57,6 +60,7 @@ from ..reference.pruners.tome import ToMeMerger
 from ..reference.tome import bisect_threshold
 from .backends import AttentionBackend, make_backend
 from .buckets import default_sync_free_rows
+from .eva import RopeSpec, RotaryRows, check_eva, is_eva, rotary_rows
 from .executor import BoundedRepack, ExactRepack, OnStep, Run, execute, stage_counts
 from .graphs import GraphedPrunedViT
 from .heads import pool_of
@@ -91,7 +95,7 @@ class PrunedViT(nn.Module):
     """A timm ViT with token pruning and packed (ragged) blocks.
 
     Args:
-        model: a timm ``VisionTransformer`` (``timm.create_model``); its modules are used as they are.
+        model: a timm ``VisionTransformer`` or ``Eva`` (``timm.create_model``); its modules are used as they are.
         pruner: a :class:`ragged_vit.core.selection.Pruner`, or None for the unpruned model (then every block runs
             timm's own dense forward and the backend is unused).
         backend: attention backend name (see :data:`ragged_vit.pipelines.backends.BACKENDS`) or instance.
@@ -133,7 +137,15 @@ class PrunedViT(nn.Module):
         self._runner = None  # the graph modes' GraphedPrunedViT, made on first use
         self._said: set[str] = set()  # the eager reasons said so far
         self._compile_failed = False  # torch.compile failed here once: the graphs run the plain parts
-        _check_model(model)
+        self.rope = _check_model(model)  # a RoPE model's rope table and layout (None without RoPE)
+        self.eva = is_eva(model)
+        # A per-block rope table (RoPE-Mixed) is indexed by each block's attention module.
+        self._rope_blocks = {blk.attn: k for k, blk in enumerate(model.blocks)} if self.rope is not None else None
+        if self.rope is not None and compile_blocks is True:
+            raise NotImplementedError(
+                "compile_blocks=True is not supported yet on a model with rotary position embeddings (RoPE): use "
+                "compile_blocks=None or False"
+            )
         self.model = model
         self.pruner = _check_pruner(pruner, len(model.blocks))
         self.backend = backend
@@ -309,6 +321,8 @@ class PrunedViT(nn.Module):
             return "selections are replayed eagerly (CUDA graphs make their own decisions on the device)"
         if images.device.type != "cuda":
             return f"the model is on {images.device.type.upper()}: CUDA graphs need a CUDA GPU"
+        if self.rope is not None:
+            return "a model with rotary position embeddings (RoPE) runs eagerly (its CUDA graphs are not done yet)"
         caps = self._backend.capabilities
         if not caps.capturable:
             return f"backend {self._backend.name!r} cannot run in a CUDA graph: {caps.not_capturable_because}"
@@ -460,7 +474,7 @@ class PrunedViT(nn.Module):
             raise ValueError(f"pruner {getattr(self.pruner, 'name', None)!r} has no calibrate() method")
         if self._plan.stages[0].placement is Placement.MID_BLOCK:
             raise NotImplementedError("calibrate() supports before/after-block stages only")
-        x = front(self, self.check_images(images).to(self.dtype))
+        x, _ = front(self, self.check_images(images).to(self.dtype))
         return self.pruner.calibrate(x, num_prefix=self._plan.num_prefix)
 
     def check_images(self, images: object) -> torch.Tensor:
@@ -492,6 +506,23 @@ class PrunedViT(nn.Module):
             x = m.patch_embed(images)
         return m.norm_pre(m.patch_drop(m._pos_embed(x)))
 
+    def embed_rope(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """An Eva model's embedding: ``[B, 3, H, W]`` -> ``[B, N, C]`` (its ``_pos_embed``: prefix tokens, position
+        embeddings resampled to the image size with ``dynamic_img_size``, then ``norm_pre``) and its rope table at
+        that size (None without RoPE), the one timm's forward hands its blocks."""
+        m = self.model
+        if self.gemm_patch_embed and images.is_cuda and supports_gemm(m.patch_embed):
+            x = patch_embed_gemm(m.patch_embed, images)  # the image size was checked by the caller (NLC or NHWC)
+        else:
+            x = m.patch_embed(images)
+        x, table = m._pos_embed(x)
+        return m.norm_pre(x), table
+
+    def rotary_rows(self, table: torch.Tensor, batch: int, tokens: int) -> RotaryRows:
+        """The rotation of an unpruned batch of ``batch`` images of ``tokens`` rows (FRONT's), by the rope ``table``
+        of their size (:class:`ragged_vit.pipelines.eva.RotaryRows`)."""
+        return rotary_rows(self.rope, table, self._rope_blocks, batch, tokens, self.model.num_prefix_tokens)
+
     def decision_input(self, index: int, state: ForwardState) -> DecisionInput:
         """What stage ``index`` decides on, from the state its DECIDE step finds (also for timing a decision alone)."""
         return self.stages[index].decision_input(state)
@@ -518,10 +549,16 @@ def _packs_with_triton(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _check_model(model: object) -> None:
-    if not isinstance(model, VisionTransformer):
-        raise TypeError(f"model must be a timm VisionTransformer, got {type(model).__name__}")
+def _check_model(model: object) -> RopeSpec | None:
+    """Raises unless ``model`` is a timm ``VisionTransformer`` or ``Eva`` the runtime takes; returns an Eva model's
+    rope (:func:`ragged_vit.pipelines.eva.check_eva`)."""
+    spec = None
+    if is_eva(model):
+        spec = check_eva(model)
+    elif not isinstance(model, VisionTransformer):
+        raise TypeError(f"model must be a timm VisionTransformer or Eva, got {type(model).__name__}")
     pool_of(model)  # a pooling the head supports
+    return spec
 
 
 def _allowed_shape(model: VisionTransformer) -> str:

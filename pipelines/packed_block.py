@@ -29,8 +29,9 @@ a dense batch ``[B, N, C]`` with timm's own SDPA call (bitwise timm's ``block(x)
 before its first stage.
 
 Supported: ``timm.models.vision_transformer.Block`` with ``timm.layers.Attention`` (qk_norm, scale_norm and the
-gated variant of newer timm included), in eval mode. Not supported: other block types (ResPostBlock,
-ParallelScalingBlock, ...), attention masks, rotary embeddings, dropout at training time.
+gated variant of newer timm included), and timm's Eva blocks (their module path, :class:`ragged_vit.pipelines.eva.
+EvaPath`; a ``rotary`` argument carries the rows' RoPE positions), in eval mode. Not supported: other block types
+(ResPostBlock, ParallelScalingBlock, ...), attention masks, dropout at training time.
 """
 
 from __future__ import annotations
@@ -53,11 +54,17 @@ from torch import nn
 from torch.nn.modules import module as _module
 
 from ..reference.attention import split_qkv
+from ..reference.rotary import rotate_qkv
 from .backends.base import AttentionBackend
+from .eva import EVA_BLOCKS, EvaPath, RotaryRows, check_eva_block
 
 
 def check_packable(block: nn.Module, name: str = "block") -> None:
-    """Raises ``NotImplementedError`` unless ``block`` is a timm ``Block`` with a timm ``Attention``."""
+    """Raises ``NotImplementedError`` unless ``block`` is a timm ``Block`` with a timm ``Attention`` (or an Eva block:
+    :func:`ragged_vit.pipelines.eva.check_eva_block`)."""
+    if isinstance(block, EVA_BLOCKS):
+        check_eva_block(block, name)
+        return
     if not isinstance(block, Block):
         raise NotImplementedError(
             f"{name} must be a timm vision_transformer.Block to run packed, got {type(block).__name__}"
@@ -242,8 +249,11 @@ def lean_block(block: nn.Module) -> LeanBlock | None:
     return lean
 
 
-def _parts(block: Block) -> LeanBlock | _ModulePath:
-    return lean_block(block) or _ModulePath(block)
+_PATHS: dict[type, type] = dict.fromkeys(EVA_BLOCKS, EvaPath)  # block type -> its module path (default _ModulePath)
+
+
+def _parts(block: Block) -> LeanBlock | _ModulePath | EvaPath:
+    return lean_block(block) or _PATHS.get(type(block), _ModulePath)(block)
 
 
 def _attention_half(
@@ -277,9 +287,18 @@ def _backend_attend(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     key_bias: torch.Tensor | None,
+    rotary: RotaryRows | None = None,
 ) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``qkv [T, 3*H*D] -> [T, H*D]`` through ``backend`` (``attend`` itself skips a ``key_bias`` of None)."""
-    return lambda qkv: backend.attend(qkv, cu_seqlens, max_seqlen, attn.num_heads, attn.scale, key_bias=key_bias)
+    """``qkv [T, 3*H*D] -> [T, H*D]`` through ``backend`` (``attend`` itself skips a ``key_bias`` of None); with
+    ``rotary``, q and k rotated first: by the backend as it reads them where it declares ``capabilities.rotary``,
+    else here (:func:`ragged_vit.reference.rotary.rotate_qkv`)."""
+    if rotary is None:
+        return lambda qkv: backend.attend(qkv, cu_seqlens, max_seqlen, attn.num_heads, attn.scale, key_bias=key_bias)
+    rot, heads, scale = rotary.of(attn), attn.num_heads, attn.scale
+    if backend.capabilities.rotary:
+        return lambda qkv: backend.attend_rotary(qkv, cu_seqlens, max_seqlen, heads, scale, rot, key_bias=key_bias)
+    return lambda qkv: backend.attend(rotate_qkv(qkv, heads, *rot), cu_seqlens, max_seqlen, heads, scale,
+                                      key_bias=key_bias)  # fmt: skip
 
 
 def _dense_attend(attn: Attention, qkv: torch.Tensor) -> torch.Tensor:
@@ -300,6 +319,7 @@ def packed_attention(
     max_seqlen: int,
     backend: AttentionBackend,
     key_bias: torch.Tensor | None = None,
+    rotary: RotaryRows | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The attention half of ``block`` on packed tokens: ``x + ls1(attn(norm1(x)))``.
 
@@ -309,7 +329,7 @@ def packed_attention(
         The residual stream after the attention residual ``[T, C]`` and the block's qkv projection ``[T, 3*H*D]``
         (what a MID_BLOCK pruning stage scores).
     """
-    attend = _backend_attend(backend, block.attn, cu_seqlens, max_seqlen, key_bias)
+    attend = _backend_attend(backend, block.attn, cu_seqlens, max_seqlen, key_bias, rotary)
     return _attention_half(_parts(block), x, attend)
 
 
@@ -331,9 +351,10 @@ def packed_attention_residual(
     max_seqlen: int,
     backend: AttentionBackend,
     key_bias: torch.Tensor | None = None,
+    rotary: RotaryRows | None = None,
 ) -> torch.Tensor:
     """The rest of :func:`packed_attention` from :func:`packed_qkv`'s ``(normed, qkv)``: ``x + ls1(proj(attend))``."""
-    return x + packed_attention_branch(block, normed, qkv, cu_seqlens, max_seqlen, backend, key_bias)
+    return x + packed_attention_branch(block, normed, qkv, cu_seqlens, max_seqlen, backend, key_bias, rotary)
 
 
 def packed_attention_branch(
@@ -344,10 +365,11 @@ def packed_attention_branch(
     max_seqlen: int,
     backend: AttentionBackend,
     key_bias: torch.Tensor | None = None,
+    rotary: RotaryRows | None = None,
 ) -> torch.Tensor:
     """:func:`packed_attention_residual` without its residual add: ``ls1(proj(attend))``, for a consumer that adds it
     itself (ToMe's merge kernel adds it to each row it reads)."""
-    attend = _backend_attend(backend, block.attn, cu_seqlens, max_seqlen, key_bias)
+    attend = _backend_attend(backend, block.attn, cu_seqlens, max_seqlen, key_bias, rotary)
     return _parts(block).attn_out(attend(qkv), normed)
 
 
@@ -375,6 +397,7 @@ def packed_block(
     max_seqlen: int,
     backend: AttentionBackend,
     key_bias: torch.Tensor | None = None,
+    rotary: RotaryRows | None = None,
 ) -> torch.Tensor:
     """Runs ``block`` on packed tokens: :func:`packed_attention`, then :func:`packed_mlp`.
 
@@ -386,12 +409,13 @@ def packed_block(
         backend: the attention backend.
         key_bias: optional float32 ``[T]`` added to every attention logit of key row ``t`` (ToMe's proportional
             attention, ``log(size)``); only for backends with ``capabilities.key_bias`` (the others raise).
+        rotary: the rows' rotary positions and the model's rope table (an Eva block with RoPE), or None.
 
     Returns:
         The block's output ``[T, C]``.
     """
     parts = _parts(block)
-    attend = _backend_attend(backend, block.attn, cu_seqlens, max_seqlen, key_bias)
+    attend = _backend_attend(backend, block.attn, cu_seqlens, max_seqlen, key_bias, rotary)
     return _mlp_half(parts, _attention_half(parts, x, attend)[0])
 
 
@@ -402,11 +426,12 @@ def packed_blocks(
     max_seqlen: int,
     backend: AttentionBackend,
     key_bias: torch.Tensor | None = None,
+    rotary: RotaryRows | None = None,
 ) -> torch.Tensor:
     """Consecutive blocks with no pruning stage among them, on one packed buffer: ``[T, C]`` -> ``[T, C]`` (the same
-    ``key_bias``, if any, for every block)."""
+    ``key_bias`` and ``rotary``, if any, for every block)."""
     for block in blocks:
-        x = packed_block(block, x, cu_seqlens, max_seqlen, backend, key_bias)
+        x = packed_block(block, x, cu_seqlens, max_seqlen, backend, key_bias, rotary)
     return x
 
 

@@ -17,6 +17,7 @@ import torch
 
 from ..core.decisions import fused_decision
 from ..core.selection import Decision, DecisionInput, Pruner
+from .eva import block_table
 from .packed_block import (
     dense_block,
     packed_attention,
@@ -35,7 +36,8 @@ class Parts:
 
     Attributes:
         compiled: whether these are the ``torch.compile`` versions.
-        front: ``(pipeline, images [B, 3, H, W]) -> [B, N, C]``: the embedding and the dense blocks.
+        front: ``(pipeline, images [B, 3, H, W]) -> ([B, N, C], rope table or None)``: the embedding and the dense
+            blocks.
         blocks: a run of whole packed blocks (:func:`packed_blocks`).
         attention: a block's attention half and its qkv projection (:func:`packed_attention`).
         qkv, residual, branch: the attention half in parts (:func:`packed_qkv`, :func:`packed_attention_residual`,
@@ -66,15 +68,21 @@ def parts(compiled: bool) -> Parts:
     return Parts(True, *map(torch.compile, plain), _decide_compiled)
 
 
-def front(pipeline, images: torch.Tensor) -> torch.Tensor:
-    """Embedding and the dense blocks before the first stage: ``[B, 3, H, W]`` -> ``[B, N, C]``. With a pruner the
-    blocks run through :func:`dense_block` (lean when plain: bitwise timm's ``block(x)``, fewer host ops); the
-    unpruned pipeline runs timm's own blocks."""
+def front(pipeline, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Embedding and the dense blocks before the first stage: ``[B, 3, H, W]`` -> ``[B, N, C]``, and the model's rope
+    table at this image size (None without RoPE). With a pruner the blocks of a ViT run through :func:`dense_block`
+    (lean when plain: bitwise timm's ``block(x)``, fewer host ops); the unpruned pipeline runs timm's own blocks, and
+    so does an Eva model, each block given its rope table as timm's forward gives it."""
+    if pipeline.eva:
+        x, table = pipeline.embed_rope(images)
+        for index, block in enumerate(pipeline.model.blocks[: pipeline.num_dense_blocks]):
+            x = block(x, rope=block_table(table, pipeline.rope, index))
+        return x, table
     x = pipeline.embed(images)
     lean = pipeline.pruner is not None
     for block in pipeline.model.blocks[: pipeline.num_dense_blocks]:
         x = dense_block(block, x) if lean else block(x)
-    return x
+    return x, None
 
 
 def decide(pruner: Pruner, inp: DecisionInput) -> Decision:

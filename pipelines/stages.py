@@ -26,6 +26,8 @@ from ..core.segments import seqlens
 from ..core.selection import Decision, DecisionInput, MergeSelection, Placement, Pruner, TokenSelection
 from ..reference import merging as ref_merging
 from ..reference import packing as ref_packing
+from ..reference import rotary as ref_rotary
+from ..reference.rotary import rotate_qkv
 from ..triton_impl import merging as triton_merging
 from ..triton_impl import pack as triton_pack
 from .heads import MERGE_POOLS, pool_of
@@ -137,9 +139,11 @@ class Stage:
     def __init__(self, index: int, block: int, placement: Placement, pruner: Pruner, model: VisionTransformer) -> None:
         self.index, self.block, self.placement, self.pruner = index, block, placement, pruner
         self.mid = placement is Placement.MID_BLOCK  # only a mid-block stage has its own block's qkv
-        attn = model.blocks[block].attn
+        attn = self.attn = model.blocks[block].attn
         self.num_heads, self.scale = (attn.num_heads, attn.scale) if self.mid else (None, None)
         self.num_prefix = model.num_prefix_tokens
+        # A RoPE model's decision by attention scores the rotated keys its block attends with.
+        self.rotates_qkv = self.mid and pruner.needs_attention and getattr(model, "rope", None) is not None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.index}, block={self.block}, {self.placement.value})"
@@ -150,10 +154,13 @@ class Stage:
     def decision_input(self, state: ForwardState) -> DecisionInput:
         """What this stage decides on, from the state its DECIDE step finds (also for timing a decision alone)."""
         mid = self.mid
+        qkv = state.qkv if mid else None
+        if self.rotates_qkv:
+            qkv = rotate_qkv(qkv, self.num_heads, *state.rotary.of(self.attn))
         return DecisionInput(
             x=state.x, cu_seqlens=state.cu_seqlens, stage=self.index, num_patches=state.num_patches,
-            max_seqlen=state.max_seqlen, qkv=state.qkv if mid else None, num_heads=self.num_heads,
-            scale=self.scale, num_prefix=self.num_prefix,
+            max_seqlen=state.max_seqlen, qkv=qkv, num_heads=self.num_heads, scale=self.scale,
+            num_prefix=self.num_prefix,
         )  # fmt: skip
 
     def decide(self, state: ForwardState, parts: Parts) -> Decision:
@@ -222,9 +229,13 @@ class PruneStage(Stage):
             )
 
     def repack(self, state: ForwardState, target: Target) -> None:
-        sel, x = state.selection, state.x
+        sel, x, rotary = state.selection, state.x, state.rotary
         extra = None if sel.extra_token is None else sel.extra_token.to(x.dtype)
         if target.reference:
+            if rotary is not None:  # the kept rows' positions; an appended token is unrotated
+                state.rotary = rotary.moved(
+                    ref_rotary.repack_positions(rotary.positions, state.cu_seqlens, sel.keep, extra is not None)
+                )
             state.x, state.cu_seqlens, state.max_seqlen = ref_packing.repack(
                 x, state.cu_seqlens, sel.keep, extra, self.num_prefix
             )
@@ -235,13 +246,20 @@ class PruneStage(Stage):
                     "with padding images does not hold"
                 )
             fixed = target.count is not None
+            moved = None
+            if rotary is not None:  # the kept rows' positions, copied by the same kernel
+                rows = state.batch * target.count if fixed else target.capacity
+                moved = torch.empty(rows, dtype=torch.int32, device=x.device)
             state.x, state.cu_seqlens, _ = triton_pack.repack_unchecked(
                 x, state.cu_seqlens, sel.keep, state.max_seqlen, count=target.count,
                 capacity=None if fixed else target.capacity, extra_token=extra, kept=sel.kept,
                 padding_images=target.pads, padding_len=target.max_seqlen if target.pads else None,
-                cu_out=target.cu_out, batch=state.batch,
+                cu_out=target.cu_out, batch=state.batch, positions=None if rotary is None else rotary.positions,
+                positions_out=moved,
             )  # fmt: skip  # rows from the real total on are not written
             state.max_seqlen = target.max_seqlen
+            if rotary is not None:
+                state.rotary = rotary.moved(moved)
         state.selection = state.qkv = None
 
     def handover(self, batch: int, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> Handover:
@@ -380,6 +398,12 @@ def make_stages(pruner: Pruner | None, model: VisionTransformer) -> tuple[Stage,
     if pruner is None:
         return ()
     placement = Placement(pruner.placement)
+    if pruner.merges and getattr(model, "rope", None) is not None:
+        raise NotImplementedError(
+            f"pruner {pruner.name!r} merges rows, and the model has rotary position embeddings "
+            f"({type(model.rope).__name__}): a merged row stands for several patch positions, which RoPE cannot "
+            "rotate as one; use a pruner that keeps rows (threshold_l2, dynamicvit, evit, ats)"
+        )
     if not pruner.merges:
         return tuple(PruneStage(i, block, placement, pruner, model) for i, block in enumerate(pruner.blocks))
     if pool_of(model) not in MERGE_POOLS:

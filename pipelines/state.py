@@ -4,11 +4,15 @@ what a forward returns (:class:`PrunedOutput`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from ..core.selection import Decision
+
+if TYPE_CHECKING:
+    from .eva import RotaryRows
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,6 +51,8 @@ class ForwardState:
         fusion: what the merge after an ATTENTION step with ``branch`` takes over (:meth:`take_fusion`); while it
             holds a branch, the residual stream is ``x + branch``.
         normed: ``norm2(x)`` of the rows a merge wrote, for the MLP step after it (:meth:`take_normed`).
+        rotary: a RoPE model's rotation of the rows of ``x`` (each row's rope table row, set by FRONT, moved by every
+            repack: :class:`ragged_vit.pipelines.eva.RotaryRows`); None for a model without RoPE.
     """
 
     batch: int
@@ -62,6 +68,7 @@ class ForwardState:
     prepared: tuple[int, torch.Tensor, torch.Tensor] | None = None
     fusion: MergeFusion | None = None
     normed: torch.Tensor | None = None
+    rotary: RotaryRows | None = None
 
     def take_fusion(self) -> MergeFusion | None:
         """``fusion`` (cleared here), or None."""

@@ -1,0 +1,309 @@
+"""timm's Eva ViTs (EVA-02, DINOv3, Perception Encoder, the ``vit_*_rope_*`` models) on the packed runtime, built
+small from timm's own model names (``docs/models.md`` lists them).
+
+Each family, random weights (q and k scaled up, so attention is peaked and RoPE moves the logits well past the
+tolerance), 3 blocks of width 64, 16 patches:
+
+* unpruned and at keep rate 1.0 the pipeline reproduces timm's forward: fp32 on the CPU, ``atol = rtol = 1e-5``;
+* pruned, every kept patch keeps its own rotation: a fixed-count pruner's forward equals timm's blocks run on each
+  image's kept rows with the rope table rows of their patches (fp32, ``atol = rtol = 1e-5``);
+* every pruner whose rule applies runs (EViT and ATS need a class token), and the Triton kernel (its rotary variant,
+  under the interpreter) agrees with the reference backend on the same decisions;
+* what is not supported yet is refused in one line: ToMe on a RoPE model, grouped-query attention, a rope module of
+  another layout, the graph runner and compiled blocks on a RoPE model.
+
+GPU twins (fp16, the kernel against timm) are at the end.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import timm
+import torch
+from timm.models.eva import Eva
+
+import ragged_vit
+from ragged_vit import GraphedPrunedViT, PrunedViT
+from ragged_vit.pipelines import packed_block
+from ragged_vit.pipelines.plan import Counts
+from ragged_vit.reference.pruners import make_pruner
+from tests.helpers import no_tf32
+
+SMALL = dict(depth=3, embed_dim=64, num_heads=2, num_classes=10)
+FAMILIES = {  # name -> (timm model, arguments, rope table, layout)
+    "eva02": ("eva02_tiny_patch14_224", dict(img_size=56, ref_feat_shape=(4, 4)), "RotaryEmbeddingCat", "interleaved"),
+    "eva02_split_qkv": (  # EVA-02 B/L: q, k, v projections; SwiGLU with its inner norm
+        "eva02_base_patch14_224",
+        dict(img_size=56, ref_feat_shape=(4, 4)),
+        "RotaryEmbeddingCat",
+        "interleaved",
+    ),
+    "dinov3": (  # class + 4 registers, LayerScale, half layout, dynamic_img_size
+        "vit_small_patch16_dinov3",
+        dict(img_size=64, init_values=0.5),
+        "RotaryEmbeddingDinoV3",
+        "half",
+    ),
+    "rope_axial": (  # RoPE-Axial: timm's AttentionRope, class-token pooling
+        "vit_small_patch16_rope_224",
+        dict(img_size=64, init_values=0.5),
+        "RotaryEmbeddingCat",
+        "interleaved",
+    ),
+    "rope_mixed": (  # one table per block and head
+        "vit_small_patch16_rope_mixed_224",
+        dict(img_size=64, init_values=0.5),
+        "RotaryEmbeddingMixed",
+        "interleaved",
+    ),
+    "rope_reg1_gap": (  # no class token, 1 register, avg pool
+        "vit_medium_patch16_rope_reg1_gap_256",
+        dict(img_size=64, init_values=0.5, ref_feat_shape=(4, 4)),
+        "RotaryEmbeddingCat",
+        "interleaved",
+    ),  # fmt: skip
+    "pe": (  # Perception Encoder: norm_pre, an attention pool over every row, grid offset
+        "vit_pe_core_tiny_patch16_384",
+        dict(img_size=64, ref_feat_shape=(4, 4), attn_pool_num_heads=2),
+        "RotaryEmbeddingCat",
+        "interleaved",
+    ),  # fmt: skip
+    "post_norm": ("eva02_enormous_patch14_clip_224", dict(img_size=56), None, None),  # post-norm blocks, no RoPE
+}
+FP32 = {"atol": 1e-5, "rtol": 1e-5}
+
+
+def family(name: str, seed: int = 0) -> torch.nn.Module:
+    """The family's small model, random weights of ``seed``, its queries and keys scaled for peaked attention."""
+    model_name, kwargs, _, _ = FAMILIES[name]
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        model = timm.create_model(model_name, pretrained=False, **SMALL, **kwargs).eval()
+        for block in model.blocks:
+            attn = block.attn
+            if attn.qkv is not None:
+                attn.qkv.weight.data[: 2 * attn.qkv.weight.shape[1]].mul_(4.0)
+            else:
+                attn.q_proj.weight.data.mul_(4.0)
+                attn.k_proj.weight.data.mul_(4.0)
+        if isinstance(model.head, torch.nn.Linear):
+            model.head.weight.data.normal_(0.0, 0.3)  # Eva initialises its head near zero
+    return model
+
+
+def images(model: torch.nn.Module, count: int, seed: int, size: tuple[int, int] | None = None) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    size = size or model.patch_embed.img_size
+    return torch.randn(count, 3, *size, generator=g) * torch.linspace(0.5, 2.0, count)[:, None, None, None]
+
+
+def has_class_token(model: torch.nn.Module) -> bool:
+    return model.cls_token is not None
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_unpruned_and_keep_all_reproduce_timm(name):
+    model = family(name)
+    _, _, table, layout = FAMILIES[name]
+    x = images(model, 3, 1)
+    with torch.no_grad():
+        ref = model(x)
+    pv = PrunedViT(model)
+    assert (pv.rope and (pv.rope.table, pv.rope.layout)) == ((table, layout) if table else None)
+    torch.testing.assert_close(pv.run(x).logits, ref, **FP32)
+    keep_all = [make_pruner("threshold_l2", mode="ratio", rate=1.0, block=1)]
+    if has_class_token(model):
+        keep_all.append(make_pruner("evit", rate=1.0, blocks=(1, 2)))  # mid-block: a rotated qkv for its scores
+    for pruner in keep_all:
+        out = PrunedViT(model, pruner, "reference").run(x)
+        torch.testing.assert_close(out.logits, ref, **FP32, msg=lambda m, p=pruner.name: f"{p}: {m}")
+        assert out.counts.eq(model.patch_embed.num_patches).all()
+
+
+def test_the_rotation_is_what_the_keep_all_check_sees(monkeypatch):
+    """The families' tolerance is tight enough to see RoPE: without the packed blocks' rotation the keep-rate-1.0
+    forward misses timm's by far more than it."""
+    model = family("dinov3")
+    x = images(model, 2, 2)
+    with torch.no_grad():
+        ref = model(x)
+    monkeypatch.setattr(packed_block, "rotate_qkv", lambda qkv, *rotation: qkv)
+    out = PrunedViT(model, make_pruner("threshold_l2", mode="ratio", rate=1.0, block=0), "reference").run(x)
+    assert (out.logits - ref).abs().max().item() > 100 * FP32["atol"]
+
+
+def _timm_on_kept_rows(model, image: torch.Tensor, keeps: dict[int, torch.Tensor]) -> torch.Tensor:
+    """timm's blocks on one image, keeping before block ``i`` the rows ``keeps[i]`` (bool over its rows then), each
+    block given the rope table rows of the patches kept (per block and head for RoPE-Mixed): the oracle."""
+    prefix = model.num_prefix_tokens
+    x, table = model._pos_embed(model.patch_embed(image[None]))
+    x = model.norm_pre(x)
+    patches = torch.arange(x.shape[1] - prefix)
+    mixed = getattr(model, "rope_mixed", False)
+    for i, block in enumerate(model.blocks):
+        if i in keeps:
+            x = x[:, keeps[i]]
+            patches = patches[keeps[i][prefix:]]
+        rope = table[i][:, patches] if mixed else table[patches]
+        x = block(x, rope=rope)
+    return model.forward_head(model.norm(x))
+
+
+@pytest.mark.parametrize("name", ["dinov3", "rope_mixed", "eva02"])
+def test_kept_rows_keep_their_own_rotation(name):
+    """DynamicViT (two stages, fixed counts) on the packed runtime equals timm's blocks run on each image's kept rows
+    with their own patches' rope rows: the positions travel with the rows through every repack."""
+    model = family(name)
+    pruner = make_pruner("dynamicvit", embed_dim=64, rate=0.6, blocks=(1, 2))
+    x = images(model, 3, 3)
+    out = PrunedViT(model, pruner, "reference").run(x)
+    prefix, tokens = model.num_prefix_tokens, model.patch_embed.num_patches + model.num_prefix_tokens
+    lengths = [tokens] * x.shape[0]
+    expected = []
+    with torch.no_grad():
+        per_image = [{} for _ in lengths]
+        for block, sel in zip(pruner.blocks, out.selections, strict=True):
+            starts = [sum(lengths[:b]) for b in range(len(lengths))]
+            for b, start in enumerate(starts):
+                per_image[b][block] = sel.keep[start : start + lengths[b]]
+            lengths = sel.kept.tolist()
+        assert all(n == prefix + int(16 * 0.6 * 0.6) for n in lengths)
+        for b in range(x.shape[0]):
+            expected.append(_timm_on_kept_rows(model, x[b], per_image[b]))
+    torch.testing.assert_close(out.logits, torch.cat(expected), **FP32)
+
+
+def test_evit_scores_the_keys_its_block_attends_with(monkeypatch):
+    """EViT on a RoPE model keeps the patches with the largest class-token attention of timm's own block, which
+    attends with rotated keys: the scores of the queries and keys timm hands to its attention (spied on), at the
+    first stage (dense rows, in timm's order)."""
+    model = family("dinov3")
+    x = images(model, 3, 9)
+    spied = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        spied.append((q, k))
+        return sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    with torch.no_grad():
+        model(x)
+    assert len(spied) == len(model.blocks), "timm's Eva attention calls scaled_dot_product_attention"
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    q, k = spied[1]  # block 1: the stage's block, [B, H, N, D] each
+    prefix = model.num_prefix_tokens
+    attn = torch.softmax(q[:, :, :1] @ k.transpose(-1, -2) * model.blocks[1].attn.scale, dim=-1)
+    scores = attn[:, :, 0, prefix:].mean(1)  # [B, patches]: the class row's attention, mean over heads
+    sel = PrunedViT(model, make_pruner("evit", rate=0.5, blocks=(1,)), "reference").run(x).selections[0]
+    keep = sel.keep.view(x.shape[0], -1)[:, prefix:]
+    for b in range(x.shape[0]):
+        top = set(scores[b].topk(int(keep[b].sum())).indices.tolist())
+        assert top == set(keep[b].nonzero().flatten().tolist())
+
+
+PRUNERS = {
+    "threshold_l2": lambda: make_pruner("threshold_l2", mode="calibrated", rate=0.5, block=1),
+    "dynamicvit": lambda: make_pruner("dynamicvit", embed_dim=64, rate=0.7, blocks=(1, 2)),
+    "evit_fused": lambda: make_pruner("evit", rate=0.6, blocks=(1, 2), fuse_token=True),
+    "ats": lambda: make_pruner("ats", blocks=(1, 2), num_samples=10, min_keep=2),
+}
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
+@pytest.mark.parametrize("pruner", list(PRUNERS))
+@pytest.mark.parametrize("name", ["dinov3", "rope_reg1_gap"])
+def test_every_pruner_runs_and_the_kernel_rotates_as_the_reference_interpreter(name, pruner):
+    """Every pruner whose rule applies (EViT and ATS score by the class token's attention row: refused without one):
+    prefix rows kept, the plan's fixed counts; the Triton kernel's rotary variant replays the same decisions to the
+    reference backend's logits (fp32, ``atol = rtol = 1e-4``: GEMMs on other row counts)."""
+    model = family(name)
+    make = PRUNERS[pruner]
+    if make().needs_attention and not has_class_token(model):
+        with pytest.raises(ValueError, match="scores patches by the class token's attention row"):
+            PrunedViT(model, make())
+        return
+    pv = PrunedViT(model, make(), "reference")
+    x = images(model, 3, 4)
+    if pruner == "threshold_l2":
+        pv.calibrate(images(model, 6, 5))
+    ref = pv.run(x)
+    assert bool(ref.logits.isfinite().all())
+    prefix = model.num_prefix_tokens
+    for sel, stage in zip(ref.selections, pv.plan.stages, strict=True):
+        assert bool((sel.kept >= prefix + int(prefix == 0)).all())
+        if stage.counts is Counts.FIXED:
+            assert ref.counts[:, stage.index].eq(stage.rows_after - prefix).all()
+    pv.backend = "triton"
+    torch.testing.assert_close(pv.run(x, selections=ref.selections).logits, ref.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_one_pipeline_takes_every_size_of_a_dynamic_model():
+    """DINOv3 (``dynamic_img_size=True``): timm's rope table of each size, the same pipeline at two sizes."""
+    model = family("dinov3")
+    pv = ragged_vit.prune(model, "dynamicvit", 1.0, "reference")
+    for size in ((64, 64), (48, 80)):
+        x = images(model, 2, 6, size)
+        with torch.no_grad():
+            ref = model(x)
+        torch.testing.assert_close(pv(x), ref, **FP32)
+
+
+def test_what_is_not_supported_yet_is_refused_in_one_line():
+    model = family("rope_axial")
+    with pytest.raises(NotImplementedError, match="merges rows, and the model has rotary position embeddings"):
+        ragged_vit.prune(model, "tome", 0.5, "reference")
+    pv = PrunedViT(model, make_pruner("dynamicvit", embed_dim=64, rate=0.7, blocks=(1,)), "triton")
+    with pytest.raises(NotImplementedError, match="GraphedPrunedViT does not run models with rotary"):
+        GraphedPrunedViT(pv)
+    with pytest.raises(NotImplementedError, match="compile_blocks=True is not supported yet"):
+        PrunedViT(model, compile_blocks=True)
+    if "num_kv_heads" in inspect.signature(Eva.__init__).parameters:  # grouped-query attention (newer timm: Sapiens2)
+        with torch.random.fork_rng():
+            gqa = timm.create_model(
+                "eva02_tiny_patch14_224", pretrained=False, **SMALL, num_kv_heads=1, attn_type="rope", qkv_fused=False
+            )
+        with pytest.raises(NotImplementedError, match=r"grouped-query attention \(1 key/value heads for 2"):
+            PrunedViT(gqa)
+    model.rope = timm.layers.RotaryEmbedding(32)
+    with pytest.raises(NotImplementedError, match="model.rope is a RotaryEmbedding, whose rotary layout"):
+        PrunedViT(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_keep_all_fp16_against_timm_gpu(name):
+    """On the GPU, fp16, the Triton kernel (its rotary variant) and the GEMM patch embedding at keep rate 1.0: the
+    pipeline's error against timm in fp32 is at most 2x timm's own fp16 error (plus one fp16 ulp of the logits'
+    scale)."""
+    model = family(name).cuda()
+    x = images(model, 4, 7).cuda()
+    with torch.no_grad(), no_tf32():
+        ref = model(x).float()
+        timm16 = model.half()(x.half()).float()
+    pv = PrunedViT(model, make_pruner("threshold_l2", mode="ratio", rate=1.0, block=1), "triton", mode="eager")
+    out = pv.run(x.half()).logits.float()
+    bound = 2 * (timm16 - ref).abs().max().item() + torch.finfo(torch.float16).eps * ref.abs().max().item()
+    assert (out - ref).abs().max().item() <= bound
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pruner", ["dynamicvit", "evit_fused", "ats"])
+@pytest.mark.parametrize("name", ["dinov3", "rope_mixed"])
+def test_pruned_triton_against_reference_gpu(name, pruner):
+    """Pruned on the GPU (fp16; Triton's pack kernel carries the positions): the kernel's forward is within twice
+    PyTorch's fp16 error (``padded_sdpa``, q and k rotated before it) of the reference backend's on the same
+    decisions, plus an fp16 ulp of the logits' scale."""
+    model = family(name).cuda().half()
+    pv = PrunedViT(model, PRUNERS[pruner]().cuda().half(), "triton", mode="eager")
+    x = images(model, 4, 8).cuda().half()
+    ours = pv.run(x)
+    pv.backend = "padded_sdpa"
+    sdpa = pv.run(x, selections=ours.selections).logits.float()
+    pv.backend = "reference"
+    ref = pv.run(x, selections=ours.selections).logits.float()
+    bound = 2 * (sdpa - ref).abs().max().item() + torch.finfo(torch.float16).eps * ref.abs().max().item()
+    assert (ours.logits.float() - ref).abs().max().item() <= bound
