@@ -22,6 +22,7 @@ import inspect
 import pytest
 import timm
 import torch
+from timm.layers import pos_embed_sincos
 from timm.models.eva import Eva
 
 import ragged_vit
@@ -72,6 +73,13 @@ FAMILIES = {  # name -> (timm model, arguments, rope table, layout)
     ),  # fmt: skip
     "post_norm": ("eva02_enormous_patch14_clip_224", dict(img_size=56), None, None),  # post-norm blocks, no RoPE
 }
+if hasattr(pos_embed_sincos, "RotaryEmbeddingMRope"):  # newer timm: multimodal RoPE (half layout, 'ij' grid only)
+    FAMILIES["mrope"] = (
+        "vit_small_patch16_rope_224",
+        dict(img_size=64, init_values=0.5, rope_type="mrope", rope_grid_indexing="ij"),
+        "RotaryEmbeddingMRope",
+        "half",
+    )
 FP32 = {"atol": 1e-5, "rtol": 1e-5}
 
 
