@@ -281,6 +281,25 @@ def test_what_is_not_supported_yet_is_refused_in_one_line():
         PrunedViT(model)
 
 
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
+def test_an_eva_model_without_rope_merges_and_runs_in_the_graph_runner_interpreter():
+    """EVA-02-E's post-norm blocks, no RoPE: ToMe merges (the Triton kernels replay the reference's decisions) and the
+    graph runner (its segments eagerly on the CPU, variable counts) gives the eager forward's counts and logits."""
+    model = family("post_norm")
+    x = images(model, 3, 10)
+    pv = ragged_vit.prune(model, "tome", 0.6, "reference")
+    ref = pv.run(x)
+    assert bool((ref.counts < model.patch_embed.num_patches).all())
+    pv.backend = "triton"
+    torch.testing.assert_close(pv.run(x, selections=ref.selections).logits, ref.logits, atol=1e-4, rtol=1e-4)
+    pv = PrunedViT(model, make_pruner("threshold_l2", mode="calibrated", rate=0.5, block=1), "triton")
+    pv.calibrate(images(model, 6, 11))
+    eager, graphed = pv.run(x), GraphedPrunedViT(pv).run(x)
+    assert torch.equal(graphed.counts, eager.counts)
+    torch.testing.assert_close(graphed.logits, eager.logits, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_keep_all_fp16_against_timm_gpu(name):
