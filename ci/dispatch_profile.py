@@ -38,8 +38,9 @@ def main() -> None:
     out = torch.empty(90, 768, device="cuda", dtype=torch.float16)
     q, k, v = split_qkv(qkv, 12)
     cfg = attention_config(qkv.device, 64, 90.0)
-    args = (qkv, qkv, qkv, out, cu, None, 90, 0.125 * 1.4426950408889634, 2304, 64, 1, 2304, 64, 1, 2304, 64, 1,
-            768, 64, 1, 768, 1536, 12, 64, 64, cfg.block_m, cfg.block_n, False, "tf32")  # fmt: skip
+    args = (qkv, qkv, qkv, out, cu, None, None, None, 90, 0, 0, 0, 0.125 * 1.4426950408889634, 2304, 64, 1, 2304, 64,
+            1, 2304, 64, 1, 768, 64, 1, 768, 1536, 12, 64, 64, cfg.block_m, cfg.block_n, False, False, False,
+            "tf32")  # fmt: skip  # no key bias, no rotary
     grid = (triton.cdiv(197, cfg.block_m) if cfg.grid_per_tile else 1, 12)
     launch = ta._ragged_attention_kernel[grid]
     compiled = launch(*args, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
