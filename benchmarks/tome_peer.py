@@ -116,7 +116,6 @@ ROW_LABELS = {
     "peer_sdpa_eager": "ToMe peer (patched timm, SDPA + bias mask), eager",
     "peer_sdpa_compiled": 'ToMe peer (patched timm, SDPA + bias mask), torch.compile(mode="reduce-overhead")',
     "ours": "ours: GraphedPrunedViT, Triton, compile_blocks",
-    "ours_patch_rows": "ours, the patch-row variant (not the published ToMe)",
     "ours_adaptive": "ours adaptive (reads)",
     "ours_adaptive_sync_free": "ours adaptive (sync-free)",
     "ours_adaptive_lagged": "ours adaptive (lagged reads)",
@@ -342,18 +341,18 @@ class Bench:
         self.s = settings
         self.cuda = lab.device.type == "cuda"
         self.check_key = "check_fp16" if lab.dtype == torch.float16 else "check"
-        self._reference: tuple[torch.Tensor, str, object] | None = None
+        self._reference: tuple[torch.Tensor, object] | None = None
         self._calibration: Calibration | None = None  # of the last batch size
         self._fixed: tuple[int, torch.Tensor] | None = None  # our fixed-r logits of the last batch size's images
 
-    def reference(self, images: torch.Tensor, variant: str = "published"):
+    def reference(self, images: torch.Tensor):
         """``tome_forward`` in fp32 (TF32 off) on ``images``: the ground truth of every ToMe row (the last one
         kept)."""
-        if self._reference is None or self._reference[0] is not images or self._reference[1] != variant:
+        if self._reference is None or self._reference[0] is not images:
             with no_tf32():
-                ref = tome_forward(self.lab.model(self.name, torch.float32), images.float(), self.r, variant=variant)
-            self._reference = (images, variant, ref)
-        return self._reference[2]
+                ref = tome_forward(self.lab.model(self.name, torch.float32), images.float(), self.r)
+            self._reference = (images, ref)
+        return self._reference[1]
 
     def check(self, logits: torch.Tensor, ref, sources: torch.Tensor | None = None) -> dict:
         """``logit_diff`` against the reference, and the images whose patches all ended in the reference's rows."""
@@ -407,7 +406,7 @@ class Bench:
             return None, lambda: None
         if row.startswith("timm_"):
             return self.compiled(model, images, entry) if row == "timm_compiled" else self.eager(model, images)
-        if row in ("ours", "ours_patch_rows") or row in ADAPTIVE_ROWS:
+        if row == "ours" or row in ADAPTIVE_ROWS:
             return self.ours(row, model, images, entry)
         attention = "sdpa" if row.startswith("peer_sdpa") else "explicit"
         peer = patch_tome(model, self.r, attention=attention)
@@ -476,9 +475,8 @@ class Bench:
         fixed ``r``'s."""
         depth, batch = len(model.blocks), images[0].shape[0]
         calibration, buckets = None, None
-        variant = "patch_rows" if row == "ours_patch_rows" else "published"
-        if row in ("ours", "ours_patch_rows"):
-            merger = make_pruner("tome", r=self.r, depth=depth, variant=variant)
+        if row == "ours":
+            merger = make_pruner("tome", r=self.r, depth=depth)
         elif self.r == 0:
             entry.update(status="unavailable", reason="adaptive merging needs r > 0 (r_max = 2 r)")
             return None, lambda: None
@@ -511,9 +509,8 @@ class Bench:
         logits = torch.cat([out.logits.float() for out in outs])
         entry.update(capture_s=round(capture, 3), host_reads_per_forward=round(launches / len(images) - 1, 2))
         if calibration is None:
-            entry[self.check_key] = self.check(outs[0].logits.float(), self.reference(images[0], variant))
-            if row == "ours":
-                self._fixed = (batch, logits)
+            entry[self.check_key] = self.check(outs[0].logits.float(), self.reference(images[0]))
+            self._fixed = (batch, logits)
         else:
             counts = torch.cat([out.counts for out in outs])
             entry.update(

@@ -5,20 +5,16 @@ official code is not used). Inside a block, between the attention residual and t
 alternately into two sets, A and B; the metric is the block's keys averaged over heads and L2-normalised; each A
 row's match is the B row of highest cosine similarity (ties: the lowest B index). The A rows of highest best-match
 similarity (ties: the lower A index first) merge into their matches, several possibly into one B row. The prefix rows
-(class, distillation, register tokens: the first ``num_prefix`` of an image) never merge. Two variants
-(``variant=``) say how the sets are drawn and where the rows go:
+(class, distillation, register tokens: the first ``num_prefix`` of an image) never merge. The sets and the row
+order are the paper's: the split alternates over ALL of an image's rows, A holding positions 0, 2, 4, ... (the class
+token, position 0, is in A) and B positions 1, 3, 5, ... (a distillation token, position 1, is B's first row); a
+prefix row in A is never a source (its best similarity is minus infinity) and one in B never a destination. After the
+merge an image's rows are its prefix rows, then its other unmerged A rows (in their order where the image has prefix
+rows, else in rank order: the best remaining match first), then its other B rows in order, each merged group in its B
+row's place; an image that merges no row keeps its order (the paper's ``r = 0``). An earlier ordering of this project
+(the split over the patch rows alone, every row kept in order) was measured no faster and removed (``docs/tome.md``).
 
-* ``"published"`` (the paper's algorithm, the default): the split alternates over ALL of an image's rows, A holding
-  positions 0, 2, 4, ... (the class token, position 0, is in A) and B positions 1, 3, 5, ... (a distillation token,
-  position 1, is B's first row); a prefix row in A is never a source (its best similarity is minus infinity) and one
-  in B never a destination. After the merge an image's rows are its prefix rows, then its other unmerged A rows (in
-  their order where the image has prefix rows, else in rank order: the best remaining match first), then its other B
-  rows in order, each merged group in its B row's place; an image that merges no row keeps its order (the paper's
-  ``r = 0``);
-* ``"patch_rows"`` (this project's earlier variant): the split alternates over the patch rows alone (A: even
-  positions among them, B: odd ones), and every surviving row keeps its relative order.
-
-In both the counts are:
+The counts are:
 
 * fixed: ``min(r, patches // 2)`` A rows per image;
 * adaptive: the A rows whose best similarity is ``>= threshold``, at most ``min(r_max, patches // 2)`` of them
@@ -27,8 +23,8 @@ In both the counts are:
 ``patches // 2`` (``patches``: the rows after the prefix rows) caps every image: at most half its patch rows merge in
 one block, and no A row is left without a B row to merge into. A merge is expressed as a *destination map*: every
 input row names the row of the merged buffer it goes to (merged rows share one). Each image's rows stay contiguous,
-its prefix rows first, in the order its variant says. A merged row is the size-weighted average of the rows sent to
-it, and its size (the patches it holds) is their sum.
+in the order above. A merged row is the size-weighted average of the rows sent to it, and its size (the patches it
+holds) is their sum.
 
 Readable before fast: the decision loops over images. ``docs/tome.md`` states the rule.
 """
@@ -46,8 +42,6 @@ from ..core.segments import cu_seqlens_from_counts
 from ..core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_tensor
 
 _REF_DTYPES = (*FLOAT_DTYPES, torch.float64)
-VARIANTS = ("published", "patch_rows")
-"""How the sets are drawn and where the rows go (module docstring): the paper's algorithm, or the earlier variant."""
 _SIZE_DTYPES = (torch.int32, torch.int64)
 
 
@@ -122,7 +116,6 @@ def decide_merges(
     r: int | None = None,
     threshold: float | None = None,
     r_max: int | None = None,
-    variant: str = "published",
 ) -> MergeDecision:
     """Decides one block's merges by bipartite soft matching, per image.
 
@@ -135,7 +128,6 @@ def decide_merges(
         threshold: adaptive mode: each image merges the A rows whose best cosine similarity is ``>= threshold``
             (compared in the metric's precision), at most ``min(r_max, patches // 2)`` of them.
         r_max: the cap of the adaptive mode (with ``threshold`` only).
-        variant: one of :data:`VARIANTS` (module docstring).
 
     Returns:
         The :class:`MergeDecision`: destination map, offsets and sizes of the merged buffer.
@@ -147,8 +139,6 @@ def decide_merges(
     check_cu_seqlens(cu_seqlens, total=total, device=device)
     check_sizes(sizes, total, device)
     check_int(num_prefix, "num_prefix", 0)
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {variant!r}")
     if not bool(torch.isfinite(keys).all()):
         raise ValueError("keys must be finite: the similarity of a NaN or infinite key is undefined")
     metric = merge_metric(keys)  # [T, D]
@@ -156,7 +146,7 @@ def decide_merges(
     counts, base = [], 0
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-        local = _image_merges(metric[start:end], min(num_prefix, end - start), limit, threshold, variant)
+        local = _image_merges(metric[start:end], min(num_prefix, end - start), limit, threshold)
         destination[start:end] = base + local
         counts.append(int(local.max()) + 1 if end > start else 0)
         base += counts[-1]
@@ -165,13 +155,12 @@ def decide_merges(
     return MergeDecision(destination, new_cu, new_sizes.index_add_(0, destination, sizes.long()))
 
 
-def _image_merges(metric: torch.Tensor, prefix: int, limit: int, threshold: float | None, variant: str) -> torch.Tensor:
+def _image_merges(metric: torch.Tensor, prefix: int, limit: int, threshold: float | None) -> torch.Tensor:
     """One image's merges: its rows' metrics ``[n, D]`` -> int64 ``[n]``, the merged row (of the image's own, from
     0) each row goes to."""
     n, device = metric.shape[0], metric.device
     rows = torch.arange(n, device=device)
-    published = variant == "published"
-    a, b = (rows[0::2], rows[1::2]) if published else (rows[prefix:][0::2], rows[prefix:][1::2])
+    a, b = rows[0::2], rows[1::2]
     count = merge_count(n - prefix, limit)
     merged = torch.zeros(a.numel(), dtype=torch.bool, device=device)
     match = torch.zeros(a.numel(), dtype=torch.int64, device=device)
@@ -180,7 +169,7 @@ def _image_merges(metric: torch.Tensor, prefix: int, limit: int, threshold: floa
         # [|A|, |B|] cosine similarities, each pair's products summed over D alike: equal keys give equal
         # similarities bit for bit, so the tie rules below apply to them (a CPU GEMM may sum two equal rows otherwise)
         sim = (metric[a][:, None, :] * metric[b][None, :, :]).sum(-1)
-        sim[a < prefix, :] = -math.inf  # a prefix row is never a source, never a destination (published)
+        sim[a < prefix, :] = -math.inf  # a prefix row is never a source, never a destination
         sim[:, b < prefix] = -math.inf
         best = sim.amax(dim=1)
         columns = torch.arange(b.numel(), device=device).expand_as(sim)
@@ -191,13 +180,9 @@ def _image_merges(metric: torch.Tensor, prefix: int, limit: int, threshold: floa
         merged[order[:count]] = True
     if count == 0:  # an image that merges nothing keeps its rows as they are (the paper's r = 0)
         return rows
-    if published:  # prefix rows, the other unmerged A rows, the other B rows
-        rest_a = a[~merged & (a >= prefix)] if prefix else a[order[count:]]
-        survivors = torch.cat([rows[:prefix], rest_a, b[b >= prefix]])
-    else:  # every surviving row in its order
-        keep = torch.ones(n, dtype=torch.bool, device=device)
-        keep[a[merged]] = False
-        survivors = rows[keep]
+    # prefix rows, the other unmerged A rows, the other B rows
+    rest_a = a[~merged & (a >= prefix)] if prefix else a[order[count:]]
+    survivors = torch.cat([rows[:prefix], rest_a, b[b >= prefix]])
     position = torch.empty(n, dtype=torch.int64, device=device)
     position[survivors] = torch.arange(survivors.numel(), device=device)
     position[a[merged]] = position[b[match[merged]]]

@@ -92,7 +92,6 @@ def tome_forward(
     *,
     threshold: float | None = None,
     r_max: int | Sequence[int] | None = None,
-    variant: str = "published",
 ) -> ToMeOutput:
     """ToMe's forward of ``model`` on ``images``, merging in every block.
 
@@ -103,8 +102,6 @@ def tome_forward(
             at half its patch rows.
         threshold: adaptive mode: merge the A rows whose best cosine similarity is ``>= threshold``...
         r_max: ...at most ``r_max`` per image and block (an int, or one per block), capped as ``r``.
-        variant: ``"published"`` (the paper's algorithm) or ``"patch_rows"``
-            (:data:`ragged_vit.reference.merging.VARIANTS`).
 
     Returns:
         :class:`ToMeOutput`: logits, the rows of each image after each block, and where each patch ended up.
@@ -121,7 +118,7 @@ def tome_forward(
     counts = []
     for block, mode in zip(model.blocks, modes, strict=True):
         x, keys = tome_attention(block, x, cu, sizes)
-        decision = decide_merges(keys, cu, sizes, num_prefix, **mode, variant=variant)
+        decision = decide_merges(keys, cu, sizes, num_prefix, **mode)
         x = merge_rows(x, sizes, decision.destination, decision.sizes.shape[0])
         held = decision.destination[cu[:-1, None].long() + sources]  # [B, num_patches] rows of the merged buffer
         sources = held - decision.cu_seqlens[:-1, None].long()

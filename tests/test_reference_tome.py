@@ -23,7 +23,7 @@ import timm
 import torch
 
 from ragged_vit.core.segments import cu_seqlens_from_counts, seqlens
-from ragged_vit.reference.merging import VARIANTS, decide_merges, fixed_r_counts, merge_rows, merge_sources
+from ragged_vit.reference.merging import decide_merges, fixed_r_counts, merge_rows, merge_sources
 from ragged_vit.reference.tome import calibrate_threshold, tome_attention, tome_forward, tome_head
 
 SMALL = dict(depth=4, embed_dim=64, num_heads=2, num_classes=10)
@@ -110,12 +110,10 @@ def test_r0_is_timm_and_merging_runs(name):
 
 # --- the merge rule on hand-made cases ------------------------------------------------------------------------------
 
-# The patch_rows variant. One image: class row, then A rows a0 a1 a2 (rows 1, 3, 5) and B rows b0 b1 b2 (rows 2, 4, 6).
-# The head-mean keys
-# (integers; cosine similarity after normalisation): a0 (8, 1) and a1 (4, -1) match b0 (1, 0) at 0.992 and 0.970;
-# a2 (-1, 1) ties between b1 (0, 1) and b2 (-1, 0) at 0.707 and takes b1, the lower B index.
+# One image of 7 rows: the class row, then rows 1 to 6. The head-mean keys (integers; cosine similarity after
+# normalisation) are below; large opposite per-head offsets make each head alone (or both flattened) match
+# differently, their mean cancels.
 MEAN_KEYS = [(5, 5), (8, 1), (1, 0), (4, -1), (0, 1), (-1, 1), (-1, 0)]
-# Large opposite per-head offsets: each head alone (or both flattened) would match differently; their mean cancels.
 OFFSETS = [(3, -7), (-6, 9), (9, 4), (-5, -8), (7, -3), (-9, -6), (4, 8)]
 SIZES = [1, 2, 3, 5, 1, 4, 1]
 X = [10.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
@@ -130,37 +128,10 @@ def one_image(rows: int) -> torch.Tensor:
     return torch.tensor([0, rows], dtype=torch.int32)
 
 
-@pytest.mark.parametrize(
-    "mode,destination,sizes,values",
-    [
-        ({"r": 0}, [0, 1, 2, 3, 4, 5, 6], SIZES, X),
-        ({"r": 1}, [0, 1, 1, 2, 3, 4, 5], [1, 5, 5, 1, 4, 1], [10, 8 / 5, 4, 8, 16, 32]),
-        ({"r": 2}, [0, 1, 1, 1, 2, 3, 4], [1, 10, 1, 4, 1], [10, (2 + 6 + 20) / 10, 8, 16, 32]),  # two into b0
-        ({"r": 3}, [0, 1, 1, 1, 2, 2, 3], [1, 10, 5, 1], [10, 28 / 10, (8 + 64) / 5, 32]),  # a2 -> b1 (tie)
-        ({"r": 9}, [0, 1, 1, 1, 2, 2, 3], [1, 10, 5, 1], [10, 28 / 10, 72 / 5, 32]),  # capped at |B| = 3
-        ({"threshold": 0.98, "r_max": 3}, [0, 1, 1, 2, 3, 4, 5], [1, 5, 5, 1, 4, 1], [10, 8 / 5, 4, 8, 16, 32]),
-        ({"threshold": 0.97, "r_max": 3}, [0, 1, 1, 1, 2, 3, 4], [1, 10, 1, 4, 1], [10, 2.8, 8, 16, 32]),
-        ({"threshold": 0.5, "r_max": 1}, [0, 1, 1, 2, 3, 4, 5], [1, 5, 5, 1, 4, 1], [10, 8 / 5, 4, 8, 16, 32]),
-        ({"threshold": -1.01, "r_max": 3}, [0, 1, 1, 1, 2, 2, 3], [1, 10, 5, 1], [10, 2.8, 14.4, 32]),
-    ],
-)
-def test_hand_made_merges(mode, destination, sizes, values):
-    sizes_in = torch.tensor(SIZES)
-    decision = decide_merges(hand_keys(), one_image(7), sizes_in, 1, **mode, variant="patch_rows")
-    assert decision.destination.tolist() == destination
-    assert decision.sizes.tolist() == sizes
-    assert decision.cu_seqlens.tolist() == [0, len(sizes)]
-    for dtype in (torch.float32, torch.float64):
-        x = torch.tensor(X, dtype=dtype)[:, None].expand(-1, 3)  # [7, C=3]
-        merged = merge_rows(x, sizes_in, decision.destination, len(sizes))
-        expected = torch.tensor(values, dtype=torch.float64).to(dtype)[:, None].expand(-1, 3)
-        assert merged.dtype == dtype and torch.equal(merged, expected)
-
-
-# The published variant (the paper's algorithm), on the same rows: A = rows 0 (the class row: never a source), 2, 4, 6
-# and B = rows 1, 3, 5 (head means (8, 1), (4, -1), (-1, 1)). Row 2 (1, 0) matches row 1 at 0.992; rows 4 (0, 1) and
-# 6 (-1, 0) both match row 5 at 0.707 exactly, rank 2 and 3 (the lower A index first). After a merge: the class row,
-# the other unmerged A rows in order, the B rows in order; nothing merged: the order as it was.
+# The paper's algorithm on these rows: A = rows 0 (the class row: never a source), 2, 4, 6 and B = rows 1, 3, 5
+# (head means (8, 1), (4, -1), (-1, 1)). Row 2 (1, 0) matches row 1 at 0.992; rows 4 (0, 1) and 6 (-1, 0) both match
+# row 5 at 0.707 exactly, rank 2 and 3 (the lower A index first). After a merge: the class row, the other unmerged A
+# rows in order, the B rows in order; nothing merged: the order as it was.
 @pytest.mark.parametrize(
     "prefix,mode,destination,sizes,values",
     [
@@ -183,6 +154,7 @@ def test_published_merges_by_hand(prefix, mode, destination, sizes, values):
     decision = decide_merges(hand_keys(), one_image(7), sizes_in, prefix, **mode)
     assert decision.destination.tolist() == destination
     assert decision.sizes.tolist() == sizes
+    assert decision.cu_seqlens.tolist() == [0, len(sizes)]
     for dtype in (torch.float32, torch.float64):
         x = torch.tensor(X, dtype=dtype)[:, None].expand(-1, 3)
         merged = merge_rows(x, sizes_in, decision.destination, len(sizes))
@@ -195,22 +167,19 @@ def test_ties_go_to_the_lower_a_row_and_prefix_rows_never_merge():
     # (similarity 1, different B rows); r = 1 merges a0, the lower A index.
     keys = torch.tensor([(1, 0), (0, 1), (1, 0), (1, 0), (0, 1), (0, 1)], dtype=torch.float32)[:, None, :]
     keys[0], keys[1] = keys[2], keys[4]
-    decision = decide_merges(keys, one_image(6), torch.ones(6, dtype=torch.int64), 2, r=1, variant="patch_rows")
-    assert decision.destination.tolist() == [0, 1, 2, 2, 3, 4]
-    assert decision.sizes.tolist() == [1, 1, 2, 1, 1]
-    # the same in the published variant: A = rows 0 (protected), 2, 4; B = rows 1 (protected), 3, 5; rows 2 and 4 tie
-    # at similarity 1 (with rows 3 and 5): row 2, the lower A index, merges into row 3
+    # A = rows 0 (protected), 2, 4; B = rows 1 (protected), 3, 5; rows 2 and 4 tie at similarity 1 (with rows 3 and
+    # 5): row 2, the lower A index, merges into row 3
     decision = decide_merges(keys, one_image(6), torch.ones(6, dtype=torch.int64), 2, r=1)
     assert decision.destination.tolist() == [0, 1, 3, 3, 2, 4]
-    # equal A rows matching the same B row: the first merges
-    keys = torch.tensor([(0, 1), (3, 4), (3, 4), (3, 4), (-4, 3)], dtype=torch.float32)[:, None, :]
-    decision = decide_merges(keys, one_image(5), torch.ones(5, dtype=torch.int32), r=1, variant="patch_rows")
-    assert decision.destination.tolist() == [0, 1, 1, 2, 3]
+    assert decision.sizes.tolist() == [1, 1, 1, 2, 1]
+    # equal A rows (2 and 4) matching the same B row (1): the first merges; the class row, row 4, then the B rows
+    keys = torch.tensor([(0, 1), (3, 4), (3, 4), (-4, 3), (3, 4)], dtype=torch.float32)[:, None, :]
+    decision = decide_merges(keys, one_image(5), torch.ones(5, dtype=torch.int32), r=1)
+    assert decision.destination.tolist() == [0, 2, 2, 3, 1]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("num_prefix", [0, 1, 2])
-def test_random_ragged_batch_invariants(num_prefix, variant):
+def test_random_ragged_batch_invariants(num_prefix):
     # Every image decided on its own rows: prefix rows map to the first rows of their image, merged rows to a B row
     # of their own image, min(r, patches // 2) merges each, and the size-weighted sum of x is conserved.
     g = torch.Generator().manual_seed(num_prefix)
@@ -218,7 +187,7 @@ def test_random_ragged_batch_invariants(num_prefix, variant):
     cu, total, r = cu_seqlens_from_counts(lengths), int(lengths.sum()), 5
     keys, x = torch.randn(total, 3, 8, generator=g), torch.randn(total, 4, generator=g)
     sizes = torch.randint(1, 6, (total,), generator=g)
-    decision = decide_merges(keys, cu, sizes, num_prefix, r=r, variant=variant)
+    decision = decide_merges(keys, cu, sizes, num_prefix, r=r)
     new_cu = decision.cu_seqlens
     patches = (lengths - num_prefix).clamp_min(0)
     assert torch.equal(seqlens(new_cu), lengths - torch.minimum(patches // 2, torch.tensor(r)))
@@ -230,10 +199,10 @@ def test_random_ragged_batch_invariants(num_prefix, variant):
         prefix = min(num_prefix, end - start)
         assert dest[:prefix].tolist() == list(range(new_start, new_start + prefix))
         assert decision.sizes[new_start : new_start + prefix].tolist() == sizes[start : start + prefix].tolist()
-        local = torch.arange(end - start) - (num_prefix if variant == "patch_rows" else 0)  # position in the split
+        local = torch.arange(end - start)  # position in the split
         for d in dest.unique().tolist():
             members = local[dest == d]  # several: A rows (even) merged into one B row (odd)
-            assert members.numel() == 1 or (bool((members >= 0).all()) and int((members % 2).sum()) == 1)
+            assert members.numel() == 1 or (bool((members >= prefix).all()) and int((members % 2).sum()) == 1)
         assert int(decision.sizes[new_start:new_end].sum()) == int(sizes[start:end].sum())
         mass = (x[start:end].double() * sizes[start:end, None]).sum(0)
         new_mass = (merged[new_start:new_end].double() * decision.sizes[new_start:new_end, None]).sum(0)

@@ -39,7 +39,6 @@ from ragged_vit.core.segments import cu_seqlens_from_counts, seqlens
 from ragged_vit.core.selection import MergeSelection
 from ragged_vit.reference import merging as ref
 from ragged_vit.reference import packing as ref_packing
-from ragged_vit.reference.merging import VARIANTS
 from ragged_vit.testing.ops import op_names
 from ragged_vit.triton_impl import merging as ker
 from ragged_vit.triton_impl.launcher import pdl_supported
@@ -73,10 +72,13 @@ def _clear(keys64, labels, num_prefix, limit, threshold):
     docstring). ``labels`` ``[n]`` names each row's vector: two similarities are exact ties in any order only where
     they pair the same two vectors (the similarity of two different vectors to themselves is 1 in exact arithmetic,
     not in fp32)."""
-    patches = F.normalize(keys64.mean(1), dim=-1)[num_prefix:]
-    a, b = patches[0::2], patches[1::2]
-    label_a, label_b = labels[num_prefix:][0::2], labels[num_prefix:][1::2]
-    cap = min(limit, b.shape[0])
+    metric = F.normalize(keys64.mean(1), dim=-1)
+    rows = torch.arange(metric.shape[0])
+    a_rows, b_rows = rows[0::2], rows[1::2]  # the split over every row; prefix rows never merge
+    a_rows, b_rows = a_rows[a_rows >= num_prefix], b_rows[b_rows >= num_prefix]
+    a, b = metric[a_rows], metric[b_rows]
+    label_a, label_b = labels[a_rows], labels[b_rows]
+    cap = min(limit, max(metric.shape[0] - num_prefix, 0) // 2)
     if cap == 0:
         return True
     sim = a @ b.T
@@ -158,11 +160,11 @@ def _strided(keys):
 # --- decisions ------------------------------------------------------------------------------------------------------
 
 
-def _check_decision(keys, cu, max_seqlen, num_prefix, mode, variant="published"):
+def _check_decision(keys, cu, max_seqlen, num_prefix, mode):
     """The kernel's map against the reference's, bit for bit; returns the kernel's."""
     ones = torch.ones(keys.shape[0], dtype=torch.int64)
-    want = ref.decide_merges(keys.cpu(), cu.cpu(), ones, num_prefix, **mode, variant=variant)
-    got = ker.decide_merges(keys, cu, max_seqlen, num_prefix, **mode, variant=variant)
+    want = ref.decide_merges(keys.cpu(), cu.cpu(), ones, num_prefix, **mode)
+    got = ker.decide_merges(keys, cu, max_seqlen, num_prefix, **mode)
     batch = cu.shape[0] - 1
     for name, tensor, shape in (("destination", got.destination, keys.shape[:1]), ("kept", got.kept, (batch,)),
                                 ("cu_seqlens", got.cu_seqlens, (batch + 1,))):  # fmt: skip
@@ -180,22 +182,20 @@ def _check_decision(keys, cu, max_seqlen, num_prefix, mode, variant="published")
     return got
 
 
-def _decisions(device, lengths, mode, num_prefix, gen, shape, dtype=torch.float32, ties=None, bound=None,
-               variant="published"):  # fmt: skip
+def _decisions(device, lengths, mode, num_prefix, gen, shape, dtype=torch.float32, ties=None, bound=None):
     mode = _resolve(mode, gen)
     keys = _keys(lengths, mode, num_prefix, gen, dtype=dtype, ties=ties, **shape).to(device)
     cu = cu_seqlens_from_counts(torch.tensor(lengths)).to(device)
     if num_prefix == 1:  # the pipelines' layout: a view of the qkv projection
         keys = _strided(keys)
-    _check_decision(keys, cu, bound or max(max(lengths), 1), num_prefix, mode, variant)
+    _check_decision(keys, cu, bound or max(max(lengths), 1), num_prefix, mode)
 
 
-DECISION_SETUPS = [(0, torch.float32, "published"), (1, torch.float32, "published"), (2, torch.float32, "published"),
-                   (1, torch.float16, "published"), (2, torch.float32, "patch_rows")]  # fmt: skip
+DECISION_SETUPS = [(0, torch.float32), (1, torch.float32), (2, torch.float32), (1, torch.float16)]
 
 
 def _decision_rows():
-    """Quick: every mode once on the tile edges, the setups (prefix rows, dtype, variant) in turn; full: every setup
+    """Quick: every mode once on the tile edges, the setups (prefix rows, dtype) in turn; full: every setup
     in every mode on the lengths with DeiT's 197."""
     edges = [(*DECISION_SETUPS[i % len(DECISION_SETUPS)], mode, "edges") for i, mode in enumerate(MODES)]
     return edges + [(*setup, mode, "deit") for setup in DECISION_SETUPS for mode in MODES]
@@ -203,13 +203,13 @@ def _decision_rows():
 
 @pytest.mark.interpreter
 @pytest.mark.parametrize(
-    "num_prefix,dtype,variant,mode,lengths",
+    "num_prefix,dtype,mode,lengths",
     levels(_decision_rows(), lambda *row: row[-1] == "edges",
-           ids=lambda n, dtype, variant, mode, lengths: f"p{n}-{str(dtype)[6:]}-{variant}-{_mode_id(mode)}-{lengths}"),
+           ids=lambda n, dtype, mode, lengths: f"p{n}-{str(dtype)[6:]}-{_mode_id(mode)}-{lengths}"),
 )  # fmt: skip
-def test_decisions_are_the_reference_interpreter(num_prefix, dtype, variant, mode, lengths, gen):
+def test_decisions_are_the_reference_interpreter(num_prefix, dtype, mode, lengths, gen):
     lengths = EDGE_LENGTHS if lengths == "edges" else LENGTHS
-    _decisions("cpu", lengths, mode, num_prefix, gen, CPU_SHAPE, dtype, variant=variant)
+    _decisions("cpu", lengths, mode, num_prefix, gen, CPU_SHAPE, dtype)
 
 
 @pytest.mark.interpreter
@@ -223,7 +223,7 @@ def test_decisions_on_large_batch_tiles_interpreter(sms, tile, mode, gen, monkey
     """The tiles of batches too large for the SMs (the best match's larger A tiles; 64 and 128 rows of the source
     lists): the same maps as the reference's (quick: a fixed and an adaptive mode, one per tile)."""
     monkeypatch.setattr(ker, "_INTERPRETER_SMS", sms)
-    num_a = ker.cdiv(max(LENGTHS) - 1, 2)  # one prefix row
+    num_a = ker.cdiv(max(LENGTHS), 2)  # the split over every row
     assert ker._best_tile(len(LENGTHS), num_a, sms) == ker._BEST_TILES[tile]
     assert ker._list_rows(len(LENGTHS), max(LENGTHS), sms) == ker._LIST_ROWS[tile]
     _decisions("cpu", LENGTHS, mode, 1, gen, CPU_SHAPE)
@@ -236,8 +236,7 @@ def test_decisions_on_large_batch_tiles_interpreter(sms, tile, mode, gen, monkey
 def test_decisions_are_the_reference_gpu(mode, num_prefix, dtype, gen):
     ragged = tuple(torch.randint(0, 198, (64,), generator=gen).tolist())
     for lengths in (LENGTHS, (197,) * 8, ragged, (577,) * 4):
-        for variant in VARIANTS:
-            _decisions("cuda", lengths, mode, num_prefix, gen, GPU_SHAPE, dtype, variant=variant)
+        _decisions("cuda", lengths, mode, num_prefix, gen, GPU_SHAPE, dtype)
 
 
 @pytest.mark.gpu
@@ -522,7 +521,7 @@ def _poisoned(device, shape, channels, dtype, gen, mode, lengths=POISON_LENGTHS)
         sources=torch.full((total,), -7, dtype=torch.int32, device=device),
         source_offsets=torch.full((total + 1,), -7, dtype=torch.int32, device=device),
     )
-    got = ker.decide_merges_unchecked(keys, cu, max(lengths), 1, limit, threshold, True, out)
+    got = ker.decide_merges_unchecked(keys, cu, max(lengths), 1, limit, threshold, out)
     assert got is out
     for name in ("destination", "kept", "cu_seqlens", "sources"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
@@ -958,7 +957,7 @@ def test_decision_host_ops(mode, monkeypatch):
         monkeypatch.setattr(ker, name, lambda *args, **kwargs: None)
     keys, cu = torch.randn(10, 2, 8), torch.tensor([0, 4, 10], dtype=torch.int32)
     limit, threshold = _limit_threshold(mode)
-    names = op_names(ker.decide_merges_unchecked, keys, cu, 6, 1, limit, threshold, True)
+    names = op_names(ker.decide_merges_unchecked, keys, cu, 6, 1, limit, threshold)
     assert sorted(names) == ["aten::empty", "aten::empty", "aten::split_with_sizes"], names
 
 

@@ -5,20 +5,20 @@ reference :mod:`ragged_vit.reference.merging` (the rule: ``docs/tome.md``).
 launches in the fixed mode and four in the adaptive one, each spread over as many programs as its work allows (one
 program per image doing everything is L1-bound on one SM: ``docs/tuning.md#tome-decision-split``):
 
-1. ``_metric_kernel`` (grid ``(B, cdiv(patches, 256 / D))``): the metric of every patch row (the keys summed over
+1. ``_metric_kernel`` (grid ``(B, cdiv(n, 256 / D))``): the metric of every row (the keys summed over
    heads in head order, every head's load in flight at once, divided by ``H``, then by the L2 norm clamped to
    ``1e-12``: ``F.normalize``; fp32, divisions and square root correctly rounded) into a ``[T, D]`` fp32 scratch.
    Every row's metric comes from the same tile shape, so equal keys give equal metrics, bit for bit.
-2. ``_best_kernel`` (grid ``(B, cdiv(patches / 2, 16))``: an image and 16 of its A rows, 32 once the programs no
+2. ``_best_kernel`` (grid ``(B, cdiv(n / 2, 16))``: an image and 16 of its A rows, 32 once the programs no
    longer fit on the SMs at once): each A row's best B row,
    by ``tl.dot`` of fp32 metric tiles (IEEE fp32, not TF32) against B tiles of up to 64 rows in order, the first
-   maximum winning (the lowest B index); its similarity's bits and the B index into a ``[3, T]`` int32 scratch.
+   maximum winning (the lowest B index); its similarity's bits and the B index into a ``[4, T]`` int32 scratch.
 3. ``_match_kernel`` (grid ``(B, cdiv(n, S))``: an image and ``S`` of its rows, 32, 64 or 128, the least whose
    programs all fit on the SMs at once): each A row's rank among its image's A rows, by counting those that beat it
    (a higher best similarity, or an equal one and a lower index: the reference's stable descending sort), the merged
    ones, of rank ``< min(limit, patches // 2)`` (and best ``>= threshold`` in the adaptive mode), with their running
-   count; then every row's destination (an image of up to 1024 rows in one step): a surviving row moves up by the
-   merged A rows before it, a merged A row goes where its B row goes; then the *source lists*
+   count and ranks; then every row's destination (an image of up to 1024 rows in one step): the prefix rows, the
+   other unmerged A rows, the other B rows, a merged A row where its B row goes; then the *source lists*
    (``MergeSelection.sources``, :func:`ragged_vit.reference.merging.merge_sources`): the rows grouped by
    destination, in row order inside a group, and where each group starts, by counting the merged A rows sent below
    or beside each row (``[S, 64]`` tiles of rows against A rows). Every program of an image ranks and writes all
@@ -116,7 +116,7 @@ import triton.language as tl
 from ..core.decisions import register_decision
 from ..core.selection import DecisionInput, MergeSelection
 from ..core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_max_seqlen, check_tensor
-from ..reference.merging import VARIANTS, check_merge_mode, check_sizes, merge_sources
+from ..reference.merging import check_merge_mode, check_sizes, merge_sources
 from ..reference.pruners.tome import ToMeMerger, fixed_count
 from .cls_attention import image_rows
 from .launcher import (
@@ -171,39 +171,36 @@ attention the decision runs beside, or the decision's own later programs; ``docs
 
 
 @triton.jit
-def _image_sets(CU, b, total, num_prefix, limit, PUBLISHED: tl.constexpr):
-    """Image ``b``'s rows, the row its split starts at (``base``: A rows ``base + 2i``, B rows ``base + 2j + 1``),
+def _image_sets(CU, b, total, num_prefix, limit):
+    """Image ``b``'s rows (the split alternates over all of them: A rows ``start + 2i``, B rows ``start + 2j + 1``),
     the sizes of A and B, its cap ``min(limit, patches // 2)``, its protected A and B rows (the first ``a0`` and
-    ``b0``: prefix rows) and its prefix rows. ``PUBLISHED``: the split alternates over all the image's rows, prefix
-    rows protected; else over its patch rows (module docstring)."""
+    ``b0``: prefix rows) and its prefix rows."""
     start, end = image_rows(CU, b, total)
     first = tl.minimum(start + num_prefix, end)
     prefix = first - start
-    base = start if PUBLISHED else first
-    num_a = (end - base + 1) // 2
-    num_b = (end - base) // 2
-    a0 = (prefix + 1) // 2 if PUBLISHED else 0
-    b0 = prefix // 2 if PUBLISHED else 0
-    return start, end, base, num_a, num_b, tl.minimum(limit, (end - first) // 2), a0, b0, prefix
+    num_a = (end - start + 1) // 2
+    num_b = (end - start) // 2
+    a0 = (prefix + 1) // 2
+    b0 = prefix // 2
+    return start, end, num_a, num_b, tl.minimum(limit, (end - first) // 2), a0, b0, prefix
 
 
 @triton.jit(do_not_specialize=["total", "limit", "num_prefix"])
 def _metric_kernel(
     KEYS, CU, METRIC, total, stride_kt, stride_kh, stride_kd, limit, num_prefix,
     H: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr,
-    PUBLISHED: tl.constexpr,
 ):  # fmt: skip
-    """The metric of every patch row of images that merge: the keys' mean over heads, L2-normalised (F.normalize:
+    """The metric of every row of images that merge: the keys' mean over heads, L2-normalised (F.normalize:
     eps 1e-12), fp32, into ``METRIC [T, D_PAD]``; a program per image and ``BLOCK_M`` rows (grid-stride). With
     ``PDL`` it lets the best match (launched with PDL) start at once: that waits for this kernel before any access."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
-    start, end, base, num_a, num_b, cap, a0, b0, prefix = _image_sets(CU, b, total, num_prefix, limit, PUBLISHED)
+    start, end, num_a, num_b, cap, a0, b0, prefix = _image_sets(CU, b, total, num_prefix, limit)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
     if cap > 0:
-        for r0 in range(base + tl.program_id(1) * BLOCK_M, end, tl.num_programs(1) * BLOCK_M):
+        for r0 in range(start + tl.program_id(1) * BLOCK_M, end, tl.num_programs(1) * BLOCK_M):
             rows = r0 + offs_m
             mask = (rows < end)[:, None] & (offs_d < D)[None, :]
             keys = KEYS + rows.to(tl.int64)[:, None] * stride_kt + offs_d[None, :] * stride_kd
@@ -219,7 +216,7 @@ def _metric_kernel(
 @triton.jit(do_not_specialize=["total", "limit", "num_prefix"])
 def _best_kernel(
     CU, METRIC, WORK, total, limit, num_prefix,
-    D_PAD: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr, PUBLISHED: tl.constexpr,
+    D_PAD: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Each A row's best B row: the first maximum over B tiles in order, the lowest index inside a tile; a program
     per image and ``BLOCK_A`` A rows (grid-stride). Writes the best similarity's bits and the B index to ``WORK``.
@@ -228,7 +225,7 @@ def _best_kernel(
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
-    start, end, base, num_a, num_b, cap, a0, b0, prefix = _image_sets(CU, b, total, num_prefix, limit, PUBLISHED)
+    start, end, num_a, num_b, cap, a0, b0, prefix = _image_sets(CU, b, total, num_prefix, limit)
     BEST = WORK + start
     MATCH = WORK + total + start
     offs_a = tl.arange(0, BLOCK_A)
@@ -238,14 +235,14 @@ def _best_kernel(
         for i0 in range(tl.program_id(1) * BLOCK_A, num_a, tl.num_programs(1) * BLOCK_A):
             i = i0 + offs_a
             in_a = i < num_a
-            rows_a = (base + 2 * i).to(tl.int64)
+            rows_a = (start + 2 * i).to(tl.int64)
             metric_a = tl.load(METRIC + rows_a[:, None] * D_PAD + offs_d[None, :], mask=in_a[:, None], other=0.0)
             best = tl.full([BLOCK_A], float("-inf"), tl.float32)
             match = tl.zeros([BLOCK_A], dtype=tl.int32)
             for j0 in range(0, num_b, BLOCK_B):
                 j = j0 + offs_b
                 in_b = j < num_b
-                rows_b = (base + 2 * j + 1).to(tl.int64)
+                rows_b = (start + 2 * j + 1).to(tl.int64)
                 metric_bt = tl.load(METRIC + rows_b[None, :] * D_PAD + offs_d[:, None], mask=in_b[None, :], other=0.0)
                 sim = tl.dot(metric_a, metric_bt, input_precision="ieee")  # [A, B] cosine similarities
                 sim = tl.where((in_b & (j >= b0))[None, :], sim, float("-inf"))  # a protected B row: no destination
@@ -263,7 +260,7 @@ def _best_kernel(
 def _match_kernel(
     CU, WORK, DEST, COUNTS, CU_OUT, SRC, SRC_OFF, total, batch, limit, threshold, num_prefix,
     BLOCK_AB: tl.constexpr, BLOCK_DST: tl.constexpr, BLOCK_S: tl.constexpr, B_PAD: tl.constexpr,
-    ADAPTIVE: tl.constexpr, PDL: tl.constexpr, PUBLISHED: tl.constexpr,
+    ADAPTIVE: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """The merged A rows (ranked by best similarity, descending, then index), the image's count and (fixed mode)
     offsets, every row's destination and the source lists; a program per image and ``BLOCK_S`` of its rows: each
@@ -274,10 +271,10 @@ def _match_kernel(
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     lead = tl.program_id(1) == 0  # the program that writes the image's count and offsets
-    start, end, base, num_a, num_b, cap, a0, b0, prefix = _image_sets(CU, b, total, num_prefix, limit, PUBLISHED)
-    # WORK (int32 [3, T]; [4, T] published), at the image's first rows: per A row i, row start + i holds its best
-    # similarity's bits, start + total + i its best B row, start + 2 * total + i the merged A rows up to i (inclusive)
-    # * 2 + merged, and (published) start + 3 * total + i its rank.
+    start, end, num_a, num_b, cap, a0, b0, prefix = _image_sets(CU, b, total, num_prefix, limit)
+    # WORK (int32 [4, T]), at the image's first rows: per A row i, row start + i holds its best similarity's bits,
+    # start + total + i its best B row, start + 2 * total + i the merged A rows up to i (inclusive) * 2 + merged, and
+    # start + 3 * total + i its rank.
     BEST = WORK + start
     MATCH = WORK + total + start
     MERGED = WORK + 2 * total + start
@@ -301,8 +298,7 @@ def _match_kernel(
             if ADAPTIVE:
                 merged = merged & (best_i >= threshold)
             merged = merged.to(tl.int32)
-            if PUBLISHED:
-                tl.store(RANK + i, rank, mask=in_a)
+            tl.store(RANK + i, rank, mask=in_a)
             tl.store(MERGED + i, (merged_rows + tl.cumsum(merged, 0)) * 2 + merged, mask=in_a)
             merged_rows += tl.sum(merged, 0)
         tl.debug_barrier()
@@ -324,30 +320,24 @@ def _match_kernel(
             tl.store(CU_OUT + b + 1, base_out + count)
             if b == 0:
                 tl.store(CU_OUT, 0)
-    # Destinations. Patch rows: a surviving row moves up by the merged A rows before it; a merged A row goes where its
-    # B row goes. Published: the prefix rows, the other unmerged A rows (in order; in rank order without prefix rows),
-    # the other B rows; an image that merges nothing keeps its order.
+    # Destinations: the prefix rows, the other unmerged A rows (in order; in rank order without prefix rows), the other
+    # B rows, a merged A row where its B row goes; an image that merges nothing keeps its order.
     offs_r = tl.arange(0, BLOCK_DST)
-    kept_a = num_a - a0 - merged_rows  # published: the unmerged unprotected A rows, before the B rows
+    kept_a = num_a - a0 - merged_rows  # the unmerged unprotected A rows, before the B rows
     for r0 in range(start, end, BLOCK_DST):  # one step for an image of up to BLOCK_DST rows: its gathers at once
         rows = r0 + offs_r
         in_r = rows < end
-        patch = rows - base  # position in the split (< 0: a prefix row before the patch rows)
-        slot = tl.maximum(patch, 0) // 2  # A row `slot` for an even position, B row `slot` for an odd one
-        state = tl.load(MERGED + slot, mask=in_r & (patch >= 0) & (cap > 0), other=0)
-        merges = in_r & (patch >= 0) & (patch % 2 == 0) & ((state & 1) == 1)
+        q = rows - start  # position in the image and its split
+        slot = q // 2  # A row `slot` for an even position, B row `slot` for an odd one
+        state = tl.load(MERGED + slot, mask=in_r & (cap > 0), other=0)
+        is_a = q % 2 == 0
+        merges = in_r & is_a & ((state & 1) == 1)
         j = tl.load(MATCH + slot, mask=merges, other=0)
-        if PUBLISHED:
-            q = rows - start
-            is_a = q % 2 == 0
-            rank = tl.load(RANK + slot, mask=in_r & is_a & (cap > 0) & (prefix == 0), other=0)
-            a_place = tl.where(prefix > 0, prefix + slot - a0 - (state >> 1), rank - merged_rows)
-            b_place = prefix + kept_a + tl.where(merges, j, slot) - b0
-            local = tl.where(q < prefix, q, tl.where(is_a & ~merges, a_place, b_place))
-            local = tl.where(merged_rows == 0, q, local)
-        else:
-            state_j = tl.load(MERGED + j, mask=merges, other=0)
-            local = tl.where(merges, base - start + 2 * j + 1 - (state_j >> 1), rows - start - (state >> 1))
+        rank = tl.load(RANK + slot, mask=in_r & is_a & (cap > 0) & (prefix == 0), other=0)
+        a_place = tl.where(prefix > 0, prefix + slot - a0 - (state >> 1), rank - merged_rows)
+        b_place = prefix + kept_a + tl.where(merges, j, slot) - b0
+        local = tl.where(q < prefix, q, tl.where(is_a & ~merges, a_place, b_place))
+        local = tl.where(merged_rows == 0, q, local)
         tl.store(DEST + rows, base_out + local, mask=in_r)
     # Source lists: image b's rows grouped by destination in SRC[start:end), row order inside a group; the group of
     # its merged row d (local) starts at start + d + (merged A rows sent below d): the rows sent below d are the d
@@ -360,11 +350,11 @@ def _match_kernel(
         rows = r0 + offs_s
         in_r = rows < end
         dest = tl.load(DEST + rows, mask=in_r, other=0)
-        patch = rows - base
-        slot = tl.maximum(patch, 0) // 2
-        state = tl.load(MERGED + slot, mask=in_r & (patch >= 0) & (patch % 2 == 0) & (cap > 0), other=0)
-        merges = in_r & (patch >= 0) & (patch % 2 == 0) & ((state & 1) == 1)
-        joins = base + 2 * tl.load(MATCH + slot, mask=merges, other=0) + 1  # the B row a merged A row joins
+        q = rows - start
+        slot = q // 2
+        state = tl.load(MERGED + slot, mask=in_r & (q % 2 == 0) & (cap > 0), other=0)
+        merges = in_r & (q % 2 == 0) & ((state & 1) == 1)
+        joins = start + 2 * tl.load(MATCH + slot, mask=merges, other=0) + 1  # the B row a merged A row joins
         below = tl.zeros([BLOCK_S], dtype=tl.int32)  # merged A rows sent below the row's destination
         ahead = tl.zeros([BLOCK_S], dtype=tl.int32)  # merged A rows before it sent to its destination
         if cap > 0:
@@ -372,10 +362,10 @@ def _match_kernel(
                 k = k0 + offs_k
                 in_k = k < num_a
                 merged_k = in_k & ((tl.load(MERGED + k, mask=in_k, other=0) & 1) == 1)
-                dest_k = tl.load(DEST + base + 2 * k, mask=merged_k, other=0)
+                dest_k = tl.load(DEST + start + 2 * k, mask=merged_k, other=0)
                 to_k = merged_k[None, :] & (dest_k[None, :] <= dest[:, None])
                 below += tl.sum((to_k & (dest_k[None, :] < dest[:, None])).to(tl.int32), 1)
-                same = to_k & (dest_k[None, :] == dest[:, None]) & ((base + 2 * k)[None, :] < rows[:, None])
+                same = to_k & (dest_k[None, :] == dest[:, None]) & ((start + 2 * k)[None, :] < rows[:, None])
                 ahead += tl.sum(same.to(tl.int32), 1)
         group = start + dest - base_out + below
         tl.store(SRC + group + ahead + (merges & (joins < rows)).to(tl.int32), rows, mask=in_r)
@@ -576,7 +566,6 @@ def decide_merges(
     r: int | None = None,
     threshold: float | None = None,
     r_max: int | None = None,
-    variant: str = "published",
     check_values: bool | None = None,
 ) -> MergeSelection:
     """One block's merges by bipartite soft matching, per image: the kernels' twin of
@@ -593,7 +582,6 @@ def decide_merges(
         threshold: adaptive mode: each image merges the A rows whose best cosine similarity is ``>= threshold``
             (compared in fp32), at most ``min(r_max, patches // 2)`` of them.
         r_max: the cap of the adaptive mode (with ``threshold`` only).
-        variant: ``"published"`` or ``"patch_rows"`` (:data:`ragged_vit.reference.merging.VARIANTS`).
         check_values: read ``cu_seqlens`` to validate it (default: only on the CPU).
 
     Returns:
@@ -610,9 +598,7 @@ def decide_merges(
     cu = check_cu_seqlens(cu_seqlens, total=keys.shape[0], device=keys.device, check_values=check_values)
     check_max_seqlen(max_seqlen)
     check_int(num_prefix, "num_prefix", 0)
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {variant!r}")
-    return decide_merges_unchecked(keys, cu, max_seqlen, num_prefix, limit, threshold, variant == "published")
+    return decide_merges_unchecked(keys, cu, max_seqlen, num_prefix, limit, threshold)
 
 
 def decide_merges_unchecked(
@@ -622,11 +608,9 @@ def decide_merges_unchecked(
     num_prefix: int,
     limit: int,
     threshold: float | None,
-    published: bool,
     out: MergeSelection | None = None,
 ) -> MergeSelection:
-    """:func:`decide_merges` without its checks (``limit``: ``r``, or ``r_max`` with a ``threshold``; ``published``:
-    the variant), written into
+    """:func:`decide_merges` without its checks (``limit``: ``r``, or ``r_max`` with a ``threshold``), written into
     ``out`` (contiguous int32 tensors of the right shapes, every element overwritten but the source offsets past
     ``T'``) when given: for a merge stage that built its input itself. An ``out`` without source lists gets new ones
     (a copy of ``out`` with them is returned)."""
@@ -638,18 +622,17 @@ def decide_merges_unchecked(
     # seven, at each of a ToMe forward's twelve stages when it runs eagerly). Only the buffers ``out`` does not bring:
     # the map, counts and offsets, the source lists, the matching's work and (adaptive) the group starts.
     need_out, need_lists = out is None, out is None or out.sources is None or out.source_offsets is None
-    work_rows = 4 if published else 3  # (published: the A rows' ranks too)
-    lengths = [total, batch, batch + 1] * need_out + [total, total + 1] * need_lists + [work_rows * total]
+    lengths = [total, batch, batch + 1] * need_out + [total, total + 1] * need_lists + [4 * total]
     lengths += [total] * adaptive
     views = iter(scratch(lengths, torch.int32, device))
     if need_out:
         out = MergeSelection(next(views), next(views), next(views))
     if need_lists:
         out = dataclasses.replace(out, sources=next(views), source_offsets=next(views))
-    work = next(views)  # [3, T] flat: best similarities' bits, best B rows, merged A rows (and their ranks)
+    work = next(views)  # [4, T] flat: best similarities' bits, best B rows, merged A rows, their ranks
     d_pad = _tile(dim, _MAX_HEAD_DIM)
     metric = torch.empty(total, d_pad, dtype=torch.float32, device=device)
-    split = max(max_seqlen if published else max_seqlen - num_prefix, 1)  # rows of an image's split, at most
+    split = max(max_seqlen, 1)  # rows of an image's split, at most
     num_a = cdiv(split, 2)  # a bound on every image's A rows
     block_ab = _tile(num_a, _BLOCK_AB)
     b_pad = 1 if adaptive else next_power_of_2(batch)  # the fixed mode's offsets read every image's length
@@ -665,20 +648,20 @@ def decide_merges_unchecked(
     ok = aligned(keys, cu, metric, work, out.destination, out.kept, out.cu_seqlens, out.sources, out.source_offsets,
                  starts)  # fmt: skip
     pdl = batch <= DECISION_PDL_MAX_IMAGES and keys.is_cuda and pdl_supported(device_index)
-    args = (keys, cu, metric, total, *strides, limit, num_prefix, heads, dim, d_pad, block_m, pdl, published)
-    key = (keys.dtype, heads, dim, block_m, *map(int_spec, strides), pdl, published) if ok else None
+    args = (keys, cu, metric, total, *strides, limit, num_prefix, heads, dim, d_pad, block_m, pdl)
+    key = (keys.dtype, heads, dim, block_m, *map(int_spec, strides), pdl) if ok else None
     grid = (batch, cdiv(split, block_m))
     _metric_launcher(key, device_index, grid, args, num_warps=_NUM_WARPS, num_stages=1)
-    args = (cu, metric, work, total, limit, num_prefix, d_pad, block_a, block_b, pdl, published)
+    args = (cu, metric, work, total, limit, num_prefix, d_pad, block_a, block_b, pdl)
     grid = (batch, cdiv(num_a, block_a))
-    key = (d_pad, block_b, block_a, best_warps, pdl, published) if ok else None
+    key = (d_pad, block_b, block_a, best_warps, pdl) if ok else None
     _best_launcher(key, device_index, grid, args, num_warps=best_warps, num_stages=1, **_pdl_option(pdl))
     args = (
         cu, work, out.destination, out.kept, out.cu_seqlens, out.sources, starts, total, batch, limit,
         _fp32_threshold(threshold) if adaptive else 0.0, num_prefix, block_ab, block_dst, block_s, b_pad, adaptive,
-        pdl, published,
+        pdl,
     )  # fmt: skip
-    key = (block_ab, block_dst, block_s, b_pad, adaptive, pdl, published) if ok else None
+    key = (block_ab, block_dst, block_s, b_pad, adaptive, pdl) if ok else None
     grid = (batch, cdiv(max(max_seqlen, 1), block_s))  # the source lists' row tiles over programs
     _match_launcher(key, device_index, grid, args, num_warps=_MATCH_WARPS, num_stages=1, **_pdl_option(pdl))
     if adaptive:
@@ -930,6 +913,6 @@ def _decide(merger: ToMeMerger, inp: DecisionInput) -> MergeSelection:
     qkv, heads = inp.qkv, inp.num_heads
     keys = qkv.view(qkv.shape[0], 3, heads, qkv.shape[1] // (3 * heads))[:, 1]  # [T, H, D], strided
     merged = decide_merges_unchecked(keys, inp.cu_seqlens, inp.row_bound, inp.num_prefix, merger.limit(inp.stage),
-                                     merger.threshold, merger.variant == "published")  # fmt: skip
+                                     merger.threshold)  # fmt: skip
     fixed, count = fixed_count(merger, inp)
     return dataclasses.replace(merged, fixed_count=fixed, count=count)

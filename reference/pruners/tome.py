@@ -35,7 +35,7 @@ from ...core.segments import seqlens
 from ...core.selection import DecisionInput, MergeSelection, Placement, Pruner
 from ...core.validation import check_rate
 from ..attention import split_qkv
-from ..merging import VARIANTS, check_merge_mode, decide_merges, fixed_r_counts, merge_count
+from ..merging import check_merge_mode, decide_merges, fixed_r_counts, merge_count
 from ..tome import per_block
 
 
@@ -52,10 +52,6 @@ class ToMeMerger(Pruner):
         rate: calibrated mode: the target in ``(0, 1]``, mean patch rows per image and merging stage over the
             unmerged patch count.
         depth: the model's blocks (``len(model.blocks)``).
-        variant: ``"published"`` (the paper's bipartite soft matching: sets alternate over every row, the class token
-            in A, the rows reordered as the paper's code leaves them) or ``"patch_rows"`` (this project's earlier
-            variant: sets alternate over the patch rows, every row keeps its order;
-            :data:`ragged_vit.reference.merging.VARIANTS`).
     """
 
     name = "tome"
@@ -71,12 +67,8 @@ class ToMeMerger(Pruner):
         r_max: int | Sequence[int] | None = None,
         rate: float | None = None,
         depth: int = 12,
-        variant: str = "published",
     ) -> None:
         super().__init__()
-        if variant not in VARIANTS:
-            raise ValueError(f"variant must be one of {', '.join(map(repr, VARIANTS))}, got {variant!r}")
-        self.variant = variant
         if rate is not None:
             if r is not None or threshold is not None:
                 given = f"r={r!r}" if r is not None else f"threshold={threshold!r}"
@@ -118,7 +110,6 @@ class ToMeMerger(Pruner):
         r: int | None = None,
         threshold: float | None = None,
         r_max: int | None = None,
-        variant: str = "published",
     ) -> ToMeMerger:
         """``r``, or ``threshold`` with ``r_max``, as given (``keep_rate`` unused); ``r_max`` alone: the calibrated
         mode at ``rate=keep_rate`` (refused if ``r_max`` merging in every block cannot get down to ``keep_rate``);
@@ -126,7 +117,7 @@ class ToMeMerger(Pruner):
         ``keep_rate * num_patches`` (r=13 on DeiT-B's 196 patches: 0.57). A keep rate that maps to ``r = 0`` (1.0, and
         any above the midpoint to ``r = 1``'s) is no merger: refused, with the keep rates that merge."""
         if r is None and threshold is None and r_max is not None:
-            merger = cls(r_max=r_max, rate=check_rate(keep_rate, "keep_rate"), depth=depth, variant=variant)
+            merger = cls(r_max=r_max, rate=check_rate(keep_rate, "keep_rate"), depth=depth)
             merger.check_target(num_patches, "keep_rate")
             return merger
         if r is None and threshold is None:
@@ -144,14 +135,13 @@ class ToMeMerger(Pruner):
                     f"keep rates below {(1 + one) / 2:.4f} (r = 1 keeps {one:.4f} of the patch rows on average); "
                     "for the unpruned model use pruner 'none', or give r=, or threshold= with r_max="
                 )
-        return cls(r, threshold=threshold, r_max=r_max, depth=depth, variant=variant)
+        return cls(r, threshold=threshold, r_max=r_max, depth=depth)
 
     def extra_repr(self) -> str:
-        variant = "" if self.variant == "published" else f", variant={self.variant!r}"
         if self.mode == "fixed":
-            return f"mode='fixed', r={_compact(self.limits)}{variant}"
+            return f"mode='fixed', r={_compact(self.limits)}"
         rate = f", rate={self.rate}" if self.mode == "calibrated" else ""
-        return f"mode={self.mode!r}{rate}, threshold={self.threshold}, r_max={_compact(self.limits)}{variant}"
+        return f"mode={self.mode!r}{rate}, threshold={self.threshold}, r_max={_compact(self.limits)}"
 
     def check_ready(self) -> None:
         if self.threshold is None and self.mode == "calibrated":
@@ -212,7 +202,7 @@ class ToMeMerger(Pruner):
         ones = torch.ones(keys.shape[0], dtype=torch.int64, device=keys.device)  # sizes: not needed to decide
         mode = {"r": self.limit(inp.stage)} if self.mode == "fixed" else {
             "threshold": self.threshold, "r_max": self.limit(inp.stage)}  # fmt: skip
-        merged = decide_merges(keys, inp.cu_seqlens, ones, inp.num_prefix, **mode, variant=self.variant)
+        merged = decide_merges(keys, inp.cu_seqlens, ones, inp.num_prefix, **mode)
         return MergeSelection(merged.destination, seqlens(merged.cu_seqlens).int(), merged.cu_seqlens,
                               *fixed_count(self, inp))  # fmt: skip
 
