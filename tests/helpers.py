@@ -75,32 +75,44 @@ def full_beyond(test: Callable, quick: Callable[..., bool]) -> Callable:
     return _requalified(test, lambda rows: [bool(quick(*row)) for row in rows])
 
 
+def rotation(rows: list[tuple], family: Callable[..., object], variant: Callable[..., tuple]) -> list[bool]:
+    """One row per family, flagged true: ``family(*row)`` names a row's case family, ``variant(*row)`` is a tuple of
+    its other axes (a pruner, a dtype, a head dim, a batch). Family by family (in order of appearance), the kept row
+    is the variant whose axis values were kept least so far, then whose combination was, then the first: every family
+    is checked, every value of every axis as early as the families allow, then the combinations in turn."""
+    used: dict[tuple, int] = {}  # (axis, value) and ("combination", variant) -> times kept
+    chosen = set()
+    for name in dict.fromkeys(family(*row) for row in rows):
+        members = [i for i, row in enumerate(rows) if family(*row) == name]
+
+        def rank(i: int) -> tuple[int, int, int]:
+            axes = variant(*rows[i])
+            spread = sum(used.get((j, value), 0) for j, value in enumerate(axes))
+            return spread, used.get(("combination", axes), 0), i
+
+        pick = min(members, key=rank)
+        chosen.add(pick)
+        axes = variant(*rows[pick])
+        for key in [*enumerate(axes), ("combination", axes)]:
+            used[key] = used.get(key, 0) + 1
+    return [i in chosen for i in range(len(rows))]
+
+
 def one_per_family(test: Callable, family: Callable[..., object], variant: Callable[..., tuple]) -> Callable:
-    """``test`` (a conformance suite's test) keeping one parametrisation per case family at the quick level, the rest
-    marked ``full``. ``family(*values)`` names a parametrisation's case family; ``variant(*values)`` is a tuple of
-    its other axes (a pruner, a dtype, a head dim). Family by family (in order of appearance), the kept one is the
-    variant whose axis values were kept least so far, then whose combination was, then the first: every family is
-    checked, every value of every axis as early as the families allow, then the combinations in turn."""
+    """``test`` (a conformance suite's test) keeping one parametrisation per case family at the quick level (the
+    :func:`rotation` of its parametrisations), the rest marked ``full``."""
+    return _requalified(test, lambda rows: rotation(rows, family, variant))
 
-    def quick_rows(rows: list[tuple]) -> list[bool]:
-        used: dict[tuple, int] = {}  # (axis, value) and ("combination", variant) -> times kept
-        chosen = set()
-        for name in dict.fromkeys(family(*row) for row in rows):
-            members = [i for i, row in enumerate(rows) if family(*row) == name]
 
-            def rank(i: int) -> tuple[int, int, int]:
-                axes = variant(*rows[i])
-                spread = sum(used.get((j, value), 0) for j, value in enumerate(axes))
-                return spread, used.get(("combination", axes), 0), i
-
-            pick = min(members, key=rank)
-            chosen.add(pick)
-            axes = variant(*rows[pick])
-            for key in [*enumerate(axes), ("combination", axes)]:
-                used[key] = used.get(key, 0) + 1
-        return [i in chosen for i in range(len(rows))]
-
-    return _requalified(test, quick_rows)
+def rotated(
+    rows: list[tuple], family: Callable[..., object], variant: Callable[..., tuple], ids: Callable[..., str]
+) -> list:
+    """pytest parameters, one per row, the :func:`rotation`'s rows at the quick level and the rest marked ``full``."""
+    quick = rotation(rows, family, variant)
+    return [
+        pytest.param(*row, id=ids(*row), marks=() if keep else (pytest.mark.full,))
+        for row, keep in zip(rows, quick, strict=True)
+    ]
 
 
 def levels(rows: list[tuple], quick: Callable[..., bool], ids: Callable[..., str] | None = None) -> list:

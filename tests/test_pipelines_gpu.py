@@ -3,7 +3,8 @@
 Runs with plain ``python -m pytest tests/test_pipelines_gpu.py`` (no nox, nothing to install); skipped on CPU
 machines by ``conftest.py``. Random weights (seeded) unless ``RAGGED_VIT_DEIT_B_CHECKPOINT`` names a local official
 DeiT-B-224 checkpoint (timm keys, no predictors), which then replaces DeiT-B-224's weights and makes its top-1 checks
-strict. Target runtime: well under 3 minutes on an H100.
+strict. Target runtime: well under 3 minutes on an H100. Without ``--full`` (the quick GPU level), each model and
+pruner runs once with the backends, batches and dtypes in turn, and each conformance case once per backend.
 
 Every low-precision run replays the pruning decisions of one fp32 reference run (reference backend, TF32 off) on
 the same images, so backends differ only in layout, precision and attention. Tolerance rules:
@@ -35,7 +36,7 @@ from ragged_vit.pipelines.model import PrunedOutput
 from ragged_vit.pipelines.weights import create_model, load_checkpoint
 from ragged_vit.testing import attention_suite
 from tests.helpers import PRUNER_CASES as CASES
-from tests.helpers import no_tf32
+from tests.helpers import no_tf32, one_per_family, rotated
 
 pytestmark = pytest.mark.gpu
 
@@ -141,11 +142,12 @@ def _assert_top1(logits: torch.Tensor, ref: torch.Tensor, err: float, model: str
     assert bool(same[decided].all()), f"top-1 differs at images {(~same & decided).nonzero().flatten().tolist()}"
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize(
+    "model,case,backend,batch,dtype",
+    rotated([(m, c, b, n, d) for m in MODELS for c in CASES for b in BACKENDS for n in BATCHES for d in DTYPES],
+            lambda m, c, *_: (m, c), lambda m, c, *variant: variant,
+            ids=lambda m, c, b, n, d: f"{m}-{c}-{b}-{n}-{'fp16' if d == torch.float16 else 'bf16'}"),
+)  # fmt: skip
 def test_backend_matches_fp32_reference(lab, model, case, backend, batch, dtype):
     ref = lab.reference(model, case, batch)
     out = lab.pipeline(model, case, dtype, backend).run(lab.batch(model, batch), selections=ref.selections)
@@ -159,8 +161,10 @@ def test_backend_matches_fp32_reference(lab, model, case, backend, batch, dtype)
     _assert_top1(out.logits, ref.logits, err, model)
 
 
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(
+    "case,batch",
+    rotated([(c, n) for c in CASES for n in BATCHES], lambda c, n: c, lambda c, n: (n,), ids=lambda c, n: f"{c}-{n}"),
+)
 def test_deit_b_fp16_triton_vs_padded_sdpa(lab, case, batch):
     model = "deit_base_patch16_224"
     ref = lab.reference(model, case, batch)
@@ -242,12 +246,14 @@ def test_isolation_on_cuda(lab, case, backend, dtype):
     assert _max_diff(a.logits[3], b.logits[3]) > 0
 
 
-# Each backend alone through the conformance lab's full cases (its 2x rule; docs/porting.md), fp16 and bf16. A
-# backend trusts its caller; NestedTensor construction needs every image non-empty (the pipelines never make one).
+# Each backend alone through the conformance lab's full cases (its 2x rule; docs/porting.md), fp16 and bf16 (the quick
+# GPU level: each case once, the dtypes in turn). A backend trusts its caller; NestedTensor construction needs every
+# image non-empty (the pipelines never make one).
 for _name in BACKENDS:
-    globals()[f"test_{_name}_backend_conforms"] = attention_suite(
-        make_backend(_name).attend, device="cuda", level_name="full", dtypes=DTYPES, head_dims=(64,),
-        empty_images=_name != "nested_sdpa",
+    globals()[f"test_{_name}_backend_conforms"] = one_per_family(
+        attention_suite(make_backend(_name).attend, device="cuda", level_name="full", dtypes=DTYPES, head_dims=(64,),
+                        empty_images=_name != "nested_sdpa"),
+        lambda case: (case.kind, case.lengths), lambda case: (case.dtype,),
     )  # fmt: skip
 
 

@@ -23,7 +23,7 @@ from ragged_vit.testing import decision_suite
 from ragged_vit.testing.ops import op_names
 from ragged_vit.triton_impl import ats
 from ragged_vit.triton_impl import cls_attention as cls_kernels
-from tests.helpers import levels, one_per_family
+from tests.helpers import levels, one_per_family, rotated
 
 LENGTHS = {
     "deit": (197, 197),
@@ -124,14 +124,15 @@ def test_scores_match_reference_interpreter(lengths, gen):
 # The conformance lab's decision cases (ragged_vit.testing.decision), near-tie rule (the CDF's last bits depend on the
 # summation order); one stage (ATS decides alike at every stage); on a GPU at DeiT-B's width (12 heads of 64).
 PRUNERS = {"default": ATSPruner(blocks=(3,)), "samples20-min12": ATSPruner(blocks=(3,), num_samples=20, min_keep=12)}
-# Quick: each case once, the pruners and dtypes in turn; full: every case for each pruner in each dtype.
+# Quick (CPU and GPU): each case once, the pruners and dtypes in turn; full: every case for each pruner in each dtype.
 test_select_conforms_interpreter = pytest.mark.interpreter(
     one_per_family(decision_suite(ats.ats_select, PRUNERS, exact=False, bad_inputs=True),
                    lambda pruner, case: (case.kind, case.num_prefix), lambda pruner, case: (id(pruner), case.dtype))
 )  # fmt: skip
 test_select_conforms_gpu = pytest.mark.gpu(
-    decision_suite(ats.ats_select, PRUNERS, device="cuda", level_name="full", exact=False, channels=768,
-                   capturable=True)
+    one_per_family(decision_suite(ats.ats_select, PRUNERS, device="cuda", level_name="full", exact=False,
+                                  channels=768, capturable=True),
+                   lambda pruner, case: (case.kind, case.num_prefix), lambda pruner, case: (id(pruner), case.dtype))
 )  # fmt: skip
 
 
@@ -250,9 +251,14 @@ def test_bad_input_raises_before_launch(index, forbid_launch):
 # --- GPU -------------------------------------------------------------------------------------------------------
 
 
+GPU_SHAPES = ((1, 197), (64, 197), (16, 577))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(1, 197), (64, 197), (16, 577)])
-@pytest.mark.parametrize("kind", ["flat", "peaked", "needle"])
+@pytest.mark.parametrize(  # quick: each shape once, the score kinds in turn
+    "shape,kind", rotated([(s, k) for s in GPU_SHAPES for k in SCORE_KINDS], lambda s, k: s, lambda s, k: (k,),
+                          ids=lambda s, k: f"{k}-{s[0]}x{s[1]}"),
+)  # fmt: skip
 def test_keep_equals_reference_on_exact_cdf_gpu(shape, kind, gen):
     batch, n = shape
     lengths = torch.randint(1, n + 1, (batch,), generator=gen).tolist()
@@ -264,8 +270,11 @@ def test_keep_equals_reference_on_exact_cdf_gpu(shape, kind, gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("shape", [(1, 197), (64, 197), (16, 577)])
+@pytest.mark.parametrize(  # quick: each shape once, the dtypes in turn
+    "shape,dtype",
+    rotated([(s, d) for s in GPU_SHAPES for d in (torch.float16, torch.bfloat16, torch.float32)], lambda s, d: s,
+            lambda s, d: (d,), ids=lambda s, d: f"{s[0]}x{s[1]}-{str(d)[6:]}"),
+)  # fmt: skip
 def test_scores_match_reference_gpu(shape, dtype, gen):
     batch, n = shape
     heads, head_dim = 12, 64

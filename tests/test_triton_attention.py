@@ -19,7 +19,7 @@ from ragged_vit.testing import assert_attention_close, attention_suite
 from ragged_vit.triton_impl import attention as ta
 from ragged_vit.triton_impl import configs
 from ragged_vit.triton_impl.configs import AttentionConfig
-from tests.helpers import levels, one_per_family
+from tests.helpers import levels, one_per_family, rotated
 
 # Every case of the lab, on both entry points: under the interpreter (quick), on a GPU (full, every supported head
 # dim class: powers of two and padded ones).
@@ -28,8 +28,8 @@ _GPU = dict(device="cuda", accepts_out=True, bad_inputs=True, level_name="full",
 
 
 def _one_per_case(test):
-    """The interpreter's quick level: each case once, the head dims and dtypes in turn (``--full``: every one)."""
-    return one_per_family(test, lambda case: case.kind, lambda case: (case.head_dim, case.dtype))
+    """The quick level: each case once, the head dims and dtypes in turn (``--full``: every one)."""
+    return one_per_family(test, lambda case: (case.kind, case.lengths), lambda case: (case.head_dim, case.dtype))
 
 
 test_qkv_layout_interpreter = pytest.mark.interpreter(
@@ -38,9 +38,9 @@ test_qkv_layout_interpreter = pytest.mark.interpreter(
 test_separate_layout_interpreter = pytest.mark.interpreter(
     _one_per_case(attention_suite(ta.ragged_attention, layout="separate", **{**_INTERP, "head_dims": (32,)}))
 )
-test_qkv_layout_gpu = pytest.mark.gpu(attention_suite(ta.ragged_attention_qkv, layout="qkv", **_GPU))
+test_qkv_layout_gpu = pytest.mark.gpu(_one_per_case(attention_suite(ta.ragged_attention_qkv, layout="qkv", **_GPU)))
 test_separate_layout_gpu = pytest.mark.gpu(
-    attention_suite(ta.ragged_attention, layout="separate", **{**_GPU, "head_dims": (64,)})
+    _one_per_case(attention_suite(ta.ragged_attention, layout="separate", **{**_GPU, "head_dims": (64,)}))
 )
 # The key-bias variant: DeiT's 64 and the padded 80 under the interpreter (the separate layout shares the kernel: fp32
 # only there), every GPU dtype and head dim class on a GPU.
@@ -54,9 +54,11 @@ test_separate_layout_key_bias_interpreter = pytest.mark.interpreter(
         ta.ragged_attention, layout="separate", **{**_INTERP_BIAS, "head_dims": (32,), "dtypes": (torch.float32,)}
     )
 )
-test_qkv_layout_key_bias_gpu = pytest.mark.gpu(attention_suite(ta.ragged_attention_qkv, layout="qkv", **_GPU_BIAS))
+test_qkv_layout_key_bias_gpu = pytest.mark.gpu(
+    _one_per_case(attention_suite(ta.ragged_attention_qkv, layout="qkv", **_GPU_BIAS))
+)
 test_separate_layout_key_bias_gpu = pytest.mark.gpu(
-    attention_suite(ta.ragged_attention, layout="separate", **{**_GPU_BIAS, "head_dims": (64,)})
+    _one_per_case(attention_suite(ta.ragged_attention, layout="separate", **{**_GPU_BIAS, "head_dims": (64,)}))
 )
 
 
@@ -187,9 +189,12 @@ def test_bad_input_raises_before_launch(index, forbid_launch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", _CONFIGS, ids=repr)
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "key_bias"])
+@pytest.mark.parametrize(  # quick: each configuration once, the dtypes and the bias in turn
+    "config,dtype,with_bias",
+    rotated([(c, d, b) for c in _CONFIGS for d in (torch.float16, torch.bfloat16) for b in (False, True)],
+            lambda c, d, b: c, lambda c, d, b: (d, b),
+            ids=lambda c, d, b: f"{'key_bias' if b else 'no_bias'}-{str(d)[6:]}-{c!r}"),
+)  # fmt: skip
 def test_every_config_gpu(config, dtype, with_bias, gen):
     out, (q, k, v, cu, bias) = _launch_config(
         config, TILE_LENGTHS * 4, 197, dtype, "cuda", gen, heads=12, head_dim=64, with_bias=with_bias

@@ -32,7 +32,7 @@ from ragged_vit.core.selection import DecisionInput
 from ragged_vit.reference.pruners import DynamicViTPruner
 from ragged_vit.testing import decision_suite
 from ragged_vit.triton_impl import dynamicvit, select
-from tests.helpers import levels, one_per_family
+from tests.helpers import levels, one_per_family, rotated
 
 LAUNCHERS = ("_global_launcher", "_out_conv_launcher", "_out_head_launcher")
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -46,7 +46,7 @@ def _pruners(channels: int) -> dict[str, DynamicViTPruner]:
 
 
 # The conformance lab's decision cases (ragged_vit.testing.decision), near-tie rule, first and last stage; on a GPU at
-# DeiT-B's width (module docstring: why these dtypes). Quick: each case once, the pruners in turn.
+# DeiT-B's width (module docstring: why these dtypes). Quick: each case once, the pruners (and GPU dtypes) in turn.
 test_select_conforms_interpreter = pytest.mark.interpreter(
     one_per_family(
         decision_suite(dynamicvit.dynamicvit_select, _pruners(16), exact=False, channels=16, dtypes=(torch.float32,),
@@ -55,8 +55,11 @@ test_select_conforms_interpreter = pytest.mark.interpreter(
     )
 )  # fmt: skip
 test_select_conforms_gpu = pytest.mark.gpu(
-    decision_suite(dynamicvit.dynamicvit_select, _pruners(768), device="cuda", level_name="full", exact=False,
-                   channels=768, dtypes=(torch.float32, torch.float16), capturable=True)
+    one_per_family(
+        decision_suite(dynamicvit.dynamicvit_select, _pruners(768), device="cuda", level_name="full", exact=False,
+                       channels=768, dtypes=(torch.float32, torch.float16), capturable=True),
+        lambda pruner, case: (case.kind, case.num_prefix), lambda pruner, case: (id(pruner), case.dtype),
+    )
 )  # fmt: skip
 
 
@@ -115,8 +118,10 @@ def test_scores_match_the_reference_interpreter(channels, dtype, gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("channels", [192, 384, 768])
-@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize(  # quick: each width once, the dtypes in turn
+    "channels,dtype", rotated([(c, d) for c in (192, 384, 768) for d in GPU_DTYPES], lambda c, d: c,
+                              lambda c, d: (d,), ids=lambda c, d: f"c{c}-{str(d)[6:]}"),
+)  # fmt: skip
 def test_scores_match_the_reference_gpu(channels, dtype, gen):
     """DeiT-T/S/B widths: one image, four, 64 ragged ones (the large tiles), 577/1025 rows with empty images."""
     predictor = _pruner(channels, dtype, "cuda").score_predictor[1]

@@ -28,7 +28,7 @@ from ragged_vit.reference.pruners import EViTPruner
 from ragged_vit.testing import decision_suite
 from ragged_vit.triton_impl import cls_attention as cls_kernels
 from ragged_vit.triton_impl import evit, select
-from tests.helpers import levels, one_per_family
+from tests.helpers import levels, one_per_family, rotated
 
 
 def _case(lengths, heads, head_dim, device, gen, dtype=torch.float32, kind="random"):
@@ -63,14 +63,15 @@ PRUNERS = {
     "rate0.5-fused": EViTPruner(rate=0.5, fuse_token=True),
     "rate1.0-fused": EViTPruner(rate=1.0, fuse_token=True),
 }
-# Quick: each case once, the pruners and dtypes in turn; full: every case for each pruner in each dtype.
+# Quick (CPU and GPU): each case once, the pruners and dtypes in turn; full: every case for each pruner in each dtype.
 test_select_conforms_interpreter = pytest.mark.interpreter(
     one_per_family(decision_suite(evit.evit_select, PRUNERS, exact=False, bad_inputs=True),
                    lambda pruner, case: (case.kind, case.num_prefix), lambda pruner, case: (id(pruner), case.dtype))
 )  # fmt: skip
 test_select_conforms_gpu = pytest.mark.gpu(
-    decision_suite(evit.evit_select, PRUNERS, device="cuda", level_name="full", exact=False, channels=768,
-                   capturable=True)
+    one_per_family(decision_suite(evit.evit_select, PRUNERS, device="cuda", level_name="full", exact=False,
+                                  channels=768, capturable=True),
+                   lambda pruner, case: (case.kind, case.num_prefix), lambda pruner, case: (id(pruner), case.dtype))
 )  # fmt: skip
 
 
@@ -101,9 +102,15 @@ def test_scores_write_every_row_of_every_image_interpreter(gen, monkeypatch):
     assert bool((scores[long][:32] > 0).all()) and bool((scores[long][32:] == 0).all())
 
 
+GPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+GPU_SHAPES = ((1, 197), (64, 197), (16, 577))
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 197), (64, 197), (16, 577)])
+@pytest.mark.parametrize(  # quick: each shape once, the dtypes in turn
+    "shape,dtype", rotated([(s, d) for s in GPU_SHAPES for d in GPU_DTYPES], lambda s, d: s, lambda s, d: (d,),
+                           ids=lambda s, d: f"{s[0]}x{s[1]}-{str(d)[6:]}"),
+)  # fmt: skip
 def test_scores_match_the_reference_gpu(shape, dtype, gen):
     batch, n = shape
     heads, head_dim = 12, 64
@@ -209,9 +216,11 @@ def test_fused_token_float64_rows_interpreter(kind, gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("channels", [64, 72, 200, 768])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("num_prefix", [0, 1, 2])
+@pytest.mark.parametrize(  # quick: each width once, the dtypes and prefix counts in turn
+    "num_prefix,dtype,channels",
+    rotated([(n, d, c) for n in (0, 1, 2) for d in GPU_DTYPES for c in (64, 72, 200, 768)], lambda n, d, c: c,
+            lambda n, d, c: (d, n), ids=lambda n, d, c: f"p{n}-{str(d)[6:]}-c{c}"),
+)  # fmt: skip
 def test_fused_token_matches_float64_gpu(num_prefix, dtype, channels, gen):
     ragged = tuple(torch.randint(0, 198, (64,), generator=gen).tolist())
     for lengths in (TOKEN_LENGTHS, (197,), (197,) * 4, ragged, (577,) * 16):

@@ -22,17 +22,21 @@ from tests.helpers import one_per_family
 # Every case of the lab on the checked entry points, with every option they take.
 _OPTIONS = dict(extra_token=True, capacity=True, count=True, kept=True)
 _FAMILY = dict(pack=tp.pack, repack=tp.repack, unpack=tp.unpack, cls_rows=tp.cls_rows, **_OPTIONS)
-# Quick: each case once, the dtypes in turn; full: each case in each dtype.
+# Quick: each case once, the dtypes (and GPU widths) in turn; full: each case in each dtype.
 test_pack_family_interpreter = pytest.mark.interpreter(
     one_per_family(
         pack_suite(**_FAMILY, device="cpu"), lambda case: (case.kind, case.lengths), lambda case: (case.dtype,)
     )
 )
-test_pack_family_gpu = pytest.mark.gpu(pack_suite(**_FAMILY, device="cuda", level_name="full", bad_inputs=True))
+test_pack_family_gpu = pytest.mark.gpu(
+    one_per_family(pack_suite(**_FAMILY, device="cuda", level_name="full", bad_inputs=True),
+                   lambda case: (case.kind, case.lengths), lambda case: (case.channels, case.dtype))
+)  # fmt: skip
 # The pipelines' hot path, repack without its checks, at their width (repack goes through it: the CPU suite covers it).
 test_repack_unchecked_gpu = pytest.mark.gpu(
-    pack_suite(repack=tp.repack_unchecked, **_OPTIONS, device="cuda", channels=(768,))
-)
+    one_per_family(pack_suite(repack=tp.repack_unchecked, **_OPTIONS, device="cuda", channels=(768,)),
+                   lambda case: (case.kind, case.lengths), lambda case: (case.dtype,))
+)  # fmt: skip
 
 
 def test_contract_bad_inputs_raise_before_launch(forbid_launch):

@@ -34,14 +34,16 @@ def _pruners() -> dict[str, ThresholdL2Pruner]:
     return pruners | {"calibrated0.4": calibrated}
 
 
-# Quick: each case once, the pruners and dtypes in turn; full: every case for each pruner in each dtype.
+# Quick (CPU and GPU): each case once, the pruners and dtypes in turn; full: every case for each pruner in each dtype.
 test_select_conforms_interpreter = pytest.mark.interpreter(
     one_per_family(decision_suite(tl2.threshold_l2_select, _pruners(), bad_inputs=True),
                    lambda pruner, case: (case.kind, case.num_prefix), lambda pruner, case: (id(pruner), case.dtype))
 )  # fmt: skip
 test_select_conforms_gpu = pytest.mark.gpu(
-    decision_suite(tl2.threshold_l2_select, _pruners(), device="cuda", level_name="full", capturable=True)
-)
+    one_per_family(decision_suite(tl2.threshold_l2_select, _pruners(), device="cuda", level_name="full",
+                                  capturable=True),
+                   lambda pruner, case: (case.kind, case.num_prefix), lambda pruner, case: (id(pruner), case.dtype))
+)  # fmt: skip
 
 
 def _ragged(lengths, channels, device, gen):
