@@ -7,7 +7,9 @@ failed case, the rule it broke, and the observed against the allowed error:
 * :func:`check_attention` -- varlen attention, on the packed qkv projection (``fn(qkv, cu_seqlens, max_seqlen,
   num_heads, scale) -> [T, H*D]``, the attention backends' ``attend``) or on separate ``q, k, v`` (``fn(q, k, v,
   cu_seqlens, max_seqlen, scale) -> [T, H, D]``); with ``key_bias=True`` its key-bias variant (``fn(...,
-  key_bias=[T])``, ToMe's proportional attention), with ``key_bias=False`` the check that ``fn`` refuses a bias.
+  key_bias=[T])``, ToMe's proportional attention), with ``key_bias=False`` the check that ``fn`` refuses a bias;
+  with ``rotary=True`` its rotary variant (``fn(..., rotary=Rotary(table, positions, half))``: RoPE ViTs' q and k
+  rotated by each row's table position), with ``rotary=False`` the check that ``fn`` refuses one.
 * :func:`check_pack` -- pack, repack, unpack and ``cls_rows``, bitwise against :mod:`ragged_vit.reference.packing`
   (the options of the sync-free Triton version declared by flags).
 * :func:`check_decision` -- a fused decision (``fn(pruner, inp) -> TokenSelection``, what
