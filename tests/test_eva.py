@@ -28,9 +28,9 @@ from timm.models.eva import Eva
 import ragged_vit
 from ragged_vit import GraphedPrunedViT, PrunedViT
 from ragged_vit.pipelines import packed_block
-from ragged_vit.pipelines.plan import Counts
 from ragged_vit.reference.pruners import make_pruner
 from tests.helpers import no_tf32
+from tests.test_models import check_pruned_and_replayed
 
 SMALL = dict(depth=3, embed_dim=64, num_heads=2, num_classes=10)
 FAMILIES = {  # name -> (timm model, arguments, rope table, layout)
@@ -229,24 +229,7 @@ def test_every_pruner_runs_and_the_kernel_rotates_as_the_reference_interpreter(n
     prefix rows kept, the plan's fixed counts; the Triton kernel's rotary variant replays the same decisions to the
     reference backend's logits (fp32, ``atol = rtol = 1e-4``: GEMMs on other row counts)."""
     model = family(name)
-    make = PRUNERS[pruner]
-    if make().needs_attention and not has_class_token(model):
-        with pytest.raises(ValueError, match="scores patches by the class token's attention row"):
-            PrunedViT(model, make())
-        return
-    pv = PrunedViT(model, make(), "reference")
-    x = images(model, 3, 4)
-    if pruner == "threshold_l2":
-        pv.calibrate(images(model, 6, 5))
-    ref = pv.run(x)
-    assert bool(ref.logits.isfinite().all())
-    prefix = model.num_prefix_tokens
-    for sel, stage in zip(ref.selections, pv.plan.stages, strict=True):
-        assert bool((sel.kept >= prefix + int(prefix == 0)).all())
-        if stage.counts is Counts.FIXED:
-            assert ref.counts[:, stage.index].eq(stage.rows_after - prefix).all()
-    pv.backend = "triton"
-    torch.testing.assert_close(pv.run(x, selections=ref.selections).logits, ref.logits, atol=1e-4, rtol=1e-4)
+    check_pruned_and_replayed(model, PRUNERS[pruner], images(model, 3, 4), images(model, 6, 5))
 
 
 def test_one_pipeline_takes_every_size_of_a_dynamic_model():

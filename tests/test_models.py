@@ -65,23 +65,17 @@ def test_unpruned_and_keep_all_reproduce_timm(name):
         assert out.counts.eq(model.patch_embed.num_patches).all(), pruner
 
 
-@pytest.mark.interpreter
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
-@pytest.mark.parametrize(
-    "name,pruner",
-    levels([(n, p) for n in FAMILIES for p in PRUNERS], lambda *pair: pair in QUICK_PAIRS, ids=lambda n, p: f"{n}-{p}"),
-)
-def test_pruned_forward_on_every_family_interpreter(name, pruner):
-    model = family(name)
-    make = PRUNERS[pruner]
+def check_pruned_and_replayed(model, make, x: torch.Tensor, calibration: torch.Tensor):
+    """``make()`` on ``model``: refused in one line without a class token where its rule needs one (then None);
+    else pruned on the reference backend (prefix rows kept, the plan's fixed counts), and the Triton backend replays
+    its decisions to its logits (fp32, ``atol = rtol = 1e-4``: GEMMs on other row counts). Returns ``(pv, ref)``."""
     if make().needs_attention and not has_class_token(model):
         with pytest.raises(ValueError, match="scores patches by the class token's attention row"):
             PrunedViT(model, make())
-        return
+        return None
     pv = PrunedViT(model, make(), "reference")
-    x = images(model, 3, 2)
-    if pruner == "threshold_l2":
-        pv.calibrate(images(model, 6, 3))
+    if pv.pruner.name == "threshold_l2":
+        pv.calibrate(calibration)
     ref = pv.run(x)
     assert bool(ref.logits.isfinite().all())
     prefix = model.num_prefix_tokens
@@ -90,8 +84,23 @@ def test_pruned_forward_on_every_family_interpreter(name, pruner):
         if stage.counts is Counts.FIXED:
             assert ref.counts[:, stage.index].eq(stage.rows_after - prefix).all()
     pv.backend = "triton"
-    replayed = pv.run(x, selections=ref.selections)
-    torch.testing.assert_close(replayed.logits, ref.logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(pv.run(x, selections=ref.selections).logits, ref.logits, atol=1e-4, rtol=1e-4)
+    return pv, ref
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
+@pytest.mark.parametrize(
+    "name,pruner",
+    levels([(n, p) for n in FAMILIES for p in PRUNERS], lambda *pair: pair in QUICK_PAIRS, ids=lambda n, p: f"{n}-{p}"),
+)
+def test_pruned_forward_on_every_family_interpreter(name, pruner):
+    model = family(name)
+    x = images(model, 3, 2)
+    checked = check_pruned_and_replayed(model, PRUNERS[pruner], x, images(model, 6, 3))
+    if checked is None:
+        return
+    pv, ref = checked
     graphed = GraphedPrunedViT(pv).run(x)
     assert torch.equal(graphed.counts, pv.run(x).counts)
     torch.testing.assert_close(graphed.logits, ref.logits, atol=1e-4, rtol=1e-4)
