@@ -32,7 +32,7 @@ from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.stages import HostCounts
 from ragged_vit.reference.pruners import make_pruner
 from ragged_vit.triton_impl import pack as triton_pack
-from tests.helpers import tiny_images, tiny_pipeline
+from tests.helpers import levels, tiny_images, tiny_pipeline
 
 TOKENS = 17  # the tiny ViT: 16 patches + CLS
 VARIABLE = {
@@ -46,6 +46,8 @@ FIXED = {
     "threshold_l2": lambda: make_pruner("threshold_l2", mode="ratio", rate=0.5, block=2),
 }
 FP32 = {"atol": 1e-5, "rtol": 1e-5}
+# The Triton backend runs under the interpreter here (the costly items): at the quick level every other backend runs
+# each case, Triton the cases named per test; --full: every case on every backend.
 
 
 
@@ -169,8 +171,11 @@ def test_capacity_rejects_impossible_totals(total):
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on the NaN padding rows
-@pytest.mark.parametrize("backend", ["reference", "padded_sdpa", "triton"])
-@pytest.mark.parametrize("case", list(VARIABLE))
+@pytest.mark.parametrize(
+    "case,backend",
+    levels([(c, b) for c in VARIABLE for b in ("reference", "padded_sdpa", "triton")],
+           lambda c, b: b != "triton" or c == "threshold_l2", ids=lambda c, b: f"{c}-{b}"),
+)  # fmt: skip
 def test_segments_match_eager_with_nan_padding(case, backend, poisoned):
     pv = calibrated(tiny_pipeline(VARIABLE[case], backend))
     runner = GraphedPrunedViT(pv, TokenBuckets(step=5, seqlen_step=4))
@@ -212,8 +217,11 @@ def test_mixed_batch_sizes_and_changing_inputs(buckets, poisoned):
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("first_read", [True, False], ids=["one-read", "no-read"])
-@pytest.mark.parametrize("backend", ["reference", "padded_sdpa", "triton"])
+@pytest.mark.parametrize(
+    "backend,first_read",
+    levels([(b, r) for b in ("reference", "padded_sdpa", "triton") for r in (True, False)],
+           lambda b, r: b != "triton" or not r, ids=lambda b, r: f"{b}-{'one-read' if r else 'no-read'}"),
+)  # fmt: skip
 def test_stages_without_a_read_run_as_one_chain(backend, first_read, poisoned, monkeypatch):
     """``sync_free_rows``: from the first stage whose input has at most that many rows on, ATS's stages take that
     capacity, or ``B`` times ATS's own bound on an image's rows (12 samples: 13 rows) if smaller, without reading
@@ -280,8 +288,11 @@ def test_chained_segments_equal_separate_ones(monkeypatch):
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-@pytest.mark.parametrize("case", list(VARIABLE))
+@pytest.mark.parametrize(
+    "case,backend",
+    levels([(c, b) for c in VARIABLE for b in ("reference", "triton")],
+           lambda c, b: b != "triton" or c == "threshold_l2", ids=lambda c, b: f"{c}-{b}"),
+)  # fmt: skip
 def test_lagged_reads_size_each_segment_by_the_total_before(case, backend, poisoned, monkeypatch):
     """``lagged_reads``: one graph per segment; segment 1 at the plan's bound, segment ``j`` at the capacity of stage
     ``j - 2``'s total (read late), which holds stage ``j - 1``'s; padding (NaN) spread over padding images; results
@@ -363,9 +374,12 @@ def triton_packing(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("backend", ["padded_sdpa", "triton"])
-@pytest.mark.parametrize("sync_free_rows", [0, 40, 1024], ids=["reads", "first-read", "no-read"])
-@pytest.mark.parametrize("case", list(VARIABLE))
+@pytest.mark.parametrize(
+    "case,sync_free_rows,backend",
+    levels([(c, n, b) for c in VARIABLE for n in (0, 40, 1024) for b in ("padded_sdpa", "triton")],
+           lambda c, n, b: b != "triton" or (c, n) in (("ats", 40), ("threshold_l2", 1024)),
+           ids=lambda c, n, b: f"{c}-{ {0: 'reads', 40: 'first-read', 1024: 'no-read'}[n]}-{b}"),
+)  # fmt: skip
 def test_lean_forward_bounds_capacities_like_the_segments(case, sync_free_rows, backend, poisoned, triton_packing,
                                                            monkeypatch):  # fmt: skip
     """``PrunedViT.forward`` (no selections to record): a stage reads its own total only when nothing bounds it below

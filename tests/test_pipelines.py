@@ -26,7 +26,7 @@ from ragged_vit.pipelines.plan import MLP_OVERLAP_MAX_ROWS, StepKind
 from ragged_vit.reference.pruners import make_pruner
 from ragged_vit.testing.ops import count_ops
 from tests.helpers import PRUNER_CASES as CASES
-from tests.helpers import tiny_images, tiny_pipeline
+from tests.helpers import levels, tiny_images, tiny_pipeline
 
 MODEL = "deit_tiny_patch16_224"
 KEEP_ALL = ["threshold_l2", "dynamicvit", "evit", "evit_fused"]  # ATS samples adaptively even at 1.0
@@ -103,7 +103,9 @@ def test_generic_timm_vit_with_qk_norm_and_layer_scale(gen):
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize(  # quick: the fused token and ATS's variable counts (tests/test_models.py: every pruner)
+    "case", levels([(c,) for c in CASES], lambda c: c in ("evit_fused", "ats"), ids=str)
+)
 def test_triton_matches_reference_with_shared_selections(case, gen):
     pv = pipeline(case, 0.5)
     x = images(2, gen)
@@ -184,7 +186,8 @@ def test_counts_are_per_image_in_input_order(gen):
         ("evit_fused", "reference"),
         ("ats", "reference"),
         ("ats", "padded_sdpa"),
-        pytest.param("ats", "triton", marks=pytest.mark.interpreter),
+        # the Triton kernels' own isolation cases run at the quick level (the conformance lab's)
+        pytest.param("ats", "triton", marks=(pytest.mark.interpreter, pytest.mark.full)),
     ],
 )
 def test_isolation_end_to_end(case, backend, gen):

@@ -10,6 +10,7 @@ import torch
 
 from ragged_vit.core.segments import cu_seqlens_from_counts, positions, segment_ids, segment_rank, segment_sum
 from ragged_vit.triton_impl import select
+from tests.helpers import rotated
 
 
 def _case(lengths, device, gen, ties=False, nan_rows=0):
@@ -30,9 +31,15 @@ def _check(scores, cu, count, num_prefix, bound):
     assert torch.equal(kept.long().cpu(), segment_sum(ref.long(), segment_ids(cu, total), cu.numel() - 1).cpu())
 
 
+SCORES = {"distinct": (False, 0), "ties": (True, 0), "nan": (True, 4)}
+
+
 @pytest.mark.interpreter
-@pytest.mark.parametrize("num_prefix", [0, 1, 5])
-@pytest.mark.parametrize("ties,nan_rows", [(False, 0), (True, 0), (True, 4)], ids=["distinct", "ties", "nan"])
+@pytest.mark.parametrize(  # quick: each kind of scores once, the prefix counts in turn
+    "num_prefix,ties,nan_rows",
+    rotated([(n, *SCORES[k]) for k in SCORES for n in (0, 1, 5)], lambda n, *scores: scores, lambda n, *_: (n,),
+            ids=lambda n, *scores: f"{next(k for k, v in SCORES.items() if v == scores)}-p{n}"),
+)  # fmt: skip
 def test_count_mode_matches_segment_rank_interpreter(num_prefix, ties, nan_rows, gen):
     scores, cu = _case((0, 1, 3, 17, 70, 65), "cpu", gen, ties, nan_rows)
     for count in (0, 1, 7, 64, 100):
