@@ -42,7 +42,7 @@ from ragged_vit.reference import packing as ref_packing
 from ragged_vit.testing.ops import op_names
 from ragged_vit.triton_impl import merging as ker
 from ragged_vit.triton_impl.launcher import pdl_supported
-from tests.helpers import levels
+from tests.helpers import levels, rotated
 
 MARGIN = 1e-5  # far above fp32's rounding of a similarity (~1e-7), far below the gaps of random keys
 LENGTHS = (1, 2, 3, 63, 64, 65, 197, 0)  # around the 64-row tiles, DeiT's 197, an empty image
@@ -229,10 +229,15 @@ def test_decisions_on_large_batch_tiles_interpreter(sms, tile, mode, gen, monkey
     _decisions("cpu", LENGTHS, mode, 1, gen, CPU_SHAPE)
 
 
+GPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("num_prefix", [0, 1, 2])
-@pytest.mark.parametrize("mode", MODES, ids=_mode_id)
+@pytest.mark.parametrize(  # quick: each mode once, the prefix counts and dtypes in turn
+    "mode,num_prefix,dtype",
+    rotated([(m, n, d) for m in MODES for n in (0, 1, 2) for d in GPU_DTYPES], lambda m, n, d: _mode_id(m),
+            lambda m, n, d: (n, d), ids=lambda m, n, d: f"{_mode_id(m)}-p{n}-{str(d)[6:]}"),
+)  # fmt: skip
 def test_decisions_are_the_reference_gpu(mode, num_prefix, dtype, gen):
     ragged = tuple(torch.randint(0, 198, (64,), generator=gen).tolist())
     for lengths in (LENGTHS, (197,) * 8, ragged, (577,) * 4):
@@ -438,9 +443,11 @@ def test_merged_rows_adaptive_no_prefix_interpreter(gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["random", "dyadic"])
-@pytest.mark.parametrize("channels", [64, 200, 768])
+@pytest.mark.parametrize(  # quick: each width once, the kinds and dtypes in turn
+    "channels,kind,dtype",
+    rotated([(c, k, d) for c in (64, 200, 768) for k in ("random", "dyadic") for d in GPU_DTYPES],
+            lambda c, k, d: c, lambda c, k, d: (k, d), ids=lambda c, k, d: f"c{c}-{k}-{str(d)[6:]}"),
+)  # fmt: skip
 def test_merged_rows_follow_the_rule_gpu(channels, kind, dtype, gen):
     ragged = tuple(torch.randint(0, 198, (64,), generator=gen).tolist())
     for lengths in (LENGTHS, ragged, (577,) * 4):
@@ -566,9 +573,12 @@ def test_poisoned_outputs_are_overwritten_interpreter(mode, gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("mode", [{"r": 13}, {"threshold": 0.3, "r_max": 30}], ids=_mode_id)
+@pytest.mark.parametrize(  # quick: each mode plain and fused once, the dtypes in turn
+    "mode,dtype,fused",
+    rotated([(m, d, f) for m in POISON_MODES for d in GPU_DTYPES for f in (False, True)],
+            lambda m, d, f: (_mode_id(m), f), lambda m, d, f: (d,),
+            ids=lambda m, d, f: f"{_mode_id(m)}-{str(d)[6:]}-{'fused' if f else 'plain'}"),
+)  # fmt: skip
 def test_poisoned_outputs_replayed_from_a_graph_gpu(mode, dtype, fused, gen):
     """And without a device-to-host sync: the decision and the merge (``fused``: with the residual add and the
     LayerNorm) captured in a CUDA graph and replayed over poisoned outputs give the eager bits, run after run."""
@@ -772,9 +782,11 @@ def test_fused_merge_deit_rows_interpreter(mode, lengths, gen):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("kind", ["random", "dyadic"])
-@pytest.mark.parametrize("channels", [72, 200, 768])
+@pytest.mark.parametrize(  # quick: each width once, the kinds and dtypes in turn
+    "channels,kind,dtype",
+    rotated([(c, k, d) for c in (72, 200, 768) for k in ("random", "dyadic") for d in GPU_DTYPES],
+            lambda c, k, d: c, lambda c, k, d: (k, d), ids=lambda c, k, d: f"c{c}-{k}-{str(d)[6:]}"),
+)  # fmt: skip
 def test_fused_merge_follows_the_rules_gpu(channels, kind, dtype, gen):
     ragged = tuple(torch.randint(0, 198, (64,), generator=gen).tolist())
     for lengths in (LENGTHS, ragged, (577,) * 4):
