@@ -175,7 +175,7 @@ def test_tighter_row_bound_changes_the_tile_not_the_result_interpreter(gen):
     """After an earlier ATS stage no image has more than ``samples + 1`` rows: the graph runner passes that bound
     (``max_seqlen=99``: a 128-wide tile instead of 256) and gets the decisions of the default bound (197)."""
     heads, head_dim = 2, 16
-    qkv, cu = _qkv((99, 60, 2, 1, 90), heads, head_dim, "cpu", gen)
+    qkv, cu = _qkv((99, 2, 90), heads, head_dim, "cpu", gen)
     pruner = ATSPruner(num_samples=98)
     wide = ats.ats_select(pruner, _inp(qkv, cu, 196, heads, head_dim**-0.5))
     tight = ats.ats_select(pruner, _inp(qkv, cu, 196, heads, head_dim**-0.5, max_seqlen=99))
