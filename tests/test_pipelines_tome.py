@@ -383,10 +383,13 @@ def test_graphed_fixed_r_runs_the_pipeline_itself():
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on the NaN padding rows
-@pytest.mark.parametrize(
+@pytest.mark.parametrize(  # quick: no-reads in test_graphed_merges_take_the_residual_add_and_norm2 (the same runner)
     "reads",
-    [{"sync_free_rows": 0}, {"sync_free_rows": 10_000}, {"lagged_reads": True}],
-    ids=["reads", "no-reads", "lagged"],
+    [
+        pytest.param({"sync_free_rows": 0}, id="reads"),
+        pytest.param({"sync_free_rows": 10_000}, id="no-reads", marks=pytest.mark.full),
+        pytest.param({"lagged_reads": True}, id="lagged"),
+    ],
 )
 def test_graphed_adaptive_merges_match_eager_with_nan_padding(reads, poisoned, fused_calls):
     pv = PrunedViT(small_model("avg"), merger("adaptive"), "triton")

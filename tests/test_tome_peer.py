@@ -195,15 +195,22 @@ def dry_run(tmp_path, name: str, *argv: str) -> list[dict]:
 
 
 @pytest.mark.interpreter  # our rows run the Triton kernels on the CPU; the GPU run is ci/gpu_suite.sh's tome-peer step
-def test_main_dry_run_on_cpu(tmp_path, capsys):
-    """Every row runs or says why; the adaptive rows' statistics hold together. The sync-free adaptive row runs
-    alone in a second run, which makes our fixed-r logits itself (no ``ours`` row): the same as the first run's."""
-    adaptive = tome_peer.ADAPTIVE_ROWS
-    first = [r for r in tome_peer.ROWS if r != "ours_adaptive_sync_free"]
+@pytest.mark.parametrize(
+    "sync_free_alone",
+    [pytest.param(False, id="one-run"), pytest.param(True, id="sync-free-alone", marks=pytest.mark.full)],
+)
+def test_main_dry_run_on_cpu(sync_free_alone, tmp_path, capsys):
+    """Every row runs or says why; the adaptive rows' statistics hold together. ``sync-free-alone``: the sync-free
+    adaptive row runs alone in a second run, which makes our fixed-r logits itself (no ``ours`` row): the same as
+    the first run's. (Without it, the default buckets' adaptive row runs the same sync-free segments here.)"""
+    sync_free = "ours_adaptive_sync_free"
+    first = [r for r in tome_peer.ROWS if r != sync_free]
     rows = {e["row"]: e for e in dry_run(tmp_path, "all", "--adaptive-batches", "2", "--rows", ",".join(first))}
     printed = capsys.readouterr().out
-    rows |= {e["row"]: e for e in dry_run(tmp_path, "sync_free", "--adaptive-batches", "2", "--rows", adaptive[1])}
-    assert set(rows) == set(tome_peer.ROWS)
+    if sync_free_alone:
+        rows |= {e["row"]: e for e in dry_run(tmp_path, "sync_free", "--adaptive-batches", "2", "--rows", sync_free)}
+    adaptive = [r for r in tome_peer.ADAPTIVE_ROWS if r in rows]
+    assert set(rows) == set(tome_peer.ROWS) - ({sync_free} - set(adaptive))
     for row in ("timm_eager", "peer_eager", "peer_sdpa_eager", "ours", *adaptive):
         assert rows[row]["status"] == "ok" and rows[row]["img_per_s"] > 0 and rows[row]["img_per_s_back_to_back"] > 0
     for row in ("peer_eager", "peer_sdpa_eager"):
@@ -238,15 +245,17 @@ def test_main_dry_run_on_cpu(tmp_path, capsys):
         # B * N = 34 rows: the default buckets skip reads below 1024 too; the lagged row reads (late) every stage
         assert e["host_reads_per_forward"] == (depth if row == "ours_adaptive_lagged" else 0)
     assert rows["ours_adaptive"]["buckets"]["sync_free_rows"] == 1024
-    assert rows["ours_adaptive_sync_free"]["buckets"]["sync_free_rows"] == 2 * n
     assert rows["ours_adaptive_lagged"]["buckets"]["lagged_reads"]
-    # The first two adaptive rows run the same segments here, against the fixed-r logits of the first run's ``ours``
-    # row and of the second run's own fixed-r pipeline: bit for bit the same results. The lagged row repacks into
-    # other capacities: the same merges.
-    a, b, lagged = (rows[row] for row in adaptive)
-    assert a["counts"] == b["counts"] == lagged["counts"]
-    assert a["vs_fixed"] == b["vs_fixed"] and a["check"] == b["check"]
-    assert a["calibration"]["threshold"] == b["calibration"]["threshold"] == lagged["calibration"]["threshold"]
+    # The lagged row repacks into other capacities: the same merges.
+    a, lagged = rows["ours_adaptive"], rows["ours_adaptive_lagged"]
+    assert a["counts"] == lagged["counts"] and a["calibration"]["threshold"] == lagged["calibration"]["threshold"]
+    if sync_free_alone:
+        # The first two adaptive rows run the same segments here, against the fixed-r logits of the first run's
+        # ``ours`` row and of the second run's own fixed-r pipeline: bit for bit the same results.
+        b = rows[sync_free]
+        assert b["buckets"]["sync_free_rows"] == 2 * n
+        assert a["counts"] == b["counts"] and a["vs_fixed"] == b["vs_fixed"] and a["check"] == b["check"]
+        assert a["calibration"]["threshold"] == b["calibration"]["threshold"]
 
     lines = printed.rstrip().splitlines()
     assert lines[-2].startswith("| ours vs the peer's best mode |")
