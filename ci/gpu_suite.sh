@@ -25,9 +25,9 @@ if [ -z "${TEST_PATHS:-}" ] && [ -n "${TEST_SHARD:-}" ]; then
   TEST_PATHS=$(ls tests/test_*.py | awk -v i="$shard_i" -v n="$shard_n" '(NR - i) % n == 0' | tr '\n' ' ')
 fi
 
-# Rough seconds of each unit at --full on one GPU with the others running beside it (a partial H200 run; unlisted: 5):
-# a file, or one test function of a heavy file (a "file::function" unit; the file's other tests are then a unit of
-# their own, which deselects it). Only the balance uses them.
+# Rough relative cost (about seconds at --full with the other processes beside it; unlisted: 5) of each unit: a file,
+# or one test function of a heavy file (a "file::function" unit; the file's other tests are then a unit of their own,
+# which deselects it). Only the balance uses them: a wrong one costs wall time, never a test.
 TEST_COST="test_triton_attention.py::test_qkv_layout_gpu=240 test_triton_attention.py::test_qkv_layout_key_bias_gpu=100
 test_triton_attention.py=150 test_triton_pack.py::test_pack_family_gpu=330 test_triton_pack.py=80
 test_pipelines_gpu.py::test_backend_matches_fp32_reference=120 test_pipelines_gpu.py=60 test_triton_merging.py=150
