@@ -199,19 +199,25 @@ def paired_ratio(spans: Mapping[str, Sequence[float]], peer: str, row: str) -> d
     return {**summarize(ratios).to_dict(), "fastest": min(spans[peer]) / min(spans[row])}
 
 
+def warm_up_on_side_stream(calls: Sequence[Call]) -> None:
+    """Runs ``calls`` once on a side stream and waits for them: the warm-up before a capture that
+    ``torch.cuda.graph``'s documentation asks for (lazy handles and workspaces must not be created during capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+
+
 def graphed_calls(calls: Sequence[Call], context: ContextFactory = contextlib.nullcontext) -> list[Call]:
     """Each call captured in a CUDA graph of its own (inside ``context``, after a warm-up on a side stream, as
     ``torch.cuda.graph`` asks) and returned as that graph's replay: the peer run as one graph launch per call.
     The graphs (and their memory pools) live as long as the returned calls; their outputs are not kept."""
     replays: list[Call] = []
     with context():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for call in calls:
-                call()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
+        warm_up_on_side_stream(calls)
         for call in calls:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
@@ -241,15 +247,7 @@ def graph_time(
     plan = schedule(calls, k)
     graph = torch.cuda.CUDAGraph()
     with context():
-        # Warm up on a side stream before capture, as torch.cuda.graph's documentation asks (lazy handles and
-        # workspaces must not be created during capture).
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for call in plan[: len(calls)]:
-                call()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
+        warm_up_on_side_stream(plan[: len(calls)])
         try:
             with torch.cuda.graph(graph):
                 for call in plan:
