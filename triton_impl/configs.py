@@ -83,3 +83,73 @@ def attention_config(device: torch.device, head_dim: int, mean_seqlen: float = _
 def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
+
+
+# --- the skinny fused linear (triton_impl/linear.py) ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LinearConfig:
+    """One launch configuration of ``ragged_vit.triton_impl.linear``: the output tile ``block_m x block_n``, the
+    reduction step ``block_k``, and ``split_k`` (0: chosen by :func:`linear_split` from K and the SM count)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int = 0
+
+
+# Bands of the row count M (the packed rows of a forward), the last one open-ended. SM90: starting points, not yet
+# swept (docs/tuning.md#linear-tile-table): 16-row tiles where M is a handful of rows (the MMA's smallest M), 64-row
+# tiles up to 64 rows, 128 x 64 tiles beyond.
+_LinearBands = tuple[tuple[float, LinearConfig], ...]
+_LINEAR_TABLE: dict[tuple[int, int], _LinearBands] = {
+    (9, 0): (
+        (16, LinearConfig(16, 64, 128, 4, 4)),
+        (64, LinearConfig(64, 64, 64, 4, 4)),
+        (_OPEN, LinearConfig(128, 64, 64, 4, 3)),
+    ),
+}
+# Any other capability, and the CPU interpreter (where fewer, larger tiles run faster): untuned, correct everywhere.
+_LINEAR_DEFAULT: _LinearBands = (
+    (16, LinearConfig(16, 64, 64, 4, 2)),
+    (64, LinearConfig(64, 64, 64, 4, 2)),
+    (_OPEN, LinearConfig(64, 128, 64, 4, 2)),
+)
+LINEAR_MIN_K_BLOCKS = 2
+"""Each split of K walks at least this many ``block_k`` steps, so a split's loads can still be pipelined."""
+LINEAR_MAX_SPLIT = 16
+"""At most this many splits of K: beyond it the fp32 partial sums cost more traffic than the spread gains."""
+INTERPRETER_SMS = 8
+"""The SM count the interpreter plans splits for: small enough that its tests take the split-K path at small N."""
+
+
+def linear_config(device: torch.device, rows: int) -> LinearConfig:
+    """The configuration for ``rows`` (M) packed rows on ``device`` (CPU = interpreter)."""
+    capability = _capability(device.index) if device.type == "cuda" else None
+    for limit, config in _LINEAR_TABLE.get(capability, _LINEAR_DEFAULT):
+        if rows <= limit:
+            return config
+    raise AssertionError("the last band is open-ended")
+
+
+@functools.lru_cache(maxsize=16)
+def sm_count(index: int | None) -> int:
+    """Streaming multiprocessors of CUDA device ``index``."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def linear_split(config: LinearConfig, rows: int, cols: int, depth: int, sms: int) -> tuple[int, int]:
+    """``(splits, k_per_split)`` for an ``[rows, depth] @ [depth, cols]`` product: with fewer output tiles than
+    ``sms``, K is split so that about one program per SM streams its own slab of the weight; each split is a
+    multiple of ``block_k`` long, at least :data:`LINEAR_MIN_K_BLOCKS` steps, and none is empty."""
+    steps = -(-depth // config.block_k)
+    if config.split_k:
+        wanted = config.split_k
+    else:
+        tiles = -(-rows // config.block_m) * -(-cols // config.block_n)
+        wanted = min(max(1, sms // max(tiles, 1)), LINEAR_MAX_SPLIT, max(1, steps // LINEAR_MIN_K_BLOCKS))
+    per_split = -(-steps // max(1, min(wanted, steps)))  # block_k steps per split
+    return -(-steps // per_split), per_split * config.block_k

@@ -1,0 +1,369 @@
+"""A skinny fused linear layer in Triton: ``[M, K] @ [N, K].T`` for the few hundred packed rows of a small-batch ViT
+forward, with its LayerNorm, bias, GELU, LayerScale and residual fused in.
+
+The op is :func:`ragged_vit.reference.linear.fused_linear` (its docstring states it); this is its kernel twin:
+
+    * prologue (``ln_weight=``): each row's LayerNorm over K, statistics in fp32 (one pass over the row, chunk by chunk,
+      merged with Chan's update, so a large mean costs no precision), the normalised tile rounded to the weight's dtype
+      before the dot, as timm's ``norm`` hands its output to ``Linear``;
+    * main loop: ``tl.dot`` of ``[BLOCK_M, BLOCK_K]`` row tiles with ``[BLOCK_K, BLOCK_N]`` tiles of the weight read
+      transposed through strides (nn.Linear's ``[N, K]`` as stored, no copy), accumulated in fp32 (IEEE fp32 dots for
+      fp32 inputs, no TF32);
+    * epilogue, on the fp32 sum: ``+ bias``, GELU (``"gelu"``: exact erf, timm's ``nn.GELU`` default; ``"gelu_tanh"``:
+      the tanh approximation, written so that it cannot overflow), ``* gamma`` (LayerScale), ``residual +``, then one
+      rounding to the output dtype.
+
+Split-K: a small M leaves few output tiles, too few to stream the weight with every SM. The grid is ``(M tiles, N
+tiles, K splits)``; with more than one split each program writes its fp32 partial sum into a workspace ``[splits, M,
+N]`` and a second small kernel adds the partials in split order (deterministic: the same bits on every run) and applies
+the epilogue. With one split the epilogue runs in the main kernel and there is no workspace. The split count comes from
+the configuration table (:func:`ragged_vit.triton_impl.configs.linear_split`: about one program per SM).
+
+Supported: fp16, bf16, fp32 inputs (``x``, ``weight`` and ``residual`` of one dtype; the vectors ``bias``,
+``ln_weight``, ``ln_bias``, ``gamma`` in that dtype or fp32); K and N multiples of 16 up to 8192; any M (tuned for M
+up to 256); the last dimension of every matrix contiguous, rows at any stride. ``out`` may be ``residual`` itself (an
+in-place residual add) but must not overlap ``x`` or ``weight``. Not supported: other activations or norms, a backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..core.validation import FLOAT_DTYPES, check_tensor
+from ..reference.linear import ACTIVATIONS
+from .configs import INTERPRETER_SMS, LinearConfig, linear_config, linear_split, sm_count
+from .launcher import INTERPRETED, CompiledLauncher, aligned, cdiv, int_spec
+
+MAX_DIM = 8192
+_ACTIVATION_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2}
+
+
+@triton.jit
+def _tanh(u):
+    """tanh through the exp of ``-2|u|``, which never overflows: ``sign(u) (1 - e) / (1 + e)``."""
+    e = tl.exp(-2.0 * tl.abs(u))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(u < 0, -t, t)
+
+
+@triton.jit
+def _epilogue(
+    acc, offs_m, offs_n, M, N, B, G, R, Y, stride_rm, stride_ym,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """``residual + gamma * act(acc + bias)`` on an fp32 tile, rounded once and stored; every step switched by a
+    constexpr, so an unused one compiles to nothing."""
+    mask_n = offs_n < N
+    mask = (offs_m < M)[:, None] & mask_n[None, :]
+    if HAS_BIAS:
+        acc += tl.load(B + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if ACTIVATION == 1:  # exact GELU: x * Phi(x)
+        acc = 0.5 * acc * (1.0 + tl.math.erf(acc * 0.7071067811865476))
+    elif ACTIVATION == 2:  # tanh approximation: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))
+        acc = 0.5 * acc * (1.0 + _tanh(0.7978845608028654 * (acc + 0.044715 * acc * acc * acc)))
+    if HAS_GAMMA:
+        acc *= tl.load(G + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if HAS_RESIDUAL:
+        acc += tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _row_stats(X, offs_m, mask_m, K, stride_xm, eps, BLOCK_K: tl.constexpr):
+    """Mean and 1 / std of each row of ``X`` over its K values, in fp32, in one pass: each chunk's mean and sum of
+    squared deviations, merged into the running ones by Chan's update (no E[x^2] - E[x]^2 cancellation)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    mean = tl.zeros([offs_m.shape[0]], dtype=tl.float32)
+    m2 = tl.zeros([offs_m.shape[0]], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        lanes = (k0 + offs_k) < K
+        x = tl.load(X + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None] & lanes[None, :],
+                    other=0.0).to(tl.float32)  # fmt: skip
+        seen = k0 * 1.0
+        count = tl.minimum(K - k0, BLOCK_K) * 1.0
+        chunk_mean = tl.sum(x, 1) / count
+        dev = tl.where(lanes[None, :], x - chunk_mean[:, None], 0.0)
+        delta = chunk_mean - mean
+        mean += delta * (count / (seen + count))
+        m2 += tl.sum(dev * dev, 1) + delta * delta * (seen * count / (seen + count))
+    return mean, 1.0 / tl.sqrt(m2 / K + eps)
+
+
+@triton.jit(do_not_specialize=["M", "eps"])
+def _linear_kernel(
+    X, W, B, LNW, LNB, G, R, Y, WS,
+    M, N, K, k_per_split, eps,
+    stride_xm, stride_wn, stride_rm, stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_LN: tl.constexpr,
+    HAS_LN_BIAS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # 0 none, 1 erf GELU, 2 tanh GELU
+    HAS_GAMMA: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    PARTIAL: tl.constexpr,  # several K splits: write the fp32 partial to WS [splits, M, N], no epilogue here
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
+    EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no N masks on the weight
+    DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,  # bf16 tiles widened to fp32 before the dot (exact products): the interpreter's bf16 dot
+):  # fmt: skip
+    pid_m = tl.program_id(0)  # M tiles vary fastest: the programs that share a weight slab run together
+    pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k0 = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    if HAS_LN:
+        mean, rstd = _row_stats(X, offs_m, mask_m, K, stride_xm, eps, BLOCK_K)
+    x_rows = X + offs_m[:, None] * stride_xm
+    w_cols = W + offs_n[None, :] * stride_wn  # the weight's rows, read as the columns of a [BLOCK_K, BLOCK_N] tile
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    k_lo = pid_s * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + offs_k0
+        if EVEN_K:
+            a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
+            if EVEN_N:
+                w = tl.load(w_cols + offs_k[:, None])
+            else:
+                w = tl.load(w_cols + offs_k[:, None], mask=mask_n[None, :], other=0.0)
+        else:
+            lanes = offs_k < K  # a split never crosses into the next one: only K's own end is masked
+            a = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & lanes[None, :], other=0.0)
+            w = tl.load(w_cols + offs_k[:, None], mask=lanes[:, None] & mask_n[None, :], other=0.0)
+        if HAS_LN:
+            if EVEN_K:
+                scale = tl.load(LNW + offs_k).to(tl.float32)
+            else:
+                scale = tl.load(LNW + offs_k, mask=lanes, other=0.0).to(tl.float32)
+            h = (a.to(tl.float32) - mean[:, None]) * rstd[:, None] * scale[None, :]
+            if HAS_LN_BIAS:
+                if EVEN_K:
+                    h += tl.load(LNB + offs_k).to(tl.float32)[None, :]
+                else:
+                    h += tl.load(LNB + offs_k, mask=lanes, other=0.0).to(tl.float32)[None, :]
+            a = h.to(w.dtype)  # the normalised rows in the weight's dtype, as the unfused norm would store them
+        if DOT_FP32:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    if PARTIAL:
+        ws = WS + pid_s * M * N + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(ws, acc, mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        _epilogue(acc, offs_m, offs_n, M, N, B, G, R, Y, stride_rm, stride_ym,
+                  HAS_BIAS, ACTIVATION, HAS_GAMMA, HAS_RESIDUAL)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=["M"])
+def _reduce_kernel(
+    WS, B, G, R, Y,
+    M, N, stride_rm, stride_ym,
+    SPLITS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+    HAS_GAMMA: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """Adds the ``SPLITS`` fp32 partials of a tile in split order (the same bits on every run), then the epilogue."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    ptrs = WS + offs_m[:, None] * N + offs_n[None, :]
+    acc = tl.load(ptrs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(ptrs + s * M * N, mask=mask, other=0.0)
+    _epilogue(acc, offs_m, offs_n, M, N, B, G, R, Y, stride_rm, stride_ym, HAS_BIAS, ACTIVATION, HAS_GAMMA,
+              HAS_RESIDUAL)  # fmt: skip
+
+
+_main = CompiledLauncher(_linear_kernel)
+_reduce = CompiledLauncher(_reduce_kernel)
+REDUCE_BLOCK_N = 128
+"""Columns per program of the reduction (its rows: M up to 16, a power of two)."""
+
+
+def _check_vector(value: object, name: str, length: int, x: torch.Tensor, what: str) -> None:
+    check_tensor(value, name, ndim=1, dtypes=(x.dtype, torch.float32), device=x.device)
+    if value.shape[0] != length:
+        raise ValueError(f"{name} must hold {length} values ({what}), got {value.shape[0]}")
+    if value.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous, got stride {value.stride(0)}")
+
+
+def _check_matrix(value: object, name: str, shape: tuple[int, int], x: torch.Tensor) -> None:
+    check_tensor(value, name, ndim=2, dtypes=(x.dtype,), device=x.device)
+    if tuple(value.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(value.shape)}")
+    if value.stride(1) != 1 and shape[1] > 1:
+        raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {value.stride()}")
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def check_linear_args(
+    x: object,
+    weight: object,
+    bias: object = None,
+    *,
+    ln_weight: object = None,
+    ln_bias: object = None,
+    eps: object = 1e-5,
+    activation: object = None,
+    residual: object = None,
+    gamma: object = None,
+    out: object = None,
+) -> None:
+    """Every check of :func:`fused_linear`, each raising one line that names the argument (``TypeError`` for a wrong
+    kind or dtype, ``ValueError`` for a wrong shape, layout, device or value); reads metadata only."""
+    check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor(weight, "weight", ndim=2, dtypes=(x.dtype,), device=x.device)
+    rows, depth = x.shape
+    cols = weight.shape[0]
+    if weight.shape[1] != depth:
+        raise ValueError(f"weight must be [N, K] with K = x.shape[1] = {depth}, got shape {tuple(weight.shape)}")
+    for name, value in (("K (x.shape[1])", depth), ("N (weight.shape[0])", cols)):
+        if value % 16 or not 16 <= value <= MAX_DIM:
+            raise ValueError(f"{name} must be a multiple of 16 from 16 to {MAX_DIM}, got {value}")
+    if x.stride(1) != 1:
+        raise ValueError(f"x must have a contiguous last dimension (stride 1), got strides {x.stride()}")
+    if weight.stride(1) != 1:
+        raise ValueError(f"weight must have a contiguous last dimension (stride 1), got strides {weight.stride()}")
+    if bias is not None:
+        _check_vector(bias, "bias", cols, x, "N")
+    if ln_weight is not None:
+        _check_vector(ln_weight, "ln_weight", depth, x, "K")
+    if ln_bias is not None:
+        if ln_weight is None:
+            raise ValueError("ln_bias needs ln_weight: the LayerNorm is on iff ln_weight is given")
+        _check_vector(ln_bias, "ln_bias", depth, x, "K")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps must be a positive finite float, got {eps!r}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if gamma is not None:
+        _check_vector(gamma, "gamma", cols, x, "N")
+    if residual is not None:
+        _check_matrix(residual, "residual", (rows, cols), x)
+    if out is not None:
+        _check_matrix(out, "out", (rows, cols), x)
+        if _shares_memory(out, x) or _shares_memory(out, weight):
+            raise ValueError("out must not overlap x or weight (every program reads them whole)")
+        if residual is not None and _shares_memory(out, residual):
+            if out.data_ptr() != residual.data_ptr() or out.stride() != residual.stride():
+                raise ValueError("out may be residual itself (an in-place residual add) but no other view of it")
+
+
+def fused_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ln_weight: torch.Tensor | None = None,
+    ln_bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+    gamma: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: LinearConfig | None = None,
+) -> torch.Tensor:
+    """``residual + gamma * act(LayerNorm(x) @ weight.T + bias)``, each part optional, in one or two launches.
+
+    Args:
+        x: ``[M, K]`` rows (fp16, bf16 or fp32; last dimension contiguous).
+        weight: ``[N, K]`` as ``nn.Linear`` stores it, ``x``'s dtype.
+        bias: optional ``[N]``.
+        ln_weight, ln_bias: the LayerNorm of the rows over K before the product (on iff ``ln_weight`` is given);
+            ``[K]`` each; ``eps`` its epsilon (``nn.LayerNorm``'s ``eps``; timm's ViTs use 1e-6).
+        activation: None, ``"gelu"`` (exact, erf) or ``"gelu_tanh"``.
+        residual: optional ``[M, N]`` added last (``x``'s dtype); ``gamma``: optional ``[N]`` LayerScale, multiplied
+            before the residual add.
+        out: optional ``[M, N]`` output; may be ``residual`` itself.
+        config: launch configuration; None takes the table's (:func:`ragged_vit.triton_impl.configs.linear_config`).
+
+    Returns:
+        ``[M, N]`` in ``x``'s dtype. The vectors may be fp32 or ``x``'s dtype; every step runs in fp32 and the result
+        is rounded once. See :mod:`ragged_vit.reference.linear` for the op, this module's docstring for the kernel.
+    """
+    check_linear_args(
+        x, weight, bias, ln_weight=ln_weight, ln_bias=ln_bias, eps=eps, activation=activation, residual=residual,
+        gamma=gamma, out=out,
+    )  # fmt: skip
+    if config is not None and not isinstance(config, LinearConfig):
+        raise TypeError(f"config must be a LinearConfig or None, got {type(config).__name__}")
+    return fused_linear_unchecked(
+        x, weight, bias, ln_weight=ln_weight, ln_bias=ln_bias, eps=float(eps), activation=activation,
+        residual=residual, gamma=gamma, out=out, config=config,
+    )  # fmt: skip
+
+
+def fused_linear_unchecked(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ln_weight: torch.Tensor | None = None,
+    ln_bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+    gamma: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: LinearConfig | None = None,
+) -> torch.Tensor:
+    """:func:`fused_linear` without its checks, for callers that validated their arguments once (wrong arguments here
+    give wrong results, not errors)."""
+    rows, depth = x.shape
+    cols = weight.shape[0]
+    y = x.new_empty((rows, cols)) if out is None else out
+    if rows == 0:
+        return y
+    device = x.device
+    config = config or linear_config(device, rows)
+    sms = sm_count(device.index) if device.type == "cuda" else INTERPRETER_SMS
+    splits, k_per_split = linear_split(config, rows, cols, depth, sms)
+    workspace = torch.empty((splits, rows, cols), dtype=torch.float32, device=device) if splits > 1 else None
+    flags = (bias is not None, _ACTIVATION_CODES[activation], gamma is not None, residual is not None)
+    stride_rm = residual.stride(0) if residual is not None else 0
+    tensors = (x, weight, bias, ln_weight, ln_bias, gamma, residual, y, workspace)
+    present = [t for t in tensors if t is not None]
+    # What Triton specialises on that can vary between calls: dtypes, row strides mod 16, pointer alignment; only
+    # the all-aligned case is cached, any misaligned pointer takes Triton's own path.
+    key = None
+    if aligned(*present):
+        strides = (x.stride(0), weight.stride(0), stride_rm, y.stride(0))
+        key = (tuple(None if t is None else t.dtype for t in tensors), tuple(int_spec(s) for s in strides), config,
+               splits, depth, cols, k_per_split, flags, ln_weight is not None, ln_bias is not None)  # fmt: skip
+    index = x.get_device()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    grid = (cdiv(rows, config.block_m), cdiv(cols, config.block_n), splits)
+    _main(
+        key, index, grid,
+        (*tensors, rows, cols, depth, k_per_split, eps, x.stride(0), weight.stride(0), stride_rm, y.stride(0),
+         config.block_m, config.block_n, config.block_k, ln_weight is not None, ln_bias is not None, *flags,
+         splits > 1, depth % config.block_k == 0, cols % config.block_n == 0, precision,
+         INTERPRETED and x.dtype == torch.bfloat16),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )  # fmt: skip
+    if splits > 1:
+        block_m = min(16, 1 << (rows - 1).bit_length())
+        _reduce(
+            key and (key, "reduce"), index, (cdiv(rows, block_m), cdiv(cols, REDUCE_BLOCK_N)),
+            (workspace, bias, gamma, residual, y, rows, cols, stride_rm, y.stride(0), splits, block_m,
+             REDUCE_BLOCK_N, *flags),
+            num_warps=4, num_stages=1,
+        )  # fmt: skip
+    return y
