@@ -61,6 +61,8 @@ class DecisionInput:
         num_prefix: prefix rows at the start of every image (class, distillation, register tokens: 1 for DeiT, 0
             for a model without any): always kept, never scored. A model without prefix rows keeps at least one
             row (its best-scoring patch) of every image.
+        image_patches: int64 ``[B]``: each image's own unpruned patch count, in a batch of images of different sizes
+            (native resolution); ``num_patches`` is then the largest. None: every image has ``num_patches``.
     """
 
     x: torch.Tensor
@@ -74,6 +76,7 @@ class DecisionInput:
     cls_attn: torch.Tensor | None = None
     v: torch.Tensor | None = None
     num_prefix: int = 1
+    image_patches: torch.Tensor | None = None
 
     @property
     def row_bound(self) -> int:
@@ -163,6 +166,13 @@ def check_decision_input(inp: object, *, attention: bool = False, values: bool =
     check_int(inp.num_prefix, "inp.num_prefix", 0)
     if inp.max_seqlen is not None:
         check_int(inp.max_seqlen, "inp.max_seqlen", 1)
+    if inp.image_patches is not None:
+        check_tensor(inp.image_patches, "inp.image_patches", ndim=1, dtypes=(torch.int64,), device=x.device)
+        if inp.image_patches.shape[0] != inp.cu_seqlens.shape[0] - 1:
+            raise ValueError(
+                f"inp.image_patches must hold one count per image ({inp.cu_seqlens.shape[0] - 1}), got "
+                f"{inp.image_patches.shape[0]}"
+            )
     if inp.qkv is not None:
         qkv = check_tensor(inp.qkv, "inp.qkv", ndim=2, dtypes=_SCORE_DTYPES, device=x.device)
         heads = check_int(inp.num_heads, "inp.num_heads", 1)

@@ -41,6 +41,7 @@ from ..reference.pruners import PRUNERS
 from .backends import AttentionBackend
 from .eva import is_eva
 from .model import PrunedViT
+from .naflex import is_naflex, native_image_size
 from .weights import create_model, load_checkpoint
 
 PRUNER_NAMES: tuple[str, ...] = (*PRUNERS, "none")
@@ -78,15 +79,20 @@ def build_pruner(name: str, model: nn.Module, keep_rate: float = 0.5, **options:
     if not isinstance(name, str) or name not in PRUNER_NAMES:
         raise ValueError(f"pruner must be one of {', '.join(PRUNER_NAMES)}, got {name!r}")
     keep_rate = check_rate(keep_rate, "keep_rate")
-    if not isinstance(model, VisionTransformer) and not is_eva(model):
-        raise TypeError(f"model must be a timm VisionTransformer or Eva, got {type(model).__name__}")
+    native = is_naflex(model)
+    if not isinstance(model, VisionTransformer) and not is_eva(model) and not native:
+        raise TypeError(f"model must be a timm VisionTransformer, Eva or NaFlexVit, got {type(model).__name__}")
     _check_options(name, options)
     if name == "none":
         return None
     cls = PRUNERS[name]
     if "depth" in inspect.signature(cls.from_keep_rate).parameters:  # a schedule over every block (ToMe)
         options = {**options, "depth": len(model.blocks)}
-    num_patches = model.patch_embed.num_patches
+    if native:  # a NaFlexVit's patches at its position-embedding grid
+        (height, width), (p, q) = native_image_size(model), model.embeds.patch_size
+        num_patches = (height // p) * (width // q)
+    else:
+        num_patches = model.patch_embed.num_patches
     return cls.from_keep_rate(keep_rate, embed_dim=model.embed_dim, num_patches=num_patches, **options)
 
 

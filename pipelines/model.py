@@ -64,6 +64,15 @@ from .eva import RopeSpec, RotaryRows, check_eva, is_eva, rotary_rows
 from .executor import BoundedRepack, ExactRepack, OnStep, Run, execute, stage_counts
 from .graphs import GraphedPrunedViT
 from .heads import pool_of
+from .naflex import (
+    NativeBatch,
+    check_naflex,
+    check_native_pruner,
+    is_naflex,
+    native_batch,
+    native_front,
+    native_image_size,
+)
 from .packed_block import check_packable
 from .parts import Parts, front, parts
 from .patch_embed import patch_embed_gemm, supports_gemm
@@ -139,6 +148,7 @@ class PrunedViT(nn.Module):
         self._compile_failed = False  # torch.compile failed here once: the graphs run the plain parts
         self.rope = _check_model(model)  # a RoPE model's rope table and layout (None without RoPE)
         self.eva = is_eva(model)
+        self.native = is_naflex(model)  # a NaFlexVit: batches of images of their own sizes, every block packed
         # A per-block rope table (RoPE-Mixed) is indexed by each block's attention module.
         self._rope_blocks = {blk.attn: k for k, blk in enumerate(model.blocks)} if self.rope is not None else None
         if self.rope is not None and compile_blocks is True:
@@ -148,13 +158,17 @@ class PrunedViT(nn.Module):
             )
         self.model = model
         self.pruner = _check_pruner(pruner, len(model.blocks))
+        if self.native:
+            check_native_pruner(self.pruner)
         self.backend = backend
         self.stages: tuple[Stage, ...] = make_stages(self.pruner, model)
         self._plans: dict[tuple[int, int], ForwardPlan] = {}  # by image size (H, W): plan_for()
+        self._token_plans: dict[int, ForwardPlan] = {}  # by rows of the longest image: plan_of_tokens()
         self._plan = self.plan_for(self.image_size)
-        for k in range(self._plan.dense_blocks, len(model.blocks)):
+        packed = 0 if self.native else self._plan.dense_blocks  # a native batch runs every block packed
+        for k in range(packed, len(model.blocks)):
             check_packable(model.blocks[k], f"model.blocks[{k}]")
-        self._head_dims = {blk.attn.head_dim for blk in model.blocks[self._plan.dense_blocks :]}
+        self._head_dims = {blk.attn.head_dim for blk in model.blocks[packed:]}
         self._programs: dict[tuple, Program] = {}  # by (H, W, B, way of running): program()
         self.eval()
 
@@ -183,12 +197,20 @@ class PrunedViT(nn.Module):
         plan = self._plans.get(size)
         if plan is None:
             (height, width), (p, q) = size, self.patch_size
+            tokens = (height // p) * (width // q) + self.model.num_prefix_tokens
+            plan = self._plans[size] = self.plan_of_tokens(tokens, f"{height}x{width}")
+        return plan
+
+    def plan_of_tokens(self, tokens: int, label: str) -> ForwardPlan:
+        """The forward plan of images of at most ``tokens`` rows, prefix rows included (a native batch's longest
+        image; :meth:`plan_for` of a size), built on first use and cached; ``label`` names the size in errors."""
+        plan = self._token_plans.get(tokens)
+        if plan is None:
             prefix = self.model.num_prefix_tokens
             commutes = all(stage.commutes_with_mlp for stage in self.stages)
-            plan = build_plan(self.pruner, len(self.model.blocks), (height // p) * (width // q) + prefix, prefix,
-                              mlp_commutes=commutes)  # fmt: skip
-            _check_stages(plan, self.pruner, self.model, f"{height}x{width}")
-            self._plans[size] = plan
+            plan = build_plan(self.pruner, len(self.model.blocks), tokens, prefix, mlp_commutes=commutes)
+            _check_stages(plan, self.pruner, self.model, label)
+            self._token_plans[tokens] = plan
         return plan
 
     @property
@@ -219,12 +241,14 @@ class PrunedViT(nn.Module):
     def image_size(self) -> tuple[int, int]:
         """The model's input size ``(H, W)`` (timm's ``img_size``): the only one it takes unless it was built with
         ``dynamic_img_size=True``, then the size of :attr:`plan` and :attr:`num_patches`."""
+        if self.native:
+            return native_image_size(self.model)
         return tuple(self.model.patch_embed.img_size)
 
     @property
     def patch_size(self) -> tuple[int, int]:
         """``(p, q)``: the height and width of one patch."""
-        return tuple(self.model.patch_embed.patch_size)
+        return tuple(_embedding(self.model).patch_size)
 
     @property
     def dynamic_img_size(self) -> bool:
@@ -234,12 +258,12 @@ class PrunedViT(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         """The model's parameter dtype: images are cast to it."""
-        return self.model.patch_embed.proj.weight.dtype
+        return _embedding(self.model).proj.weight.dtype
 
     @property
     def device(self) -> torch.device:
         """The model's device: images must be on it."""
-        return self.model.patch_embed.proj.weight.device
+        return _embedding(self.model).proj.weight.device
 
     @property
     def parts(self) -> Parts:
@@ -319,6 +343,8 @@ class PrunedViT(nn.Module):
         """Why a forward of ``images`` cannot run from CUDA graphs, or None."""
         if selections is not None:
             return "selections are replayed eagerly (CUDA graphs make their own decisions on the device)"
+        if self.native:
+            return "a NaFlexVit's batches of several image sizes run eagerly (their CUDA graphs are not done yet)"
         if images.device.type != "cuda":
             return f"the model is on {images.device.type.upper()}: CUDA graphs need a CUDA GPU"
         if self.rope is not None:
@@ -393,8 +419,12 @@ class PrunedViT(nn.Module):
         a share of an eager forward's host dispatches)."""
         images = self.check_inputs(images)
         selections = self._check_selections(selections)
-        plan = self.plan_for(images.shape[-2:])
-        batch, device = images.shape[0], images.device
+        native = isinstance(images, NativeBatch)
+        if native:
+            plan = self.plan_of_tokens(images.max_patches + self.model.num_prefix_tokens, "the longest image")
+        else:
+            plan = self.plan_for(images.shape[-2:])
+        batch, device = len(images), images.device
         triton = _packs_with_triton(device)
         bounded = bounded and triton and not plan.fixed and self._backend.capabilities.capturable
         if bounded:
@@ -402,8 +432,12 @@ class PrunedViT(nn.Module):
         else:
             repack = ExactRepack(host_counts(device), reference=not triton)
         run = Run(self, self.parts, repack, selections, on_step)
-        state = ForwardState(batch, images.to(self.dtype))
-        execute(run, self.program(plan, batch, triton=triton).steps, state)
+        steps = self.program(plan, batch, triton=triton).steps
+        if native:  # FRONT packs the images ragged and runs its blocks packed
+            state, steps = native_front(self, run.parts, images, steps[0].blocks), steps[1:]
+        else:
+            state = ForwardState(batch, images.to(self.dtype))
+        execute(run, steps, state)
         if counts:
             lengths = stage_counts(run, batch, plan.num_prefix, device)
         else:
@@ -474,13 +508,20 @@ class PrunedViT(nn.Module):
             raise ValueError(f"pruner {getattr(self.pruner, 'name', None)!r} has no calibrate() method")
         if self._plan.stages[0].placement is Placement.MID_BLOCK:
             raise NotImplementedError("calibrate() supports before/after-block stages only")
+        if self.native:
+            state = native_front(self, self.parts, self.check_images(images), range(self.num_dense_blocks))
+            inp = DecisionInput(state.x, state.cu_seqlens, 0, state.num_patches, num_prefix=self._plan.num_prefix)
+            return self.pruner.calibrate(inp)
         x, _ = front(self, self.check_images(images).to(self.dtype))
         return self.pruner.calibrate(x, num_prefix=self._plan.num_prefix)
 
     def check_images(self, images: object) -> torch.Tensor:
         """Checks a batch of images for this model (float ``[B, C, H, W]`` at its input size, or with
         ``dynamic_img_size`` at any size whose height and width are positive multiples of the patch size; on its
-        device); returns it."""
+        device); returns it. A NaFlexVit takes a list of images of their own sizes or NaFlex's patch dict
+        (:func:`ragged_vit.pipelines.naflex.native_batch`), returned as their patch rows."""
+        if self.native:
+            return native_batch(self.model, images, self.device, self.dtype)
         images = check_tensor(images, "images", ndim=4)
         if not images.is_floating_point():
             raise TypeError(f"images must be a floating-point tensor, got {images.dtype}")
@@ -555,14 +596,24 @@ def _check_model(model: object) -> RopeSpec | None:
     spec = None
     if is_eva(model):
         spec = check_eva(model)
+    elif is_naflex(model):
+        check_naflex(model)
     elif not isinstance(model, VisionTransformer):
-        raise TypeError(f"model must be a timm VisionTransformer or Eva, got {type(model).__name__}")
+        raise TypeError(f"model must be a timm VisionTransformer, Eva or NaFlexVit, got {type(model).__name__}")
     pool_of(model)  # a pooling the head supports
     return spec
 
 
+def _embedding(model: nn.Module) -> nn.Module:
+    """The patch embedding module (its ``patch_size`` and ``proj``): a NaFlexVit's ``embeds``, else ``patch_embed``."""
+    return model.embeds if is_naflex(model) else model.patch_embed
+
+
 def _allowed_shape(model: VisionTransformer) -> str:
     """The image shapes ``model`` takes, for error messages."""
+    if is_naflex(model):
+        p, q = model.embeds.patch_size
+        return f"(H, W) with H a positive multiple of {p} and W of {q} (NaFlexVit)"
     channels = model.patch_embed.proj.in_channels
     height, width = model.patch_embed.img_size
     if not getattr(model, "dynamic_img_size", False):
@@ -578,9 +629,9 @@ def _takes_size(model: VisionTransformer, size: Sequence[int]) -> bool:
     """Whether ``model`` takes images of ``size = (H, W)``: its own size, or with ``dynamic_img_size`` any positive
     multiples of the patch size."""
     height, width = size
-    if not getattr(model, "dynamic_img_size", False):
+    if not getattr(model, "dynamic_img_size", False) and not is_naflex(model):
         return (height, width) == tuple(model.patch_embed.img_size)
-    p, q = model.patch_embed.patch_size
+    p, q = _embedding(model).patch_size
     return height > 0 and width > 0 and height % p == 0 and width % q == 0
 
 
@@ -589,7 +640,7 @@ def _check_stages(plan: ForwardPlan, pruner: Pruner | None, model: VisionTransfo
     row per image after every stage (at the image size ``size``, ``"HxW"``)."""
     if pruner is None:
         return
-    if pruner.needs_attention and model.cls_token is None:
+    if pruner.needs_attention and not _has_class_token(model):
         raise ValueError(
             f"pruner {pruner.name!r} scores patches by the class token's attention row, and the model has no class "
             "token (class_token=False): use a pruner that scores the tokens themselves (threshold_l2, dynamicvit)"
@@ -599,6 +650,11 @@ def _check_stages(plan: ForwardPlan, pruner: Pruner | None, model: VisionTransfo
             f"pruner {pruner.name!r} would leave images without a single row on this model (no prefix tokens) at "
             f"{size}: rows after each stage {[s.rows_after for s in plan.stages]}"
         )
+
+
+def _has_class_token(model: nn.Module) -> bool:
+    """Whether ``model``'s first prefix row is a class token (a NaFlexVit keeps it in its ``embeds``)."""
+    return getattr(model, "cls_token", None) is not None or bool(getattr(model, "has_class_token", False))
 
 
 def _check_pruner(pruner: object, depth: int) -> Pruner | None:

@@ -53,12 +53,13 @@ def _layout(patch_embed: nn.Module) -> str | None:
     return None
 
 
-def patch_rows(images: torch.Tensor, patch: tuple[int, int]) -> torch.Tensor:
+def patch_rows(images: torch.Tensor, patch: tuple[int, int], channels_last: bool = False) -> torch.Tensor:
     """``[B, C, H, W]`` -> ``[B * H/p * W/q, C*p*q]``: one row per patch, row-major over the patch grid, each row
-    ordered (channel, y, x) like a ``Conv2d`` weight."""
+    ordered (channel, y, x) like a ``Conv2d`` weight, or with ``channels_last`` (y, x, channel) as NaFlex's patches."""
     b, c, h, w = images.shape
     p, q = patch
-    grid = images.reshape(b, c, h // p, p, w // q, q).permute(0, 2, 4, 1, 3, 5)
+    order = (0, 2, 4, 3, 5, 1) if channels_last else (0, 2, 4, 1, 3, 5)
+    grid = images.reshape(b, c, h // p, p, w // q, q).permute(*order)
     return grid.reshape(b * (h // p) * (w // q), c * p * q)
 
 

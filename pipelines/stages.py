@@ -160,7 +160,7 @@ class Stage:
         return DecisionInput(
             x=state.x, cu_seqlens=state.cu_seqlens, stage=self.index, num_patches=state.num_patches,
             max_seqlen=state.max_seqlen, qkv=qkv, num_heads=self.num_heads, scale=self.scale,
-            num_prefix=self.num_prefix,
+            num_prefix=self.num_prefix, image_patches=state.image_patches,
         )  # fmt: skip
 
     def decide(self, state: ForwardState, parts: Parts) -> Decision:

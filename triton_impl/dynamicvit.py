@@ -367,6 +367,8 @@ def _select(pruner: DynamicViTPruner, inp: DecisionInput) -> TokenSelection:
     """:func:`dynamicvit_select` on checked input: the fused decision the pipelines look up."""
     x, cu, prefix, bound = inp.x, inp.cu_seqlens, inp.num_prefix, inp.row_bound
     scores = _scores(pruner.score_predictor[inp.stage], x, cu, bound, prefix)
+    if inp.image_patches is not None:  # images of several sizes: each its own count, ranked by torch
+        return pruner.select_by_scores(scores.float(), inp)
     k = max(pruner.keep_patches(inp.stage, inp.num_patches), inp.min_patches)
     keep, kept = rank_keep_unchecked(scores, cu, bound, None, k, None, 0, prefix)
     current = uniform_length(cu, x.shape[0])

@@ -106,13 +106,27 @@ class DynamicViTPruner(Pruner):
             )
         return inp
 
+    def image_keep(self, inp: DecisionInput) -> torch.Tensor:
+        """int64 ``[T]``: the patches the image of each row keeps at ``inp.stage`` (at least ``inp.min_patches``),
+        counted from its own unpruned count (``inp.image_patches``, a batch of several image sizes) in float64, as
+        :meth:`keep_patches` counts from one."""
+        counts = (inp.image_patches.double() * self.rate ** (inp.stage + 1)).floor().long()
+        return counts.clamp_min(inp.min_patches)[segment_ids(inp.cu_seqlens, inp.x.shape[0])]
+
     def decide(self, inp: DecisionInput) -> TokenSelection:
+        score = self.score_predictor[inp.stage](inp.x, inp.cu_seqlens, inp.num_prefix)[:, 0].float()
+        return self.select_by_scores(score, inp)
+
+    def select_by_scores(self, score: torch.Tensor, inp: DecisionInput) -> TokenSelection:
+        """The top patches of each image by its keep scores ``[T]`` (fp32): the decision after the predictor."""
         x, cu, num_prefix = inp.x, inp.cu_seqlens, inp.num_prefix
         total = x.shape[0]
-        score = self.score_predictor[inp.stage](x, cu, num_prefix)[:, 0].float()
-        k = max(self.keep_patches(inp.stage, inp.num_patches), inp.min_patches)
+        if inp.image_patches is None:
+            k = max(self.keep_patches(inp.stage, inp.num_patches), inp.min_patches)
+        else:
+            k = self.image_keep(inp)
         keep = prefix_rows(cu, total, num_prefix) | (segment_rank(score, cu, num_prefix) < k)
-        current = uniform_length(cu, total)
+        current = uniform_length(cu, total) if inp.image_patches is None else None
         count = (
             None if current is None else num_prefix + self.count_after(inp.stage, current - num_prefix, inp.num_patches)
         )

@@ -1,0 +1,296 @@
+"""timm's ``NaFlexVit`` on the packed runtime: a batch of images of different sizes (native resolution), packed ragged
+from the input on, with no padding.
+
+timm's NaFlexVit pads a batch of images of different sizes to its longest and masks the attention (its collator
+makes the patch dict ``patches``, ``patch_coord``, ``patch_valid``). Here every image keeps its own grid from the
+start:
+
+* **input** (:func:`native_batch`): a list of ``[C, H, W]`` images, each at its own size (height and width multiples
+  of the patch size, or padded at the bottom and right as timm pads with ``dynamic_img_pad``); a ``[B, C, H, W]``
+  tensor (one size); or NaFlex's patch dict, whose valid rows are taken with their coordinates. Checked before
+  anything runs, each error one line naming the argument;
+* **embedding** (:func:`native_front`): every image's patch rows through the model's own projection (one GEMM for
+  the batch; a convolution as a GEMM on patch rows), its position embeddings resampled to its own grid by NaFlex's
+  rule (:func:`position_table`: the learned ``[gh, gw]`` table interpolated to ``h x w``, or to the square of the
+  longer side then cropped with ``pos_embed_ar_preserving``; factorized tables per axis, linearly), the prefix rows
+  (class, register tokens) first in each image, ``norm_pre``; ``cu_seqlens`` from each image's own token count;
+* **blocks**: every block runs packed (there is no dense batch to run timm's own blocks on), pruning stages as on
+  any ViT; each stage counts from each image's own patches (``ForwardState.image_patches``: DynamicViT's
+  ``int(N_b * rate ** (s + 1))``);
+* **head**: the pooling of each image's rows (:mod:`ragged_vit.pipelines.heads`: ``map``, ``avg``, ``token``...).
+
+Refused, each with one line: rotary position embeddings (``rope_type``), ``pos_embed_use_grid_sample``, blocks other
+than timm's ``Block`` (NaFlex's Eva-style options: SwiGLU, gated or split attention), patch dicts of variable patch
+size (5-D ``patches``) or with an ``attn_mask``, ATS with a sample count relative to the image
+(``ATSPruner(num_samples=K)`` runs), CUDA graphs (a native batch runs eagerly).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from timm.models.naflexvit import NaFlexVit
+from torch import nn
+
+from ..core.segments import cu_seqlens_from_counts
+from ..core.selection import Pruner
+from ..core.validation import check_tensor
+from .patch_embed import patch_rows
+from .state import ForwardState
+
+POSITION_EMBEDDINGS = ("learned", "factorized", "none")
+PATCH_KEYS = ("patches", "patch_coord", "patch_valid")
+
+
+def is_naflex(model: object) -> bool:
+    """Whether ``model`` is a timm ``NaFlexVit`` (or subclass)."""
+    return isinstance(model, NaFlexVit)
+
+
+def check_naflex(model: NaFlexVit) -> None:
+    """Raises ``NotImplementedError`` (one line) for what the packed runtime does not take in a ``NaFlexVit``."""
+    embeds = model.embeds
+    if getattr(model, "rope", None) is not None:
+        raise NotImplementedError(
+            f"a NaFlexVit with rotary position embeddings (model.rope is a {type(model.rope).__name__}) is not "
+            "supported on the packed runtime yet"
+        )
+    if getattr(embeds, "pos_embed_use_grid_sample", False):
+        raise NotImplementedError("a NaFlexVit with pos_embed_use_grid_sample=True is not supported (use False)")
+    if embeds.pos_embed_type not in POSITION_EMBEDDINGS:
+        raise NotImplementedError(
+            f"model.embeds.pos_embed_type must be one of {POSITION_EMBEDDINGS}, got {embeds.pos_embed_type!r}"
+        )
+    if embeds.pos_embed_grid_size is None:
+        raise NotImplementedError(
+            "a NaFlexVit without a position-embedding grid (pos_embed_grid_size) is not supported"
+        )
+
+
+def check_native_pruner(pruner: Pruner | None) -> None:
+    """Raises ``NotImplementedError`` for a pruner whose counts a batch of several image sizes cannot follow: ATS
+    with a sample count relative to the unpruned image (the same absolute count, ``num_samples``, runs)."""
+    if pruner is not None and pruner.name == "ats" and getattr(pruner, "num_samples", None) is None:
+        raise NotImplementedError(
+            "ats on a NaFlexVit counts its samples from each image's own patches, which it does not do yet: build "
+            "ATSPruner(num_samples=K) for the same K at every size"
+        )
+
+
+def native_image_size(model: NaFlexVit) -> tuple[int, int]:
+    """The image size of the model's position-embedding grid (``pos_embed_grid_size`` times the patch size)."""
+    (gh, gw), (p, q) = model.embeds.pos_embed_grid_size, model.embeds.patch_size
+    return gh * p, gw * q
+
+
+@dataclass(frozen=True, eq=False)
+class NativeBatch:
+    """A checked batch of images of their own sizes, as patch rows.
+
+    Attributes:
+        rows: ``[T_p, K]``: every image's patch rows, image after image, in the model's dtype and patch layout.
+        grids: each image's patch grid ``(h, w)``.
+        counts: each image's patches (``h * w`` for images; the valid rows of a patch dict).
+        index: int64 ``[T_p]``: each row's place ``y * w + x`` in its image's grid (a patch dict's coordinates);
+            None: row-major, as images are patchified.
+    """
+
+    rows: torch.Tensor
+    grids: tuple[tuple[int, int], ...]
+    counts: tuple[int, ...]
+    index: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return len(self.grids)
+
+    @property
+    def device(self) -> torch.device:
+        return self.rows.device
+
+    @property
+    def max_patches(self) -> int:
+        return max(self.counts)
+
+
+def native_batch(model: NaFlexVit, images: object, device: torch.device, dtype: torch.dtype) -> NativeBatch:
+    """Checks ``images`` (a list of ``[C, H, W]`` images, a ``[B, C, H, W]`` tensor, or NaFlex's patch dict) for
+    ``model`` on ``device``; returns its patch rows cast to ``dtype``. Raises a one-line error naming the argument."""
+    if isinstance(images, NativeBatch):
+        return images
+    if isinstance(images, dict):
+        return _patch_dict(model, images, device, dtype)
+    if isinstance(images, torch.Tensor):
+        images = list(check_tensor(images, "images", ndim=4).unbind(0))
+        if not images:
+            raise ValueError("images must hold at least one image, got batch size 0")
+    elif not isinstance(images, (list, tuple)):
+        raise TypeError(
+            "images must be a list of [C, H, W] tensors, a [B, C, H, W] tensor or NaFlex's patch dict, got "
+            f"{type(images).__name__}"
+        )
+    if not images:
+        raise ValueError("images must hold at least one image, got an empty list")
+    embeds = model.embeds
+    (p, q), pad = embeds.patch_size, embeds.dynamic_img_pad
+    channels_last = isinstance(embeds.proj, nn.Linear) and getattr(embeds, "channels_last", True)
+    first, rows, grids = images[0], [], []
+    for i, image in enumerate(images):
+        name = f"images[{i}]"
+        check_tensor(image, name, ndim=3)
+        if not image.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {image.dtype}")
+        channels, height, width = image.shape
+        if channels != model.in_chans:
+            raise ValueError(f"{name} must have {model.in_chans} channels, got shape {list(image.shape)}")
+        if height == 0 or width == 0 or (not pad and (height % p or width % q)):
+            raise ValueError(
+                f"{name} must have a height that is a positive multiple of {p} and a width of {q}"
+                f"{'' if not pad else ' (any positive size with dynamic_img_pad)'}, got shape {list(image.shape)}"
+            )
+        if image.dtype != first.dtype:
+            raise ValueError(f"{name} has dtype {image.dtype}, images[0] has {first.dtype}: give one dtype")
+        if image.device != device:
+            raise ValueError(f"{name} must be on the model's device {device}, got {image.device}")
+    for image in images:
+        image = image.to(dtype)[None]
+        if pad:  # zeros at the bottom and right, as timm's dynamic_img_pad
+            image = F.pad(image, (0, -image.shape[-1] % q, 0, -image.shape[-2] % p))
+        grids.append((image.shape[-2] // p, image.shape[-1] // q))
+        rows.append(patch_rows(image, (p, q), channels_last))
+    return NativeBatch(torch.cat(rows), tuple(grids), tuple(h * w for h, w in grids))
+
+
+def _patch_dict(model: NaFlexVit, images: dict, device: torch.device, dtype: torch.dtype) -> NativeBatch:
+    """A NaFlex patch dict (``patches [B, N, p*q*C]``, ``patch_coord [B, N, 2]`` (y, x), ``patch_valid [B, N]``):
+    each image's valid rows, with their places in its grid (``max(coord) + 1`` per axis)."""
+    missing = [key for key in PATCH_KEYS if key not in images]
+    if missing:
+        raise ValueError(f"images (a patch dict) must have the keys {PATCH_KEYS}, missing {missing}")
+    if images.get("attn_mask") is not None:
+        raise ValueError("images['attn_mask'] is not supported: the packed runtime attends within each image")
+    embeds = model.embeds
+    if not isinstance(embeds.proj, nn.Linear):
+        raise ValueError("images as a patch dict needs a linear patch embedding (embed_proj_type='linear')")
+    patches = check_tensor(images["patches"], "images['patches']", ndim=3)
+    batch, length, width = patches.shape
+    (p, q), channels = embeds.patch_size, model.in_chans
+    if not patches.is_floating_point() or width != p * q * channels:
+        raise ValueError(
+            f"images['patches'] must be float [B, N, {p * q * channels}] (patches of {p}x{q}x{channels}), got "
+            f"{patches.dtype} {list(patches.shape)}"
+        )
+    coord = check_tensor(images["patch_coord"], "images['patch_coord']", ndim=3)
+    valid = check_tensor(images["patch_valid"], "images['patch_valid']", ndim=2)
+    if tuple(coord.shape) != (batch, length, 2) or coord.is_floating_point():
+        raise ValueError(f"images['patch_coord'] must be integer [{batch}, {length}, 2], got {list(coord.shape)}")
+    if tuple(valid.shape) != (batch, length) or valid.dtype != torch.bool:
+        raise ValueError(f"images['patch_valid'] must be bool [{batch}, {length}], got {valid.dtype}")
+    for key, value in zip(PATCH_KEYS, (patches, coord, valid), strict=True):
+        if value.device != device:
+            raise ValueError(f"images[{key!r}] must be on the model's device {device}, got {value.device}")
+    if batch == 0:
+        raise ValueError("images['patches'] must hold at least one image, got batch size 0")
+    counts = valid.sum(1).tolist()
+    if min(counts) == 0:
+        raise ValueError(f"images['patch_valid'] must mark at least one patch of every image, got counts {counts}")
+    coord = coord[valid].long()  # [T_p, 2], image after image
+    if bool((coord < 0).any()):
+        raise ValueError("images['patch_coord'] must be non-negative (y, x) patch coordinates")
+    size = images["patch_coord"].long().masked_fill(~valid[..., None], -1).amax(1) + 1  # [B, 2]: (h, w)
+    grids = tuple(tuple(g) for g in size.tolist())
+    image = torch.repeat_interleave(torch.arange(batch, device=device), valid.sum(1))
+    index = coord[:, 0] * size[image, 1] + coord[:, 1]
+    return NativeBatch(patches[valid].to(dtype), grids, tuple(counts), index)
+
+
+def position_table(embeds: nn.Module, grid: tuple[int, int], dtype: torch.dtype) -> torch.Tensor | None:
+    """``[h*w, C]``: the position embeddings of one image of ``grid = (h, w)`` patches, row-major, as NaFlexVit
+    resamples its table for each image (fp32 interpolation, then ``dtype``); None without position embeddings."""
+    h, w = grid
+    square = getattr(embeds, "pos_embed_ar_preserving", False)
+    if embeds.pos_embed_type == "learned":
+        table = embeds.pos_embed  # [1, gh, gw, C]
+        if tuple(table.shape[1:3]) == (h, w):
+            return table.reshape(h * w, -1).to(dtype)
+        resampled = F.interpolate(
+            table.permute(0, 3, 1, 2).float(), size=(max(h, w),) * 2 if square else (h, w),
+            mode=embeds.pos_embed_interp_mode, align_corners=getattr(embeds, "pos_embed_align_corners", False),
+            antialias=getattr(embeds, "pos_embed_antialias", True),
+        )  # fmt: skip
+        return resampled[0, :, :h, :w].flatten(1).t().to(dtype)
+    if embeds.pos_embed_type == "factorized":
+        rows = _resampled_axis(embeds.pos_embed_y, max(h, w) if square else h, dtype)[:h]
+        cols = _resampled_axis(embeds.pos_embed_x, max(h, w) if square else w, dtype)[:w]
+        return (rows[:, None] + cols[None, :]).flatten(0, 1)
+    return None
+
+
+def _resampled_axis(table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """A factorized table ``[1, L, C]`` at ``length`` positions ``[length, C]`` (linear, fp32, then ``dtype``)."""
+    if table.shape[1] == length:
+        return table[0].to(dtype)
+    resampled = F.interpolate(table.transpose(1, 2).float(), size=length, mode="linear", align_corners=False)
+    return resampled[0].t().to(dtype)
+
+
+def position_rows(embeds: nn.Module, batch: NativeBatch, dtype: torch.dtype) -> torch.Tensor | None:
+    """``[T_p, C]``: each patch row's position embedding (each grid size resampled once); None without any."""
+    tables = {grid: position_table(embeds, grid, dtype) for grid in dict.fromkeys(batch.grids)}
+    if embeds.pos_embed_type == "none":
+        return None
+    flat = torch.cat([tables[grid] for grid in batch.grids])
+    if batch.index is None:
+        return flat
+    starts = torch.tensor([0, *(h * w for h, w in batch.grids)], device=flat.device).cumsum(0)[:-1]
+    counts = torch.tensor(batch.counts, device=flat.device)
+    return flat[torch.repeat_interleave(starts, counts, output_size=batch.rows.shape[0]) + batch.index]
+
+
+def embed_rows(embeds: nn.Module, rows: torch.Tensor) -> torch.Tensor:
+    """The patch embedding of patch rows ``[T_p, K]`` -> ``[T_p, C]``: the model's input norm and Linear, or its
+    convolution as a GEMM on (channel, y, x) rows; then its norm."""
+    proj = embeds.proj
+    if isinstance(proj, nn.Linear):
+        norm_input = getattr(embeds, "norm_input", None)
+        x = proj(rows if norm_input is None else norm_input(rows))
+    else:
+        x = F.linear(rows, proj.weight.reshape(proj.out_channels, -1), proj.bias)
+    return embeds.norm(x)
+
+
+def prefix_tokens(embeds: nn.Module) -> torch.Tensor | None:
+    """``[P, C]``: the class token then the register tokens (None without any)."""
+    tokens = [t[0] for t in (embeds.cls_token, embeds.reg_token) if t is not None]
+    return torch.cat(tokens) if tokens else None
+
+
+def native_front(pipeline, parts, batch: NativeBatch, blocks: Sequence[int]) -> ForwardState:
+    """FRONT for a native batch: the packed buffer ``[T, C]`` (each image's prefix rows, then its patches with their
+    resampled position embeddings, ``norm_pre``) and its offsets, then ``blocks`` run packed."""
+    model = pipeline.model
+    embeds, prefix, device = model.embeds, model.num_prefix_tokens, batch.device
+    x = embed_rows(embeds, batch.rows)
+    positions = position_rows(embeds, batch, x.dtype)
+    if positions is not None:
+        x = x + positions
+    images, patches = len(batch), x.shape[0]
+    counts = torch.tensor(batch.counts, device=device)
+    cu = cu_seqlens_from_counts(counts + prefix)
+    if prefix:
+        image = torch.repeat_interleave(torch.arange(images, device=device), counts, output_size=patches)
+        rows = x.new_empty(patches + images * prefix, x.shape[1])
+        rows.index_copy_(0, torch.arange(patches, device=device) + prefix * (image + 1), x)
+        starts = (cu[:-1, None] + torch.arange(prefix, device=device)).flatten().long()
+        rows.index_copy_(0, starts, prefix_tokens(embeds).to(x.dtype).repeat(images, 1))
+        x = rows
+    x = model.norm_pre(embeds.pos_drop(x))
+    ragged = len(set(batch.counts)) > 1
+    state = ForwardState(images, x, cu, batch.max_patches + prefix, batch.max_patches,
+                         image_patches=counts if ragged else None)  # fmt: skip
+    if blocks:
+        group = [model.blocks[k] for k in blocks]
+        state.x = parts.blocks(group, state.x, cu, state.max_seqlen, pipeline.backend)
+    return state
