@@ -1,0 +1,204 @@
+"""Native resolution: timm's ``NaFlexVit`` on a batch of images of different sizes, packed ragged from the input on
+(``ragged_vit.pipelines.naflex``; ``docs/models.md``).
+
+Models: timm's NaFlex names with 4 blocks of width 64, 2 heads, 16x16 patches and a 4x4 position-embedding grid,
+random weights scaled up (attention is peaked, so a wrong position embedding or a leak across images moves the
+logits well past the tolerance). Images: four sizes, 48 to 128 px, aspect ratios 1:2 to 2:1, none at the grid's size.
+
+Tolerance rules (fp32 on the CPU):
+* at keep rate 1.0 the pipeline reproduces timm's forward of the same images, which pads them to the longest and
+  masks its attention (the patch dict of timm's collator): ``atol = rtol = 1e-5`` per image;
+* pruned, a batch equals each of its images run alone (the same decisions: each image counts from its own patches),
+  logits at ``atol = rtol = 1e-5`` and counts exactly;
+* the Triton backend (under the interpreter) replays the reference backend's decisions, ``atol = rtol = 1e-4``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import timm
+import torch
+from timm.models.naflexvit import NaFlexVitCfg, batch_patchify
+
+import ragged_vit
+from ragged_vit import PrunedViT
+from ragged_vit.reference.pruners import PRUNERS
+
+SMALL = dict(embed_dim=64, depth=4, num_heads=2, num_classes=10, pos_embed_grid_size=(4, 4))
+FAMILIES = {
+    "map": ("naflexvit_base_patch16_siglip", {}),  # no prefix rows, attention pool, bilinear
+    "reg4_avg": ("naflexvit_base_patch16_gap", {}),  # 4 registers, LayerScale, fc_norm
+    "map_reg1": ("naflexvit_base_patch16_map", {}),
+    "par_learned": ("naflexvit_base_patch16_par_gap", {}),  # aspect-preserving resample, then cropped
+    "par_factorized": ("naflexvit_base_patch16_parfac_gap", {}),
+    "class_token": ("naflexvit_base_patch16_gap", dict(class_token=True, reg_tokens=0, global_pool="token")),
+}
+SIZES = ((96, 48), (64, 128), (80, 80), (112, 64))
+
+
+def naflex_model(family: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
+    name, options = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = timm.create_model(name, **SMALL, **{**options, **overrides}).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, 0.2)
+    return model
+
+
+def images(sizes=SIZES, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(3, h, w, generator=g) for h, w in sizes]
+
+
+def patch_dict(batch: list[torch.Tensor], patch: int = 16) -> dict[str, torch.Tensor]:
+    """timm's padded NaFlex input of ``batch``: each image's patches (timm's own patchify), its (y, x) coordinates
+    and validity, padded to the longest."""
+    rows, coords = [], []
+    for image in batch:
+        flat, (h, w) = batch_patchify(image[None], (patch, patch))
+        ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        rows.append(flat[0])
+        coords.append(torch.stack([ys.flatten(), xs.flatten()], 1))
+    length = max(r.shape[0] for r in rows)
+    patches = torch.zeros(len(batch), length, rows[0].shape[1])
+    coord = torch.zeros(len(batch), length, 2, dtype=torch.long)
+    valid = torch.zeros(len(batch), length, dtype=torch.bool)
+    for i, (r, c) in enumerate(zip(rows, coords, strict=True)):
+        patches[i, : len(r)], coord[i, : len(r)], valid[i, : len(r)] = r, c, True
+    return dict(patches=patches, patch_coord=coord, patch_valid=valid)
+
+
+def pipeline(model, name: str, keep_rate: float = 1.0, backend: str = "reference") -> PrunedViT:
+    return ragged_vit.prune(model, name, keep_rate, backend, mode="eager")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_keep_all_equals_timm_padded_and_masked(family):
+    """Unpruned, Threshold-L2 and DynamicViT at 1.0 (and EViT with a class token): timm's logits, per image; the
+    patch dict gives the same."""
+    model = naflex_model(family)
+    batch = images()
+    with torch.no_grad():
+        expected = model(patch_dict(batch))
+    pruners = ["none", "threshold_l2", "dynamicvit"] + (["evit"] if family == "class_token" else [])
+    for name in pruners:
+        pv = pipeline(model, name)
+        logits, counts = pv(batch, return_counts=True)
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5, msg=f"{family} {name}")
+        if name != "none":
+            assert counts[:, 0].tolist() == [h * w // 256 for h, w in SIZES]
+    torch.testing.assert_close(pv(patch_dict(batch)), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_conv_embedding_and_dynamic_padding_equal_timm_per_image():
+    """A convolutional patch embedding (no patch dict in timm: each image alone through timm), and
+    ``dynamic_img_pad`` (sizes that are no multiple of the patch, zero-padded at the bottom and right)."""
+    for options, sizes in ((dict(embed_proj_type="conv"), SIZES), (dict(dynamic_img_pad=True), ((90, 40), (50, 128)))):
+        model = naflex_model("map", **options)
+        batch = images(sizes)
+        with torch.no_grad():
+            expected = torch.cat([model(image[None]) for image in batch])
+        torch.testing.assert_close(pipeline(model, "none")(batch), expected, atol=1e-5, rtol=1e-5, msg=str(options))
+
+
+@pytest.mark.parametrize(
+    ("family", "name", "keep_rate"),
+    [("map", "threshold_l2", 0.5), ("map", "dynamicvit", 0.7), ("reg4_avg", "tome", 0.6),
+     ("class_token", "evit", 0.6), ("class_token", "ats", None)],
+)  # fmt: skip
+def test_pruned_batch_equals_each_image_alone(family, name, keep_rate):
+    model = naflex_model(family)
+    if name == "ats":
+        pv = PrunedViT(model, PRUNERS["ats"](blocks=(1, 2, 3), num_samples=12, min_keep=2), mode="eager")
+    else:
+        pv = pipeline(model, name, keep_rate)
+    batch = images()
+    logits, counts = pv(batch, return_counts=True)
+    alone = [pv([image], return_counts=True) for image in batch]
+    torch.testing.assert_close(logits, torch.cat([a[0] for a in alone]), atol=1e-5, rtol=1e-5)
+    assert torch.equal(counts, torch.cat([a[1] for a in alone]))
+    patches = torch.tensor([h * w // 256 for h, w in SIZES])
+    assert bool((counts[:, -1] < patches).all()), counts
+    if name == "dynamicvit":  # int(N_b * 0.7 ** (s + 1)), each image from its own N_b
+        assert counts.tolist() == [[int(n * 0.7 ** (s + 1)) for s in range(3)] for n in patches.tolist()]
+
+
+def test_calibrated_threshold_on_a_native_batch():
+    pv = PrunedViT(naflex_model("map"), PRUNERS["threshold_l2"](mode="calibrated", rate=0.5, block=1), mode="eager")
+    threshold = pv.calibrate(images())
+    assert threshold == pv.pruner.threshold and pv(images()).shape == (4, 10)
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
+@pytest.mark.parametrize(("family", "name"), [("map", "dynamicvit"), ("class_token", "evit")])
+def test_triton_replays_reference_decisions_interpreter(family, name):
+    pv = pipeline(naflex_model(family), name, 0.6)
+    batch = images(SIZES[:3])
+    ref = pv.run(batch)
+    pv.backend = "triton"
+    replayed = pv.run(batch, selections=ref.selections)
+    torch.testing.assert_close(replayed.logits, ref.logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(replayed.counts, ref.counts)
+
+
+BAD_IMAGES = {
+    "empty": ([], "images must hold at least one image"),
+    "channels": ([torch.randn(3, 32, 32), torch.randn(1, 32, 32)], r"images\[1\] must have 3 channels"),
+    "not_a_multiple": ([torch.randn(3, 32, 40)], r"images\[0\] must have a height that is a positive multiple of 16"),
+    "dtypes": ([torch.randn(3, 32, 32), torch.randn(3, 32, 32).double()], r"images\[1\] has dtype torch.float64"),
+    "devices": ([torch.randn(3, 32, 32), torch.empty(3, 32, 32, device="meta")], r"images\[1\] must be on the model"),
+    "rank": ([torch.randn(1, 3, 32, 32)], r"images\[0\] must have 3 dimensions"),
+    "dict_keys": ({"patches": torch.randn(1, 4, 768)}, r"images \(a patch dict\) must have the keys"),
+    "dict_5d": ({**patch_dict(images(SIZES[:1])), "patches": torch.randn(1, 24, 16, 16, 3)}, r"images\['patches'\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_IMAGES))
+def test_bad_input_is_a_one_line_error_before_any_launch(case, monkeypatch):
+    model = naflex_model("map")
+    pv = pipeline(model, "threshold_l2", 0.5)
+
+    def launched(*args: object) -> None:
+        raise AssertionError("the patch embedding ran on bad input")
+
+    monkeypatch.setattr(model.embeds.proj, "forward", launched)
+    batch, message = BAD_IMAGES[case]
+    with pytest.raises(ValueError, match=message) as error:
+        pv(batch)
+    assert "\n" not in str(error.value)
+
+
+def test_what_cannot_apply_is_refused_in_one_line():
+    with pytest.raises(ValueError, match="has no class token"):
+        pipeline(naflex_model("map"), "evit", 0.7)
+    with pytest.raises(NotImplementedError, match=r"ATSPruner\(num_samples=K\)"):
+        pipeline(naflex_model("class_token"), "ats", 0.5)
+    with pytest.raises(NotImplementedError, match="pos_embed_use_grid_sample"):
+        PrunedViT(naflex_model("map", pos_embed_use_grid_sample=True))
+    if "rope_type" in NaFlexVitCfg.__dataclass_fields__:
+        with pytest.raises(NotImplementedError, match="rotary position embeddings"):
+            PrunedViT(naflex_model("map", rope_type="axial"))
+    with pytest.raises(ValueError, match="run eagerly"):
+        PrunedViT(naflex_model("map"), mode="graphs")(images())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["map", "reg4_avg", "class_token"])
+def test_keep_all_fp16_against_timm_gpu(family):
+    """fp16 with the Triton kernel against timm's fp32 forward of the padded batch: within twice timm's own fp16
+    error (the tolerance of ``test_models.py``'s GPU twin)."""
+    model = naflex_model(family).cuda()
+    batch = [image.cuda() for image in images()]
+    with torch.no_grad():
+        expected = model(patch_dict_cuda(batch))
+        timm_half = model.half()(patch_dict_cuda([image.half() for image in batch])).float()
+    logits = pipeline(model, "threshold_l2", 1.0, "triton")([image.half() for image in batch]).float()
+    assert (logits - expected).abs().max() <= 2 * (timm_half - expected).abs().max() + 1e-3
+
+
+def patch_dict_cuda(batch: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.to(batch[0].device, v.dtype if not v.is_floating_point() else batch[0].dtype)
+            for k, v in patch_dict([image.float().cpu() for image in batch]).items()}  # fmt: skip
