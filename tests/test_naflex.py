@@ -15,6 +15,8 @@ Tolerance rules (fp32 on the CPU):
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import timm
 import torch
@@ -202,3 +204,17 @@ def test_keep_all_fp16_against_timm_gpu(family):
 def patch_dict_cuda(batch: list[torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.to(batch[0].device, v.dtype if not v.is_floating_point() else batch[0].dtype)
             for k, v in patch_dict([image.float().cpu() for image in batch]).items()}  # fmt: skip
+
+
+def test_benchmark_smoke(tmp_path):
+    """``python -m benchmarks.naflex --smoke``: every row runs on the CPU, the unpruned ones agree with timm's."""
+    from benchmarks import naflex
+
+    out = tmp_path / "naflex.json"
+    assert naflex.main(["--smoke", "--batches", "1,3", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["row"]) for r in rows] == [
+        (b, row) for b in (1, 3) for row in ("timm_eager", "ours", "ours_threshold_l2")
+    ]
+    assert all(r["status"] == "ok" and r["img_per_s"] > 0 for r in rows)
+    assert all(r["max_abs_diff"] < 1e-4 for r in rows if r["row"] != "ours_threshold_l2")
