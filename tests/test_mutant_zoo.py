@@ -1,6 +1,6 @@
-"""The lab's mutant zoo: deliberately broken ports of the attention, pack and decision contracts, each of which the
-quick level must catch, and correct ports that must pass. The score (caught / mutants) is printed here and stated in
-``docs/porting.md``.
+"""The lab's mutant zoo: deliberately broken ports of the attention, pack, fused linear and decision contracts, each of
+which the quick level must catch, and correct ports that must pass. The score (caught / mutants) is printed here and
+stated in ``docs/porting.md``.
 
 Each mutant is one classic bug of a port (cross-image attention, a missing max subtraction, a batch-wide stabiliser,
 an off-by-one offset, ``max_seqlen`` taken as every image's length, a dropped row, int64 offsets, the wrong tie rule,
@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from ragged_vit.core.selection import DecisionInput, TokenSelection
 from ragged_vit.reference.pruners import ThresholdL2Pruner
@@ -23,7 +24,9 @@ from ragged_vit.testing import (
     attention_suite,
     check_attention,
     check_decision,
+    check_linear,
     check_pack,
+    linear_suite,
     pack_suite,
 )
 from tests.test_porting_decision import floor_count, int64_counts, later_ties, top_rate_per_image
@@ -145,6 +148,69 @@ PACK_MUTANTS = {
     "repack_writes_its_input": ("repack", functools.partial(repack_by_indexing, in_place=True)),
 }
 
+# --- fused linear: a split-K port in PyTorch, K in slabs whose fp32 partials are added in order ---------------------
+
+
+def split_k_linear(x, weight, bias=None, *, ln_weight=None, ln_bias=None, eps=1e-5, activation=None, residual=None,
+                   gamma=None, splits=3, centre=True, eps_inside=True, drop_split=False, residual_first=False,
+                   accumulator=None, naive_tanh=False, tile_stats=False, moments=False):  # fmt: skip
+    """The contract's fused linear as a split-K kernel computes it: the LayerNorm in fp32 rounded to the inputs' dtype,
+    K in ``splits`` slabs of fp32 partial sums added in order, the epilogue in fp32, one rounding. The keyword
+    arguments after ``gamma`` are the mutants' knobs; the defaults are the correct port."""
+    h = x.float()
+    if ln_weight is not None:
+        rows = h if not tile_stats else h.reshape(1, -1)  # statistics over every row together
+        mean = rows.mean(-1, keepdim=True)
+        var = (rows - mean).square().mean(-1, keepdim=True)
+        if moments:  # E[x^2] - E[x]^2 in fp32: cancellation on a large mean
+            var = (rows * rows).mean(-1, keepdim=True) - mean * mean
+        rstd = torch.rsqrt(var + eps) if eps_inside else 1.0 / (var.sqrt() + eps)
+        if tile_stats:
+            mean, rstd = mean.expand(h.shape[0], 1), rstd.expand(h.shape[0], 1)
+        h = ((h - mean) if centre else h) * rstd * ln_weight.float()
+        if ln_bias is not None:
+            h = h + ln_bias.float()
+    h = h.to(x.dtype).float()
+    depth = x.shape[1]
+    slab = -(-depth // splits)
+    if accumulator is not None:  # a low-precision accumulator: every 16-wide step rounded to it
+        y = torch.zeros(x.shape[0], weight.shape[0], dtype=accumulator)
+        for k in range(0, depth, 16):
+            y = (y.float() + h[:, k : k + 16] @ weight[:, k : k + 16].float().T).to(accumulator)
+        y = y.float()
+    else:
+        parts = [h[:, k : k + slab] @ weight[:, k : k + slab].float().T for k in range(0, depth, slab)]
+        y = sum(parts[:-1] if drop_split else parts)
+    if bias is not None:
+        y = y + bias.float()
+    if residual_first and residual is not None:
+        y = y + residual.float()
+    if activation == "gelu":
+        y = F.gelu(y)
+    elif activation == "gelu_tanh":
+        if naive_tanh:  # tanh as (e^2u - 1) / (e^2u + 1): inf / inf for a large u
+            u = 0.7978845608028654 * (y + 0.044715 * y**3)
+            y = 0.5 * y * (1.0 + (torch.exp(2 * u) - 1) / (torch.exp(2 * u) + 1))
+        else:
+            y = F.gelu(y, approximate="tanh")
+    if gamma is not None:
+        y = gamma.float() * y
+    if residual is not None and not residual_first:
+        y = residual.float() + y
+    return y.to(x.dtype)
+
+
+LINEAR_MUTANTS = {
+    "layer_norm_without_mean": functools.partial(split_k_linear, centre=False),
+    "layer_norm_eps_outside_sqrt": functools.partial(split_k_linear, eps_inside=False),
+    "layer_norm_stats_over_the_tile": functools.partial(split_k_linear, tile_stats=True),
+    "layer_norm_variance_by_moments": functools.partial(split_k_linear, moments=True),
+    "split_k_partial_dropped": functools.partial(split_k_linear, drop_split=True),
+    "residual_added_before_gelu": functools.partial(split_k_linear, residual_first=True),
+    "fp16_accumulator": functools.partial(split_k_linear, accumulator=torch.float16),
+    "tanh_overflows": functools.partial(split_k_linear, naive_tanh=True),
+}
+
 # --- decision: broken copies of the worked example's Threshold-L2 ratio port ----------------------------------------
 
 
@@ -213,6 +279,8 @@ def _zoo() -> dict[str, bool]:
               ATTENTION_MUTANTS.items()}  # fmt: skip
     caught |= {f"pack/{n}": _caught(lambda op=op, f=f: check_pack(**{op: f}, level_name="quick")) for n, (op, f) in
                PACK_MUTANTS.items()}  # fmt: skip
+    caught |= {f"linear/{n}": _caught(lambda f=f: check_linear(f, level_name="quick")) for n, f in
+               LINEAR_MUTANTS.items()}  # fmt: skip
     caught |= {f"decision/{n}": _caught(lambda f=f: check_decision(PRUNER, f, "quick")) for n, f in
                DECISION_MUTANTS.items()}  # fmt: skip
     return caught
@@ -220,7 +288,7 @@ def _zoo() -> dict[str, bool]:
 
 def test_every_mutant_is_caught_at_the_quick_level():
     caught = _zoo()
-    assert len(caught) >= 20
+    assert len(caught) >= 30
     score = sum(caught.values())
     print(f"\nmutation score: {score}/{len(caught)} caught at the quick level")  # shown with pytest -s
     assert score == len(caught), f"survivors: {[name for name, ok in caught.items() if not ok]}"
@@ -229,6 +297,12 @@ def test_every_mutant_is_caught_at_the_quick_level():
 # The correct ports: every case passes, each a test item.
 test_online_softmax_conforms = attention_suite(online_softmax, layout="qkv")
 test_repack_by_indexing_conforms = pack_suite(repack=repack_by_indexing)
+test_split_k_linear_conforms = linear_suite(split_k_linear)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 7])
+def test_split_k_linear_at_other_splits(splits):
+    check_linear(functools.partial(split_k_linear, splits=splits), level_name="quick")
 
 
 @pytest.mark.parametrize("tile", [1, 7, 64])

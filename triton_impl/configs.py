@@ -84,7 +84,6 @@ def _capability(index: int | None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-
 # --- the skinny fused linear (triton_impl/linear.py) ---------------------------------------------------------------
 
 
