@@ -19,10 +19,10 @@ start:
   ``int(N_b * rate ** (s + 1))``);
 * **head**: the pooling of each image's rows (:mod:`ragged_vit.pipelines.heads`: ``map``, ``avg``, ``token``...).
 
-Refused, each with one line: rotary position embeddings (``rope_type``), ``pos_embed_use_grid_sample``, blocks other
-than timm's ``Block`` (NaFlex's Eva-style options: SwiGLU, gated or split attention), patch dicts of variable patch
-size (5-D ``patches``) or with an ``attn_mask``, ATS with a sample count relative to the image
-(``ATSPruner(num_samples=K)`` runs), CUDA graphs (a native batch runs eagerly).
+NaFlex's Eva-style blocks (SwiGLU, split or gated attention) run as timm's Eva blocks do on the packed runtime.
+Refused, each with one line: rotary position embeddings (``rope_type``), ``pos_embed_use_grid_sample``, grouped-query
+attention, patch dicts of variable patch size (5-D ``patches``) or with an ``attn_mask``, ATS with a sample count
+relative to the image (``ATSPruner(num_samples=K)`` runs), CUDA graphs (a native batch runs eagerly).
 """
 
 from __future__ import annotations
