@@ -20,9 +20,10 @@ import json
 import pytest
 import timm
 import torch
-from timm.models.naflexvit import NaFlexVitCfg, batch_patchify
+from timm.models.naflexvit import NaFlexVitCfg
 
 import ragged_vit
+from benchmarks.naflex import patch_dict  # timm's padded NaFlex input of a list of images
 from ragged_vit import PrunedViT
 from ragged_vit.reference.pruners import PRUNERS
 
@@ -56,24 +57,6 @@ def naflex_model(family: str, seed: int = 0, **overrides: object) -> torch.nn.Mo
 def images(sizes=SIZES, seed: int = 1) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(3, h, w, generator=g) for h, w in sizes]
-
-
-def patch_dict(batch: list[torch.Tensor], patch: int = 16) -> dict[str, torch.Tensor]:
-    """timm's padded NaFlex input of ``batch``: each image's patches (timm's own patchify), its (y, x) coordinates
-    and validity, padded to the longest."""
-    rows, coords = [], []
-    for image in batch:
-        flat, (h, w) = batch_patchify(image[None], (patch, patch))
-        ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-        rows.append(flat[0])
-        coords.append(torch.stack([ys.flatten(), xs.flatten()], 1))
-    length = max(r.shape[0] for r in rows)
-    patches = torch.zeros(len(batch), length, rows[0].shape[1])
-    coord = torch.zeros(len(batch), length, 2, dtype=torch.long)
-    valid = torch.zeros(len(batch), length, dtype=torch.bool)
-    for i, (r, c) in enumerate(zip(rows, coords, strict=True)):
-        patches[i, : len(r)], coord[i, : len(r)], valid[i, : len(r)] = r, c, True
-    return dict(patches=patches, patch_coord=coord, patch_valid=valid)
 
 
 def pipeline(model, name: str, keep_rate: float = 1.0, backend: str = "reference") -> PrunedViT:
@@ -199,15 +182,10 @@ def test_keep_all_fp16_against_timm_gpu(family):
     model = naflex_model(family).cuda()
     batch = [image.cuda() for image in images()]
     with torch.no_grad():
-        expected = model(patch_dict_cuda(batch))
-        timm_half = model.half()(patch_dict_cuda([image.half() for image in batch])).float()
+        expected = model(patch_dict(batch))
+        timm_half = model.half()(patch_dict([image.half() for image in batch])).float()
     logits = pipeline(model, "threshold_l2", 1.0, "triton")([image.half() for image in batch]).float()
     assert (logits - expected).abs().max() <= 2 * (timm_half - expected).abs().max() + 1e-3
-
-
-def patch_dict_cuda(batch: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.to(batch[0].device, v.dtype if not v.is_floating_point() else batch[0].dtype)
-            for k, v in patch_dict([image.float().cpu() for image in batch]).items()}  # fmt: skip
 
 
 def test_benchmark_smoke(tmp_path):
