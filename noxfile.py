@@ -31,13 +31,12 @@ def tests(session: nox.Session) -> None:
 @nox.session
 def gpu_tests(session: nox.Session) -> None:
     """Every test on a CUDA GPU (GPU-marked cases run, interpreter twins are skipped), the long sweeps too (pytest's
-    --full); `nox -s gpu_tests -- quick` leaves those out. Other arguments go to pytest."""
+    --full), in parallel workers on the one GPU, then the timed tests alone (ci/gpu_tests.py); `nox -s gpu_tests --
+    quick` leaves the long sweeps out. Other arguments go to pytest."""
     session.install("-e", ".[dev,demo]")
     if not _has_cuda(session):
         session.skip("no CUDA GPU on this machine: the GPU suite needs one (see README, 'On a GPU')")
-    level = [] if "quick" in session.posargs else ["--full"]
-    args = [arg for arg in session.posargs if arg != "quick"]
-    session.run("python", "-m", "pytest", "tests", "-q", *level, *args)
+    session.run("python", "-m", "ci.gpu_tests", *session.posargs)
 
 
 @nox.session
