@@ -122,9 +122,11 @@ def _attend_key_tile(
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
     else:
-        # The scale (with log2(e)) is applied inside the exp2 argument: one fused multiply-add per score.
+        # The scale (with log2(e)) is applied inside the exp2 argument: one fused multiply-add per score. The FMA's
+        # unrounded product can exceed the rounded row maximum by half an ulp, which at huge logits overflows exp2:
+        # the argument is clamped to 0.
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])
+        p = tl.math.exp2(tl.minimum(s * qk_scale - m_new[:, None], 0.0))
     alpha = tl.math.exp2(m_i - m_new)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
