@@ -30,6 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -489,6 +490,8 @@ def git_commit() -> str:
         ).stdout.strip()
 
     try:
+        if Path(git("rev-parse", "--show-toplevel")).resolve() != REPO_ROOT:
+            return "unknown"  # a copy without .git inside another repository: that one's HEAD is not ours
         sha, dirty = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
     except (OSError, subprocess.SubprocessError):
         return "unknown"

@@ -13,13 +13,16 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import os
+import re
+import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks import make_results, report_e2e, run_bench, tables
+from benchmarks import make_results, report_e2e, run_bench, tables, timing
 from benchmarks.e2e_common import Lab, check_logits
 from benchmarks.timing import REGIONS, Marks, forward_times, gpu_slug, stage_breakdown
 from benchmarks.workloads import WORKLOADS, synthetic_images, synthetic_selection, workload_kind
@@ -37,6 +40,23 @@ def test_gpu_slug() -> None:
     assert gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
     assert gpu_slug("NVIDIA H200") == "nvidia-h200"
     assert gpu_slug("  ") == "unknown"
+
+
+def test_git_commit_is_this_checkouts_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy without ``.git`` inside another repository names no commit (not the other repository's HEAD)."""
+    monkeypatch.delenv("RAGGED_BENCH_COMMIT", raising=False)
+    if subprocess.run(["git", "--version"], capture_output=True).returncode != 0:
+        pytest.skip("needs git on the PATH")
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t"}  # fmt: skip
+    for args in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "outer"]):
+        subprocess.run(["git", *args], cwd=tmp_path, env=env, check=True, capture_output=True)
+    monkeypatch.setattr(timing, "REPO_ROOT", tmp_path.resolve())
+    assert re.fullmatch(r"[0-9a-f]{40}", timing.git_commit())  # the checkout's own HEAD
+    inner = tmp_path / "copy"
+    inner.mkdir()
+    monkeypatch.setattr(timing, "REPO_ROOT", inner.resolve())
+    assert timing.git_commit() == "unknown"
 
 
 def test_forward_times_back_to_back_clock() -> None:

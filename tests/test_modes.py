@@ -197,7 +197,7 @@ def test_gpu_the_default_call_captures_pads_and_keeps_the_callers_outputs(name):
     outputs of an earlier call survive later calls of the same bucket; ``graph_memory`` lists the buckets."""
     pv = _pruned(name)
     eager = PrunedViT(pv.model, pv.pruner, "triton", mode="eager")
-    kept = []
+    kept, same_images = [], []
     for call, batch in enumerate([1, 3, 4, 3]):
         images = _images(batch, seed=call)
         with warnings.catch_warnings():
@@ -206,11 +206,14 @@ def test_gpu_the_default_call_captures_pads_and_keeps_the_callers_outputs(name):
         assert pv.last_call == "graphs"
         ref_logits, ref_counts = eager(images, return_counts=True)
         assert logits.shape == ref_logits.shape and bool(torch.isfinite(logits).all())
-        same = (counts == ref_counts).all(dim=1)  # compiled rounding may flip a decision near a tie
-        assert same.float().mean() >= 0.5, (counts.tolist(), ref_counts.tolist())
+        # compiled rounding may flip a decision near a tie (ATS's CDF samples most often): a few rows, no more
+        assert (counts - ref_counts).abs().max() <= 8, (counts.tolist(), ref_counts.tolist())
+        same = (counts == ref_counts).all(dim=1)
+        same_images += same.tolist()
         diff = (logits[same].float() - ref_logits[same].float()).abs()  # a broken pipeline moves logits by O(1)
-        assert diff.mean() < 2e-2 and diff.max() < 0.25, (diff.mean().item(), diff.max().item())
+        assert diff.numel() == 0 or (diff.mean() < 2e-2 and diff.max() < 0.25), (diff.mean(), diff.max())
         kept.append((logits, logits.clone()))
+    assert sum(same_images) >= len(same_images) / 2, same_images
     assert all(torch.equal(a, b) for a, b in kept)
     keys = {key[:3] for key in pv.graph_memory().keys}
     assert keys == {(1, 224, 224), (4, 224, 224)}

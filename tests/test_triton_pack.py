@@ -256,7 +256,7 @@ def _check_total_and_longest(batch: int, device: str, out: torch.Tensor, gen: to
     kept[batch // 2] = kept.max()
     out.fill_(-1)
     got = tp.total_and_longest(kept.to(device), out)
-    if got.is_cuda:
+    if device == "cuda":  # the kernel writes pinned host memory too: read it once the stream is done
         torch.cuda.synchronize()
     assert got is out and out[:2].tolist() == list(ragged_vit.reference.total_and_longest(kept))
     assert out[2:].eq(-1).all()  # nothing past the two values
