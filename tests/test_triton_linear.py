@@ -256,6 +256,18 @@ def test_configs_gpu(config, gen):
 
 
 @pytest.mark.gpu
+def test_cached_launch_follows_the_row_count_gpu(gen):
+    """One layer at 1, 7, 16, 17 and 1 rows in turn (the reduction's row tile follows M; the cached launches must
+    too): every row written, each call the reference's result."""
+    for rows in (1, 7, 16, 17, 1):
+        x, weight, kwargs = _inputs(rows, 768, 2304, torch.float32, ("ln", "bias"), "cuda", gen)
+        bias = kwargs.pop("bias")
+        out = tlin.fused_linear(x, weight, bias, out=_poisoned(rows, 2304, torch.float32, "cuda"), **kwargs)
+        assert torch.isfinite(out).all(), rows
+        assert_linear_close(out, x, weight, bias, **kwargs)
+
+
+@pytest.mark.gpu
 def test_cuda_graph_replay_and_cached_launch_gpu(gen):
     """Captured in a CUDA graph (the workspace from the graph's pool), replayed on new inputs: the eager result, bit
     for bit; a second eager call takes the cached launch and gives the same bits."""

@@ -359,9 +359,9 @@ def fused_linear_unchecked(
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
-        block_m = min(16, 1 << (rows - 1).bit_length())
+        block_m = min(16, 1 << (rows - 1).bit_length())  # a constexpr of the reduction: part of its launch key
         _reduce(
-            key and (key, "reduce"), index, (cdiv(rows, block_m), cdiv(cols, REDUCE_BLOCK_N)),
+            key and (key, "reduce", block_m), index, (cdiv(rows, block_m), cdiv(cols, REDUCE_BLOCK_N)),
             (workspace, bias, gamma, residual, y, rows, cols, stride_rm, y.stride(0), splits, block_m,
              REDUCE_BLOCK_N, *flags),
             num_warps=4, num_stages=1,
