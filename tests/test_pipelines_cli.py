@@ -153,7 +153,7 @@ def test_cli_rejects_bad_arguments(argv, match, capsys):
         (["--images", "/no/such/photo.jpg"], "images: '/no/such/photo.jpg' is neither a file"),
         (["--checkpoint", "/no/such/deit.pth"], "checkpoint file not found: /no/such/deit.pth"),
         (["--backends", "fa2_varlen"], "backend 'fa2_varlen' needs a CUDA device"),
-        (["--model", "resnet18"], "model must be a timm VisionTransformer or Eva, got ResNet"),
+        (["--model", "resnet18"], "model must be a timm VisionTransformer, Eva or NaFlexVit, got ResNet"),
     ],
 )
 def test_cli_reports_errors_in_one_line(argv, match, capsys):
