@@ -6,11 +6,18 @@ Rules (the module docstring says why):
 * decisions (destinations, counts, offsets): bit for bit the reference's (the kernel's int32 destinations compared as
   int64) on keys where the reference's margins are clear, checked in float64 (:func:`_clear`): each merged A row's
   best B row more than ``MARGIN = 1e-5`` above every other B row, the merged A rows' best similarities more than that
-  above the unmerged ones', every best similarity more than that away from the threshold; random keys are redrawn
-  image by image until they are clear. Closer than the margin only where the tie is exact in any order: the same two
-  vectors (``duplicates``: every A row one of 3 vectors, every B row one of 3 others) or similarities exact in fp32
-  (``dyadic`` unit vectors, a zero key among them: ties everywhere, thresholds equal to similarities). The ties must
-  break by index as in the reference;
+  above the unmerged ones', every best similarity more than that away from the threshold, and, in an image without
+  prefix rows that merges (its unmerged A rows follow in rank order), every two unmerged A rows' best similarities
+  more than ``ORDER_MARGIN = 1e-6`` apart; random keys are redrawn image by image until they are clear. Closer than
+  a margin only where the tie is exact in any order: the same two vectors (``duplicates``: every A row one of 3
+  vectors, every B row one of 3 others) or similarities exact in fp32 (``dyadic`` unit vectors, a zero key among
+  them: ties everywhere, thresholds equal to similarities). The ties must break by index as in the reference. The
+  kept order compares every pair of unmerged A rows (276 of them at 577 rows and ``r = 13``, where 1e-5 would leave
+  one draw in 200 clear), so its margin is tighter, still far above the spread of fp32 best similarities between
+  summation orders (sequential or pairwise head sums, tree or sequential norms, rsqrt, FMA dot products in one chain
+  or in blocks of 16, against the reference's: a standard deviation of 5e-8, at most 3e-7 over 100,000 rows of
+  DeiT-B's geometry). Without it a draw with two unmerged rows 4e-8 apart in float64 (1.4 fp32 units) had their
+  order, and so their destinations, swapped on a GPU (one FMA chain over ``D`` for the dot product reverses them);
 * merged rows (on the reference's own map, int64, and on the kernel's, int32): a row that receives one row is that
   row, bit for bit; bit for bit the reference's rounded to ``x``'s dtype where every partial sum is exact (quarter
   steps, sizes up to 8); else within ``(k + 2) * 2**-24 * sum(size * |x|) / sum(size)`` for ``k`` sources (the
@@ -45,6 +52,7 @@ from ragged_vit.triton_impl.launcher import pdl_supported
 from tests.helpers import levels, rotated
 
 MARGIN = 1e-5  # far above fp32's rounding of a similarity (~1e-7), far below the gaps of random keys
+ORDER_MARGIN = 1e-6  # the kept order without prefix rows: every pair of unmerged A rows (module docstring)
 LENGTHS = (1, 2, 3, 63, 64, 65, 197, 0)  # around the 64-row tiles, DeiT's 197, an empty image
 EDGE_LENGTHS = (1, 2, 3, 63, 64, 65, 0)  # the quick level's: the tile edges without DeiT's 197 (a third of the work)
 RANDOM = "random"  # a threshold drawn per case, where it splits the best similarities
@@ -96,7 +104,15 @@ def _clear(keys64, labels, num_prefix, limit, threshold):
     # across the cut: a merged and an unmerged row as similar up to the margin pair the same two vectors
     pair = torch.minimum(label_a, label_b[match]) * (labels.numel() + 1) + torch.maximum(label_a, label_b[match])
     close = best[merged][:, None] - best[~merged][None, :] <= MARGIN
-    return not bool((close & (pair[merged][:, None] != pair[~merged][None, :])).any())
+    if bool((close & (pair[merged][:, None] != pair[~merged][None, :])).any()):
+        return False
+    if num_prefix > 0 or count == 0:  # the unmerged A rows stay in index order (none merged: every row does)
+        return True
+    # without prefix rows the unmerged A rows follow in rank order: two as similar up to the margin pair the same two
+    # vectors (a swap of their best similarities' last bits swaps their destinations)
+    kept, kept_pair = best[~merged], pair[~merged]
+    tied = (kept[:, None] - kept[None, :]).abs() <= ORDER_MARGIN
+    return not bool((tied & (kept_pair[:, None] != kept_pair[None, :])).any())
 
 
 def _dyadic_vectors(count, dim, gen):
@@ -155,6 +171,38 @@ def _strided(keys):
     qkv = torch.full((keys.shape[0], 3, *keys.shape[1:]), float("nan"), dtype=keys.dtype, device=keys.device)
     qkv[:, 1] = keys
     return qkv[:, 1]
+
+
+def _kept_order_keys(delta, same=False):
+    """Ten rows of one head (float64): B rows ``e0..e4``; A row 2 is ``e0`` (best 1: the one merged at ``r = 1``),
+    A rows 4 and 6 best ``0.5`` to ``e1`` and ``0.5 + delta`` to ``e2`` (``same``: row 6 is row 4, label too), A rows 0
+    and 8 far from both. Labels: every row its own vector."""
+
+    def unit(k, c, side):
+        v = torch.zeros(8, dtype=torch.float64)
+        v[k], v[side] = c, (1 - c * c) ** 0.5
+        return v
+
+    e = torch.eye(8, dtype=torch.float64)
+    rows = [e[7], e[0], e[0], e[1], unit(1, 0.5, 5), e[2], unit(2, 0.5 + delta, 6), e[3], unit(3, 0.3, 7), e[4]]
+    labels = torch.arange(10)
+    if same:
+        rows[6], labels[6] = rows[4], labels[4]
+    return torch.stack(rows)[:, None, :], labels
+
+
+def test_clear_rejects_near_ties_in_the_kept_order():
+    """Without prefix rows the unmerged A rows go in rank order (the reference's ``order[count:]``): two of them
+    closer than ``ORDER_MARGIN``, not the same pair of vectors, may swap in fp32 (a GPU swapped two 4e-8 apart),
+    so :func:`_clear` redraws them; farther apart, an exact tie, a prefix row (index order) or an image
+    that merges nothing (kept as it is) are clear."""
+    for delta in (0.0, 1e-7, ORDER_MARGIN / 2):
+        assert not _clear(*_kept_order_keys(delta), 0, 1, None), delta
+        assert _clear(*_kept_order_keys(delta), 1, 1, None), delta  # a prefix row: unmerged rows in index order
+        assert _clear(*_kept_order_keys(delta), 0, 1, 1.01), delta  # none passes the threshold: nothing moves
+    assert not _clear(*_kept_order_keys(1e-7), 0, 1, 0.9)  # adaptive: one merges, the rest in rank order
+    assert _clear(*_kept_order_keys(2 * ORDER_MARGIN), 0, 1, None)
+    assert _clear(*_kept_order_keys(0.0, same=True), 0, 1, None)  # the same two vectors: equal bits in any order
 
 
 # --- decisions ------------------------------------------------------------------------------------------------------
