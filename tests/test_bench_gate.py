@@ -23,7 +23,7 @@ from benchmarks import run_bench
 REPO = Path(__file__).resolve().parents[1]
 H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 ATT = "test_attention[B1-p0-ours]"
-E2E = "test_e2e[B64-l2_ratio-triton]"
+E2E = "test_e2e[B1-l2_ratio-triton]"  # batch 1: the attention is a large enough share of its device time
 MACHINE = "Linux-CPython-3.12-64bit"
 
 
@@ -241,7 +241,7 @@ def test_gate_on_the_gpu_stores_passes_clean_and_fails_injected(tmp_path: Path) 
     from benchmarks.timing import gpu_slug
 
     storage = run_bench.storage_dir(gpu_slug(), quick=True, root=tmp_path)
-    subset = "B1-p80-ours or B64-l2_ratio-triton]"
+    subset = "B1-p80-ours or B1-l2_ratio-triton]"
     first = run_gate(tmp_path, subset)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     assert run_bench.NO_BASELINE in first.stdout and len(run_bench.card_runs(storage)) == 1

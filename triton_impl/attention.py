@@ -121,13 +121,14 @@ def _attend_key_tile(
         s = s * qk_scale + (bias * _LOG2E)[None, :]
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
     else:
-        # The scale (with log2(e)) is applied inside the exp2 argument: one fused multiply-add per score. The FMA's
-        # unrounded product can exceed the rounded row maximum by half an ulp, which at huge logits overflows exp2:
-        # the argument is clamped to 0.
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.math.exp2(tl.minimum(s * qk_scale - m_new[:, None], 0.0))
-    alpha = tl.math.exp2(m_i - m_new)
+        # The running max in unscaled units, subtracted before the scale (with log2(e)): the largest score's exponent
+        # is exactly 0. Scaling first lets the compiler fuse it into an FMA whose unrounded product misses the rounded
+        # max by half an ulp: at logits past about 1e9 every exponent of a row underflows and the row is 0/0.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2((s - m_new[:, None]) * qk_scale)
+        alpha = tl.math.exp2((m_i - m_new) * qk_scale)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
