@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ragged_vit.core.selection import DecisionInput, TokenSelection
+from ragged_vit.reference.linear import layer_norm_stats, merge_ln_stats
 from ragged_vit.reference.pruners import ThresholdL2Pruner
 from ragged_vit.testing import (
     ConformanceError,
@@ -152,11 +153,13 @@ PACK_MUTANTS = {
 
 
 def split_k_linear(x, weight, bias=None, *, ln_weight=None, ln_bias=None, eps=1e-5, activation=None, residual=None,
-                   gamma=None, splits=3, centre=True, eps_inside=True, drop_split=False, residual_first=False,
-                   accumulator=None, naive_tanh=False, tile_stats=False, moments=False):  # fmt: skip
-    """The contract's fused linear as a split-K kernel computes it: the LayerNorm in fp32 rounded to the inputs' dtype,
-    K in ``splits`` slabs of fp32 partial sums added in order, the epilogue in fp32, one rounding. The keyword
-    arguments after ``gamma`` are the mutants' knobs; the defaults are the correct port."""
+                   gamma=None, ln_stats=None, stats_out=None, splits=3, centre=True, eps_inside=True,
+                   drop_split=False, residual_first=False, accumulator=None, naive_tanh=False, tile_stats=False,
+                   moments=False, equal_chunks=False, stats_before_residual=False):  # fmt: skip
+    """The contract's fused linear as a split-K kernel computes it: the LayerNorm in fp32 rounded to the inputs' dtype
+    (from ``ln_stats`` where given), K in ``splits`` slabs of fp32 partial sums added in order, the epilogue in fp32,
+    one rounding, and the output's statistics into ``stats_out``. The keyword arguments after ``stats_out`` are the
+    mutants' knobs; the defaults are the correct port."""
     h = x.float()
     if ln_weight is not None:
         rows = h if not tile_stats else h.reshape(1, -1)  # statistics over every row together
@@ -164,6 +167,8 @@ def split_k_linear(x, weight, bias=None, *, ln_weight=None, ln_bias=None, eps=1e
         var = (rows - mean).square().mean(-1, keepdim=True)
         if moments:  # E[x^2] - E[x]^2 in fp32: cancellation on a large mean
             var = (rows * rows).mean(-1, keepdim=True) - mean * mean
+        if ln_stats is not None:
+            mean, var = _merged(ln_stats, x.shape[1], equal_chunks)
         rstd = torch.rsqrt(var + eps) if eps_inside else 1.0 / (var.sqrt() + eps)
         if tile_stats:
             mean, rstd = mean.expand(h.shape[0], 1), rstd.expand(h.shape[0], 1)
@@ -197,7 +202,27 @@ def split_k_linear(x, weight, bias=None, *, ln_weight=None, ln_bias=None, eps=1e
         y = gamma.float() * y
     if residual is not None and not residual_first:
         y = residual.float() + y
-    return y.to(x.dtype)
+    out = y.to(x.dtype)
+    if stats_out is not None:  # of the rounded output (the mutant: of the sum before the residual add)
+        source = y - residual.float() if stats_before_residual and residual is not None else out
+        stats_out.copy_(layer_norm_stats(source.float(), stats_out.shape[0]))
+    return out
+
+
+def _merged(ln_stats, depth, equal_chunks):
+    """Mean and variance ``[M, 1]`` from chunked statistics (the mutant: every chunk counted as ``depth / P``
+    columns, wrong for an uneven last chunk)."""
+    if not equal_chunks:
+        return (t[:, None] for t in merge_ln_stats(ln_stats, depth))
+    count = depth / ln_stats.shape[0]
+    mean = ln_stats[..., 0].mean(0)
+    m2 = ln_stats[..., 1].sum(0) + count * (ln_stats[..., 0] - mean).square().sum(0)
+    return mean[:, None], (m2 / depth)[:, None]
+
+
+def two_chunk_stats(rows, cols, device):
+    """The split-K port's ``stats_out`` buffer: two chunks (uneven where ``cols`` is not a power of two)."""
+    return torch.empty((2, rows, 2), device=device)
 
 
 LINEAR_MUTANTS = {
@@ -209,7 +234,10 @@ LINEAR_MUTANTS = {
     "residual_added_before_gelu": functools.partial(split_k_linear, residual_first=True),
     "fp16_accumulator": functools.partial(split_k_linear, accumulator=torch.float16),
     "tanh_overflows": functools.partial(split_k_linear, naive_tanh=True),
+    "ln_stats_chunks_counted_equal": functools.partial(split_k_linear, equal_chunks=True),
+    "stats_out_before_residual": functools.partial(split_k_linear, stats_before_residual=True),
 }
+LINEAR_OPTIONS = {"ln_stats": True, "stats_buffer": two_chunk_stats}  # the port takes and writes statistics
 
 # --- decision: broken copies of the worked example's Threshold-L2 ratio port ----------------------------------------
 
@@ -279,7 +307,7 @@ def _zoo() -> dict[str, bool]:
               ATTENTION_MUTANTS.items()}  # fmt: skip
     caught |= {f"pack/{n}": _caught(lambda op=op, f=f: check_pack(**{op: f}, level_name="quick")) for n, (op, f) in
                PACK_MUTANTS.items()}  # fmt: skip
-    caught |= {f"linear/{n}": _caught(lambda f=f: check_linear(f, level_name="quick")) for n, f in
+    caught |= {f"linear/{n}": _caught(lambda f=f: check_linear(f, level_name="quick", **LINEAR_OPTIONS)) for n, f in
                LINEAR_MUTANTS.items()}  # fmt: skip
     caught |= {f"decision/{n}": _caught(lambda f=f: check_decision(PRUNER, f, "quick")) for n, f in
                DECISION_MUTANTS.items()}  # fmt: skip
@@ -297,12 +325,12 @@ def test_every_mutant_is_caught_at_the_quick_level():
 # The correct ports: every case passes, each a test item.
 test_online_softmax_conforms = attention_suite(online_softmax, layout="qkv")
 test_repack_by_indexing_conforms = pack_suite(repack=repack_by_indexing)
-test_split_k_linear_conforms = linear_suite(split_k_linear)
+test_split_k_linear_conforms = linear_suite(split_k_linear, **LINEAR_OPTIONS)
 
 
 @pytest.mark.parametrize("splits", [1, 2, 7])
 def test_split_k_linear_at_other_splits(splits):
-    check_linear(functools.partial(split_k_linear, splits=splits), level_name="quick")
+    check_linear(functools.partial(split_k_linear, splits=splits), level_name="quick", **LINEAR_OPTIONS)
 
 
 @pytest.mark.parametrize("tile", [1, 7, 64])

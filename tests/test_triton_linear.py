@@ -1,7 +1,9 @@
 """The skinny fused linear kernel (triton_impl/linear.py) against its reference (reference/linear.py): the lab's fused
 linear contract (ragged_vit.testing.linear), odd row counts with each fusion on and off in every dtype, launch
-configurations and split counts, NaN-poisoned outputs, the in-place residual, the split rule, and the argument errors
-with the launch forbidden. Quick under Triton's interpreter on a CPU; ``--full`` and the GPU twins run more."""
+configurations and split counts, NaN-poisoned outputs, the in-place residual, the LayerNorm statistics handed from one
+layer's epilogue to the next (``stats_out`` / ``ln_stats``) and computed once per row without them, the split rule, and
+the argument errors with the launch forbidden. Quick under Triton's interpreter on a CPU; ``--full`` and the GPU twins
+run more."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import torch
 
 import ragged_vit.triton_impl.linear as tlin
 from ragged_vit.reference.linear import fused_linear as reference
+from ragged_vit.reference.linear import layer_norm_stats, merge_ln_stats
 from ragged_vit.testing import assert_linear_close, linear_suite
 from ragged_vit.triton_impl.configs import (
     INTERPRETER_SMS,
@@ -34,12 +37,15 @@ def _variant(case) -> tuple:
 
 # The lab's contract: quick keeps one case per family (the dtypes in turn), --full runs every case of the quick level;
 # on a GPU the full level (ViT-B shapes, K and N of 8192, more row counts) in every dtype.
+def _stats_buffer(rows, cols, device):
+    return tlin.empty_ln_stats(rows, cols, torch.device(device))
+
+
+_OPTIONS = {"accepts_out": True, "bad_inputs": True, "ln_stats": True, "stats_buffer": _stats_buffer}
 test_contract_interpreter = pytest.mark.interpreter(
-    one_per_family(linear_suite(tlin.fused_linear, accepts_out=True, bad_inputs=True), _family, _variant)
+    one_per_family(linear_suite(tlin.fused_linear, **_OPTIONS), _family, _variant)
 )
-test_contract_gpu = pytest.mark.gpu(
-    linear_suite(tlin.fused_linear, device="cuda", accepts_out=True, bad_inputs=True, level_name="full")
-)
+test_contract_gpu = pytest.mark.gpu(linear_suite(tlin.fused_linear, device="cuda", level_name="full", **_OPTIONS))
 
 ODD_ROWS = (1, 7, 99, 197, 255)
 # Each fusion alone, none, and all of them (the kwargs builder below knows each name).
@@ -127,8 +133,55 @@ def test_split_k_is_deterministic_and_in_place_residual_interpreter(gen):
 
 
 @pytest.mark.interpreter
+@pytest.mark.parametrize("split", [1, 3])
+def test_stats_chain_interpreter(split, gen):
+    """proj's epilogue writes the residual stream's statistics (``stats_out``, one chunk per output tile, of the
+    rounded rows); fc1 takes them (``ln_stats``) without launching the statistics kernel, and gives what it gives
+    computing them itself, within the rule; fp16, unsplit and split-K epilogues, N = 80 (an uneven last chunk)."""
+    config = LinearConfig(16, 64, 32, 4, 1, split)
+    x, weight, kwargs = _inputs(19, 96, 80, torch.float16, ("bias", "gamma", "residual"), "cpu", gen)
+    stats = tlin.empty_ln_stats(19, 80, x.device, config).fill_(float("nan"))
+    stream = tlin.fused_linear(x, weight, stats_out=stats, config=config, **kwargs)
+    mean, var = merge_ln_stats(stats.double(), 80)
+    torch.testing.assert_close(mean, stream.double().mean(-1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(var, stream.double().var(-1, unbiased=False), rtol=1e-5, atol=1e-6)
+    _, fc1, ln = _inputs(19, 80, 48, torch.float16, ("ln",), "cpu", gen)
+    own = tlin.fused_linear(stream, fc1, activation="gelu", **ln)
+    calls = []
+    counted = tlin._stats
+    tlin._stats = lambda *a, **k: calls.append(counted(*a, **k))
+    try:
+        taken = tlin.fused_linear(stream, fc1, activation="gelu", ln_stats=stats, **ln)
+    finally:
+        tlin._stats = counted
+    assert not calls
+    assert_linear_close(taken, stream, fc1, activation="gelu", ln_stats=stats, **ln)
+    torch.testing.assert_close(taken, own, rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.interpreter
+def test_statistics_once_per_row_interpreter(monkeypatch, gen):
+    """Without ``ln_stats`` one statistics launch precedes the product, its ``[1, M, 2]`` output what the reference
+    computes (``layer_norm_stats``); rows of mean 1000 lose no precision (Chan's update)."""
+    x, weight, kwargs = _inputs(21, 160, 48, torch.float32, ("ln",), "cpu", gen)
+    x += 1000.0
+    seen = []
+    counted = tlin._stats
+
+    def spy(key, index, grid, args, **options):
+        seen.append(args[1])
+        return counted(key, index, grid, args, **options)
+
+    monkeypatch.setattr(tlin, "_stats", spy)
+    out = tlin.fused_linear(x, weight, config=LinearConfig(16, 32, 32, 4, 1, 2), **kwargs)
+    assert len(seen) == 1 and seen[0].shape == (1, 21, 2)
+    torch.testing.assert_close(seen[0], layer_norm_stats(x), rtol=1e-6, atol=1e-4)
+    assert_linear_close(out, x, weight, **kwargs)
+
+
+@pytest.mark.interpreter
 def test_no_rows_launches_nothing(forbid_launch):
-    forbid_launch(tlin, "_main", "_reduce")
+    forbid_launch(tlin, "_main", "_reduce", "_stats")
     out = tlin.fused_linear(torch.randn(0, 32), torch.randn(16, 32))
     assert out.shape == (0, 16)
 
@@ -152,6 +205,11 @@ def test_split_rule():
     # ViT-B's qkv at one row on a 132-SM card: 36 tiles of 64 columns, K = 768 in 3 splits of 256.
     assert linear_split(LinearConfig(16, 64, 128, 4, 4), 1, 2304, 768, 132) == (3, 256)
     assert linear_split(LinearConfig(16, 64, 64, 4, 4, split_k=5), 1, 64, 640, 8) == (5, 128)
+    # Two programs per SM: fc2 at one row, 12 tiles of 64 columns, K = 3072 in 12 splits (two steps each) not 8.
+    assert linear_split(LinearConfig(16, 64, 128, 4, 4), 1, 768, 3072, 132) == (8, 384)
+    assert linear_split(LinearConfig(16, 64, 128, 4, 4, per_sm=2), 1, 768, 3072, 132) == (12, 256)
+    assert linear_split(LinearConfig(16, 64, 64, 4, 4), 1, 2304, 768, 132) == (3, 256)
+    assert linear_split(LinearConfig(16, 64, 64, 4, 4, per_sm=2), 1, 2304, 768, 132) == (6, 128)
 
 
 def test_config_bands():
@@ -204,6 +262,13 @@ def _bad_calls():
         ("out", lambda: (lambda s: tlin.fused_linear(s, w, out=s[:, :16]))(torch.zeros(4, 32))),
         ("out", lambda: (lambda s: tlin.fused_linear(x, w, residual=s[:4], out=s[4:]))(torch.zeros(8, 16))),
         ("config", lambda: tlin.fused_linear(x, w, config=(16, 16, 16, 4, 1))),
+        ("ln_stats", lambda: tlin.fused_linear(x, w, ln_stats=torch.zeros(1, 4, 2))),
+        ("ln_stats", lambda: tlin.fused_linear(x, w, ln_weight=vec_k, ln_stats=torch.zeros(1, 5, 2))),
+        ("ln_stats", lambda: tlin.fused_linear(x, w, ln_weight=vec_k, ln_stats=torch.zeros(1, 4, 2).half())),
+        ("ln_stats", lambda: tlin.fused_linear(x, w, ln_weight=vec_k, ln_stats=torch.zeros(4, 4, 2)[::2])),
+        ("ln_stats", lambda: tlin.fused_linear(x, w, ln_weight=vec_k, ln_stats=torch.zeros(20, 4, 2))),
+        ("stats_out", lambda: tlin.fused_linear(x, w, stats_out=torch.zeros(9, 4, 2))),
+        ("stats_out", lambda: tlin.fused_linear(x, w, stats_out=torch.zeros(1, 4, 3))),
     ]
 
 
@@ -211,7 +276,7 @@ def _bad_calls():
 def test_bad_input_raises_before_launch(index, forbid_launch):
     """Each bad argument raises a one-line TypeError/ValueError naming it, before any launch."""
     name, call = _bad_calls()[index]
-    forbid_launch(tlin, "_main", "_reduce")
+    forbid_launch(tlin, "_main", "_reduce", "_stats")
     with pytest.raises((ValueError, TypeError), match=name) as info:
         call()
     assert "\n" not in str(info.value)

@@ -90,7 +90,8 @@ def _capability(index: int | None) -> tuple[int, int]:
 @dataclass(frozen=True)
 class LinearConfig:
     """One launch configuration of ``ragged_vit.triton_impl.linear``: the output tile ``block_m x block_n``, the
-    reduction step ``block_k``, and ``split_k`` (0: chosen by :func:`linear_split` from K and the SM count)."""
+    reduction step ``block_k``, ``split_k`` (0: chosen by :func:`linear_split` from K and the SM count) and
+    ``per_sm``, the programs per SM that the split rule aims at."""
 
     block_m: int
     block_n: int
@@ -98,6 +99,7 @@ class LinearConfig:
     num_warps: int
     num_stages: int
     split_k: int = 0
+    per_sm: int = 1
 
 
 # Bands of the row count M (the packed rows of a forward), the last one open-ended. SM90: starting points, not yet
@@ -142,13 +144,15 @@ def sm_count(index: int | None) -> int:
 
 def linear_split(config: LinearConfig, rows: int, cols: int, depth: int, sms: int) -> tuple[int, int]:
     """``(splits, k_per_split)`` for an ``[rows, depth] @ [depth, cols]`` product: with fewer output tiles than
-    ``sms``, K is split so that about one program per SM streams its own slab of the weight; each split is a
-    multiple of ``block_k`` long, at least :data:`LINEAR_MIN_K_BLOCKS` steps, and none is empty."""
+    ``per_sm x sms``, K is split so that about ``per_sm`` programs per SM stream their own slabs of the weight; each
+    split is a multiple of ``block_k`` long, at least :data:`LINEAR_MIN_K_BLOCKS` steps, and none is empty."""
     steps = -(-depth // config.block_k)
     if config.split_k:
         wanted = config.split_k
     else:
         tiles = -(-rows // config.block_m) * -(-cols // config.block_n)
-        wanted = min(max(1, sms // max(tiles, 1)), LINEAR_MAX_SPLIT, max(1, steps // LINEAR_MIN_K_BLOCKS))
+        wanted = min(
+            max(1, config.per_sm * sms // max(tiles, 1)), LINEAR_MAX_SPLIT, max(1, steps // LINEAR_MIN_K_BLOCKS)
+        )
     per_split = -(-steps // max(1, min(wanted, steps)))  # block_k steps per split
     return -(-steps // per_split), per_split * config.block_k

@@ -3,21 +3,26 @@ forward, with its LayerNorm, bias, GELU, LayerScale and residual fused in.
 
 The op is :func:`ragged_vit.reference.linear.fused_linear` (its docstring states it); this is its kernel twin:
 
-    * prologue (``ln_weight=``): each row's LayerNorm over K, statistics in fp32 (one pass over the row, chunk by chunk,
-      merged with Chan's update, so a large mean costs no precision), the normalised tile rounded to the weight's dtype
+    * prologue (``ln_weight=``): each row's LayerNorm over K from its statistics, computed once per row and not once per
+      program: ``ln_stats=`` (``[P, M, 2]`` fp32 chunk means and M2, see :mod:`ragged_vit.reference.linear`), as the
+      fused linear that wrote ``x`` left them (``stats_out=``), or else a small statistics kernel launched first (one
+      pass over the row in fp32, chunk by chunk, merged with Chan's update, so a large mean costs no precision); each
+      program merges the P chunks of its rows, adds ``eps``, and rounds the normalised tile to the weight's dtype
       before the dot, as timm's ``norm`` hands its output to ``Linear``;
     * main loop: ``tl.dot`` of ``[BLOCK_M, BLOCK_K]`` row tiles with ``[BLOCK_K, BLOCK_N]`` tiles of the weight read
       transposed through strides (nn.Linear's ``[N, K]`` as stored, no copy), accumulated in fp32 (IEEE fp32 dots for
       fp32 inputs, no TF32);
     * epilogue, on the fp32 sum: ``+ bias``, GELU (``"gelu"``: exact erf, timm's ``nn.GELU`` default; ``"gelu_tanh"``:
       the tanh approximation, written so that it cannot overflow), ``* gamma`` (LayerScale), ``residual +``, then one
-      rounding to the output dtype.
+      rounding to the output dtype; with ``stats_out=``, each output tile's rows' mean and M2 over its columns, of the
+      rounded values (the next LayerNorm's statistics: chunk ``p`` is output tile column ``p``).
 
 Split-K: a small M leaves few output tiles, too few to stream the weight with every SM. The grid is ``(M tiles, N
 tiles, K splits)``; with more than one split each program writes its fp32 partial sum into a workspace ``[splits, M,
 N]`` and a second small kernel adds the partials in split order (deterministic: the same bits on every run) and applies
-the epilogue. With one split the epilogue runs in the main kernel and there is no workspace. The split count comes from
-the configuration table (:func:`ragged_vit.triton_impl.configs.linear_split`: about one program per SM).
+the epilogue, on tiles of the same ``BLOCK_N`` (so ``stats_out`` has one chunk per ``BLOCK_N`` columns either way).
+With one split the epilogue runs in the main kernel and there is no workspace. The split count comes from the
+configuration table (:func:`ragged_vit.triton_impl.configs.linear_split`: about one or two programs per SM).
 
 Supported: fp16, bf16, fp32 inputs (``x``, ``weight`` and ``residual`` of one dtype; the vectors ``bias``,
 ``ln_weight``, ``ln_bias``, ``gamma`` in that dtype or fp32); K and N multiples of 16 up to 8192; any M (tuned for M
@@ -34,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ..core.validation import FLOAT_DTYPES, check_tensor
-from ..reference.linear import ACTIVATIONS
+from ..reference.linear import ACTIVATIONS, stats_chunk_width
 from .configs import INTERPRETER_SMS, LinearConfig, linear_config, linear_split, sm_count
 from .launcher import INTERPRETED, CompiledLauncher, aligned, cdiv, int_spec
 
@@ -52,10 +57,12 @@ def _tanh(u):
 
 @triton.jit
 def _epilogue(
-    acc, offs_m, offs_n, M, N, B, G, R, Y, stride_rm, stride_ym,
+    acc, offs_m, offs_n, M, N, B, G, R, Y, SO, stride_rm, stride_ym,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    STATS_OUT: tl.constexpr,
 ):  # fmt: skip
-    """``residual + gamma * act(acc + bias)`` on an fp32 tile, rounded once and stored; every step switched by a
+    """``residual + gamma * act(acc + bias)`` on an fp32 tile, rounded once and stored, and with ``STATS_OUT`` the
+    rounded rows' mean and M2 over the tile's columns into chunk ``program_id(1)`` of ``SO``; every step switched by a
     constexpr, so an unused one compiles to nothing."""
     mask_n = offs_n < N
     mask = (offs_m < M)[:, None] & mask_n[None, :]
@@ -69,13 +76,27 @@ def _epilogue(
         acc *= tl.load(G + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     if HAS_RESIDUAL:
         acc += tl.load(R + offs_m[:, None] * stride_rm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], acc.to(Y.dtype.element_ty), mask=mask)
+    rounded = acc.to(Y.dtype.element_ty)
+    tl.store(Y + offs_m[:, None] * stride_ym + offs_n[None, :], rounded, mask=mask)
+    if STATS_OUT:  # of the values stored, as the next LayerNorm reads them
+        chunk = tl.program_id(1)
+        count = tl.minimum(N - chunk * offs_n.shape[0], offs_n.shape[0]) * 1.0
+        v = tl.where(mask, rounded.to(tl.float32), 0.0)
+        mean = tl.sum(v, 1) / count
+        dev = tl.where(mask, v - mean[:, None], 0.0)
+        mask_m = offs_m < M
+        stats = SO + chunk * M * 2 + offs_m * 2
+        tl.store(stats, mean, mask=mask_m)
+        tl.store(stats + 1, tl.sum(dev * dev, 1), mask=mask_m)
 
 
-@triton.jit
-def _row_stats(X, offs_m, mask_m, K, stride_xm, eps, BLOCK_K: tl.constexpr):
-    """Mean and 1 / std of each row of ``X`` over its K values, in fp32, in one pass: each chunk's mean and sum of
-    squared deviations, merged into the running ones by Chan's update (no E[x^2] - E[x]^2 cancellation)."""
+@triton.jit(do_not_specialize=["M"])
+def _stats_kernel(X, S, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Mean and M2 of each row of ``X`` over its K values into ``S [1, M, 2]``, in fp32, in one pass: each chunk's
+    mean and sum of squared deviations, merged into the running ones by Chan's update (no E[x^2] - E[x]^2
+    cancellation)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
     mean = tl.zeros([offs_m.shape[0]], dtype=tl.float32)
     m2 = tl.zeros([offs_m.shape[0]], dtype=tl.float32)
@@ -90,23 +111,42 @@ def _row_stats(X, offs_m, mask_m, K, stride_xm, eps, BLOCK_K: tl.constexpr):
         delta = chunk_mean - mean
         mean += delta * (count / (seen + count))
         m2 += tl.sum(dev * dev, 1) + delta * delta * (seen * count / (seen + count))
+    tl.store(S + offs_m * 2, mean, mask=mask_m)
+    tl.store(S + offs_m * 2 + 1, m2, mask=mask_m)
+
+
+@triton.jit
+def _merged_stats(S, offs_m, mask_m, M, K, chunks, width, eps):
+    """Mean and 1 / std of each row from its ``chunks`` chunks of ``S [chunks, M, 2]`` (``width`` columns each, the
+    last one shorter), merged in chunk order by Chan's update, as ``reference.linear.merge_ln_stats``."""
+    mean = tl.load(S + offs_m * 2, mask=mask_m, other=0.0)
+    m2 = tl.load(S + offs_m * 2 + 1, mask=mask_m, other=0.0)
+    seen = tl.minimum(width, K) * 1.0
+    for p in range(1, chunks):
+        count = tl.minimum(width, K - p * width) * 1.0
+        part = S + p * M * 2 + offs_m * 2
+        delta = tl.load(part, mask=mask_m, other=0.0) - mean
+        mean += delta * (count / (seen + count))
+        m2 += tl.load(part + 1, mask=mask_m, other=0.0) + delta * delta * (seen * count / (seen + count))
+        seen += count
     return mean, 1.0 / tl.sqrt(m2 / K + eps)
 
 
-@triton.jit(do_not_specialize=["M", "eps"])
+@triton.jit(do_not_specialize=["M", "eps", "chunks", "width"])
 def _linear_kernel(
-    X, W, B, LNW, LNB, G, R, Y, WS,
-    M, N, K, k_per_split, eps,
+    X, W, B, LNW, LNB, S, G, R, Y, WS, SO,
+    M, N, K, k_per_split, eps, chunks, width,
     stride_xm, stride_wn, stride_rm, stride_ym,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    HAS_LN: tl.constexpr,
+    HAS_LN: tl.constexpr,  # the rows' statistics in S [chunks, M, 2]
     HAS_LN_BIAS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ACTIVATION: tl.constexpr,  # 0 none, 1 erf GELU, 2 tanh GELU
     HAS_GAMMA: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    STATS_OUT: tl.constexpr,
     PARTIAL: tl.constexpr,  # several K splits: write the fp32 partial to WS [splits, M, N], no epilogue here
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no N masks on the weight
@@ -122,7 +162,7 @@ def _linear_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     if HAS_LN:
-        mean, rstd = _row_stats(X, offs_m, mask_m, K, stride_xm, eps, BLOCK_K)
+        mean, rstd = _merged_stats(S, offs_m, mask_m, M, K, chunks, width, eps)
     x_rows = X + offs_m[:, None] * stride_xm
     w_cols = W + offs_n[None, :] * stride_wn  # the weight's rows, read as the columns of a [BLOCK_K, BLOCK_N] tile
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -159,13 +199,13 @@ def _linear_kernel(
         ws = WS + pid_s * M * N + offs_m[:, None] * N + offs_n[None, :]
         tl.store(ws, acc, mask=mask_m[:, None] & mask_n[None, :])
     else:
-        _epilogue(acc, offs_m, offs_n, M, N, B, G, R, Y, stride_rm, stride_ym,
-                  HAS_BIAS, ACTIVATION, HAS_GAMMA, HAS_RESIDUAL)  # fmt: skip
+        _epilogue(acc, offs_m, offs_n, M, N, B, G, R, Y, SO, stride_rm, stride_ym,
+                  HAS_BIAS, ACTIVATION, HAS_GAMMA, HAS_RESIDUAL, STATS_OUT)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=["M"])
 def _reduce_kernel(
-    WS, B, G, R, Y,
+    WS, B, G, R, Y, SO,
     M, N, stride_rm, stride_ym,
     SPLITS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -174,6 +214,7 @@ def _reduce_kernel(
     ACTIVATION: tl.constexpr,
     HAS_GAMMA: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    STATS_OUT: tl.constexpr,
 ):  # fmt: skip
     """Adds the ``SPLITS`` fp32 partials of a tile in split order (the same bits on every run), then the epilogue."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -183,14 +224,17 @@ def _reduce_kernel(
     acc = tl.load(ptrs, mask=mask, other=0.0)
     for s in tl.static_range(1, SPLITS):
         acc += tl.load(ptrs + s * M * N, mask=mask, other=0.0)
-    _epilogue(acc, offs_m, offs_n, M, N, B, G, R, Y, stride_rm, stride_ym, HAS_BIAS, ACTIVATION, HAS_GAMMA,
-              HAS_RESIDUAL)  # fmt: skip
+    _epilogue(acc, offs_m, offs_n, M, N, B, G, R, Y, SO, stride_rm, stride_ym, HAS_BIAS, ACTIVATION, HAS_GAMMA,
+              HAS_RESIDUAL, STATS_OUT)  # fmt: skip
 
 
 _main = CompiledLauncher(_linear_kernel)
 _reduce = CompiledLauncher(_reduce_kernel)
-REDUCE_BLOCK_N = 128
-"""Columns per program of the reduction (its rows: M up to 16, a power of two)."""
+_stats = CompiledLauncher(_stats_kernel)
+STATS_BLOCK_M = 8
+"""Rows per program of the statistics kernel (a few, so that a few hundred rows spread over many SMs)."""
+STATS_BLOCK_K = 256
+"""Columns per step of the statistics kernel."""
 
 
 def _check_vector(value: object, name: str, length: int, x: torch.Tensor, what: str) -> None:
@@ -209,6 +253,21 @@ def _check_matrix(value: object, name: str, shape: tuple[int, int], x: torch.Ten
         raise ValueError(f"{name} must have a contiguous last dimension (stride 1), got strides {value.stride()}")
 
 
+def _check_stats(value: object, name: str, chunks: int | None, rows: int, columns: int, x: torch.Tensor) -> None:
+    """``value`` as ``[chunks, rows, 2]`` contiguous fp32 stats of ``columns`` columns (any valid chunk count when
+    ``chunks`` is None)."""
+    check_tensor(value, name, ndim=3, dtypes=(torch.float32,), device=x.device)
+    if value.shape[1:] != (rows, 2) or (chunks is not None and value.shape[0] != chunks):
+        shape = f"[{'P' if chunks is None else chunks}, {rows}, 2]"
+        raise ValueError(f"{name} must have shape {shape} (chunks, M, mean and M2), got {tuple(value.shape)}")
+    if not value.is_contiguous():
+        raise ValueError(f"{name} must be contiguous, got strides {value.stride()}")
+    try:
+        stats_chunk_width(columns, value.shape[0])
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
+
+
 def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
@@ -225,6 +284,7 @@ def check_linear_args(
     residual: object = None,
     gamma: object = None,
     out: object = None,
+    ln_stats: object = None,
 ) -> None:
     """Every check of :func:`fused_linear`, each raising one line that names the argument (``TypeError`` for a wrong
     kind or dtype, ``ValueError`` for a wrong shape, layout, device or value); reads metadata only."""
@@ -249,6 +309,10 @@ def check_linear_args(
         if ln_weight is None:
             raise ValueError("ln_bias needs ln_weight: the LayerNorm is on iff ln_weight is given")
         _check_vector(ln_bias, "ln_bias", depth, x, "K")
+    if ln_stats is not None:
+        if ln_weight is None:
+            raise ValueError("ln_stats needs ln_weight: they are the statistics of its LayerNorm")
+        _check_stats(ln_stats, "ln_stats", None, rows, depth, x)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"eps must be a positive finite float, got {eps!r}")
     if activation not in ACTIVATIONS:
@@ -278,9 +342,11 @@ def fused_linear(
     residual: torch.Tensor | None = None,
     gamma: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    ln_stats: torch.Tensor | None = None,
+    stats_out: torch.Tensor | None = None,
     config: LinearConfig | None = None,
 ) -> torch.Tensor:
-    """``residual + gamma * act(LayerNorm(x) @ weight.T + bias)``, each part optional, in one or two launches.
+    """``residual + gamma * act(LayerNorm(x) @ weight.T + bias)``, each part optional, in one to three launches.
 
     Args:
         x: ``[M, K]`` rows (fp16, bf16 or fp32; last dimension contiguous).
@@ -292,6 +358,10 @@ def fused_linear(
         residual: optional ``[M, N]`` added last (``x``'s dtype); ``gamma``: optional ``[N]`` LayerScale, multiplied
             before the residual add.
         out: optional ``[M, N]`` output; may be ``residual`` itself.
+        ln_stats: optional (with ``ln_weight``) ``[P, M, 2]`` fp32 statistics of ``x``'s rows (chunk means and M2, as
+            ``stats_out`` of the call that wrote ``x`` holds them); without them a statistics kernel runs first.
+        stats_out: optional ``[P, M, 2]`` fp32 buffer (:func:`empty_ln_stats`) filled with the output rows'
+            statistics, for the next LayerNorm's ``ln_stats``.
         config: launch configuration; None takes the table's (:func:`ragged_vit.triton_impl.configs.linear_config`).
 
     Returns:
@@ -300,14 +370,30 @@ def fused_linear(
     """
     check_linear_args(
         x, weight, bias, ln_weight=ln_weight, ln_bias=ln_bias, eps=eps, activation=activation, residual=residual,
-        gamma=gamma, out=out,
+        gamma=gamma, out=out, ln_stats=ln_stats,
     )  # fmt: skip
     if config is not None and not isinstance(config, LinearConfig):
         raise TypeError(f"config must be a LinearConfig or None, got {type(config).__name__}")
+    if stats_out is not None:
+        rows, cols = x.shape[0], weight.shape[0]
+        _check_stats(stats_out, "stats_out", ln_stats_chunks(rows, cols, x.device, config), rows, cols, x)
+        if ln_stats is not None and _shares_memory(stats_out, ln_stats):
+            raise ValueError("stats_out must not overlap ln_stats (every program reads them whole)")
     return fused_linear_unchecked(
         x, weight, bias, ln_weight=ln_weight, ln_bias=ln_bias, eps=float(eps), activation=activation,
-        residual=residual, gamma=gamma, out=out, config=config,
+        residual=residual, gamma=gamma, out=out, ln_stats=ln_stats, stats_out=stats_out, config=config,
     )  # fmt: skip
+
+
+def ln_stats_chunks(rows: int, cols: int, device: torch.device, config: LinearConfig | None = None) -> int:
+    """How many column chunks the ``stats_out`` of an ``[rows, cols]`` output has: one per ``block_n`` columns."""
+    return cdiv(cols, (config or linear_config(device, rows)).block_n)
+
+
+def empty_ln_stats(rows: int, cols: int, device: torch.device, config: LinearConfig | None = None) -> torch.Tensor:
+    """A ``stats_out`` buffer for an ``[rows, cols]`` output of :func:`fused_linear` under ``config`` (None: the
+    table's)."""
+    return torch.empty((ln_stats_chunks(rows, cols, device, config), rows, 2), dtype=torch.float32, device=device)
 
 
 def fused_linear_unchecked(
@@ -322,6 +408,8 @@ def fused_linear_unchecked(
     residual: torch.Tensor | None = None,
     gamma: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    ln_stats: torch.Tensor | None = None,
+    stats_out: torch.Tensor | None = None,
     config: LinearConfig | None = None,
 ) -> torch.Tensor:
     """:func:`fused_linear` without its checks, for callers that validated their arguments once (wrong arguments here
@@ -336,9 +424,24 @@ def fused_linear_unchecked(
     sms = sm_count(device.index) if device.type == "cuda" else INTERPRETER_SMS
     splits, k_per_split = linear_split(config, rows, cols, depth, sms)
     workspace = torch.empty((splits, rows, cols), dtype=torch.float32, device=device) if splits > 1 else None
-    flags = (bias is not None, _ACTIVATION_CODES[activation], gamma is not None, residual is not None)
+    index = x.get_device()
+    if ln_weight is not None and ln_stats is None:  # the rows' statistics, once per row, before the product
+        ln_stats = torch.empty((1, rows, 2), dtype=torch.float32, device=device)
+        stats_key = (x.dtype, int_spec(x.stride(0)), depth) if aligned(x, ln_stats) else None
+        _stats(
+            stats_key,
+            index,
+            (cdiv(rows, STATS_BLOCK_M),),
+            (x, ln_stats, rows, depth, x.stride(0), STATS_BLOCK_M, STATS_BLOCK_K),
+            num_warps=4,
+            num_stages=1,
+        )
+    chunks = 0 if ln_stats is None else ln_stats.shape[0]
+    width = 0 if ln_stats is None else stats_chunk_width(depth, chunks)
+    flags = (bias is not None, _ACTIVATION_CODES[activation], gamma is not None, residual is not None,
+             stats_out is not None)  # fmt: skip
     stride_rm = residual.stride(0) if residual is not None else 0
-    tensors = (x, weight, bias, ln_weight, ln_bias, gamma, residual, y, workspace)
+    tensors = (x, weight, bias, ln_weight, ln_bias, ln_stats, gamma, residual, y, workspace, stats_out)
     present = [t for t in tensors if t is not None]
     # What Triton specialises on that can vary between calls: dtypes, row strides mod 16, pointer alignment; only
     # the all-aligned case is cached, any misaligned pointer takes Triton's own path.
@@ -346,24 +449,23 @@ def fused_linear_unchecked(
     if aligned(*present):
         strides = (x.stride(0), weight.stride(0), stride_rm, y.stride(0))
         key = (tuple(None if t is None else t.dtype for t in tensors), tuple(int_spec(s) for s in strides), config,
-               splits, depth, cols, k_per_split, flags, ln_weight is not None, ln_bias is not None)  # fmt: skip
-    index = x.get_device()
+               splits, depth, cols, k_per_split, flags, ln_bias is not None)  # fmt: skip
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     grid = (cdiv(rows, config.block_m), cdiv(cols, config.block_n), splits)
     _main(
         key, index, grid,
-        (*tensors, rows, cols, depth, k_per_split, eps, x.stride(0), weight.stride(0), stride_rm, y.stride(0),
-         config.block_m, config.block_n, config.block_k, ln_weight is not None, ln_bias is not None, *flags,
-         splits > 1, depth % config.block_k == 0, cols % config.block_n == 0, precision,
+        (*tensors, rows, cols, depth, k_per_split, eps, chunks, width, x.stride(0), weight.stride(0), stride_rm,
+         y.stride(0), config.block_m, config.block_n, config.block_k, ln_weight is not None, ln_bias is not None,
+         *flags, splits > 1, depth % config.block_k == 0, cols % config.block_n == 0, precision,
          INTERPRETED and x.dtype == torch.bfloat16),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
     if splits > 1:
         block_m = min(16, 1 << (rows - 1).bit_length())  # a constexpr of the reduction: part of its launch key
         _reduce(
-            key and (key, "reduce", block_m), index, (cdiv(rows, block_m), cdiv(cols, REDUCE_BLOCK_N)),
-            (workspace, bias, gamma, residual, y, rows, cols, stride_rm, y.stride(0), splits, block_m,
-             REDUCE_BLOCK_N, *flags),
+            key and (key, "reduce", block_m), index, (cdiv(rows, block_m), cdiv(cols, config.block_n)),
+            (workspace, bias, gamma, residual, y, stats_out, rows, cols, stride_rm, y.stride(0), splits, block_m,
+             config.block_n, *flags),
             num_warps=4, num_stages=1,
         )  # fmt: skip
     return y

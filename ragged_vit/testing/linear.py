@@ -7,6 +7,11 @@ bias)`` where each part is optional (the LayerNorm is on iff ``ln_weight`` is gi
 exact erf, or ``"gelu_tanh"``). Every row is computed from its own row of ``x`` alone. A case passes only the keyword
 arguments it uses, so a port that fuses less can be checked on what it fuses (``activations=``).
 
+Two optional arguments carry a LayerNorm's statistics between layers (``ragged_vit.reference.linear``'s layout: a
+``[P, M, 2]`` float32 tensor of each row's chunk means and M2): a port that takes ``ln_stats=`` (``ln_stats=True``)
+must normalise with the statistics given, in any valid chunking; a port that writes ``stats_out=`` (a buffer from its
+``stats_buffer(rows, cols, device)``) must fill it with the statistics of the rows it returns, as rounded.
+
 Every case draws fresh, seeded inputs (its own generator) and compares with the reference in float64. **The rule**: the
 implementation's max error must be at most twice that of PyTorch's own unfused ops run in the implementation's dtype
 on the same inputs (``F.layer_norm``, ``F.linear``, ``F.gelu``, a multiply, an add: what a timm block runs), plus a
@@ -28,6 +33,10 @@ floor of a few ulps of that dtype times the output's magnitude (``FLOOR``). The 
   GELU must give 0 and ``y``), ``positive_sums`` (non-negative ``x`` and ``weight`` over K = 1024: sums an fp16
   accumulator cannot hold to a tenth), ``layer_scale`` (``gamma`` of 1e-5 on a residual of 100, as DeiT-III
   initialises LayerScale);
+* ``ln_stats`` (with ``ln_stats``): the statistics given in uneven chunks (K = 96 in 64 + 32 columns; ``full``: ViT-B's
+  fc1 in 12 chunks), and in three chunks of rows of mean 1000 (``ln_stats_large_mean``); ``stats_out`` (with
+  ``stats_buffer``): the buffer, given poisoned with NaN, merges into the returned rows' mean and variance (float64
+  from the output) within fp32 summation error;
 * ``out`` (with ``accepts_out``): the output buffer, given poisoned with NaN, is written everywhere, and ``out`` given
   as ``residual`` itself is an in-place residual add;
 * ``bad_inputs`` (with ``bad_inputs``): wrong dtypes and shapes raise ``TypeError`` / ``ValueError`` naming the
@@ -43,7 +52,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..reference.linear import fused_linear
+from ..reference.linear import fused_linear, layer_norm_stats, merge_ln_stats
 from .report import Failure, bad_call_failures, level, raise_failures
 
 ODD_ROWS = (1, 7, 99, 197, 255)
@@ -61,8 +70,20 @@ NUMERIC_CASES = {  # kind -> (rows, K, N, fusions)
     "positive_sums": (17, 1024, 32, ()),
     "layer_scale": (25, 64, 48, ("bias", "gamma", "residual")),
 }
+STATS_CASES = {  # kind -> (rows, K, N, fusions): the cases of the statistics between layers
+    "ln_stats": (37, 96, 48, ("ln", "bias")),
+    "ln_stats_large_mean": (20, 96, 48, ("ln",)),
+    "stats_out": (33, 64, 96, ("bias", "gamma", "residual")),
+}
+STATS_TOLERANCE = 1e-5
+"""``stats_out``'s merged mean may be off by this times the output's magnitude, its variance by this times itself
+(plus the same of the magnitude squared, for flat rows): fp32 sums of the rounded output."""
 VIT_B = ((768, 2304, ("ln", "bias")), (768, 768, ("bias", "gamma", "residual")), (768, 3072, ("ln", "bias", "gelu")),
          (3072, 768, ("bias", "residual")))  # fmt: skip
+
+
+StatsBuffer = Callable[[int, int, torch.device], torch.Tensor]
+"""``(rows, cols, device) -> [P, rows, 2]`` float32: a port's ``stats_out`` buffer for an ``[rows, cols]`` output."""
 
 
 @dataclass(frozen=True)
@@ -103,9 +124,12 @@ def linear_cases(
     dtypes: Iterable[torch.dtype] | None = None,
     activations: Iterable[str] = ("gelu", "gelu_tanh"),
     bad_inputs: bool = False,
+    ln_stats: bool = False,
+    stats_out: bool = False,
 ) -> list[LinearCase]:
     """The cases of ``level_name`` (``quick``/``full``) for ``device``; ``activations`` are those ``fn`` supports (the
-    cases of the others are left out); with ``bad_inputs``, one more that checks the argument errors."""
+    cases of the others are left out); with ``bad_inputs``, one more that checks the argument errors; with
+    ``ln_stats`` / ``stats_out``, the cases of the statistics taken / written."""
     full = level(level_name) == "full"
     dtypes = tuple(dtypes or default_dtypes(torch.device(device)))
     shapes: list[tuple[str, int, int, int, tuple[str, ...]]] = [
@@ -121,6 +145,11 @@ def linear_cases(
         shapes += [("vit_b", m, k, n, fused) for m in (1, 50, 197, 255) for k, n, fused in VIT_B]
         shapes += [("rows", m, 256, 192, ROW_FUSIONS[-1]) for m in (2, 16, 17, 64, 65, 128, 129, 256, 257, 394)]
         shapes += [("shapes", 5, 8192, 16, ("ln",)), ("shapes", 3, 16, 8192, ("bias", "gelu"))]
+    wanted = {"ln_stats": ln_stats, "ln_stats_large_mean": ln_stats, "stats_out": stats_out}
+    shapes += [(kind, m, k, n, fused) for kind, (m, k, n, fused) in STATS_CASES.items() if wanted[kind]]
+    if full:
+        shapes += [("ln_stats", 197, k, n, fused) for k, n, fused in VIT_B if ln_stats and "ln" in fused]
+        shapes += [("stats_out", 197, k, n, fused) for k, n, fused in VIT_B if stats_out and "residual" in fused]
     supported = set(activations)
     cases = [
         LinearCase(kind, m, k, n, dtype, tuple(f for f in fused if f))
@@ -142,6 +171,8 @@ def check_linear(
     activations: Iterable[str] = ("gelu", "gelu_tanh"),
     accepts_out: bool = False,
     bad_inputs: bool = False,
+    ln_stats: bool = False,
+    stats_buffer: StatsBuffer | None = None,
 ) -> int:
     """Runs every case of the fused linear contract on ``fn``; raises :class:`ConformanceError` listing each failed
     case; returns how many cases ran.
@@ -153,24 +184,28 @@ def check_linear(
         dtypes, activations: restrict the cases to what ``fn`` supports.
         accepts_out: ``fn`` takes ``out=`` (then it is given a NaN-poisoned buffer to fill, and ``residual`` itself).
         bad_inputs: ``fn`` validates its arguments (a public entry).
+        ln_stats: ``fn`` takes ``ln_stats=`` (the LayerNorm's statistics, chunked).
+        stats_buffer: ``fn`` takes ``stats_out=``; ``stats_buffer(rows, cols, device)`` allocates one for it.
     """
-    cases = linear_cases(level_name, device=device, dtypes=dtypes, activations=activations, bad_inputs=bad_inputs)
-    failures = [f for case in cases for f in run_linear_case(fn, case, device, accepts_out)]
+    cases = linear_cases(level_name, device=device, dtypes=dtypes, activations=activations, bad_inputs=bad_inputs,
+                         ln_stats=ln_stats, stats_out=stats_buffer is not None)  # fmt: skip
+    failures = [f for case in cases for f in run_linear_case(fn, case, device, accepts_out, stats_buffer)]
     raise_failures("fused linear", failures)
     return len(cases)
 
 
 def linear_suite(fn: Callable[..., torch.Tensor], *, device: torch.device | str = "cpu", accepts_out: bool = False,
-                 **options: object):  # fmt: skip
+                 stats_buffer: StatsBuffer | None = None, **options: object):  # fmt: skip
     """A pytest test function running every case of :func:`check_linear` as its own test item (``options``:
-    ``level_name``, ``dtypes``, ``activations``, ``bad_inputs``): ``test_my_linear = linear_suite(my_fn)``."""
+    ``level_name``, ``dtypes``, ``activations``, ``bad_inputs``, ``ln_stats``): ``test_my_linear =
+    linear_suite(my_fn)``."""
     import pytest
 
-    cases = linear_cases(device=device, **options)
+    cases = linear_cases(device=device, stats_out=stats_buffer is not None, **options)
 
     @pytest.mark.parametrize("case", cases, ids=[c.id for c in cases])
     def test(case: LinearCase) -> None:
-        raise_failures("fused linear", run_linear_case(fn, case, device, accepts_out))
+        raise_failures("fused linear", run_linear_case(fn, case, device, accepts_out, stats_buffer))
 
     return test
 
@@ -187,7 +222,7 @@ def linear_inputs(case: LinearCase, device: torch.device | str = "cpu") -> tuple
     ln_bias = 0.3 * torch.randn(k, generator=g)
     gamma = 0.5 + torch.rand(n, generator=g)
     residual = torch.randn(m, n, generator=g) * 2.0
-    if case.kind == "large_mean":
+    if case.kind.endswith("large_mean"):
         x = 1000.0 + x
     elif case.kind == "flat_rows":  # spread 1e-3 (variance = eps); every third row exactly constant
         x = 0.25 + 1e-3 * x
@@ -216,6 +251,8 @@ def linear_inputs(case: LinearCase, device: torch.device | str = "cpu") -> tuple
         kwargs["gamma"] = gamma
     if "residual" in fused:
         kwargs["residual"] = residual
+    if case.kind.startswith("ln_stats"):  # of the rows as the port sees them, in uneven chunks where K allows
+        kwargs["ln_stats"] = layer_norm_stats(x, 3 if case.kind.endswith("large_mean") else max(2, k // 64))
     args = (x, weight, bias) if "bias" in fused else (x, weight)
     return args, kwargs
 
@@ -231,7 +268,11 @@ def _laid_out(values: torch.Tensor, case: LinearCase, device: torch.device) -> t
 
 
 def run_linear_case(
-    fn: Callable[..., torch.Tensor], case: LinearCase, device: torch.device | str, accepts_out: bool
+    fn: Callable[..., torch.Tensor],
+    case: LinearCase,
+    device: torch.device | str,
+    accepts_out: bool,
+    stats_buffer: StatsBuffer | None = None,
 ) -> list[Failure]:
     """One case's failures (empty when ``fn`` passes it)."""
     device = torch.device(device)
@@ -246,6 +287,8 @@ def run_linear_case(
     failures = _close(case, out, args, kwargs)
     if failures:
         return failures
+    if case.kind == "stats_out" and stats_buffer is not None:
+        return _stats_failures(fn, case, args, kwargs, accepts_out, stats_buffer(case.rows, case.cols, device))
     if case.kind == "isolation":
         changed = dict(kwargs)
         x2 = x.clone()
@@ -265,6 +308,23 @@ def run_linear_case(
         got = fn(*args, **inplace, out=inplace["residual"])
         if got.data_ptr() != inplace["residual"].data_ptr() or not torch.equal(got, out):
             return [Failure(case.id, "out=residual: the in-place add gives the same bits", "different", "bitwise")]
+    return []
+
+
+def _stats_failures(fn, case: LinearCase, args: tuple, kwargs: dict, accepts_out: bool, buffer: torch.Tensor):
+    """``stats_out`` (given poisoned with NaN) merges into the returned rows' mean and variance."""
+    buffer.fill_(float("nan"))
+    out = _call(fn, args, {**kwargs, "stats_out": buffer}, accepts_out).double()
+    if not bool(torch.isfinite(buffer).all()):
+        return [Failure(case.id, "stats_out: written everywhere", "NaN left", "every chunk of every row")]
+    mean, var = merge_ln_stats(buffer.double(), case.cols)
+    scale = max(1.0, out.abs().max().item())
+    mean_err = (mean - out.mean(-1)).abs().max().item()
+    var_err = ((var - out.var(-1, unbiased=False)).abs() - STATS_TOLERANCE * out.var(-1, unbiased=False)).max().item()
+    allowed = STATS_TOLERANCE * scale
+    if not (mean_err <= allowed and var_err <= allowed * scale):
+        observed = f"mean off by {mean_err:.3g}, variance by {var_err:.3g} past its relative tolerance"
+        return [Failure(case.id, "stats_out: the returned rows' statistics", observed, f"{allowed:.3g} (x scale)")]
     return []
 
 
@@ -318,8 +378,9 @@ def _as(kwargs: dict, dtype: torch.dtype) -> dict:
 
 
 def _unfused(x, weight, bias=None, *, ln_weight=None, ln_bias=None, eps=1e-5, activation=None, residual=None,
-             gamma=None) -> torch.Tensor:  # fmt: skip
-    """PyTorch's own ops in the inputs' dtype, one at a time, as a timm block runs them: the error yardstick."""
+             gamma=None, ln_stats=None) -> torch.Tensor:  # fmt: skip
+    """PyTorch's own ops in the inputs' dtype, one at a time, as a timm block runs them: the error yardstick
+    (``ln_stats`` unused: ``F.layer_norm`` takes its own)."""
     dtype = x.dtype
     h = x if ln_weight is None else F.layer_norm(x, x.shape[-1:], ln_weight.to(dtype), _to(ln_bias, dtype), eps)
     y = F.linear(h, weight, _to(bias, dtype))
