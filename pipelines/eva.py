@@ -227,3 +227,31 @@ def block_table(table: torch.Tensor | None, spec: RopeSpec | None, index: int) -
     if table is None or spec is None or not spec.per_block:
         return table
     return table[index]
+
+
+class _WithoutRope:
+    """An Eva model seen without its rope module: timm's ``_pos_embed`` on it embeds the tokens and builds no table
+    (every other attribute is the model's)."""
+
+    rope = None
+
+    def __init__(self, model: nn.Module) -> None:
+        self.__dict__["model"] = model
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.__dict__["model"], name)
+
+
+def embed_tokens(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """timm's ``Eva._pos_embed`` of the patch embedding ``x`` (prefix tokens, position embeddings) without its rope
+    table: a forward given a table built earlier (:func:`rope_table`) builds none of its own (DINOv3 builds its grid on
+    the host, which a CUDA graph cannot capture)."""
+    return type(model)._pos_embed(_WithoutRope(model), x)[0]
+
+
+def rope_table(model: nn.Module, grid: tuple[int, int]) -> torch.Tensor:
+    """The rope table timm's ``Eva._pos_embed`` hands its blocks for images of ``grid = (h, w)`` patches (timm's own
+    call, on one zero image of that grid: the same table at any timm version)."""
+    weight = model.patch_embed.proj.weight
+    shape = (1, *grid, model.embed_dim) if model.dynamic_img_size else (1, grid[0] * grid[1], model.embed_dim)
+    return model._pos_embed(torch.zeros(shape, dtype=weight.dtype, device=weight.device))[1]

@@ -133,14 +133,17 @@ def stage_counts(run: Run, batch: int, num_prefix: int, device: torch.device) ->
 
 
 def _front(run: Run, step: Step, state: ForwardState) -> None:
-    x, table = run.parts.front(run.pipeline, state.x)  # [B, N, C], the rope table (None without RoPE)
+    """The embedding and the dense blocks; a RoPE model's rows get their rotation, unless the executor set it before
+    (a graph runner's static table and positions: nothing built inside its graphs)."""
+    preset = state.rotary
+    x, table = run.parts.front(run.pipeline, state.x, None if preset is None else preset.table)  # rope table or None
     batch, tokens, channels = x.shape
     state.x = x.reshape(batch * tokens, channels)
     state.num_patches = tokens - run.pipeline.model.num_prefix_tokens
     if state.cu_seqlens is None:
         state.cu_seqlens = uniform_cu_seqlens(batch, tokens, x.device)
     state.max_seqlen = tokens
-    if table is not None:
+    if table is not None and preset is None:
         state.rotary = run.pipeline.rotary_rows(table, batch, tokens)
 
 

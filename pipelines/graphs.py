@@ -41,16 +41,16 @@ follows are all per ``(B, H, W)``: a new size allocates its own buffers and capt
 capacities and row bounds are its own), and a graph captured for one size never replays for another. ``batch_sizes``
 and ``max_graphs`` count over every size.
 
-**Buffers and memory.** Graphs read and write only static buffers of their input shape, allocated outside the
-graph memory pool: the input images (model dtype), logits, counts and, for variable counts, the state at a
-decision handed from one graph to the next (residual stream, keep mask, kept counts; for a merging stage the merged
-rows, their sizes, ``log(size)`` and offsets, merged before the graph ends; double-buffered, so a graph
-never overwrites its own input when it runs twice: warm-up, then replay), every segment's offsets and, in pinned
-host memory, each stage's two read-back integers. Everything a graph allocates is its own
-temporary, so all graphs share one memory pool (``pool``, by default one new ``torch.cuda.graph_pool_handle()``)
-that holds about the largest graph's temporaries, not their sum. :meth:`GraphedPrunedViT.memory_report` gives the
-pool's reserved bytes and the buffers' bytes. A graph is captured on first use: warm-up on a side stream, then
-capture, as ``torch.cuda.graph`` requires.
+**Buffers and memory.** Graphs read and write only static buffers of their input shape, allocated outside the graph
+memory pool: the input images (model dtype), logits, counts and, for variable counts, the state at a decision handed
+from one graph to the next (residual stream, keep mask, kept counts, a RoPE model's row positions; for a merging
+stage the merged rows, their sizes, ``log(size)`` and offsets, merged before the graph ends; double-buffered, so a
+graph never overwrites its own input when it runs twice: warm-up, then replay), every segment's offsets and, in
+pinned host memory, each stage's two read-back integers; a RoPE model's rope table per image size. Everything a
+graph allocates is its own temporary, so all graphs share one memory pool (``pool``, by default one new
+``torch.cuda.graph_pool_handle()``) that holds about the largest graph's temporaries, not their sum.
+:meth:`GraphedPrunedViT.memory_report` gives the pool's reserved bytes and the buffers' bytes. A graph is captured
+on first use: warm-up on a side stream, then capture, as ``torch.cuda.graph`` requires.
 
 **Eager fallback.** A batch size outside ``batch_sizes`` runs the pipeline's eager forward (``pipeline(images)``:
 no selections, so the fewest host reads, :meth:`PrunedViT.forward`). Once ``max_graphs`` graphs
@@ -70,8 +70,14 @@ alive until ``reset()``, so a graph never reads freed memory. Not detected: in-p
 (they bypass the version counter) and parameters replaced by new ``Parameter`` objects; call ``reset()`` after
 those. Not thread-safe: one runner, one thread, the model's device current.
 
-Not supported: models with rotary position embeddings (RoPE: refused at construction), ``selections=`` replay,
-training, the ``nested_sdpa`` backend (NestedTensor construction is not
+**RoPE models** (timm's ``Eva``: :mod:`ragged_vit.pipelines.eva`). The rope table of an image size is built once,
+outside every graph (timm's own call: DINOv3's builds its grid on the host, which a capture cannot hold), and kept as
+a static buffer per size that every graph of that size reads (RoPE-Mixed's per-block table too); the unpruned
+batch's row positions are static per input shape. The positions travel with the rows through every repack inside a
+graph (the pack kernel copies them beside the rows) and, between two graphs, with the decision in the stage's
+handover.
+
+Not supported: ``selections=`` replay, training, the ``nested_sdpa`` backend (NestedTensor construction is not
 capturable), the ``reference`` backend on CUDA (it reads the offsets on the host), and variable-count stages
 that append an extra token (no registered pruner does).
 """
@@ -146,7 +152,7 @@ class _Buffers:
     """The static tensors of one input shape ``(B, H, W)``, allocated outside the graph pool and kept until
     ``reset()``, with the plan of that image size."""
 
-    def __init__(self, pipeline: Pipeline, batch: int, size: tuple[int, int]) -> None:
+    def __init__(self, pipeline: Pipeline, batch: int, size: tuple[int, int], table: torch.Tensor | None) -> None:
         model = pipeline.model
         dtype, device = pipeline.dtype, pipeline.device
         channels = model.patch_embed.proj.in_channels
@@ -158,6 +164,8 @@ class _Buffers:
         self.images = torch.zeros((batch, channels, *size), dtype=dtype, device=device)  # zeros: padding images
         self.logits = torch.empty((batch, width), dtype=dtype, device=device)
         self.counts = torch.zeros((batch, pipeline.num_stages), dtype=torch.long, device=device)
+        # A RoPE model's rotation of the unpruned batch: the size's static rope table and every row's position.
+        self.rotary = None if table is None else pipeline.rotary_rows(table, batch, tokens)
         # Variable counts: the decision handed from one graph to the next (the stage's handover, two sides), the
         # offsets of every segment and each stage's two read-back integers.
         self.handover = None
@@ -170,7 +178,7 @@ class _Buffers:
         self.stats: HostCounts | None = None
         if not plan.fixed:
             rows = batch * tokens
-            self.handover = pipeline.stages[0].handover(batch, rows, model.embed_dim, dtype, device)
+            self.handover = pipeline.stages[0].handover(batch, rows, model.embed_dim, dtype, device, self.rotary)
             width = -(-(2 * batch + 1) // 4) * 4
             self.cu = torch.zeros((pipeline.num_stages + 1, width), dtype=torch.int32, device=device)
             self.cu[0, : batch + 1] = torch.arange(batch + 1, dtype=torch.int32, device=device) * tokens
@@ -178,6 +186,7 @@ class _Buffers:
 
     def nbytes(self) -> int:
         tensors = [self.images, self.logits, self.counts]
+        tensors += [self.rotary.positions] if self.rotary is not None else []  # (the table: the runner's, per size)
         tensors += [*self.handover.tensors(), self.cu] if self.handover is not None else []  # (stats: host memory)
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -295,6 +304,7 @@ class GraphedPrunedViT:
         self._pool, self._own_pool = pool, pool is None
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._buffers: dict[tuple[int, int, int], _Buffers] = {}  # by (B, H, W)
+        self._tables: dict[tuple[int, int], torch.Tensor | None] = {}  # a RoPE model's static rope table by (H, W)
         self._binding: _Binding | None = None
 
     @property
@@ -371,7 +381,8 @@ class GraphedPrunedViT:
             pool = tuple(self._pool)
             segments = torch.cuda.memory_snapshot()
             pool_bytes = sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == pool)
-        buffer_bytes = sum(b.nbytes() for b in self._buffers.values())
+        tensors = [t for t in self._tables.values() if t is not None]
+        buffer_bytes = sum(b.nbytes() for b in self._buffers.values()) + sum(t.nbytes for t in tensors)
         return GraphMemory(len(self._graphs), pool_bytes, buffer_bytes, tuple(self._graphs))
 
     def reset(self) -> None:
@@ -380,6 +391,7 @@ class GraphedPrunedViT:
             torch.cuda.synchronize()  # no replay in flight on what is freed
         self._graphs.clear()
         self._buffers.clear()
+        self._tables.clear()
         self._binding = None
         if self._own_pool:
             self._pool = None  # (the pipeline may have moved to another device)
@@ -399,8 +411,11 @@ class GraphedPrunedViT:
 
     def _allocate(self, key: tuple[int, int, int]) -> _Buffers:
         batch, *size = key
+        size = tuple(size)
         with torch.inference_mode(False):  # normal tensors: writable inside and outside inference mode
-            self._buffers[key] = _Buffers(self.pipeline, batch, tuple(size))
+            if size not in self._tables:  # built once per size, outside every graph, read by all of them
+                self._tables[size] = self.pipeline.rope_table(size)
+            self._buffers[key] = _Buffers(self.pipeline, batch, size, self._tables[size])
         return self._buffers[key]
 
     def _launch(self, key: GraphKey, fn: Callable[[], None]) -> None:
@@ -458,7 +473,7 @@ class GraphedPrunedViT:
         pipeline, program = self.pipeline, self._program(bufs)
         on_cuda = pipeline.device.type == "cuda"
         run = Run(pipeline, self._parts(), ExactRepack(host_counts(pipeline.device), reference=not on_cuda))
-        state = ForwardState(bufs.batch, bufs.images)
+        state = ForwardState(bufs.batch, bufs.images, rotary=bufs.rotary)
         execute(run, program.steps, state)
         bufs.logits.copy_(state.logits)
         bufs.counts.copy_(stage_counts(run, bufs.batch, bufs.plan.num_prefix, pipeline.device))
@@ -550,7 +565,7 @@ class GraphedPrunedViT:
         """The state a chain starts from: the images, or the decision the previous graph stored."""
         batch, index = bufs.batch, first.index
         if index == 0:
-            return ForwardState(batch, bufs.images, cu_seqlens=bufs.cu[0, : batch + 1])
+            return ForwardState(batch, bufs.images, cu_seqlens=bufs.cu[0, : batch + 1], rotary=bufs.rotary)
         num_patches = bufs.tokens - bufs.plan.num_prefix  # FRONT sets it in segment 0
         cu, bound = bufs.cu[index - 1, : batch + 1], bufs.plan.row_bounds[index - 1]
         return bufs.handover.resume((index - 1) % 2, batch, first.capacity, cu, num_patches, bound)
@@ -569,11 +584,6 @@ class _Changed(Exception):
 
 
 def _check_capturable(pipeline: Pipeline) -> None:
-    if getattr(pipeline, "rope", None) is not None:
-        raise NotImplementedError(
-            "GraphedPrunedViT does not run models with rotary position embeddings (RoPE) yet: their rows' rotary "
-            "positions are not handed between graphs; run the pipeline eagerly (mode='eager' or 'auto')"
-        )
     backend = pipeline.backend
     caps = backend.capabilities
     on_cuda = pipeline.device.type == "cuda"

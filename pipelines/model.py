@@ -33,8 +33,7 @@ register tokens, or none), every timm pooling (``token``, ``avg``, ``max``, ``av
 :mod:`ragged_vit.pipelines.heads`), blocks from the first stage on being timm ``Block``/``Attention``; timm's ``Eva``
 (EVA-02, DINOv3, Perception Encoder, ``vit_*_rope_*``: :mod:`ragged_vit.pipelines.eva`), whose rotary position
 embeddings travel with the packed rows (each row's rope table position, moved by every repack); inference only
-(eval mode). ``docs/models.md`` lists the tested families. Not supported: training; on a RoPE model, merging (ToMe),
-CUDA graphs (``auto`` runs it eagerly) and ``compile_blocks=True``.
+(eval mode). ``docs/models.md`` lists the tested families. Not supported: training; on a RoPE model, merging (ToMe).
 
 Image sizes: a model built with ``dynamic_img_size=False`` (timm's default) takes its own input size only
 (:attr:`PrunedViT.image_size`). One built with ``dynamic_img_size=True`` takes any height and width that are
@@ -60,7 +59,7 @@ from ..reference.pruners.tome import ToMeMerger
 from ..reference.tome import bisect_threshold
 from .backends import AttentionBackend, make_backend
 from .buckets import default_sync_free_rows
-from .eva import RopeSpec, RotaryRows, check_eva, is_eva, rotary_rows
+from .eva import RopeSpec, RotaryRows, check_eva, embed_tokens, is_eva, rope_table, rotary_rows
 from .executor import BoundedRepack, ExactRepack, OnStep, Run, execute, stage_counts
 from .graphs import GraphedPrunedViT
 from .heads import pool_of
@@ -151,11 +150,6 @@ class PrunedViT(nn.Module):
         self.native = is_naflex(model)  # a NaFlexVit: batches of images of their own sizes, every block packed
         # A per-block rope table (RoPE-Mixed) is indexed by each block's attention module.
         self._rope_blocks = {blk.attn: k for k, blk in enumerate(model.blocks)} if self.rope is not None else None
-        if self.rope is not None and compile_blocks is True:
-            raise NotImplementedError(
-                "compile_blocks=True is not supported yet on a model with rotary position embeddings (RoPE): use "
-                "compile_blocks=None or False"
-            )
         self.model = model
         self.pruner = _check_pruner(pruner, len(model.blocks))
         if self.native:
@@ -347,8 +341,6 @@ class PrunedViT(nn.Module):
             return "a NaFlexVit's batches of several image sizes run eagerly (their CUDA graphs are not done yet)"
         if images.device.type != "cuda":
             return f"the model is on {images.device.type.upper()}: CUDA graphs need a CUDA GPU"
-        if self.rope is not None:
-            return "a model with rotary position embeddings (RoPE) runs eagerly (its CUDA graphs are not done yet)"
         caps = self._backend.capabilities
         if not caps.capturable:
             return f"backend {self._backend.name!r} cannot run in a CUDA graph: {caps.not_capturable_because}"
@@ -547,17 +539,31 @@ class PrunedViT(nn.Module):
             x = m.patch_embed(images)
         return m.norm_pre(m.patch_drop(m._pos_embed(x)))
 
-    def embed_rope(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def embed_rope(
+        self, images: torch.Tensor, table: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """An Eva model's embedding: ``[B, 3, H, W]`` -> ``[B, N, C]`` (its ``_pos_embed``: prefix tokens, position
         embeddings resampled to the image size with ``dynamic_img_size``, then ``norm_pre``) and its rope table at
-        that size (None without RoPE), the one timm's forward hands its blocks."""
+        that size (None without RoPE), the one timm's forward hands its blocks; given the ``table`` of that size
+        (:meth:`rope_table`: a graph runner's static one), builds none."""
         m = self.model
         if self.gemm_patch_embed and images.is_cuda and supports_gemm(m.patch_embed):
             x = patch_embed_gemm(m.patch_embed, images)  # the image size was checked by the caller (NLC or NHWC)
         else:
             x = m.patch_embed(images)
-        x, table = m._pos_embed(x)
+        if table is None:
+            x, table = m._pos_embed(x)
+        else:
+            x = embed_tokens(m, x)
         return m.norm_pre(x), table
+
+    def rope_table(self, image_size: Sequence[int]) -> torch.Tensor | None:
+        """The rope table of images of ``image_size = (H, W)`` (None without RoPE): timm's, built now (a graph runner
+        builds it once per size, outside its graphs)."""
+        if self.rope is None:
+            return None
+        (height, width), (p, q) = image_size, self.patch_size
+        return rope_table(self.model, (height // p, width // q))
 
     def rotary_rows(self, table: torch.Tensor, batch: int, tokens: int) -> RotaryRows:
         """The rotation of an unpruned batch of ``batch`` images of ``tokens`` rows (FRONT's), by the rope ``table``

@@ -36,8 +36,8 @@ class Parts:
 
     Attributes:
         compiled: whether these are the ``torch.compile`` versions.
-        front: ``(pipeline, images [B, 3, H, W]) -> ([B, N, C], rope table or None)``: the embedding and the dense
-            blocks.
+        front: ``(pipeline, images [B, 3, H, W], table=None) -> ([B, N, C], rope table or None)``: the embedding and
+            the dense blocks (:func:`front`).
         blocks: a run of whole packed blocks (:func:`packed_blocks`).
         attention: a block's attention half and its qkv projection (:func:`packed_attention`).
         qkv, residual, branch: the attention half in parts (:func:`packed_qkv`, :func:`packed_attention_residual`,
@@ -68,13 +68,16 @@ def parts(compiled: bool) -> Parts:
     return Parts(True, *map(torch.compile, plain), _decide_compiled)
 
 
-def front(pipeline, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def front(
+    pipeline, images: torch.Tensor, table: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Embedding and the dense blocks before the first stage: ``[B, 3, H, W]`` -> ``[B, N, C]``, and the model's rope
-    table at this image size (None without RoPE). With a pruner the blocks of a ViT run through :func:`dense_block`
-    (lean when plain: bitwise timm's ``block(x)``, fewer host ops); the unpruned pipeline runs timm's own blocks, and
-    so does an Eva model, each block given its rope table as timm's forward gives it."""
+    table at this image size (None without RoPE; ``table``: that table, built earlier). With a pruner the blocks of a
+    ViT run through :func:`dense_block` (lean when plain: bitwise timm's ``block(x)``, fewer host ops); the unpruned
+    pipeline runs timm's own blocks, and so does an Eva model, each block given its rope table as timm's forward gives
+    it."""
     if pipeline.eva:
-        x, table = pipeline.embed_rope(images)
+        x, table = pipeline.embed_rope(images, table)
         for index, block in enumerate(pipeline.model.blocks[: pipeline.num_dense_blocks]):
             x = block(x, rope=block_table(table, pipeline.rope, index))
         return x, table

@@ -30,6 +30,7 @@ from ..reference import rotary as ref_rotary
 from ..reference.rotary import rotate_qkv
 from ..triton_impl import merging as triton_merging
 from ..triton_impl import pack as triton_pack
+from .eva import RotaryRows
 from .heads import MERGE_POOLS, pool_of
 from .parts import Parts
 from .state import ForwardState
@@ -187,8 +188,11 @@ class Stage:
         """Raises ``ValueError`` unless a replayed decision fits ``state``'s rows."""
         raise NotImplementedError
 
-    def handover(self, batch: int, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> Handover:
-        """The static buffers in which a graph leaves this kind of stage's decision for the next graph."""
+    def handover(
+        self, batch: int, rows: int, width: int, dtype: torch.dtype, device: torch.device, rotary: RotaryRows | None
+    ) -> Handover:
+        """The static buffers in which a graph leaves this kind of stage's decision for the next graph (``rotary``: a
+        RoPE model's static table and unpruned positions, whose rows' positions go with the decision; None without)."""
         raise NotImplementedError  # pragma: no cover - abstract
 
 
@@ -262,17 +266,26 @@ class PruneStage(Stage):
                 state.rotary = rotary.moved(moved)
         state.selection = state.qkv = None
 
-    def handover(self, batch: int, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> Handover:
-        return _PruneHandover(batch, rows, width, dtype, device)
+    def handover(
+        self, batch: int, rows: int, width: int, dtype: torch.dtype, device: torch.device, rotary: RotaryRows | None
+    ) -> Handover:
+        return _PruneHandover(batch, rows, width, dtype, device, rotary)
 
 
 class _PruneHandover(Handover):
-    """The residual stream (NaN until written), the keep mask and the kept counts."""
+    """The residual stream (NaN until written), the keep mask, the kept counts and, for a RoPE model, the rows' rope
+    positions (-1 until written), resumed with the static table of ``rotary``."""
 
-    def __init__(self, batch: int, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self, batch: int, rows: int, width: int, dtype: torch.dtype, device: torch.device, rotary: RotaryRows | None
+    ) -> None:
         self.x = tuple(torch.full((rows, width), float("nan"), dtype=dtype, device=device) for _ in range(2))
         self.keep = tuple(torch.zeros(rows, dtype=torch.bool, device=device) for _ in range(2))
         self.kept = tuple(torch.zeros(batch, dtype=torch.int32, device=device) for _ in range(2))
+        self.rotary = rotary
+        self.positions = () if rotary is None else tuple(
+            torch.full((rows,), -1, dtype=torch.int32, device=device) for _ in range(2)
+        )  # fmt: skip
 
     def store(self, state: ForwardState, side: int, stats: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         sel, rows = state.selection, state.x.shape[0]
@@ -283,13 +296,16 @@ class _PruneHandover(Handover):
         self.x[side][:rows].copy_(state.x)
         self.kept[side].copy_(sel.kept[: state.batch])
         self.keep[side][:rows].copy_(sel.keep)
+        if self.positions:
+            self.positions[side][:rows].copy_(state.rotary.positions)
 
     def resume(self, side: int, batch: int, rows: int, cu: torch.Tensor, num_patches: int, bound: int) -> ForwardState:
         selection = TokenSelection(self.keep[side], self.kept[side])
-        return ForwardState(batch, self.x[side], cu, bound, num_patches, selection=selection)
+        rotary = self.rotary.moved(self.positions[side]) if self.positions else None
+        return ForwardState(batch, self.x[side], cu, bound, num_patches, selection=selection, rotary=rotary)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [*self.x, *self.keep, *self.kept]
+        return [*self.x, *self.keep, *self.kept, *self.positions]
 
 
 class MergeStage(Stage):
@@ -360,8 +376,10 @@ class MergeStage(Stage):
             state.max_seqlen = target.max_seqlen
         state.selection = state.qkv = None
 
-    def handover(self, batch: int, rows: int, width: int, dtype: torch.dtype, device: torch.device) -> Handover:
-        return _MergeHandover(batch, rows, width, dtype, device)
+    def handover(
+        self, batch: int, rows: int, width: int, dtype: torch.dtype, device: torch.device, rotary: RotaryRows | None
+    ) -> Handover:
+        return _MergeHandover(batch, rows, width, dtype, device)  # (no rotary: merging refuses RoPE models)
 
 
 class _MergeHandover(Handover):

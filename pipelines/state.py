@@ -52,7 +52,8 @@ class ForwardState:
             holds a branch, the residual stream is ``x + branch``.
         normed: ``norm2(x)`` of the rows a merge wrote, for the MLP step after it (:meth:`take_normed`).
         rotary: a RoPE model's rotation of the rows of ``x`` (each row's rope table row, set by FRONT, moved by every
-            repack: :class:`ragged_vit.pipelines.eva.RotaryRows`); None for a model without RoPE.
+            repack: :class:`ragged_vit.pipelines.eva.RotaryRows`; an executor may set it before FRONT: a static
+            table and positions); None for a model without RoPE.
         image_patches: int64 ``[B]``: each image's own unpruned patch count in a batch of several image sizes (set by
             the native-resolution front, :mod:`ragged_vit.pipelines.naflex`; ``num_patches`` is then the largest);
             None when every image has ``num_patches``.

@@ -9,8 +9,11 @@ tolerance), 3 blocks of width 64, 16 patches:
   image's kept rows with the rope table rows of their patches (fp32, ``atol = rtol = 1e-5``);
 * every pruner whose rule applies runs (EViT and ATS need a class token), and the Triton kernel (its rotary variant,
   under the interpreter) agrees with the reference backend on the same decisions;
+* the graph runner (its segments run eagerly on the CPU, on the same static buffers: the rope table of each image
+  size built once, the rows' positions handed from one segment to the next) gives the eager forward's counts and
+  logits (fp32, ``atol = rtol = 1e-5``), with padding rows of NaN; compiled blocks run on the packed Eva blocks;
 * what is not supported yet is refused in one line: ToMe on a RoPE model, grouped-query attention, a rope module of
-  another layout, the graph runner and compiled blocks on a RoPE model.
+  another layout.
 
 GPU twins (fp16, the kernel against timm) are at the end.
 """
@@ -18,6 +21,7 @@ GPU twins (fp16, the kernel against timm) are at the end.
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import pytest
 import timm
@@ -30,6 +34,7 @@ from ragged_vit import GraphedPrunedViT, PrunedViT
 from ragged_vit.pipelines import packed_block
 from ragged_vit.reference.pruners import make_pruner
 from tests.helpers import no_tf32
+from tests.test_graphs import poisoned  # noqa: F401  (the fixture: NaN in every padding row)
 from tests.test_models import check_pruned_and_replayed
 
 SMALL = dict(depth=3, embed_dim=64, num_heads=2, num_classes=10)
@@ -262,11 +267,6 @@ def test_what_is_not_supported_yet_is_refused_in_one_line():
     model = family("rope_axial")
     with pytest.raises(NotImplementedError, match="merges rows, and the model has rotary position embeddings"):
         ragged_vit.prune(model, "tome", 0.5, "reference")
-    pv = PrunedViT(model, make_pruner("dynamicvit", embed_dim=64, rate=0.7, blocks=(1,)), "triton")
-    with pytest.raises(NotImplementedError, match="GraphedPrunedViT does not run models with rotary"):
-        GraphedPrunedViT(pv)
-    with pytest.raises(NotImplementedError, match="compile_blocks=True is not supported yet"):
-        PrunedViT(model, compile_blocks=True)
     if "num_kv_heads" in inspect.signature(Eva.__init__).parameters:  # grouped-query attention (newer timm: Sapiens2)
         with torch.random.fork_rng():
             gqa = timm.create_model(
@@ -296,6 +296,129 @@ def test_an_eva_model_without_rope_merges_and_runs_in_the_graph_runner_interpret
     eager, graphed = pv.run(x), GraphedPrunedViT(pv).run(x)
     assert torch.equal(graphed.counts, eager.counts)
     torch.testing.assert_close(graphed.logits, eager.logits, atol=1e-5, rtol=1e-5)
+
+
+GRAPHED = {  # the graph runner's cases: fixed counts (one graph), a variable count (two segments), a chain of bounds
+    "threshold_l2_ratio": lambda: make_pruner("threshold_l2", mode="ratio", rate=0.5, block=1),
+    "threshold_l2_calibrated": PRUNERS["threshold_l2"],
+    "evit": lambda: make_pruner("evit", rate=0.6, blocks=(1, 2)),
+    "ats": PRUNERS["ats"],
+}
+SIZES = {"dinov3": [(64, 64), (48, 80), (64, 64)]}  # dynamic_img_size: two sizes in one runner
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on NaN padding rows
+@pytest.mark.parametrize("pruner", list(GRAPHED))
+@pytest.mark.parametrize("name", ["dinov3", "eva02", "rope_axial", "rope_mixed"])
+def test_the_graph_runner_equals_the_eager_forward_interpreter(name, pruner, poisoned):  # noqa: F811 (the fixture)
+    """The graph runner on a RoPE model (uncaptured on the CPU: every segment eagerly, Triton's kernels under the
+    interpreter) against ``PrunedViT.run``: the same counts, logits to fp32 rounding, padding rows of NaN; the rope
+    table of each image size is built once (timm's ``get_embed`` is never called inside a segment) and held as a
+    static buffer."""
+    model = family(name)
+    pv = PrunedViT(model, GRAPHED[pruner](), "triton")
+    if pruner == "threshold_l2_calibrated":
+        pv.calibrate(images(model, 6, 11))
+    runner = GraphedPrunedViT(pv)
+    built = []
+    get_embed = model.rope.get_embed
+    model.rope.get_embed = lambda *args, **kwargs: built.append(1) or get_embed(*args, **kwargs)
+    sizes = SIZES.get(name, [tuple(model.patch_embed.img_size)] * 2)
+    for call, size in enumerate(sizes):
+        x = images(model, 3 - call % 2, 12 + call, size)
+        out = runner.run(x)
+        del model.rope.get_embed  # timm's own, for the eager reference
+        ref = pv.run(x)
+        model.rope.get_embed = lambda *args, **kwargs: built.append(1) or get_embed(*args, **kwargs)
+        assert torch.equal(out.counts, ref.counts), (size, out.counts.tolist(), ref.counts.tolist())
+        torch.testing.assert_close(out.logits, ref.logits, **FP32)
+    assert len(built) == len(set(sizes)) == len(runner._tables)
+    assert runner.counters.eager_segments >= len(sizes) and runner.memory_report().buffer_bytes > 0
+    if pv.plan.fixed:
+        assert not poisoned  # one whole-forward graph: exact buffers
+    else:
+        assert any(capacity > total for capacity, total in poisoned), poisoned
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # Inductor's notes on the CPU
+def test_compiled_blocks_run_the_eva_blocks_in_and_out_of_the_graph_runner():
+    """``compile_blocks`` on a RoPE model (RoPE-Mixed: one table per block and head): the compiled front (embedding
+    without timm's table, the runner's static one given) and packed blocks, in the graph runner and eagerly, equal the
+    plain forward to fp32 rounding; Dynamo traces them without a graph break (``padded_sdpa``: q and k rotated in the
+    compiled region). One case: a compile costs ~15 s on the CPU."""
+    model = family("rope_mixed")
+    pv = PrunedViT(model, make_pruner("evit", rate=0.6, blocks=(1, 2), fuse_token=True), "padded_sdpa")
+    x = images(model, 3, 13)
+    ref = pv.run(x)
+    torch._dynamo.utils.counters.clear()
+    graphed = GraphedPrunedViT(pv, compile_blocks=True).run(x)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the compiled path ran
+    assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    pv.compile_blocks = True
+    eager = pv.run(x, selections=ref.selections)
+    for out in (graphed, eager):
+        assert torch.equal(out.counts, ref.counts)
+        torch.testing.assert_close(out.logits, ref.logits, **FP32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pruner", ["threshold_l2_ratio", "threshold_l2_calibrated", "evit", "ats"])
+@pytest.mark.parametrize("name", ["dinov3", "rope_mixed", "eva02"])
+def test_gpu_the_default_call_captures_graphs_of_a_rope_model(name, pruner):
+    """``prune(model)(images)`` on CUDA, fp16, a RoPE model: CUDA graphs with compiled blocks per batch bucket (a batch
+    of 3 padded to 4; DINOv3 at two image sizes), no eager fallback; the counts are the eager forward's but for a
+    near-tie flipped by the compiled rounding (a few rows), and the logits of the images with equal counts agree with
+    it in fp16; ``graph_memory`` lists every bucket and size."""
+    model = half_family(name)
+    pv = PrunedViT(model, GRAPHED[pruner]().cuda().half(), "triton")
+    assert pv.mode == "auto"
+    if pruner == "threshold_l2_calibrated":
+        pv.calibrate(images(model, 8, 11).cuda().half())
+    eager = PrunedViT(model, pv.pruner, "triton", mode="eager")
+    sizes = SIZES.get(name, [tuple(model.patch_embed.img_size)] * 3)
+    same_images = []
+    for call, (batch, size) in enumerate(zip([1, 3, 4], sizes, strict=True)):
+        x = images(model, batch, 20 + call, size).cuda().half()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ragged_vit.EagerFallbackWarning)
+            logits, counts = pv(x, return_counts=True)
+        assert pv.last_call == "graphs"
+        ref_logits, ref_counts = eager(x, return_counts=True)
+        assert logits.shape == ref_logits.shape and bool(torch.isfinite(logits).all())
+        assert (counts - ref_counts).abs().max() <= 4, (counts.tolist(), ref_counts.tolist())
+        same = (counts == ref_counts).all(dim=1)
+        same_images += same.tolist()
+        diff = (logits[same].float() - ref_logits[same].float()).abs()
+        bound = 2e-2 * max(1.0, ref_logits.float().abs().max().item())
+        assert diff.numel() == 0 or diff.max() < bound, (diff.max(), bound)
+    assert sum(same_images) >= len(same_images) / 2, same_images
+    keys = {key[:3] for key in pv.graph_memory().keys}
+    assert keys == {(b, *size) for b, size in zip([1, 4, 4], sizes, strict=True)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pruner", ["threshold_l2_calibrated", "ats"])
+@pytest.mark.parametrize("name", ["dinov3", "rope_mixed"])
+def test_gpu_captured_segments_hand_the_positions_over(name, pruner):
+    """The graph runner without compiled blocks, fp16, variable counts (segments captured per capacity, the rows'
+    positions handed from one graph to the next): counts equal to the eager forward's; logits within twice its fp16
+    error against the reference backend on the same decisions, plus an fp16 ulp of the logits' scale."""
+    model = half_family(name)
+    pv = PrunedViT(model, GRAPHED[pruner]().cuda().half(), "triton", mode="eager")
+    if pruner == "threshold_l2_calibrated":
+        pv.calibrate(images(model, 8, 11).cuda().half())
+    runner = GraphedPrunedViT(pv)
+    for seed in range(3):  # new images every call: the replays read the static input
+        x = images(model, 4, 30 + seed).cuda().half()
+        out, ours = runner.run(x), pv.run(x)
+        assert torch.equal(out.counts, ours.counts)
+        pv.backend = "reference"
+        ref = pv.run(x, selections=ours.selections).logits.float()
+        pv.backend = "triton"
+        bound = 2 * (ours.logits.float() - ref).abs().max().item() + 1e-3 * ref.abs().max().item()
+        assert (out.logits.float() - ref).abs().max().item() <= bound
+    assert runner.counters.captures > 0 and runner.counters.replays > runner.counters.captures
 
 
 @pytest.mark.gpu
