@@ -3,7 +3,7 @@
 Usage (on a CUDA machine, from the repository root)::
 
     python -m benchmarks.report_linear --out PATH [--rows 1,50,99,197,394,788] [--layers qkv,proj,fc1,fc2]
-                                       [--dtype float16] [--peers ours,ours_split1,torch]
+                                       [--dtype float16] [--peers ours,ours_chained,ours_split1,torch]
 
 ViT-B/16's four linear layers with their neighbours, at the packed row counts M of small-batch forwards:
 
@@ -12,15 +12,17 @@ ViT-B/16's four linear layers with their neighbours, at the packed row counts M 
 * ``fc1``  768 -> 3072, LayerNorm first and GELU after (``act(fc1(norm2(x)))``);
 * ``fc2``  3072 -> 768, residual after (``x + fc2(h)``).
 
-Peers: ``ours`` (one fused call: one launch, two with split-K), ``ours_split1`` (the same kernel without split-K,
-``LinearConfig(split_k=1)``: what the split buys), ``torch`` (``F.layer_norm``, ``F.linear`` on cuBLAS, ``F.gelu``, a
-multiply and an add, each its own op, as a timm block runs them). Each cell first checks every peer against the fp32
-reference (:func:`ragged_vit.reference.linear.fused_linear`, the lab's rule: ``ragged_vit.testing.linear``), then
-times the right ones by device time under CUDA-graph replay (:func:`benchmarks.timing.graph_time`), cycling through
-enough copies of the weights that a call does not find its weight in L2 (a forward's layers each have their own).
-Prints a markdown table (us per call and ours / torch) and writes every number with its spread, the card, versions
-and commit as JSON to ``--out`` (rewritten after each cell). Nothing here asserts a time. Without a GPU it says so and
-exits with status 0.
+Peers: ``ours`` (one fused call on its own: one launch, two with split-K, one more for the LayerNorm statistics of qkv
+and fc1), ``ours_chained`` (as a forward chains the layers: qkv and fc1 take their statistics ``ln_stats=`` from the
+epilogue of the layer before, which proj and fc2 write with ``stats_out=``), ``ours_split1`` (the same kernel without
+split-K, ``LinearConfig(split_k=1)``: what the split buys), ``torch`` (``F.layer_norm``, ``F.linear`` on cuBLAS,
+``F.gelu``, a multiply and an add, each its own op, as a timm block runs them). Each cell first checks every peer
+against the fp32 reference (:func:`ragged_vit.reference.linear.fused_linear`, the lab's rule:
+``ragged_vit.testing.linear``), then times the right ones by device time under CUDA-graph replay
+(:func:`benchmarks.timing.graph_time`), cycling through enough copies of the weights that a call does not find its
+weight in L2 (a forward's layers each have their own). Prints a markdown table (us per call and ours / torch) and writes
+every number with its spread, the card, versions and commit as JSON to ``--out`` (rewritten after each cell). Nothing
+here asserts a time. Without a GPU it says so and exits with status 0.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ LAYERS = {  # name -> (K, N, fusions)
     "fc2": (3072, 768, ("bias", "residual")),
 }
 ROWS = (1, 50, 99, 197, 394, 788)
-PEERS = ("ours", "ours_split1", "torch")
+PEERS = ("ours", "ours_chained", "ours_split1", "torch")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
@@ -106,11 +108,25 @@ def torch_unfused(x, weight, bias=None, *, ln_weight=None, ln_bias=None, eps=1e-
     return y if residual is None else residual + y
 
 
+def chain_kwargs(kwargs: dict, x: torch.Tensor, cols: int, config=None) -> dict:
+    """``kwargs`` as a forward chains the layers: the LayerNorm's statistics given (computed here, outside the
+    timed call, as the layer before writes them), or a ``stats_out`` buffer for the residual layers (its chunks
+    those of ``config``, None: the table's)."""
+    from ragged_vit.reference.linear import layer_norm_stats
+    from ragged_vit.triton_impl.linear import empty_ln_stats
+
+    if "ln_weight" in kwargs:
+        return {**kwargs, "ln_stats": layer_norm_stats(x, 12)}
+    if "residual" in kwargs:
+        return {**kwargs, "stats_out": empty_ln_stats(x.shape[0], cols, x.device, config)}
+    return kwargs
+
+
 def peer_fn(name: str):
     from ragged_vit.triton_impl.configs import LinearConfig, linear_config
     from ragged_vit.triton_impl.linear import fused_linear
 
-    if name == "ours":
+    if name in ("ours", "ours_chained"):
         return fused_linear
     if name == "ours_split1":
 
@@ -138,11 +154,13 @@ def run_cell(layer: str, rows: int, args: argparse.Namespace, l2: int) -> dict:
         fn = peer_fn(name)
         entry: dict = {}
         cell["peers"][name] = entry
-        (x, weight, bias), kwargs = sets[0]
+        peer_sets = [(a, chain_kwargs(k, a[0], cols)) for a, k in sets] if name == "ours_chained" else sets
+        (x, weight, bias), kwargs = peer_sets[0]
         try:
             out = fn(x, weight, bias, **kwargs)
             torch.cuda.synchronize()
-            err, allowed = linear_error(out, x, weight, bias, **kwargs)
+            checked = {k: v for k, v in kwargs.items() if k != "stats_out"}
+            err, allowed = linear_error(out, x, weight, bias, **checked)
         except Exception as exc:  # a failing peer is a result to report
             entry.update(status="error", reason=describe(exc))
             continue
@@ -151,30 +169,32 @@ def run_cell(layer: str, rows: int, args: argparse.Namespace, l2: int) -> dict:
             entry.update(status="wrong", reason=f"max error {err:.3g} > allowed {allowed:.3g}")
             continue
         outs = [torch.empty(rows, cols, dtype=dtype, device="cuda") for _ in sets]
-        calls = [lambda a=a, k=k, o=o, fn=fn: fn(*a, **k, out=o) for (a, k), o in zip(sets, outs, strict=True)]
+        calls = [lambda a=a, k=k, o=o, fn=fn: fn(*a, **k, out=o) for (a, k), o in zip(peer_sets, outs, strict=True)]
         result = graph_time(calls, replays=args.replays)
         if result.spread is None:
             entry.update(status="not_capturable", reason=result.reason)
             continue
         entry.update(status="ok", graph_us=result.spread.to_dict())
         entry["weight_gbps"] = weight_bytes / (result.spread.median * 1e-6) / 1e9
-    ours, base = (cell["peers"].get(p, {}).get("graph_us") for p in ("ours", "torch"))
-    cell["ours_over_torch"] = ours["median"] / base["median"] if ours and base else None
+    base = cell["peers"].get("torch", {}).get("graph_us")
+    for peer in ("ours", "ours_chained"):
+        ours = cell["peers"].get(peer, {}).get("graph_us")
+        cell[f"{peer}_over_torch"] = ours["median"] / base["median"] if ours and base else None
     del sets
     torch.cuda.empty_cache()
     return cell
 
 
 def table(cells: list[dict], peers: list[str]) -> str:
-    head = "| layer | M | " + " | ".join(f"{p}, us" for p in peers) + " | ours / torch |"
-    lines = [head, "|" + "---|" * (len(peers) + 3)]
+    head = "| layer | M | " + " | ".join(f"{p}, us" for p in peers) + " | ours / torch | chained / torch |"
+    lines = [head, "|" + "---|" * (len(peers) + 4)]
     for c in cells:
         times = []
         for p in peers:
             entry = c["peers"].get(p, {})
             times.append(f"{entry['graph_us']['median']:.2f}" if entry.get("graph_us") else entry.get("status", "-"))
-        ratio = f"{c['ours_over_torch']:.2f}x" if c.get("ours_over_torch") else "-"
-        lines.append(f"| {c['layer']} | {c['rows']} | " + " | ".join(times) + f" | {ratio} |")
+        ratios = [f"{c[k]:.2f}x" if c.get(k) else "-" for k in ("ours_over_torch", "ours_chained_over_torch")]
+        lines.append(f"| {c['layer']} | {c['rows']} | " + " | ".join(times + ratios) + " |")
     return "\n".join(lines)
 
 
