@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite, in one call on the device machine (no nox there): card facts, GPU tests, compute-sanitizer
 # memcheck on a representative case, then whatever extra steps are named (tune, bench-quick, bench).
-# Usage: bash ci/gpu_suite.sh [tests|tests-quick] [sanitize] [tune|tune-quick] [bench|bench-quick] [dispatch]
+# Usage: bash ci/gpu_suite.sh [tests|tests-quick] [sanitize] [tune|tune-quick|tune-linear] [bench|bench-quick] [dispatch]
 #        [profile] [table3-small] [forward-profile] [ats-kernels] [tome-peer] [families] [validate-ranks (2+ GPUs)]
 # tests: every test with --full (the long sweeps too); tests-quick: without them. Both run ci/gpu_tests.py: TEST_JOBS
 # (default 8) pytest-xdist workers on the one GPU, then the timed tests alone; TEST_PATHS picks test files; logs
@@ -30,6 +30,10 @@ for step in "${steps[@]}"; do
                 && echo "memcheck: clean" || { echo "memcheck: FAILED"; tail -30 "$OUT/sanitize.log"; status=1; } ;;
     tune) "$PY" -m ci.tune_attention --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | tail -40 ;;
     dispatch) "$PY" -m ci.dispatch_profile 2>&1 | tee "$OUT/dispatch.log" ;;
+    tune-linear) "$PY" -m benchmarks.report_linear --out "$OUT/report_linear.json" --peers ours,ours_chained,torch 2>&1 \
+                   | tee "$OUT/report_linear.log" | tail -45
+                 "$PY" -m ci.tune_linear --out "$OUT/tune_linear.json" --table "$OUT/tune_linear_table.py" --budget-s 240 \
+                   2>&1 | tee "$OUT/tune_linear.log" | tail -70 ;;
     tune-quick) "$PY" -m ci.tune_attention --quick --out "$OUT/tune.json" 2>&1 | tee "$OUT/tune.log" | tail -30 ;;
     bench) "$PY" -m benchmarks.report_attention --out "$OUT/attention.json" 2>&1 | tee "$OUT/bench.log" | tail -40 ;;
     bench-quick) "$PY" -m benchmarks.report_attention --quick --out "$OUT/attention.json" 2>&1 | tee "$OUT/bench.log" | tail -30 ;;
