@@ -341,6 +341,19 @@ def test_the_graph_runner_equals_the_eager_forward_interpreter(name, pruner, poi
         assert any(capacity > total for capacity, total in poisoned), poisoned
 
 
+def test_the_modes_take_a_rope_model_as_any_vit():
+    """RoPE is no reason to run eagerly: on the CPU the automatic mode names the CPU alone, and ``mode="graphs"`` and
+    ``compile_blocks=True`` are accepted at construction."""
+    model = family("rope_mixed")
+    pv = ragged_vit.prune(model, "evit", 0.6, "reference")
+    with pytest.warns(ragged_vit.EagerFallbackWarning) as said:
+        pv(images(model, 2, 14))
+    assert [str(w.message) for w in said] == ["PrunedViT ran eagerly: the model is on CPU: CUDA graphs need a CUDA GPU"]
+    graphs = PrunedViT(model, pv.pruner, "reference", compile_blocks=True, mode="graphs")
+    with pytest.raises(ValueError, match="mode='graphs' cannot capture this call: the model is on CPU"):
+        graphs(images(model, 2, 14))
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")  # Inductor's notes on the CPU
 def test_compiled_blocks_run_the_eva_blocks_in_and_out_of_the_graph_runner():
     """``compile_blocks`` on a RoPE model (RoPE-Mixed: one table per block and head): the compiled front (embedding
