@@ -6,9 +6,20 @@ Usage (on a CUDA machine, from the repository root)::
 
     python -m benchmarks.default_call --out default_call.json                       # B = 1, 4, 64, every workload
     python -m benchmarks.default_call --stream 200 --first-calls --eager-rounds 3   # the other targets
+    python -m benchmarks.default_call --model vit_base_patch16_dinov3 --img-size 224 --workloads l2:0.5,evit:0.7 \
+        --rows timm_compiled,default --out DIR/                  # issue 40: DIR/default_call_<model>_<size>.json
+    python -m benchmarks.default_call --smoke --model eva02_base_patch14_224 --img-size 56   # any machine, CPU
 
-DeiT-B 224 fp16, random seeded weights, each workload at its keep rate (Threshold-L2 calibrated 0.5, ATS 0.5,
-DynamicViT 0.7, EViT 0.7, ToMe ``r = 13``). Rows:
+DeiT-B 224 fp16 by default (``--model``: any timm model ``ragged_vit.prune`` takes, at ``--img-size``), random
+seeded weights (``pretrained=False``: nothing is downloaded; ``--checkpoint PATH`` loads a local file), each
+workload at its keep rate (Threshold-L2 calibrated 0.5, ATS 0.5, DynamicViT 0.7, EViT 0.7, ToMe ``r = 13``; ``l2``
+names Threshold-L2 calibrated). A workload whose pruner does not apply to the model (EViT and ATS need a class
+token, ToMe refuses RoPE models) is refused in one line before anything is timed. ``--out DIR/`` (a directory)
+writes :func:`result_file`'s name in it: ``default_call.json`` for DeiT-B 224, ``default_call_<model>[_<size>].json``
+for any other model, which is where ``benchmarks.make_results`` looks for them; the file is rewritten after every
+batch size, so a run cut short keeps what it measured (``"complete": false``). ``--smoke``: a tiny model of the same
+family on the CPU (fp32, reference backend, one timed forward, rows ``default`` and ``eager``): the plumbing, not a
+timing. Rows:
 
 * ``timm_eager``; ``timm_compiled``: ``torch.compile(model, mode="reduce-overhead", dynamic=False)``, compiled anew
   for each batch size (a fresh Dynamo): the best a user gets from one line;
@@ -47,18 +58,64 @@ from benchmarks.e2e_common import DEIT_B, Lab
 from benchmarks.timing import elapsed, environment, forward_times, sync
 from benchmarks.workloads import WORKLOADS
 from ragged_vit import GraphedPrunedViT, PrunedViT
+from ragged_vit.pipelines.weights import create_model, load_checkpoint
 
 DEFAULT_WORKLOADS = (("l2_calibrated", 0.5), ("ats", 0.5), ("dynamicvit", 0.7), ("evit", 0.7), ("tome", 13))
+ALIASES = {"l2": "l2_calibrated"}  # --workloads shorthands
 ROWS = ("timm_compiled", "default", "eager", "graphed")
+SMOKE_ROWS = ("default", "eager")  # what runs on the CPU: timm_compiled and graphed compile for CUDA
+SMOKE = dict(depth=3, embed_dim=64, num_heads=2, num_classes=10)  # --smoke's model overrides (the family's layout)
 HAS_MODES = "mode" in inspect.signature(PrunedViT).parameters  # False against checkouts before the modes
 
 
-def pipeline(lab: Lab, workload: str, keep: float, **kwargs: object) -> PrunedViT:
-    """The workload's pipeline on DeiT-B (shared model; pruners cached by the lab; ToMe: a fixed ``r = keep``)."""
+class CallLab(Lab):
+    """The lab of one model: ``name`` built with ``options`` (an image size, the smoke model's overrides) and an
+    optional local checkpoint, its pipelines on ``backend``."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, name: str = DEIT_B, options: dict | None = None,
+                 checkpoint: Path | None = None, backend: str = "triton") -> None:  # fmt: skip
+        super().__init__(device, dtype)
+        self.name, self.options, self.checkpoint, self.backend = name, dict(options or {}), checkpoint, backend
+
+    def model(self, name: str, dtype: torch.dtype | None = None) -> torch.nn.Module:
+        key = (name, torch.float32)
+        if key not in self._models and name == self.name and (self.options or self.checkpoint):
+            with torch.random.fork_rng(devices=[]):  # the same seeded draw as the lab's own models
+                torch.manual_seed(self.seed)
+                model = create_model(name, **self.options)
+            if self.checkpoint is not None:
+                load_checkpoint(model, None, self.checkpoint)
+            self._models[key] = model.to(self.device).eval()
+        return super().model(name, dtype)
+
+
+def pipeline(lab: CallLab, workload: str, keep: float, **kwargs: object) -> PrunedViT:
+    """The workload's pipeline on the lab's model (shared; pruners cached by the lab; ToMe: a fixed ``r = keep``)."""
+    model = lab.model(lab.name)
     if workload == "tome":
-        merger = ragged_vit.build_pruner("tome", lab.model(DEIT_B), r=int(keep)).to(lab.device, lab.dtype)
-        return PrunedViT(lab.model(DEIT_B), merger, "triton", **kwargs)
-    return PrunedViT(lab.model(DEIT_B), lab.pruner(DEIT_B, workload, keep), "triton", **kwargs)
+        merger = ragged_vit.build_pruner("tome", model, r=int(keep)).to(lab.device, lab.dtype)
+        return PrunedViT(model, merger, lab.backend, **kwargs)
+    return PrunedViT(model, lab.pruner(lab.name, workload, keep), lab.backend, **kwargs)
+
+
+def result_file(model: str = DEIT_B, img_size: int | None = None) -> str:
+    """The stored name of a run: ``default_call.json`` for DeiT-B 224 (issue 36's run), else
+    ``default_call_<model>.json``, with ``_<img_size>`` unless the model's name already ends with it."""
+    if model == DEIT_B and img_size in (None, 224):
+        return "default_call.json"
+    suffix = "" if img_size is None or model.endswith(f"_{img_size}") else f"_{img_size}"
+    return f"default_call_{model}{suffix}.json"
+
+
+def refusal(lab: CallLab, workload: str, keep: float) -> str | None:
+    """Why ``workload`` does not apply to the lab's model (None where it does): its pipeline built and run on one
+    image, eagerly, so that the model's checks (a class token, RoPE) speak before anything is compiled or timed."""
+    try:
+        with torch.no_grad():
+            pipeline(lab, workload, keep, mode="eager").run(lab.images(lab.name, 1)[0])
+    except (ValueError, NotImplementedError) as exc:
+        return " ".join(str(exc).split())
+    return None
 
 
 def row_forward(lab: Lab, workload: str, keep: float, row: str):
@@ -82,8 +139,13 @@ def check(out: tuple[torch.Tensor, torch.Tensor], ref: object) -> dict[str, obje
     return {"ok": ok, "counts_agree": same.float().mean().item(), "max_abs_diff": diff}
 
 
+TIMING = dict(warmup=3, target_s=0.4, min_iters=15, max_iters=80)
+SMOKE_TIMING = dict(warmup=1, target_s=0.0, min_iters=1, max_iters=1)  # --smoke: one forward, the plumbing only
+
+
 def timed(calls: list, device: torch.device) -> dict[str, float]:
-    times = forward_times(calls, device, warmup=3, target_s=0.4, min_iters=15, max_iters=80, back_to_back=True)
+    limits = TIMING if device.type == "cuda" else SMOKE_TIMING
+    times = forward_times(calls, device, back_to_back=True, **limits)
     return {"each_us": times.wall.median, "each_q1": times.wall.q1, "each_q3": times.wall.q3,
             "back_to_back_us": times.back_to_back, "iters": times.iters}  # fmt: skip
 
@@ -118,11 +180,12 @@ def ours(lab: Lab, workload: str, keep: float, row: str, images: list[torch.Tens
         cleanup()
 
 
-def main_table(lab: Lab, workloads, batches, rows) -> list[dict]:
+def main_table(lab: CallLab, workloads, batches, rows, save=lambda results: None) -> list[dict]:
+    """Every row at every batch size; ``save(results)`` after each batch size (a run cut short keeps those)."""
     results = []
-    model = lab.model(DEIT_B)
+    model = lab.model(lab.name)
     for batch in batches:
-        images = lab.images(DEIT_B, batch)
+        images = lab.images(lab.name, batch)
         with torch.no_grad():
             base = {"batch": batch, "timm_eager": timed([functools.partial(model, img) for img in images], lab.device)}
             if "timm_compiled" in rows:
@@ -135,13 +198,14 @@ def main_table(lab: Lab, workloads, batches, rows) -> list[dict]:
                     entry = ours(lab, workload, keep, row, images)
                     results.append({"batch": batch, "workload": workload, "keep": keep, "row": row, **entry})
                     print(json.dumps(results[-1]), flush=True)
+        save(results)
     return results
 
 
-def stream(lab: Lab, workloads, n: int) -> dict[str, object]:
+def stream(lab: CallLab, workloads, n: int) -> dict[str, object]:
     """``n`` batches, sizes from 1-64 (seed 0), after a first pass over the distinct sizes."""
     sizes = random.Random(0).choices(range(1, 65), k=n)
-    pool = lab.images(DEIT_B, 64)[0]
+    pool = lab.images(lab.name, 64)[0]
     batches = [pool[:b] for b in sizes]
     out = {"sizes": sizes, "distinct": len(set(sizes))}
 
@@ -160,7 +224,7 @@ def stream(lab: Lab, workloads, n: int) -> dict[str, object]:
 
     with torch.no_grad():
         torch._dynamo.reset()
-        compiled = torch.compile(lab.model(DEIT_B), mode="reduce-overhead")  # torch's defaults: dynamic=None
+        compiled = torch.compile(lab.model(lab.name), mode="reduce-overhead")  # torch's defaults: dynamic=None
         out["timm_compiled"] = clocks(compiled)
         for workload, keep in workloads:
             torch._dynamo.reset()
@@ -171,12 +235,12 @@ def stream(lab: Lab, workloads, n: int) -> dict[str, object]:
     return out
 
 
-def eager_rounds(lab: Lab, workloads, rounds: int, batches=(1, 4, 16, 64)) -> list[dict]:
+def eager_rounds(lab: CallLab, workloads, rounds: int, batches=(1, 4, 16, 64)) -> list[dict]:
     """timm eager and every workload's ``mode="eager"`` pipeline in turn, ``rounds`` times."""
-    model, results = lab.model(DEIT_B), []
+    model, results = lab.model(lab.name), []
     with torch.no_grad():
         for batch in batches:
-            images = lab.images(DEIT_B, batch)
+            images = lab.images(lab.name, batch)
             pvs = {w: pipeline(lab, w, k, mode="eager") for w, k in workloads}
             for r in range(rounds):
                 row = {"batch": batch, "round": r, "timm_eager": timed([functools.partial(model, i) for i in images],
@@ -188,48 +252,104 @@ def eager_rounds(lab: Lab, workloads, rounds: int, batches=(1, 4, 16, 64)) -> li
     return results
 
 
+def parse_workloads(text: str) -> list[tuple[str, float]]:
+    """``WORKLOAD:KEEP,...`` (``tome:R``: ToMe with a fixed ``r = R``; :data:`ALIASES` resolved)."""
+    workloads = []
+    for item in text.split(","):
+        name, _, keep = item.partition(":")
+        name = ALIASES.get(name, name)
+        if name != "tome" and name not in WORKLOADS:
+            raise ValueError(f"--workloads: unknown workload {name!r}")
+        workloads.append((name, float(keep) if keep else 0.5))
+    return workloads
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.default_call", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=DEIT_B, help="a timm model name (random weights unless --checkpoint)")
+    parser.add_argument("--img-size", type=int, default=None, help="the image size (default: the model's own)")
+    parser.add_argument("--checkpoint", type=Path, default=None, help="a local checkpoint file for the model")
     parser.add_argument("--batches", default="1,4,64")
     parser.add_argument("--workloads", default=",".join(f"{w}:{k:g}" for w, k in DEFAULT_WORKLOADS),
-                        help="WORKLOAD:KEEP,... (tome:R is ToMe with a fixed r = R)")  # fmt: skip
-    parser.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}; none: ''")
+                        help="WORKLOAD:KEEP,... (tome:R is ToMe with a fixed r = R; l2 is l2_calibrated)")  # fmt: skip
+    parser.add_argument("--rows", default=None, help=f"comma-separated, of {', '.join(ROWS)}; none: '' (default: "
+                        f"all; --smoke: {','.join(SMOKE_ROWS)})")  # fmt: skip
     parser.add_argument("--stream", type=int, default=0, help="also a stream of this many batches of sizes 1-64")
     parser.add_argument("--eager-rounds", type=int, default=0, help="also timm eager vs mode='eager', R rounds")
-    parser.add_argument("--out", type=Path, default=None, help="JSON file for the results")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model of the family on the CPU, fp32, one timed "
+                        "forward per row (rows default and eager)")  # fmt: skip
+    parser.add_argument("--out", default=None, help="JSON file for the results, or a directory (ending "
+                        "in / or existing) to write result_file()'s name in")  # fmt: skip
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("benchmarks.default_call needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+    prog = "benchmarks.default_call"
+    if not args.smoke and not torch.cuda.is_available():
+        print(f"{prog} needs a CUDA GPU (torch.cuda.is_available() is False; --smoke runs on the CPU)", file=sys.stderr)
         return 2
     try:
         batches = comma_list(args.batches, int, None)
-        rows = comma_list(args.rows, str, ROWS) if args.rows else ()
-        workloads = []
-        for item in args.workloads.split(","):
-            name, _, keep = item.partition(":")
-            if name != "tome" and name not in WORKLOADS:
-                raise ValueError(f"--workloads: unknown workload {name!r}")
-            workloads.append((name, float(keep) if keep else 0.5))
+        allowed = SMOKE_ROWS if args.smoke else ROWS
+        rows = (comma_list(args.rows, str, allowed) or ()) if args.rows is not None else allowed
+        workloads = parse_workloads(args.workloads)
+        if (args.stream or args.eager_rounds) and args.smoke:
+            raise ValueError("--stream and --eager-rounds time CUDA graphs and compiled models: not with --smoke")
     except ValueError as exc:
-        print(f"benchmarks.default_call: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
+    options = {**(SMOKE if args.smoke else {}), **({"img_size": args.img_size} if args.img_size else {})}
+    device, dtype = (torch.device("cpu"), torch.float32) if args.smoke else (torch.device("cuda"), torch.float16)
     torch.backends.cuda.matmul.allow_tf32 = False
-    lab = Lab(torch.device("cuda"), torch.float16)
-    payload: dict[str, object] = {"environment": environment(), "modes": HAS_MODES, "argv": sys.argv[1:]}
-    payload["table"] = main_table(lab, workloads, batches, rows) if rows else []
+    lab = CallLab(device, dtype, args.model, options, args.checkpoint, "reference" if args.smoke else "triton")
+    try:
+        img_size = lab.image_size(args.model)
+    except (ValueError, FileNotFoundError) as exc:  # no such timm model, or no such checkpoint
+        print(f"{prog}: {' '.join(str(exc).split())}", file=sys.stderr)
+        return 2
+    for workload, keep in workloads:
+        if (why := refusal(lab, workload, keep)) is not None:
+            print(f"{prog}: workload {workload!r} does not apply to {args.model}: {why}", file=sys.stderr)
+            return 2
+    out = Path(args.out) if args.out else None  # (Path drops a trailing "/": the raw text says "a directory")
+    if out is not None and (out.is_dir() or args.out.endswith("/")):
+        out = out / result_file(args.model, img_size)
+    weights = str(args.checkpoint) if args.checkpoint else "random (seeded)"
+    payload: dict[str, object] = {"environment": environment(), "modes": HAS_MODES, "argv": sys.argv[1:] if argv is
+                                  None else list(argv), "model": args.model, "img_size": img_size, "dtype":
+                                  str(dtype).removeprefix("torch."), "weights": weights, "smoke": args.smoke,
+                                  "complete": False}  # fmt: skip
+
+    def save(table: list[dict]) -> None:
+        payload["table"] = table
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+
+    save(main_table(lab, workloads, batches, rows, save) if rows else [])
     if args.stream:
         payload["stream"] = stream(lab, workloads, args.stream)
     if args.eager_rounds:
         payload["eager_rounds"] = eager_rounds(lab, workloads, args.eager_rounds)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+    payload["complete"] = True
+    save(payload["table"])
+    if out is not None:
+        print(f"wrote {out}", file=sys.stderr)
     print(summary(payload))
     return 0
 
 
 TARGETS = {"each": ((1, 1.25), (4, 1.25), (64, 1.45)), "back_to_back": ((1, 1.1), (4, 1.15), (64, 1.45))}
 """Issue 36's bars for the default call over timm ``reduce-overhead``: each forward synchronised, and back to back."""
+ROPE_TARGETS = {"each": ((4, 1.3), (64, 1.3))}
+"""Issue 40's bars for the Eva models (DINOv3 and EVA-02 base, Threshold-L2 0.5 and EViT 0.7), each forward
+synchronised; B = 1 is reported, not judged."""
+ROPE_REPORTED = (1,)  # the batch sizes issue 40 reports without a bar
+
+
+def about(payload: dict) -> str:
+    """``"DeiT-B 224 fp16"`` (runs before the model was stored), or the stored ``model img_size dtype``."""
+    model = payload.get("model", DEIT_B)
+    if model == DEIT_B and payload.get("img_size", 224) == 224:
+        return f"DeiT-B 224 {payload.get('dtype', 'fp16').replace('float', 'fp')}"
+    return f"{model} at {payload.get('img_size')} {payload.get('dtype', 'float16').replace('float', 'fp')}"
 
 
 def _split(table: list[dict]) -> tuple[dict, dict]:
@@ -256,9 +376,11 @@ def render(payload: dict) -> str:
     batches = sorted(base)
     workloads = list(dict.fromkeys(key[1] for key in rows))
     head = "| row | " + " | ".join(f"B={b}" for b in batches) + " |\n|---|" + "---|" * len(batches)
-    out = [f"Commit {payload.get('commit', '?')}. `python -m benchmarks.default_call` (DeiT-B 224 fp16, random "
-           "weights): ours over unpruned timm `torch.compile(mode=\"reduce-overhead\")` in the same process, each "
-           "forward synchronised / back to back (img/s of each forward alone in brackets)."]  # fmt: skip
+    commit = payload.get("commit") or payload.get("environment", {}).get("commit", "?")
+    weights = payload.get("weights", "random (seeded)").split(" (")[0]
+    out = [f"Commit {commit}. `python -m benchmarks.default_call` ({about(payload)}, {weights} weights): ours over "
+           "unpruned timm `torch.compile(mode=\"reduce-overhead\")` in the same process, each forward synchronised "
+           "/ back to back (img/s of each forward alone in brackets)."]  # fmt: skip
     table = [head]
     timm = [base[b]["timm_compiled"] for b in batches]
     speeds = [f"{b * 1e6 / t['each_us']:,.0f} / {b * 1e6 / t['back_to_back_us']:,.0f}" for b, t in zip(batches, timm,
@@ -275,7 +397,7 @@ def render(payload: dict) -> str:
                 table.append(f"| {workload}, {row} | " + " | ".join(cells) + " |")
     out.append("\n".join(table))
     met = []
-    for clock, bars in TARGETS.items():
+    for clock, bars in (TARGETS if payload.get("model", DEIT_B) == DEIT_B else ROPE_TARGETS).items():
         for b, bar in bars:
             if b not in base:
                 continue
@@ -310,6 +432,8 @@ def render(payload: dict) -> str:
         ours = [rows.get((b, w, "default"), {}).get("first_call_s") for w in workloads]
         ours = [s for s in ours if s is not None]
         timm_s = base[b]["timm_compiled"]["first_call_s"]
+        if not ours:
+            continue
         firsts.append(f"B={b}: ours {min(ours):.1f}-{max(ours):.1f} s, timm {timm_s:.1f} s")
     out.append("First calls (until the first logits of a new batch size; ours compile what earlier rows of the "
                "process did not): " + "; ".join(firsts) + ".")  # fmt: skip
