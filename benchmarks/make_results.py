@@ -7,9 +7,12 @@ stored benchmark JSON: one command, no GPU.
 Reads every card directory of ``benchmarks/baselines/`` (its README says what is stored there): ``e2e/*.json``,
 the parts ``report_e2e`` wrote (several files of one part are merged: a full run's row replaces a quick run's, a
 later run's an earlier one's), ``attention.json``, the kernel benchmark ``report_attention`` wrote,
-``tome_peer.json``, token merging against its peer (``benchmarks.tome_peer``), and ``default_call.json``, the call
-users make (``benchmarks.default_call``); and the files of ``docs/data/`` that measure a target
-(:data:`DATA_TARGETS`). Writes:
+``tome_peer.json``, token merging against its peer (``benchmarks.tome_peer``), ``default_call.json``, the call
+users make (``benchmarks.default_call``), ``default_call_<model>*.json``, the same call on the RoPE models of issue
+40, and ``naflex*.json``, native-resolution batches against timm's NaFlexVit (``benchmarks.naflex``; several files
+of one card are merged, a later run's row replacing an earlier one's); and the files of ``docs/data/`` that measure
+a target (:data:`DATA_TARGETS`). Issue 40's targets get a row on every card, "not measured" until their file is
+stored. Writes:
 
 * ``docs/results.md``: the paper's tables beside ours (``benchmarks.tables``), the default call's and ToMe's
   reports, and matplotlib figures (throughput vs batch size, speedup vs pruning ratio, 224 vs 384);
@@ -35,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks import BASELINES, REPO_ROOT, default_call, tome_peer
+from benchmarks import BASELINES, REPO_ROOT, default_call, naflex, tome_peer
 from benchmarks import tables as T
 from benchmarks.workloads import WORKLOADS
 
@@ -58,6 +61,9 @@ DEIT_B = "deit_base_patch16_224"
 TOME_FILE = "tome_peer.json"  # python -m benchmarks.tome_peer's default output, in the card's directory
 DEFAULT_CALL_FILE = "default_call.json"  # python -m benchmarks.default_call's output, in the card's directory
 DEFAULT_CALL_TITLE = "The default call (`prune(model)(images)`) against unpruned timm `reduce-overhead`"
+MODEL_CALLS = "default_call_*.json"  # benchmarks.default_call --model's outputs (default_call.result_file)
+NAFLEX_FILES = "naflex*.json"  # python -m benchmarks.naflex's outputs, in the card's directory
+NAFLEX_TITLE = "Native-resolution batches: ours against timm `NaFlexVit`"
 
 
 # --------------------------------------------------------------------------------------------------- inputs
@@ -87,8 +93,46 @@ def card_dirs(baselines: Path) -> list[Path]:
         return []
     stored = ("attention.json", TOME_FILE, DEFAULT_CALL_FILE)
     return sorted(
-        d for d in baselines.iterdir() if d.is_dir() and ((d / "e2e").is_dir() or any((d / f).exists() for f in stored))
-    )
+        d for d in baselines.iterdir() if d.is_dir() and ((d / "e2e").is_dir() or any((d / f).exists() for f in stored)
+                                                          or any(d.glob(MODEL_CALLS)) or any(d.glob(NAFLEX_FILES)))
+    )  # fmt: skip
+
+
+def _measured(payload: dict) -> bool:
+    """A run on a GPU, not a ``--smoke`` run (those check the plumbing on a CPU and time nothing worth storing)."""
+    env = payload.get("environment", {})
+    return not payload.get("smoke") and "--smoke" not in (payload.get("argv") or []) and bool(env.get("card"))
+
+
+def load_model_calls(card_dir: Path) -> dict[tuple[str, int], tuple[Path, dict]]:
+    """The card's ``benchmarks.default_call --model`` runs by ``(model, image size)``: the latest of each."""
+    runs: dict[tuple[str, int], tuple[Path, dict]] = {}
+    for path in sorted(card_dir.glob(MODEL_CALLS)):
+        payload = json.loads(path.read_text())
+        if not isinstance(payload, dict) or "model" not in payload or not _measured(payload):
+            continue
+        key = (payload["model"], payload.get("img_size"))
+        if key not in runs or _date(payload["environment"]) >= _date(runs[key][1]["environment"]):
+            runs[key] = (path, payload)
+    return runs
+
+
+def load_naflex(card_dir: Path) -> tuple[list[Path], dict] | None:
+    """The card's ``benchmarks.naflex`` runs of issue 40's batch (the default model and seed, not ``--smoke``),
+    merged: ``(files, payload)`` whose rows are one per ``(batch, row)``, a later run's replacing an earlier one's;
+    None without any."""
+    runs = []
+    for path in sorted(card_dir.glob(NAFLEX_FILES)):
+        payload = json.loads(path.read_text())
+        if isinstance(payload, dict) and payload.get("model") == naflex.MODEL and payload.get("seed", 0) == 0 \
+                and _measured(payload):  # fmt: skip
+            runs.append((_date(payload["environment"]), path, payload))
+    if not runs:
+        return None
+    runs.sort(key=lambda r: (r[0], r[1].name))
+    rows = {(r["batch"], r["row"]): r for _, _, payload in runs for r in payload["rows"]}
+    latest = runs[-1][2]
+    return [path for _, path, _ in runs], {**latest, "rows": [rows[k] for k in sorted(rows)]}
 
 
 # --------------------------------------------------------------------------------------------------- targets
@@ -396,6 +440,101 @@ def decision_time_targets(payload: dict) -> list[tuple[str, str, str]]:
 
 DATA_TARGETS = {"decision_time_*.json": decision_time_targets}  # docs/data files that measure a target
 
+ROPE_RUNS = (  # issue 40's RoPE models: (what the target says, timm model, image size)
+    ("DINOv3 ViT-B/16 at 224", "vit_base_patch16_dinov3", 224),
+    ("EVA-02 base at 224", "eva02_base_patch14_224", 224),
+    ("DINOv3 ViT-B/16 at 512", "vit_base_patch16_dinov3", 512),
+)
+ROPE_WORKLOADS = (("l2_calibrated", 0.5), ("evit", 0.7))  # each where it applies (EViT: a class token)
+NAFLEX_BARS = (  # issue 40's NaFlex targets at B = 64: (what runs, our row, bar over timm's best mode)
+    ("unpruned", "ours", 1.5),
+    ("with Threshold-L2 0.5", "ours_threshold_l2", 2.2),
+)
+NAFLEX_BATCH, NAFLEX_REPORTED = 64, (1, 8)
+
+
+def _reported(values: Values, labels: Sequence[str]) -> str:
+    """``" (reported: B=1 1.05x, B=8 1.32x)"``: the worst measured value of cells that have no bar."""
+    shown = []
+    for label in labels:
+        have = [v for _, v in values.get(label, []) if v is not None]
+        if have:
+            shown.append(f"{label} {_x(min(have), 'x')}")
+    return f" (reported: {', '.join(shown)})" if shown else ""
+
+
+def rope_target(label: str, model: str) -> str:
+    """The text of one RoPE model's target row (the same on every card, measured or not)."""
+    bars = _bars([(f"B={b}", need) for b, need in default_call.ROPE_TARGETS["each"]])
+    reported = " / ".join(f"B={b}" for b in default_call.ROPE_REPORTED)
+    return (f"{label} (`{model}`), default call, Threshold-L2 calibrated 0.5 and EViT 0.7 (where it applies), vs "
+            f"unpruned timm reduce-overhead, each forward synchronised: {bars} ({reported} reported)")  # fmt: skip
+
+
+def rope_targets(payload: dict) -> tuple[str, str]:
+    """``(value, verdict)`` of a RoPE model's target from its stored ``benchmarks.default_call --model`` run."""
+    base, rows = default_call._split(payload.get("table", []))
+    values: Values = {}
+    for b in sorted(base):
+        timm = base[b].get("timm_compiled")
+        values[f"B={b}"] = [(w, default_call._ratio(timm, rows.get((b, w, "default")), "each_us") if timm else None)
+                            for w, keep in ROPE_WORKLOADS if rows.get((b, w, "default"), {}).get("keep") == keep]
+    cells = [(f"B={b}", need) for b, need in default_call.ROPE_TARGETS["each"]]
+    value, verdict = judge(cells, values)
+    value += _reported(values, [f"B={b}" for b in default_call.ROPE_REPORTED])
+    if not payload.get("complete", True):
+        verdict += " (run cut short)"
+    return value, verdict
+
+
+def naflex_target(label: str, bar: float) -> str:
+    reported = " / ".join(f"B={b}" for b in NAFLEX_REPORTED)
+    return (f"NaFlex ViT-B/16 (`{naflex.MODEL}`), 64 images of 128-512 px, aspect 1:3 to 3:1, seed 0, {label}, vs "
+            f"timm NaFlexVit at its best mode (eager or torch.compile), each forward synchronised: "
+            f"{_bars([(f'B={NAFLEX_BATCH}', bar)])} ({reported} reported)")  # fmt: skip
+
+
+def naflex_speedups(rows: list[dict], row: str) -> Values:
+    """``{"B=b": [(timm's best row, ours over it)]}``: ``row``'s img/s over timm's fastest row (eager or a compile
+    mode) at each batch size."""
+    out: Values = {}
+    for b in sorted({r["batch"] for r in rows}):
+        timm = [r for r in rows if r["batch"] == b and r["row"].startswith("timm") and r.get("img_per_s")]
+        ours = next((r for r in rows if r["batch"] == b and r["row"] == row and r.get("img_per_s")), None)
+        if timm and ours:
+            best = max(timm, key=lambda r: r["img_per_s"])
+            out[f"B={b}"] = [(best["row"], ours["img_per_s"] / best["img_per_s"])]
+    return out
+
+
+def issue40_targets(card_dir: Path, card: str) -> list[Target]:
+    """Issue 40's targets on one card: the RoPE models' default call and the NaFlex batch, "not measured" (with the
+    file that would measure it) where nothing is stored."""
+    out = []
+    calls = load_model_calls(card_dir)
+    for label, model, size in ROPE_RUNS:
+        target = rope_target(label, model)
+        if (model, size) in calls:
+            path, payload = calls[model, size]
+            value, verdict = rope_targets(payload)
+            out.append(Target(target, card, value, verdict, _date(payload["environment"]), _rel(path)))
+        else:
+            data = _rel(card_dir / default_call.result_file(model, size))
+            out.append(Target(target, card, "-", "not measured", "-", data))
+    stored = load_naflex(card_dir)
+    for label, row, bar in NAFLEX_BARS:
+        target = naflex_target(label, bar)
+        if stored is None:
+            out.append(Target(target, card, "-", "not measured", "-", _rel(card_dir / "naflex.json")))
+            continue
+        files, payload = stored
+        values = naflex_speedups(payload["rows"], row)
+        value, verdict = judge([(f"B={NAFLEX_BATCH}", bar)], values)
+        value += _reported(values, [f"B={b}" for b in NAFLEX_REPORTED])
+        data = _rel(files[0]) if len(files) == 1 else _rel(card_dir) + "/" + NAFLEX_FILES
+        out.append(Target(target, card, value, verdict, _date(payload["environment"]), data))
+    return out
+
 
 def card_targets(card_dir: Path, parts: dict[str, dict], kernel: dict | None, tome: dict | None,
                  files: dict[str, list[Path]]) -> list[Target]:  # fmt: skip
@@ -412,6 +551,9 @@ def card_targets(card_dir: Path, parts: dict[str, dict], kernel: dict | None, to
     if tome:
         for target, value, verdict in tome_targets(tome):
             out.append(Target(target, card, value, verdict, _date(tome["meta"]), _rel(card_dir / TOME_FILE)))
+    if not any(m.get("card") for m in metas) and not call_path.exists():  # a card with issue 40's files alone
+        stored = [p for _, p in load_model_calls(card_dir).values()] + [(load_naflex(card_dir) or ([], {}))[1]]
+        card = next((p["environment"]["card"] for p in stored if p.get("environment", {}).get("card")), card)
     for target, value, verdict, part in e2e_targets(parts, kernel):
         if part == "attention":
             date, data = _date(kernel["meta"]), _rel(card_dir / "attention.json")
@@ -420,7 +562,7 @@ def card_targets(card_dir: Path, parts: dict[str, dict], kernel: dict | None, to
             names = files.get(part, [])
             data = _rel(names[0]) if len(names) == 1 else _rel(card_dir / "e2e") + "/" + E2E_FILES[part]
         out.append(Target(target, card, value, verdict, date, data))
-    return out
+    return out + issue40_targets(card_dir, card)
 
 
 def data_targets(data_dir: Path) -> list[Target]:
@@ -667,6 +809,11 @@ def card_section(
         out.append(f"### {DEFAULT_CALL_TITLE}\n\n" + default_call.render(json.loads(call_path.read_text())))
     else:
         out.append(f"### {DEFAULT_CALL_TITLE}\n\n(not measured on this card: `python -m benchmarks.default_call`)")
+    for (model, size), (path, payload) in sorted(load_model_calls(card_dir).items()):
+        out.append(f"### {DEFAULT_CALL_TITLE}: {model} at {size} (`{path.name}`)\n\n" + default_call.render(payload))
+    if (stored := load_naflex(card_dir)) is not None:
+        files, payload = stored
+        out.append(f"### {NAFLEX_TITLE} (`{'`, `'.join(f.name for f in files)}`)\n\n" + naflex_section(payload))
     if tome is None:
         out.append(f"### {TOME_TITLE}\n\n(not measured on this card: `python -m benchmarks.tome_peer`)")
     else:
@@ -674,6 +821,38 @@ def card_section(
         title = f"{TOME_TITLE} ({m.get('model')}, r = {m.get('r')})"
         out.append("\n\n".join([f"### {title}", T.header(tome), TOME_METHOD, tome_peer.render(tome)]))
     return "\n\n".join(out)
+
+
+NAFLEX_METHOD = (
+    "`python -m benchmarks.naflex` ({model}, {dtype}, random weights): the first B of 64 images with sizes drawn "
+    "from 128-512 px and aspect ratios 1:3 to 3:1 (seed {seed}); timm padded and masked (the collator's dict made "
+    "before timing), eager and under each `torch.compile` mode; ours on the list of images, the default call "
+    "(`ragged_vit.prune(model, \"none\")`, and with Threshold-L2 0.5). img/s each forward synchronised / back to "
+    "back; in brackets, over timm's best row at that batch size (each forward synchronised)."
+)
+
+
+def naflex_section(payload: dict) -> str:
+    """The stored ``benchmarks.naflex`` rows: img/s on both clocks per batch size, ours over timm's best mode."""
+    rows = payload["rows"]
+    batches = sorted({r["batch"] for r in rows})
+    names = list(dict.fromkeys(r["row"] for r in rows))
+    best = {b: max((r["img_per_s"] for r in rows if r["batch"] == b and r["row"].startswith("timm")
+                    and r.get("img_per_s")), default=None) for b in batches}  # fmt: skip
+    body = []
+    for name in names:
+        cells = [name]
+        for b in batches:
+            r = next((r for r in rows if r["batch"] == b and r["row"] == name), None)
+            if r is None or not r.get("img_per_s"):
+                cells.append("-" if r is None else str(r.get("status", "-")).split(":")[0])
+                continue
+            ratio = f" ({r['img_per_s'] / best[b]:.2f}x)" if best[b] and name.startswith("ours") else ""
+            cells.append(f"{r['img_per_s']:,.0f} / {r['img_per_s_back_to_back']:,.0f}{ratio}")
+        body.append(cells)
+    method = NAFLEX_METHOD.format(model=payload.get("model"), dtype=payload.get("dtype", "float16"),
+                                  seed=payload.get("seed", 0))  # fmt: skip
+    return method + "\n\n" + T.table(["row", *(f"B={b}" for b in batches)], body)
 
 
 # --------------------------------------------------------------------------------------------------- README

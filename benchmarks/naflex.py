@@ -147,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     for batch in batches:
         table += rows_at(model, images[:batch], args, device)
     payload = {"environment": environment(), "argv": sys.argv[1:] if argv is None else argv, "model": args.model,
-               "sizes": sizes, "rows": table}  # fmt: skip
+               "seed": args.seed, "smoke": args.smoke, "dtype": str(dtype).removeprefix("torch."), "sizes": sizes,
+               "rows": table}  # fmt: skip
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
