@@ -495,15 +495,15 @@ def naflex_target(label: str, bar: float) -> str:
 
 
 def naflex_speedups(rows: list[dict], row: str) -> Values:
-    """``{"B=b": [(timm's best row, ours over it)]}``: ``row``'s img/s over timm's fastest row (eager or a compile
-    mode) at each batch size."""
+    """``{"B=b": [("over <timm's best row>", ours over it)]}``: ``row``'s img/s over timm's fastest row (eager or
+    a compile mode) at each batch size."""
     out: Values = {}
     for b in sorted({r["batch"] for r in rows}):
         timm = [r for r in rows if r["batch"] == b and r["row"].startswith("timm") and r.get("img_per_s")]
         ours = next((r for r in rows if r["batch"] == b and r["row"] == row and r.get("img_per_s")), None)
         if timm and ours:
             best = max(timm, key=lambda r: r["img_per_s"])
-            out[f"B={b}"] = [(best["row"], ours["img_per_s"] / best["img_per_s"])]
+            out[f"B={b}"] = [(f"over {best['row']}", ours["img_per_s"] / best["img_per_s"])]
     return out
 
 

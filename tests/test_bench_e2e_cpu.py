@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from benchmarks import make_results, report_e2e, run_bench, tables, timing
+from benchmarks import default_call, make_results, report_e2e, run_bench, tables, timing
 from benchmarks.e2e_common import Lab, check_logits
 from benchmarks.timing import REGIONS, Marks, forward_times, gpu_slug, stage_breakdown
 from benchmarks.workloads import WORKLOADS, synthetic_images, synthetic_selection, workload_kind
@@ -337,6 +337,8 @@ def _write_fixtures(root: Path) -> Path:
     (card / "attention.json").write_text(json.dumps(_kernel_fixture()))
     (card / "tome_peer.json").write_text(json.dumps(_tome_fixture()))
     (card / "default_call.json").write_text(json.dumps(_default_call_fixture()))
+    for name, payload in _issue40_fixtures().items():
+        (card / name).write_text(json.dumps(payload))
     return card
 
 
@@ -361,6 +363,53 @@ def _default_call_fixture() -> dict:
     rounds = [{"batch": 64, "round": r, "timm_eager": {"each_us": 6000.0}, "evit": {"each_us": 5000.0}} for r in (0, 1)]
     return {"commit": "abc123", "table": table(0.8), "before": {"commit": "0ld", "table": table(5.0)},
             "stream": stream, "eager_rounds": {"commit": "abc123", "rounds": rounds}}  # fmt: skip
+
+
+def _issue40_fixtures() -> dict[str, dict]:
+    """Issue 40's stored runs: ``benchmarks.default_call --model`` on DINOv3 at 224 (complete) and 512 (cut short
+    after B = 4), a ``--smoke`` run of EVA-02 (ignored: timed on a CPU), and ``benchmarks.naflex`` split over two
+    files (the later one's B = 64 rows replace the earlier one's) plus a ``--smoke`` one (ignored)."""
+    env = {"card": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0", "date": "2026-11-29T10:00:00+0000"}
+
+    def call(model: str, size: int, speedups: dict[int, dict[str, float]], **extra: object) -> dict:
+        table = []
+        for batch, ours in speedups.items():
+            timm = 1000.0 * batch
+            table.append({"batch": batch, "timm_compiled": {"each_us": timm, "back_to_back_us": timm,
+                                                            "first_call_s": 30.0}})  # fmt: skip
+            for w, up in ours.items():
+                table.append({"batch": batch, "workload": w, "keep": dict(make_results.ROPE_WORKLOADS)[w],
+                              "row": "default", "each_us": timm / up, "back_to_back_us": timm / up,
+                              "first_call_s": 5.0})  # fmt: skip
+        return {"environment": env, "model": model, "img_size": size, "dtype": "float16", "complete": True,
+                "table": table, **extra}  # fmt: skip
+
+    def row(name: str, batch: int, rate: float | None, status: str = "ok") -> dict:
+        rates = {"img_per_s": rate, "img_per_s_back_to_back": 1.1 * rate} if rate else {}
+        return {"row": name, "batch": batch, "status": status, **rates}
+
+    model = make_results.naflex.MODEL
+    b64 = [row("timm_eager", 64, 100.0), row("timm_compiled:default", 64, 150.0),
+           row("timm_compiled:reduce-overhead", 64, None, "failed: raised X"),
+           row("timm_compiled:max-autotune-no-cudagraphs", 64, 160.0), row("ours", 64, 264.0),
+           row("ours_threshold_l2", 64, 320.0)]  # fmt: skip
+    small = [row(name, b, rate * b) for b in (1, 8) for name, rate in
+             (("timm_eager", 20.0), ("timm_compiled:default", 40.0), ("ours", 44.0), ("ours_threshold_l2", 60.0))]
+    earlier = {**env, "date": "2026-11-28T10:00:00+0000"}
+    return {
+        "default_call_vit_base_patch16_dinov3_224.json": call("vit_base_patch16_dinov3", 224, {
+            1: {"l2_calibrated": 1.1, "evit": 0.95}, 4: {"l2_calibrated": 1.35, "evit": 1.25},
+            64: {"l2_calibrated": 1.5, "evit": 1.4}}),
+        "default_call_vit_base_patch16_dinov3_512.json": call("vit_base_patch16_dinov3", 512, {
+            1: {"l2_calibrated": 1.2, "evit": 1.3}, 4: {"l2_calibrated": 1.4, "evit": 1.45}}, complete=False),
+        "default_call_eva02_base_patch14_224_56.json": call("eva02_base_patch14_224", 224, {
+            4: {"l2_calibrated": 9.0}}, smoke=True),
+        "naflex.json": {"environment": env, "model": model, "seed": 0, "smoke": False, "rows": b64},
+        "naflex_b1_8.json": {"environment": earlier, "model": model, "seed": 0, "smoke": False,
+                             "rows": [*small, row("ours", 64, 999.0)]},
+        "naflex_smoke.json": {"environment": {**env, "card": None}, "model": model, "seed": 0, "smoke": True,
+                              "rows": [row("ours", 64, 1e6), row("timm_eager", 64, 1.0)]},
+    }  # fmt: skip
 
 
 def _tome_fixture() -> dict:
@@ -474,6 +523,29 @@ def test_make_results_writes_tables_and_figures(tmp_path: Path) -> None:
            "(B=4 not measured) |" in tt  # fmt: skip
     kernel = "| attention device time (graph replay) over FA2-aten, every cell: <= 0.60x | NVIDIA H200 | 0.50x (B=1 0%)"
     assert f"{kernel} | met |" in tt
+    # issue 40: the RoPE models' default call and the NaFlex batch, each target on the card, measured or not
+    rope = ", default call, Threshold-L2 calibrated 0.5 and EViT 0.7 (where it applies), vs unpruned timm " \
+           "reduce-overhead, each forward synchronised: >= 1.30x / 1.30x at B=4 / B=64 (B=1 reported) | NVIDIA H200 |"
+    assert f"| DINOv3 ViT-B/16 at 224 (`vit_base_patch16_dinov3`){rope} 1.25x / 1.40x (reported: B=1 0.95x) | " \
+           "**missed** (B=4: evit 1.25x) | 2026-11-29 | `default_call_vit_base_patch16_dinov3_224.json` |" in tt
+    assert f"| DINOv3 ViT-B/16 at 512 (`vit_base_patch16_dinov3`){rope} 1.40x / - (reported: B=1 1.20x) | met " \
+           "(B=64 not measured) (run cut short) | 2026-11-29 | `default_call_vit_base_patch16_dinov3_512.json` |" in tt
+    assert f"| EVA-02 base at 224 (`eva02_base_patch14_224`){rope} - | not measured | - | " \
+           "`default_call_eva02_base_patch14_224.json` |" in tt, "a --smoke run measures nothing"
+    naflex = "NaFlex ViT-B/16 (`naflexvit_base_patch16_siglip`), 64 images of 128-512 px, aspect 1:3 to 3:1, seed 0, "
+    best = "vs timm NaFlexVit at its best mode (eager or torch.compile), each forward synchronised"
+    assert f"| {naflex}unpruned, {best}: >= 1.50x at B=64 (B=1 / B=8 reported) | NVIDIA H200 | 1.65x (reported: " \
+           "B=1 1.10x, B=8 1.10x) | met | 2026-11-29 | `nvidia-h200/naflex*.json` |" in tt
+    assert f"| {naflex}with Threshold-L2 0.5, {best}: >= 2.20x at B=64 (B=1 / B=8 reported) | NVIDIA H200 | 2.00x " \
+           "(reported: B=1 1.50x, B=8 1.50x) | **missed** (B=64: over timm_compiled:max-autotune-no-cudagraphs " \
+           "2.00x) |" in tt
+    assert "### The default call (`prune(model)(images)`) against unpruned timm `reduce-overhead`: " \
+           "vit_base_patch16_dinov3 at 224 (`default_call_vit_base_patch16_dinov3_224.json`)" in text
+    assert "(vit_base_patch16_dinov3 at 512 fp16, random weights)" in text and "eva02" not in text
+    assert "each B=4 >= 1.3x: worst 1.250x (missed); each B=64 >= 1.3x: worst 1.400x (met)" in text
+    assert "### Native-resolution batches: ours against timm `NaFlexVit` (`naflex_b1_8.json`, `naflex.json`)" in text
+    assert "| ours | 44 / 48 (1.10x) | 352 / 387 (1.10x) | 264 / 290 (1.65x) |" in text
+    assert "| timm_compiled:reduce-overhead | - | - | failed |" in text
     assert "**missed**" in tt and "| met |" in tt
     # README: one generated table per card, the default call's ratios to timm reduce-overhead on both clocks
     rt = readme.read_text()
@@ -492,6 +564,62 @@ def test_make_results_writes_tables_and_figures(tmp_path: Path) -> None:
     assert make_results.main(["--baselines", str(card.parent), "--out", str(out)]) == 0
     assert out.read_text() == text and targets.read_text() == tt and readme.read_text() == rt
     assert {p: (figures / p).read_bytes() for p in pngs} == first
+
+
+def test_make_results_says_what_issue_40_has_not_measured(tmp_path: Path) -> None:
+    """A card without issue 40's files has every one of its targets, "not measured", naming the file to store."""
+    card = tmp_path / "nvidia-h200"
+    card.mkdir()
+    (card / "tome_peer.json").write_text(json.dumps(_tome_fixture()))
+    rows = make_results.all_targets(tmp_path, tmp_path / "data")
+    issue40 = [t for t in rows if t.target.startswith(("DINOv3", "EVA-02", "NaFlex"))]
+    assert len(issue40) == len(make_results.ROPE_RUNS) + len(make_results.NAFLEX_BARS) == 5
+    assert {(t.card, t.value, t.verdict, t.date) for t in issue40} == {("NVIDIA H200", "-", "not measured", "-")}
+    assert [t.data for t in issue40] == ["default_call_vit_base_patch16_dinov3_224.json",
+                                         "default_call_eva02_base_patch14_224.json",
+                                         "default_call_vit_base_patch16_dinov3_512.json", "naflex.json",
+                                         "naflex.json"]  # fmt: skip
+
+
+def test_default_call_result_files() -> None:
+    """DeiT-B 224's run keeps its name; any other model's names the model, and the size unless the name has it."""
+    assert default_call.result_file() == default_call.result_file("deit_base_patch16_224", 224) == "default_call.json"
+    assert default_call.result_file("vit_base_patch16_dinov3", 512) == "default_call_vit_base_patch16_dinov3_512.json"
+    assert default_call.result_file("eva02_base_patch14_224", 224) == "default_call_eva02_base_patch14_224.json"
+    assert default_call.result_file("deit_base_patch16_224", 384) == "default_call_deit_base_patch16_224_384.json"
+
+
+def test_default_call_smoke_on_an_eva_model(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``benchmarks.default_call --smoke --model`` end to end on the CPU: a tiny EVA-02 (the family's layout, RoPE,
+    class token), both workloads of issue 40, rows checked against the eager pipeline and written to the per-model
+    file (which make_results ignores: a smoke run times nothing)."""
+    card = tmp_path / "card"
+    argv = ["--smoke", "--model", "eva02_base_patch14_224", "--img-size", "56", "--batches", "1,2", "--workloads",
+            "l2:0.5,evit:0.7", "--out", f"{card}/"]  # fmt: skip
+    assert default_call.main(argv) == 0
+    payload = json.loads((card / "default_call_eva02_base_patch14_224_56.json").read_text())
+    assert (payload["model"], payload["img_size"], payload["smoke"], payload["complete"]) == (
+        "eva02_base_patch14_224", 56, True, True)  # fmt: skip
+    rows = [(e["batch"], e["workload"], e["keep"], e["row"]) for e in payload["table"] if "row" in e]
+    assert rows == [(b, w, k, r) for b in (1, 2) for w, k in (("l2_calibrated", 0.5), ("evit", 0.7))
+                    for r in ("default", "eager")]  # fmt: skip
+    assert all(e["check"]["ok"] and e["each_us"] > 0 for e in payload["table"] if "row" in e)
+    assert all("timm_eager" in e and "timm_compiled" not in e for e in payload["table"] if "row" not in e)
+    assert {t.verdict for t in make_results.issue40_targets(card, "X")} == {"not measured"}
+
+
+@pytest.mark.parametrize(("model", "size", "workload", "says"), [
+    ("vit_medium_patch16_rope_reg1_gap_256", "64", "evit:0.7", "has no class token"),  # EViT needs a class token
+    ("vit_small_patch16_dinov3", "64", "tome:2", "rotary position embeddings"),  # ToMe refuses RoPE models
+    ("no_such_model_anywhere", "64", "l2:0.5", "is not a timm model"),
+])  # fmt: skip
+def test_default_call_refuses_what_does_not_apply(model: str, size: str, workload: str, says: str,
+                                                  tmp_path: Path, capsys: pytest.CaptureFixture) -> None:  # fmt: skip
+    argv = ["--smoke", "--model", model, "--img-size", size, "--workloads", workload, "--out", f"{tmp_path}/"]
+    assert default_call.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("benchmarks.default_call: ") and says in err and err.count("\n") == 1, err
+    assert not list(tmp_path.iterdir()), "nothing written"
 
 
 def test_make_results_without_results(tmp_path: Path) -> None:
