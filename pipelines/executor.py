@@ -148,8 +148,14 @@ def _front(run: Run, step: Step, state: ForwardState) -> None:
 
 
 def _blocks(run: Run, step: Step, state: ForwardState) -> None:
+    """A run of whole blocks; with ``linear``, in the fused-linear form, from and to the rows' LayerNorm statistics
+    (``state.stats``)."""
     pv = run.pipeline
     group = [pv.model.blocks[k] for k in step.blocks]
+    if step.linear:
+        state.set_x(*run.parts.fused_blocks(group, state.x, state.x_stats(), state.cu_seqlens, state.max_seqlen,
+                                            pv.backend, key_bias=state.key_bias))  # fmt: skip
+        return
     state.x = run.parts.blocks(group, state.x, state.cu_seqlens, state.max_seqlen, pv.backend, key_bias=state.key_bias,
                                rotary=state.rotary)  # fmt: skip
 
@@ -158,10 +164,15 @@ def _attention(run: Run, step: Step, state: ForwardState) -> None:
     """``x + ls1(proj(attend(qkv(norm1(x)))))`` and the qkv projection, from the ``norm1`` and qkv the MLP step
     before prepared (``state.prepared``); with ``branch`` and a plain block, the branch is left to the merge after
     it (``state.fusion``; ``x`` stays); with ``beside``, stage ``step.stage``'s decision runs beside the attention
-    core, projection and residual add (it reads the qkv projection only)."""
+    core, projection and residual add (it reads the qkv projection only); with ``linear``, the fused-linear form (as
+    :func:`_blocks`)."""
     pv, parts, (index,) = run.pipeline, run.parts, step.blocks
     block, x, prepared = pv.model.blocks[index], state.x, state.take_prepared(index)
     packed = (state.cu_seqlens, state.max_seqlen, pv.backend)
+    if step.linear:
+        x, state.qkv, stats = parts.fused_attention(block, x, state.x_stats(), *packed, key_bias=state.key_bias)
+        state.set_x(x, stats)
+        return
     lean = lean_block(block) if step.branch else None
     if prepared is None and lean is None and not step.beside:  # the whole half: one call
         state.x, state.qkv = parts.attention(block, x, *packed, key_bias=state.key_bias, rotary=state.rotary)
@@ -185,9 +196,11 @@ def _attention(run: Run, step: Step, state: ForwardState) -> None:
 def _mlp(run: Run, step: Step, state: ForwardState) -> None:
     """``x + ls2(mlp(norm2(x)))`` (``norm2(x)`` from the merge before it, if it wrote it); with ``prepare``, also
     ``norm1`` and the qkv projection of the next block (one compiled region: the residual add and the LayerNorm in
-    one kernel)."""
+    one kernel); with ``linear``, the fused-linear form (as :func:`_blocks`)."""
     blocks, (index,) = run.pipeline.model.blocks, step.blocks
-    if step.prepare:
+    if step.linear:
+        state.set_x(*run.parts.fused_mlp(blocks[index], state.x, state.x_stats(), state.take_normed()))
+    elif step.prepare:
         state.x, normed, qkv = run.parts.mlp_qkv(blocks[index], state.x, blocks[index + 1], state.take_normed())
         state.prepared = (index + 1, normed, qkv)
     else:

@@ -57,7 +57,9 @@ from ..core.selection import Decision, DecisionInput, Placement, Pruner
 from ..core.validation import check_tensor
 from ..reference.pruners.tome import ToMeMerger
 from ..reference.tome import bisect_threshold
+from ..triton_impl import configs
 from .backends import AttentionBackend, make_backend
+from .backends.triton import TritonBackend
 from .buckets import default_sync_free_rows
 from .eva import RopeSpec, RotaryRows, check_eva, embed_tokens, is_eva, rope_table, rotary_rows
 from .executor import BoundedRepack, ExactRepack, OnStep, Run, execute, stage_counts
@@ -72,7 +74,7 @@ from .naflex import (
     native_front,
     native_image_size,
 )
-from .packed_block import check_packable
+from .packed_block import check_packable, fused_refusal
 from .parts import Parts, front, parts
 from .patch_embed import patch_embed_gemm, supports_gemm
 from .plan import ForwardPlan, Program, build_plan
@@ -159,7 +161,7 @@ class PrunedViT(nn.Module):
         self._plans: dict[tuple[int, int], ForwardPlan] = {}  # by image size (H, W): plan_for()
         self._token_plans: dict[int, ForwardPlan] = {}  # by rows of the longest image: plan_of_tokens()
         self._plan = self.plan_for(self.image_size)
-        packed = 0 if self.native else self._plan.dense_blocks  # a native batch runs every block packed
+        packed = self._packed_from = 0 if self.native else self._plan.dense_blocks  # native: every block packed
         for k in range(packed, len(model.blocks)):
             check_packable(model.blocks[k], f"model.blocks[{k}]")
         self._head_dims = {blk.attn.head_dim for blk in model.blocks[packed:]}
@@ -269,20 +271,37 @@ class PrunedViT(nn.Module):
         return parts(compiled)
 
     def program(self, plan: ForwardPlan, batch: int, *, graphs: bool = False, triton: bool = True,
-                overlap_rows: int = 0) -> Program:  # fmt: skip
+                overlap_rows: int = 0, fused_block_rows: int | None = None) -> Program:  # fmt: skip
         """The program of a forward of ``batch`` images of ``plan``'s size (:meth:`ForwardPlan.program`): ``graphs``
         when it is captured in CUDA graphs, ``triton`` when the Triton kernels repack (the merge kernel then takes
-        the residual add before it), ``overlap_rows`` as there. Built once per key and cached."""
-        key = (plan.tokens, batch, graphs, triton, overlap_rows)
+        the residual add before it), ``overlap_rows`` as there; ``fused_block_rows`` as there where the packed
+        blocks have the fused-linear form (:meth:`fused_block_refusal`), None: the tuned
+        :data:`ragged_vit.triton_impl.configs.FUSED_BLOCK_MAX_ROWS` (a test or a profile passes another, through a
+        ``functools.partial`` of this method on the instance). Built once per key and cached."""
+        limit = configs.FUSED_BLOCK_MAX_ROWS if fused_block_rows is None else fused_block_rows
+        key = (plan.tokens, batch, graphs, triton, overlap_rows, limit, self._backend.name)
         program = self._programs.get(key)
         if program is None:
             stages = self.stages
+            fused = batch * plan.tokens <= limit and self.fused_block_refusal() is None
             program = self._programs[key] = plan.program(
                 batch, graphs=graphs, fuse_merge=triton and any(s.fuses_attention for s in stages),
                 decide_beside_attention=bool(stages) and all(s.decides_from_keys for s in stages),
-                overlap_rows=overlap_rows,
+                overlap_rows=overlap_rows, fused_block_rows=limit if fused else 0,
             )  # fmt: skip
         return program
+
+    def fused_block_refusal(self) -> str | None:
+        """Why the packed blocks cannot take the fused-linear form, or None: it needs the Triton backend (its linears
+        are Triton kernels beside the attention's) and blocks that have the form
+        (:func:`ragged_vit.pipelines.packed_block.fused_refusal`); checked when a program is built."""
+        if not isinstance(self._backend, TritonBackend):
+            return f"backend {self._backend.name!r}: the fused linears run beside the Triton backend's attention"
+        for k in range(self._packed_from, len(self.model.blocks)):
+            why = fused_refusal(self.model.blocks[k])
+            if why is not None:
+                return f"model.blocks[{k}]: {why}"
+        return None
 
     def extra_repr(self) -> str:
         return f"backend={self._backend.name!r}, dense_blocks={self._plan.dense_blocks}, mode={self.mode!r}"

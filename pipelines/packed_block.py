@@ -55,6 +55,7 @@ from torch.nn.modules import module as _module
 
 from ..reference.attention import split_qkv
 from ..reference.rotary import rotate_qkv
+from ..triton_impl.linear import MAX_DIM, empty_ln_stats, fused_linear_op, fused_linear_unchecked
 from .backends.base import AttentionBackend
 from .eva import EVA_BLOCKS, EvaPath, RotaryRows, check_eva_block
 
@@ -433,6 +434,115 @@ def packed_blocks(
     for block in blocks:
         x = packed_block(block, x, cu_seqlens, max_seqlen, backend, key_bias, rotary)
     return x
+
+
+# --- the fused-linear form ---------------------------------------------------------------------------------------
+#
+# qkv = fused_linear(x; norm1 from the rows' statistics), attention, x = fused_linear(a; proj, ls1, residual x, the
+# statistics of its output), h = fused_linear(x; norm2 from them, fc1, GELU), x = fused_linear(h; fc2, ls2, residual x,
+# the statistics of its output): four launches and the attention a block. The statistics of the residual stream pass
+# from one linear to the next; a step that starts from rows no fused linear wrote has them computed first.
+
+_ACTIVATION_NAMES = {"none": "gelu", "tanh": "gelu_tanh"}  # GELU's ``approximate`` -> the fused linear's activation
+
+
+def fused_refusal(block: nn.Module) -> str | None:
+    """Why ``block`` has no fused-linear form, or None: it needs a plain block (module docstring: a timm ``Block``
+    with LayerNorms, ``nn.Linear`` layers, a GELU, no q/k or scale norms; not an Eva block, nor a SwiGLU or gated
+    MLP) without hooks, whose LayerNorms have weights and whose layers' widths the fused linear takes."""
+    lean = _plain(block)
+    if lean is None:
+        return f"{type(block).__name__} is not a plain timm Block (LayerNorm, nn.Linear, GELU, no q/k norm)"
+    if any(lean.hooks):
+        return "a module of the block has hooks"
+    if lean.ln1.weight is None or lean.ln2.weight is None:
+        return "a LayerNorm has no weight (elementwise_affine=False)"
+    for fc in (lean.qkv_fc, lean.proj_fc, lean.fc1, lean.fc2):
+        if any(width % 16 or width > MAX_DIM for width in fc.weight.shape):
+            return f"a linear layer of shape {tuple(fc.weight.shape)} (the fused linear takes multiples of 16)"
+    return None
+
+
+def _fused_linear(
+    x: torch.Tensor,
+    fc: nn.Linear,
+    norm: nn.LayerNorm | None = None,
+    stats: torch.Tensor | None = None,
+    activation: str | None = None,
+    residual: torch.Tensor | None = None,
+    scale: nn.Module | None = None,
+    stats_out: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``residual + scale(act(fc(norm(x))))`` in one fused linear (the custom op under ``torch.compile``, else the
+    direct call), ``norm`` from the rows' ``stats`` where given; and with ``stats_out`` the statistics of its output
+    rows (else None)."""
+    ln_weight, ln_bias, eps = (None, None, 1e-5) if norm is None else (norm.weight, norm.bias, norm.eps)
+    gamma = scale.gamma if isinstance(scale, LayerScale) else None
+    if torch.compiler.is_compiling():
+        y, out = fused_linear_op(x, fc.weight, fc.bias, ln_weight, ln_bias, eps, activation, residual, gamma, stats,
+                                 stats_out)  # fmt: skip
+        return y, out if stats_out else None
+    out = empty_ln_stats(x.shape[0], fc.weight.shape[0], x.device) if stats_out else None
+    y = fused_linear_unchecked(
+        x, fc.weight, fc.bias, ln_weight=ln_weight, ln_bias=ln_bias, eps=eps, activation=activation,
+        residual=residual, gamma=gamma, ln_stats=stats, stats_out=out,
+    )  # fmt: skip
+    return y, out
+
+
+def _fused_activation(act: nn.Module) -> str:
+    return _ACTIVATION_NAMES[_GELUS[type(act)] or act.approximate]
+
+
+def fused_attention(
+    block: Block,
+    x: torch.Tensor,
+    stats: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    backend: AttentionBackend,
+    key_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`packed_attention` in the fused-linear form (a block :func:`fused_refusal` accepts), ``stats``: the
+    statistics of ``x``'s rows or None (computed first). Returns the residual stream, the qkv projection and the
+    statistics of the residual stream's rows (for ``norm2``)."""
+    attn = block.attn
+    qkv, _ = _fused_linear(x, attn.qkv, block.norm1, stats)
+    attend = _backend_attend(backend, attn, cu_seqlens, max_seqlen, key_bias)
+    x, stats = _fused_linear(attend(qkv), attn.proj, residual=x, scale=block.ls1, stats_out=True)
+    return x, qkv, stats
+
+
+def fused_mlp(
+    block: Block, x: torch.Tensor, stats: torch.Tensor | None, normed: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`packed_mlp` in the fused-linear form: ``stats`` as in :func:`fused_attention` (unused with ``normed``,
+    ``norm2(x)`` computed elsewhere). Returns the residual stream and its rows' statistics (for the next ``norm1``)."""
+    mlp = block.mlp
+    activation = _fused_activation(mlp.act)
+    if normed is None:
+        h, _ = _fused_linear(x, mlp.fc1, block.norm2, stats, activation)
+    else:
+        h, _ = _fused_linear(normed, mlp.fc1, activation=activation)
+    return _fused_linear(h, mlp.fc2, residual=x, scale=block.ls2, stats_out=True)
+
+
+def fused_blocks(
+    blocks: Sequence[Block],
+    x: torch.Tensor,
+    stats: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    backend: AttentionBackend,
+    key_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`packed_blocks` in the fused-linear form: each block's four fused linears and its attention, the
+    statistics of the residual stream handed from one to the next (``stats`` as in :func:`fused_attention`). Returns
+    the residual stream and its rows' statistics."""
+    for block in blocks:
+        x, _, stats = fused_attention(block, x, stats, cu_seqlens, max_seqlen, backend, key_bias)
+        x, stats = fused_mlp(block, x, stats)
+    return x, stats
 
 
 def dense_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:

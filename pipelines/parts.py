@@ -20,6 +20,9 @@ from ..core.selection import Decision, DecisionInput, Pruner
 from .eva import block_table
 from .packed_block import (
     dense_block,
+    fused_attention,
+    fused_blocks,
+    fused_mlp,
     packed_attention,
     packed_attention_branch,
     packed_attention_residual,
@@ -43,6 +46,8 @@ class Parts:
         qkv, residual, branch: the attention half in parts (:func:`packed_qkv`, :func:`packed_attention_residual`,
             :func:`packed_attention_branch`), where a decision or a merge takes part of it.
         mlp: a block's MLP half (:func:`packed_mlp`); mlp_qkv: it and the next block's qkv (:func:`packed_mlp_qkv`).
+        fused_blocks, fused_attention, fused_mlp: the same in the fused-linear form (:func:`fused_blocks`,
+            :func:`fused_attention`, :func:`fused_mlp`), the steps with ``linear``.
         decide: ``(pruner, inp) -> Decision``: a stage's decision (:func:`decide`).
     """
 
@@ -55,6 +60,9 @@ class Parts:
     branch: Callable
     mlp: Callable
     mlp_qkv: Callable
+    fused_blocks: Callable
+    fused_attention: Callable
+    fused_mlp: Callable
     decide: Callable[[Pruner, DecisionInput], Decision]
 
 
@@ -62,7 +70,7 @@ class Parts:
 def parts(compiled: bool) -> Parts:
     """The plain parts, or the compiled ones (made once per process; each compiles on its first call)."""
     plain = (front, packed_blocks, packed_attention, packed_qkv, packed_attention_residual, packed_attention_branch,
-             packed_mlp, packed_mlp_qkv)  # fmt: skip
+             packed_mlp, packed_mlp_qkv, fused_blocks, fused_attention, fused_mlp)  # fmt: skip
     if not compiled:
         return Parts(False, *plain, decide)
     return Parts(True, *map(torch.compile, plain), _decide_compiled)

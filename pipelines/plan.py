@@ -20,7 +20,11 @@ CUDA graphs), fused steps included: an MLP step that also computes the next bloc
 half that leaves its residual add to the merge after it (``branch``), and, in CUDA graphs, work that runs on a second
 stream beside other work (``beside``): a mid-block decision beside its block's MLP half, in small buffers
 (:data:`MLP_OVERLAP_MAX_ROWS`); a merge's decision beside its block's attention core, in small batches
-(:data:`OVERLAP_MAX_IMAGES`). A new fused step is a new step here and its function in the executor.
+(:data:`OVERLAP_MAX_IMAGES`). In forwards of at most ``fused_block_rows`` rows (``B x N``; the pipeline passes
+:data:`ragged_vit.triton_impl.configs.FUSED_BLOCK_MAX_ROWS` where every packed block has the form), the packed
+blocks and halves take the fused-linear form (``linear``: four fused linears and the attention a block, the
+LayerNorm statistics handed from one to the next). A new fused step is a new step here and its function in the
+executor.
 
 **Host reads.** A variable-count stage decides on the device how many rows survive; an executor that needs the
 exact total (to size a buffer) reads it between DECIDE and REPACK. :attr:`Program.segments` cuts the steps at
@@ -83,6 +87,9 @@ class Step:
             gone). On a second stream while a CUDA graph is captured, else one after the other.
         prepare: MLP: also ``norm1`` and the qkv projection of the block of the ATTENTION step after it.
         branch: ATTENTION: the merge after it makes the residual add (and ``norm2``), where the block is plain.
+        linear: BLOCKS, ATTENTION, MLP: the fused-linear form (:func:`ragged_vit.pipelines.packed_block.fused_blocks`);
+            not with ``beside`` or ``branch`` (the decision's and the merge's own fusions), nor with ``prepare``
+            (the statistics its last linear writes serve the next ``norm1``).
     """
 
     kind: StepKind
@@ -91,11 +98,12 @@ class Step:
     beside: bool = False
     prepare: bool = False
     branch: bool = False
+    linear: bool = False
 
     def __repr__(self) -> str:
         what = f"stage={self.stage}" if self.stage is not None and self.kind is not StepKind.ATTENTION else ""
         what = what or f"blocks={self.blocks}"
-        fused = [name for name in ("beside", "prepare", "branch") if getattr(self, name)]
+        fused = [name for name in ("beside", "prepare", "branch", "linear") if getattr(self, name)]
         return f"Step({self.kind.value}, {what}{''.join(', ' + f for f in fused)})"
 
 
@@ -184,6 +192,7 @@ class ForwardPlan:
         fuse_merge: bool = False,
         decide_beside_attention: bool = False,
         overlap_rows: int = 0,
+        fused_block_rows: int = 0,
     ) -> Program:
         """The program of a forward of ``batch`` images (see the module docstring).
 
@@ -196,9 +205,12 @@ class ForwardPlan:
                 most :data:`OVERLAP_MAX_IMAGES` images decides beside the attention core.
             overlap_rows: with ``graphs``, a mid-block stage with ``mlp_beside`` decides beside that MLP half when
                 its input has at most this many rows (``batch * rows_before``).
+            fused_block_rows: the packed blocks take the fused-linear form (``linear``) when the forward has at most
+                this many rows (``batch * tokens``); 0: never.
         """
         return _program(self, check_int(batch, "batch", 1), bool(graphs), bool(fuse_merge),
-                        bool(decide_beside_attention), check_int(overlap_rows, "overlap_rows", 0))  # fmt: skip
+                        bool(decide_beside_attention), check_int(overlap_rows, "overlap_rows", 0),
+                        check_int(fused_block_rows, "fused_block_rows", 0))  # fmt: skip
 
     def stage_at(self, step: Step) -> StagePlan:
         """The stage a DECIDE or REPACK step serves."""
@@ -242,7 +254,13 @@ def build_plan(
 
 @functools.lru_cache(maxsize=512)
 def _program(
-    plan: ForwardPlan, batch: int, graphs: bool, fuse_merge: bool, beside_attention: bool, overlap_rows: int
+    plan: ForwardPlan,
+    batch: int,
+    graphs: bool,
+    fuse_merge: bool,
+    beside_attention: bool,
+    overlap_rows: int,
+    fused_block_rows: int,
 ) -> Program:
     beside_attention = graphs and beside_attention and plan.fixed and batch <= OVERLAP_MAX_IMAGES
     steps: list[Step] = []
@@ -262,8 +280,11 @@ def _program(
             beside = beside_attention
             step = dataclasses.replace(step, stage=after.stage if beside else None, beside=beside, branch=fuse_merge)
         steps.append(step)
-    for i, step in enumerate(steps[:-1]):  # an MLP half right before an attention half prepares its qkv
-        if step.kind is StepKind.MLP and steps[i + 1].kind is StepKind.ATTENTION:
+    if batch * plan.tokens <= fused_block_rows:  # the fused-linear form, where no other fusion holds the step
+        packed = (StepKind.BLOCKS, StepKind.ATTENTION, StepKind.MLP)
+        steps = [dataclasses.replace(s, linear=s.kind in packed and not (s.beside or s.branch)) for s in steps]
+    for i, step in enumerate(steps[:-1]):  # an unfused MLP half right before an attention half prepares its qkv
+        if step.kind is StepKind.MLP and not step.linear and steps[i + 1].kind is StepKind.ATTENTION:
             steps[i] = dataclasses.replace(step, prepare=True)
     return Program(tuple(steps), _segments(tuple(steps), plan.fixed))
 

@@ -57,6 +57,8 @@ class ForwardState:
         image_patches: int64 ``[B]``: each image's own unpruned patch count in a batch of several image sizes (set by
             the native-resolution front, :mod:`ragged_vit.pipelines.naflex`; ``num_patches`` is then the largest);
             None when every image has ``num_patches``.
+        stats: ``(rows, stats)``: the LayerNorm statistics ``[P, T, 2]`` of the buffer ``rows``, left by the fused
+            linear that wrote it (:meth:`x_stats`, :meth:`set_x`); None before any.
     """
 
     batch: int
@@ -74,6 +76,18 @@ class ForwardState:
     normed: torch.Tensor | None = None
     rotary: RotaryRows | None = None
     image_patches: torch.Tensor | None = None
+    stats: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def x_stats(self) -> torch.Tensor | None:
+        """The statistics of the rows of ``x`` if the fused linear that wrote this very buffer left them, else None:
+        a step that writes a new buffer (a repack, a merge, an unfused half) leaves none, so the next fused linear
+        computes them from the rows it finds."""
+        stats = self.stats
+        return stats[1] if stats is not None and stats[0] is self.x else None
+
+    def set_x(self, x: torch.Tensor, stats: torch.Tensor | None) -> None:
+        """``x`` and, where not None, the statistics of its rows."""
+        self.x, self.stats = x, None if stats is None else (x, stats)
 
     def take_fusion(self) -> MergeFusion | None:
         """``fusion`` (cleared here), or None."""

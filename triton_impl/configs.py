@@ -123,6 +123,9 @@ LINEAR_MIN_K_BLOCKS = 2
 """Each split of K walks at least this many ``block_k`` steps, so a split's loads can still be pipelined."""
 LINEAR_MAX_SPLIT = 16
 """At most this many splits of K: beyond it the fp32 partial sums cost more traffic than the spread gains."""
+FUSED_BLOCK_MAX_ROWS = 0  # docs/tuning.md#fused-linear-blocks: 0 until measured, so no forward takes that form yet
+"""Forwards of at most this many rows (``B x N``) run their packed blocks as fused linears (four launches and the
+attention a block: :mod:`ragged_vit.pipelines.packed_block`, the fused-linear form); the plan's rule reads it."""
 INTERPRETER_SMS = 8
 """The SM count the interpreter plans splits for: small enough that its tests take the split-K path at small N."""
 

@@ -469,3 +469,49 @@ def fused_linear_unchecked(
             num_warps=4, num_stages=1,
         )  # fmt: skip
     return y
+
+
+# The custom op for torch.compile and the CUDA graphs of compiled blocks, registered as the attention's is
+# (docs/tuning.md#attention-custom-op). It is functional: no ``out``, and the output rows' statistics are returned.
+_LIBRARY = torch.library.Library("ragged_vit", "FRAGMENT")
+_LIBRARY.define(
+    "fused_linear(Tensor x, Tensor weight, Tensor? bias, Tensor? ln_weight, Tensor? ln_bias, float eps, "
+    "str? activation, Tensor? residual, Tensor? gamma, Tensor? ln_stats, bool stats_out) -> (Tensor, Tensor)"
+)
+
+
+def _op_impl(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    ln_weight: torch.Tensor | None,
+    ln_bias: torch.Tensor | None,
+    eps: float,
+    activation: str | None,
+    residual: torch.Tensor | None,
+    gamma: torch.Tensor | None,
+    ln_stats: torch.Tensor | None,
+    stats_out: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = x.shape[0], weight.shape[0]
+    stats = empty_ln_stats(rows, cols, x.device) if stats_out else x.new_empty((0, rows, 2), dtype=torch.float32)
+    y = fused_linear(
+        x, weight, bias, ln_weight=ln_weight, ln_bias=ln_bias, eps=eps, activation=activation, residual=residual,
+        gamma=gamma, ln_stats=ln_stats, stats_out=stats if stats_out else None,
+    )  # fmt: skip
+    return y, stats
+
+
+_LIBRARY.impl("fused_linear", _op_impl, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ragged_vit::fused_linear")
+def _(x, weight, bias, ln_weight, ln_bias, eps, activation, residual, gamma, ln_stats, stats_out):
+    rows, cols = x.shape[0], weight.shape[0]
+    chunks = ln_stats_chunks(rows, cols, x.device) if stats_out else 0
+    return x.new_empty((rows, cols)), x.new_empty((chunks, rows, 2), dtype=torch.float32)
+
+
+fused_linear_op = torch.ops.ragged_vit.fused_linear.default
+"""``torch.ops.ragged_vit.fused_linear``: :func:`fused_linear` as an op, every argument positional and required;
+returns ``(y, stats)``, ``stats`` the output rows' ``[P, M, 2]`` statistics with ``stats_out`` (else ``[0, M, 2]``)."""
