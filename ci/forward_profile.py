@@ -12,8 +12,10 @@ and host waits) and the per-kind split. ``--compile-blocks`` adds the pipelines 
 the top-level aten ops per forward, the host dispatches besides the Triton launches, which the kernel count includes;
 ``--host-profile N`` adds cProfile's top N functions of each eager row; ``--eager-rounds K`` times timm eager and the
 eager pipelines again in turn, K rounds, for ratios that pair timings of one round: the host's speed drifts;
-``--eager-only`` keeps the eager rows alone, without the compiles of the graphed ones). An eager pipeline is called as
-a user calls it, ``pv(images)`` (:meth:`ragged_vit.pipelines.model.PrunedViT.forward`).
+``--eager-only`` keeps the eager rows alone, without the compiles of the graphed ones); ``--fused-blocks`` adds each
+pipeline row again with its packed blocks in the fused-linear form (``+fused``: the program's ``fused_block_rows``
+forced past the forward's rows, whatever ``FUSED_BLOCK_MAX_ROWS`` says; ``docs/tuning.md``, "Fused-linear blocks").
+An eager pipeline is called as a user calls it, ``pv(images)`` (:meth:`ragged_vit.pipelines.model.PrunedViT.forward`).
 ``--workloads`` takes ``WORKLOAD:KEEP`` (keep rate 0.5 by default); ``--tome R`` adds ToMe with a fixed ``r = R`` per
 block (one graph per forward), ``--tome-adaptive R`` its adaptive merging at the same mean rows (a graph per block,
 sized by each block's total). Details go to ``--out`` (JSON).
@@ -168,6 +170,9 @@ def main() -> None:
         "--sync-free-rows", type=int, default=0, help="also the runners with TokenBuckets(sync_free_rows=R)"
     )
     parser.add_argument("--serial-decisions", action="store_true", help="also the runners with overlap_decisions=False")
+    parser.add_argument(
+        "--fused-blocks", action="store_true", help="also every pipeline row with its blocks in the fused-linear form"
+    )
     parser.add_argument("--eager", action="store_true", help="also timm eager and the eager pipelines (no graphs)")
     parser.add_argument(
         "--eager-only", action="store_true", help="with --eager: only timm eager and the eager pipelines (no compiles)"
@@ -224,25 +229,27 @@ def main() -> None:
     print("|---" * (8 + len(kinds)) + "|")
     for batch in (int(b) for b in args.batches.split(",")):
         images = lab.images(DEIT_B, batch)
-        # (label, workload or None for timm, keep rate, graphed, compile_blocks, sync-free rows, overlap)
-        configs: list[tuple[str, str | None, float, bool, bool, int, bool]] = [
-            ("timm reduce-overhead", None, 1.0, True, False, 0, True),
-            ("timm reduce-overhead +gemm embed", None, 1.0, True, False, 0, True),
+        # (label, workload or None for timm, keep rate, graphed, compile_blocks, sync-free rows, overlap, fused)
+        configs: list[tuple[str, str | None, float, bool, bool, int, bool, bool]] = [
+            ("timm reduce-overhead", None, 1.0, True, False, 0, True, False),
+            ("timm reduce-overhead +gemm embed", None, 1.0, True, False, 0, True, False),
         ][: 0 if args.eager_only else 2]
         if args.eager:
-            configs.append(("timm eager", None, 1.0, False, False, 0, True))
+            configs.append(("timm eager", None, 1.0, False, False, 0, True, False))
         for w, keep in args.workloads:
             name = label_of(w, keep)
             if args.eager:
-                configs.append((name + " eager", w, keep, False, False, 0, True))
+                configs.append((name + " eager", w, keep, False, False, 0, True, False))
             for compiled in () if args.eager_only else (False, True) if args.compile_blocks else (False,):
                 for rows in sorted({0, args.sync_free_rows}):
                     label = name + (" +compile" if compiled else "") + (f" +sync-free {rows}" if rows else "")
-                    configs.append((label, w, keep, True, compiled, rows, True))
+                    configs.append((label, w, keep, True, compiled, rows, True, False))
                 if args.serial_decisions:
                     configs.append((name + (" +compile" if compiled else "") + " +serial", w, keep, True, compiled, 0,
-                                    False))  # fmt: skip
-        for label, workload, keep, graphed, compiled, sync_free_rows, overlap in configs:
+                                    False, False))  # fmt: skip
+        if args.fused_blocks:  # each pipeline row beside its fused-linear twin
+            configs = [twin for c in configs for twin in ((c, (c[0] + " +fused", *c[1:7], True)) if c[1] else (c,))]
+        for label, workload, keep, graphed, compiled, sync_free_rows, overlap, fused in configs:
             if workload is None:
                 model = lab.model(DEIT_B)
                 if "gemm" in label:  # the same embedding as the pipelines, so its gain is not credited to pruning
@@ -256,6 +263,11 @@ def main() -> None:
             else:
                 pv = pipeline(lab, workload, keep, images)
                 pv.compile_blocks = compiled
+                if fused:
+                    if pv.fused_block_refusal() is not None:
+                        print(f"{label}: no fused-linear form ({pv.fused_block_refusal()})")
+                        continue
+                    pv.program = functools.partial(PrunedViT.program, pv, fused_block_rows=1 << 30)
                 buckets = TokenBuckets(sync_free_rows=sync_free_rows) if sync_free_rows else None
                 forward = GraphedPrunedViT(pv, buckets, overlap_decisions=overlap).run if graphed else pv
             first_s = elapsed([functools.partial(forward, images[0])], lab.device)

@@ -28,6 +28,14 @@ and code under ``torch.compile`` (Inductor sees the modules as before). :func:`d
 a dense batch ``[B, N, C]`` with timm's own SDPA call (bitwise timm's ``block(x)``), for the pipeline's dense blocks
 before its first stage.
 
+The fused-linear form. Where the program says so (a step's ``linear``: :mod:`ragged_vit.pipelines.plan`), a plain
+block with the Triton backend runs as four fused linears (:func:`ragged_vit.triton_impl.linear.fused_linear`) and
+the attention: the LayerNorms in the prologues from each row's statistics, which proj and fc2 write in their
+epilogues for the next LayerNorm, and bias, GELU, LayerScale and the residual adds in the epilogues
+(:func:`fused_blocks`, :func:`fused_attention`, :func:`fused_mlp`; :func:`fused_refusal` says which blocks have no
+such form). The statistics come in and go out with the rows (the executor keeps them with the buffer they describe);
+under ``torch.compile`` the linears are the custom op ``torch.ops.ragged_vit.fused_linear``.
+
 Supported: ``timm.models.vision_transformer.Block`` with ``timm.layers.Attention`` (qk_norm, scale_norm and the
 gated variant of newer timm included), and timm's Eva blocks (their module path, :class:`ragged_vit.pipelines.eva.
 EvaPath`; a ``rotary`` argument carries the rows' RoPE positions), in eval mode. Not supported: other block types
