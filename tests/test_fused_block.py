@@ -60,7 +60,7 @@ def images(device: str = "cpu") -> torch.Tensor:
 
 
 def pipeline(name: str, device: str = "cpu", dtype: torch.dtype = torch.float32, backend: str = "triton") -> PrunedViT:
-    pv = PrunedViT(model().to(device, dtype), PRUNERS[name](), backend, mode="eager").to(device)
+    pv = PrunedViT(model(), PRUNERS[name](), backend, mode="eager").to(device, dtype)
     if name == "threshold_l2":
         pv.calibrate(images(device).to(dtype))
     return pv
@@ -124,11 +124,13 @@ def test_statistics_carried_across_a_repack_are_caught(monkeypatch):
     assert not torch.allclose(stale.logits, good.logits, **FP32)
 
 
-def test_the_plan_shows_the_form_by_its_rule():
-    """The rule: the forward's rows ``B x N`` at most ``fused_block_rows`` (the tuned constant by default, 0 until
-    measured on a GPU); every packed step then runs fused but those another fusion holds (a ToMe merge's ``branch``
-    with Triton repacks), and no fused MLP prepares the next qkv (its statistics do)."""
-    assert configs.FUSED_BLOCK_MAX_ROWS == 0 and not linear_steps(pipeline("evit"))
+def test_the_plan_shows_the_form_by_its_rule(monkeypatch):
+    """The rule: the forward's rows ``B x N`` at most ``fused_block_rows`` (by default the tuned
+    ``FUSED_BLOCK_MAX_ROWS``); every packed step then runs fused but those another fusion holds (a ToMe merge's
+    ``branch`` with Triton repacks), and no fused MLP prepares the next qkv (its statistics do)."""
+    for limit in (BATCH * TOKENS - 1, BATCH * TOKENS):
+        monkeypatch.setattr(configs, "FUSED_BLOCK_MAX_ROWS", limit)
+        assert bool(linear_steps(pipeline("evit"))) == (limit == BATCH * TOKENS)
     pv = pipeline("evit")
     program = pv.program(pv.plan, BATCH, triton=False, fused_block_rows=BATCH * TOKENS)
     assert "linear" in repr(program.steps) and all(s.linear for s in program.steps if s.kind in PACKED)
