@@ -38,6 +38,7 @@ from torch import nn
 from ..core.segments import cu_seqlens_from_counts
 from ..core.selection import Pruner
 from ..core.validation import check_tensor
+from ..reference.native import resample_factorized, resample_grid
 from .patch_embed import patch_rows
 from .state import ForwardState
 
@@ -208,32 +209,18 @@ def _patch_dict(model: NaFlexVit, images: dict, device: torch.device, dtype: tor
 
 def position_table(embeds: nn.Module, grid: tuple[int, int], dtype: torch.dtype) -> torch.Tensor | None:
     """``[h*w, C]``: the position embeddings of one image of ``grid = (h, w)`` patches, row-major, as NaFlexVit
-    resamples its table for each image (fp32 interpolation, then ``dtype``); None without position embeddings."""
-    h, w = grid
+    resamples its table for each image (:mod:`ragged_vit.reference.native`, fp32, then ``dtype``); None without."""
     square = getattr(embeds, "pos_embed_ar_preserving", False)
     if embeds.pos_embed_type == "learned":
-        table = embeds.pos_embed  # [1, gh, gw, C]
-        if tuple(table.shape[1:3]) == (h, w):
-            return table.reshape(h * w, -1).to(dtype)
-        resampled = F.interpolate(
-            table.permute(0, 3, 1, 2).float(), size=(max(h, w),) * 2 if square else (h, w),
-            mode=embeds.pos_embed_interp_mode, align_corners=getattr(embeds, "pos_embed_align_corners", False),
+        table = resample_grid(
+            embeds.pos_embed[0], grid, square=square, mode=embeds.pos_embed_interp_mode,
+            align_corners=getattr(embeds, "pos_embed_align_corners", False),
             antialias=getattr(embeds, "pos_embed_antialias", True),
         )  # fmt: skip
-        return resampled[0, :, :h, :w].flatten(1).t().to(dtype)
+        return table.to(dtype)
     if embeds.pos_embed_type == "factorized":
-        rows = _resampled_axis(embeds.pos_embed_y, max(h, w) if square else h, dtype)[:h]
-        cols = _resampled_axis(embeds.pos_embed_x, max(h, w) if square else w, dtype)[:w]
-        return (rows[:, None] + cols[None, :]).flatten(0, 1)
+        return resample_factorized(embeds.pos_embed_y[0], embeds.pos_embed_x[0], grid, square=square).to(dtype)
     return None
-
-
-def _resampled_axis(table: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
-    """A factorized table ``[1, L, C]`` at ``length`` positions ``[length, C]`` (linear, fp32, then ``dtype``)."""
-    if table.shape[1] == length:
-        return table[0].to(dtype)
-    resampled = F.interpolate(table.transpose(1, 2).float(), size=length, mode="linear", align_corners=False)
-    return resampled[0].t().to(dtype)
 
 
 def position_rows(embeds: nn.Module, batch: NativeBatch, dtype: torch.dtype) -> torch.Tensor | None:
