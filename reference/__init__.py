@@ -1,5 +1,5 @@
 """Pure-PyTorch ground truth (runs on CPU): pruners, packing, padded and ragged attention, the CLS attention row, rotary
-position embeddings on packed rows.
+position embeddings on packed rows, native-resolution position tables, the fused linear.
 
 Readable before fast. Every kernel in :mod:`ragged_vit.triton_impl` is tested against the function of the same role
 here. The types these functions share (pruner interface, selections) and the per-image segment operations live one
