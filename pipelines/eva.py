@@ -194,7 +194,8 @@ class RotaryRows:
     Attributes:
         positions: int32 ``[T]``: each row's table row, ``-1`` for rows left unrotated (prefix rows, EViT's fused
             token); moved with the rows by every repack (rows past a buffer's real total hold anything).
-        table: the rope table of this forward's image size: ``[N, 2*D]``, or ``[depth, H, N, 2*D]`` per block.
+        table: the rope table of this forward's image size: ``[N, 2*D]``, or ``[depth, H, N, 2*D]`` per block (a
+            native batch: the tables of its grid sizes one after the other along ``N``).
         half: the half layout, else interleaved.
         blocks: for a per-block table, each block's attention module -> its block index; None for a shared table.
     """
@@ -218,7 +219,13 @@ def rotary_rows(
     spec: RopeSpec, table: torch.Tensor, blocks: dict[nn.Module, int] | None, batch: int, tokens: int, prefix: int
 ) -> RotaryRows:
     """The rotation of an unpruned batch of ``batch`` images of ``tokens`` rows (``prefix`` of them unrotated)."""
-    positions = patch_positions(batch, tokens, prefix, table.device)
+    return rotary_at(spec, table, blocks, patch_positions(batch, tokens, prefix, table.device))
+
+
+def rotary_at(
+    spec: RopeSpec, table: torch.Tensor, blocks: dict[nn.Module, int] | None, positions: torch.Tensor
+) -> RotaryRows:
+    """The rotation of rows at ``positions`` (int32 ``[T]``: each row's row of ``table``, ``-1`` unrotated)."""
     return RotaryRows(positions, table, spec.half, blocks if spec.per_block else None)
 
 

@@ -616,13 +616,13 @@ def _packs_with_triton(device: torch.device) -> bool:
 
 
 def _check_model(model: object) -> RopeSpec | None:
-    """Raises unless ``model`` is a timm ``VisionTransformer`` or ``Eva`` the runtime takes; returns an Eva model's
-    rope (:func:`ragged_vit.pipelines.eva.check_eva`)."""
+    """Raises unless ``model`` is a timm ``VisionTransformer``, ``Eva`` or ``NaFlexVit`` the runtime takes; returns an
+    Eva or NaFlexVit model's rope (:func:`ragged_vit.pipelines.eva.check_eva`)."""
     spec = None
     if is_eva(model):
         spec = check_eva(model)
     elif is_naflex(model):
-        check_naflex(model)
+        spec = check_naflex(model)
     elif not isinstance(model, VisionTransformer):
         raise TypeError(f"model must be a timm VisionTransformer, Eva or NaFlexVit, got {type(model).__name__}")
     pool_of(model)  # a pooling the head supports

@@ -14,19 +14,28 @@ start:
   rule (:func:`position_table`: the learned ``[gh, gw]`` table interpolated to ``h x w``, or to the square of the
   longer side then cropped with ``pos_embed_ar_preserving``; factorized tables per axis, linearly), the prefix rows
   (class, register tokens) first in each image, ``norm_pre``; ``cu_seqlens`` from each image's own token count;
+* **rotary position embeddings** (``rope_type``: ``axial``, ``dinov3``, ``mixed``, ``mrope``; :func:`native_rotary`):
+  timm builds one rope table per grid size (``rope.get_embed(shape=grid)``); the batch's distinct grids' tables are
+  concatenated into one, each patch row's position is its place in its grid's table plus that table's start (prefix
+  rows ``-1``, unrotated), and the runtime rotates as for an Eva model (:mod:`ragged_vit.pipelines.eva`), every
+  repack moving the positions with the rows;
 * **blocks**: every block runs packed (there is no dense batch to run timm's own blocks on), pruning stages as on
   any ViT; each stage counts from each image's own patches (``ForwardState.image_patches``: DynamicViT's
   ``int(N_b * rate ** (s + 1))``);
 * **head**: the pooling of each image's rows (:mod:`ragged_vit.pipelines.heads`: ``map``, ``avg``, ``token``...).
 
-NaFlex's Eva-style blocks (SwiGLU, split or gated attention) run as timm's Eva blocks do on the packed runtime.
-Refused, each with one line: rotary position embeddings (``rope_type``), ``pos_embed_use_grid_sample``, grouped-query
-attention, patch dicts of variable patch size (5-D ``patches``) or with an ``attn_mask``, ATS with a sample count
-relative to the image (``ATSPruner(num_samples=K)`` runs), CUDA graphs (a native batch runs eagerly).
+NaFlex's Eva-style blocks (SwiGLU, split or gated attention) run as timm's Eva blocks do on the packed runtime. The
+rope's training-time coordinate augmentations (``rope_shift_coords``, ``rope_jitter_coords``,
+``rope_rescale_coords``) are off in eval mode, the only mode the runtime runs. Refused, each with one line: a rope
+module whose table layout the runtime does not take (:func:`ragged_vit.pipelines.eva.rope_spec`), a merging pruner
+(ToMe) on a RoPE model, ``pos_embed_use_grid_sample``, grouped-query attention (``num_kv_heads``), patch dicts of
+variable patch size (5-D ``patches``) or with an ``attn_mask``, ATS with a sample count relative to the image
+(``ATSPruner(num_samples=K)`` runs), CUDA graphs (a native batch runs eagerly).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,6 +48,7 @@ from ..core.segments import cu_seqlens_from_counts
 from ..core.selection import Pruner
 from ..core.validation import check_tensor
 from ..reference.native import resample_factorized, resample_grid
+from .eva import RopeSpec, RotaryRows, rope_spec, rotary_at
 from .patch_embed import patch_rows
 from .state import ForwardState
 
@@ -51,14 +61,12 @@ def is_naflex(model: object) -> bool:
     return isinstance(model, NaFlexVit)
 
 
-def check_naflex(model: NaFlexVit) -> None:
-    """Raises ``NotImplementedError`` (one line) for what the packed runtime does not take in a ``NaFlexVit``."""
+def check_naflex(model: NaFlexVit) -> RopeSpec | None:
+    """Raises ``NotImplementedError`` (one line) for what the packed runtime does not take in a ``NaFlexVit``; returns
+    its rope (:func:`ragged_vit.pipelines.eva.rope_spec`, None without one). Its blocks are checked as packed blocks
+    (grouped-query attention refused there)."""
     embeds = model.embeds
-    if getattr(model, "rope", None) is not None:
-        raise NotImplementedError(
-            f"a NaFlexVit with rotary position embeddings (model.rope is a {type(model.rope).__name__}) is not "
-            "supported on the packed runtime yet"
-        )
+    spec = rope_spec(model)
     if getattr(embeds, "pos_embed_use_grid_sample", False):
         raise NotImplementedError("a NaFlexVit with pos_embed_use_grid_sample=True is not supported (use False)")
     if embeds.pos_embed_type not in POSITION_EMBEDDINGS:
@@ -69,6 +77,7 @@ def check_naflex(model: NaFlexVit) -> None:
         raise NotImplementedError(
             "a NaFlexVit without a position-embedding grid (pos_embed_grid_size) is not supported"
         )
+    return spec
 
 
 def check_native_pruner(pruner: Pruner | None) -> None:
@@ -232,8 +241,43 @@ def position_rows(embeds: nn.Module, batch: NativeBatch, dtype: torch.dtype) -> 
     if batch.index is None:
         return flat
     starts = torch.tensor([0, *(h * w for h, w in batch.grids)], device=flat.device).cumsum(0)[:-1]
-    counts = torch.tensor(batch.counts, device=flat.device)
-    return flat[torch.repeat_interleave(starts, counts, output_size=batch.rows.shape[0]) + batch.index]
+    return flat[table_rows(batch, starts)]
+
+
+def table_rows(batch: NativeBatch, starts: torch.Tensor) -> torch.Tensor:
+    """int64 ``[T_p]``: each patch row's row in a table holding image ``b``'s grid from row ``starts[b]`` on (its
+    place ``y * w + x`` in its grid added)."""
+    device, patches = batch.device, batch.rows.shape[0]
+    counts = torch.tensor(batch.counts, device=device)
+    first = torch.repeat_interleave(starts.to(device), counts, output_size=patches)
+    if batch.index is not None:
+        return first + batch.index
+    within = torch.arange(patches, device=device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts,
+                                                                            output_size=patches)  # fmt: skip
+    return first + within
+
+
+def native_rotary(pipeline, batch: NativeBatch, patch_slots: torch.Tensor | None, total: int) -> RotaryRows:
+    """The rotation of a native batch's ``total`` packed rows: timm's rope table of each distinct grid
+    (``rope.get_embed(shape=grid)``, the one its forward gives an image of that grid), concatenated along the
+    positions; each patch row (at row ``patch_slots`` of the buffer, None: rows in order) at its place in its grid's
+    table, every other row ``-1`` (unrotated)."""
+    rope, grids = pipeline.model.rope, list(dict.fromkeys(batch.grids))
+    tables = [rope.get_embed(shape=grid) for grid in grids]
+    for (h, w), table in zip(grids, tables, strict=True):
+        if table.shape[-2] != h * w:
+            raise NotImplementedError(
+                f"model.rope ({type(rope).__name__}) gives a table of {table.shape[-2]} positions for a {h}x{w} grid: "
+                "a rope of a fixed feature shape does not follow each image's grid"
+            )
+    offsets = dict(zip(grids, itertools.accumulate((h * w for h, w in grids), initial=0), strict=False))
+    starts = torch.tensor([offsets[grid] for grid in batch.grids])
+    patches = table_rows(batch, starts).to(torch.int32)
+    if patch_slots is None:
+        positions = patches
+    else:
+        positions = patches.new_full((total,), -1).index_copy_(0, patch_slots, patches)
+    return rotary_at(pipeline.rope, torch.cat(tables, dim=-2), pipeline._rope_blocks, positions)
 
 
 def embed_rows(embeds: nn.Module, rows: torch.Tensor) -> torch.Tensor:
@@ -266,10 +310,12 @@ def native_front(pipeline, parts, batch: NativeBatch, blocks: Sequence[int]) -> 
     images, patches = len(batch), x.shape[0]
     counts = torch.tensor(batch.counts, device=device)
     cu = cu_seqlens_from_counts(counts + prefix)
+    slots = None  # each patch row's row in the buffer (None: in order, no prefix rows)
     if prefix:
         image = torch.repeat_interleave(torch.arange(images, device=device), counts, output_size=patches)
         rows = x.new_empty(patches + images * prefix, x.shape[1])
-        rows.index_copy_(0, torch.arange(patches, device=device) + prefix * (image + 1), x)
+        slots = torch.arange(patches, device=device) + prefix * (image + 1)
+        rows.index_copy_(0, slots, x)
         starts = (cu[:-1, None] + torch.arange(prefix, device=device)).flatten().long()
         rows.index_copy_(0, starts, prefix_tokens(embeds).to(x.dtype).repeat(images, 1))
         x = rows
@@ -277,7 +323,9 @@ def native_front(pipeline, parts, batch: NativeBatch, blocks: Sequence[int]) -> 
     ragged = len(set(batch.counts)) > 1
     state = ForwardState(images, x, cu, batch.max_patches + prefix, batch.max_patches,
                          image_patches=counts if ragged else None)  # fmt: skip
+    if pipeline.rope is not None:
+        state.rotary = native_rotary(pipeline, batch, slots, x.shape[0])
     if blocks:
         group = [model.blocks[k] for k in blocks]
-        state.x = parts.blocks(group, state.x, cu, state.max_seqlen, pipeline.backend)
+        state.x = parts.blocks(group, state.x, cu, state.max_seqlen, pipeline.backend, rotary=state.rotary)
     return state

@@ -11,6 +11,10 @@ Tolerance rules (fp32 on the CPU):
 * pruned, a batch equals each of its images run alone (the same decisions: each image counts from its own patches),
   logits at ``atol = rtol = 1e-5`` and counts exactly;
 * the Triton backend (under the interpreter) replays the reference backend's decisions, ``atol = rtol = 1e-4``.
+
+RoPE families (``rope_type``: axial, DINOv3's, RoPE-Mixed, MRoPE): the same rules, on models whose blocks move the
+logits (no LayerScale, or LayerScale 0.5: a wrong rope table row moves them by 0.3 or more), built where this timm
+can build them and skipped with the reason where it cannot.
 """
 
 from __future__ import annotations
@@ -37,6 +41,21 @@ FAMILIES = {
     "class_token": ("naflexvit_base_patch16_gap", dict(class_token=True, reg_tokens=0, global_pool="token")),
     "eva_blocks": ("naflexvit_base_patch16_gap", dict(swiglu_mlp=True, qkv_fused=False, attn_type="eva")),
 }
+ROPE_FAMILIES = {  # a batch of several grids: their tables concatenated, each row's position offset by its grid's
+    "rope_axial": ("naflexvit_base_patch16_siglip", dict(rope_type="axial")),  # no prefix rows, RoPE-Axial
+    "rope_axial_reg4": (  # 4 unrotated register rows, timm's AttentionRope; coordinate augmentations (train only)
+        "naflexvit_base_patch16_gap",
+        dict(rope_type="axial", init_values=0.5, rope_shift_coords=1.0, rope_jitter_coords=1.5),
+    ),
+    "rope_eva_class": (  # EvaAttention, a class token
+        "naflexvit_base_patch16_gap",
+        dict(rope_type="axial", attn_type="eva", init_values=0.5, class_token=True, reg_tokens=0, global_pool="token"),
+    ),
+    "rope_dinov3": ("naflexvit_base_patch16_gap", dict(rope_type="dinov3", rope_rotate_half=True, init_values=0.5)),
+    "rope_mixed": ("naflexvit_base_patch16_siglip", dict(rope_type="mixed")),  # one table per block and head
+    "rope_mrope": ("naflexvit_base_patch16_siglip", dict(rope_type="mrope", rope_mrope_section=(4, 6, 6))),
+}
+FAMILIES.update(ROPE_FAMILIES)
 SIZES = ((96, 48), (64, 128), (80, 80), (112, 64))
 
 
@@ -46,7 +65,12 @@ def naflex_model(family: str, seed: int = 0, **overrides: object) -> torch.nn.Mo
     if missing:
         pytest.skip(f"this timm's NaFlexVitCfg has no {sorted(missing)}")
     torch.manual_seed(seed)
-    model = timm.create_model(name, **SMALL, **{**options, **overrides}).eval()
+    try:
+        model = timm.create_model(name, **SMALL, **{**options, **overrides}).eval()
+    except (TypeError, ValueError, AssertionError, ImportError) as error:  # an older timm's rope
+        if "rope_type" not in options:
+            raise
+        pytest.skip(f"timm {timm.__version__} cannot build {family}: {error}")
     with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:
@@ -63,7 +87,7 @@ def pipeline(model, name: str, keep_rate: float = 1.0, backend: str = "reference
     return ragged_vit.prune(model, name, keep_rate, backend, mode="eager")
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ROPE_FAMILIES])
 def test_keep_all_equals_timm_padded_and_masked(family):
     """Unpruned, Threshold-L2 and DynamicViT at 1.0 (and EViT with a class token): timm's logits, per image; the
     patch dict gives the same."""
@@ -167,11 +191,66 @@ def test_what_cannot_apply_is_refused_in_one_line():
         pipeline(naflex_model("class_token"), "ats", 0.5)
     with pytest.raises(NotImplementedError, match="pos_embed_use_grid_sample"):
         PrunedViT(naflex_model("map", pos_embed_use_grid_sample=True))
-    if "rope_type" in NaFlexVitCfg.__dataclass_fields__:
-        with pytest.raises(NotImplementedError, match="rotary position embeddings"):
-            PrunedViT(naflex_model("map", rope_type="axial"))
     with pytest.raises(ValueError, match="run eagerly"):
         PrunedViT(naflex_model("map"), mode="graphs")(images())
+
+
+@pytest.mark.parametrize("family", list(ROPE_FAMILIES))
+def test_rope_keep_all_equals_timm_and_each_image_alone(family):
+    """Unpruned, Threshold-L2 and DynamicViT at 1.0: timm's padded and masked forward per image, and timm's forward of
+    each image alone (its own grid's table); the patch dict gives the same."""
+    model = naflex_model(family)
+    batch = images()
+    with torch.no_grad():
+        expected = model(patch_dict(batch))
+        alone = torch.cat([model(image[None]) for image in batch])
+    torch.testing.assert_close(alone, expected, atol=1e-5, rtol=1e-5)
+    for name in ("none", "threshold_l2", "dynamicvit"):
+        pv = pipeline(model, name)
+        torch.testing.assert_close(pv(batch), expected, atol=1e-5, rtol=1e-5, msg=f"{family} {name}")
+    torch.testing.assert_close(pv(patch_dict(batch)), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(ROPE_FAMILIES))
+@pytest.mark.parametrize(("name", "keep_rate"), [("threshold_l2", 0.5), ("dynamicvit", 0.7)])
+def test_rope_pruned_batch_equals_each_image_alone(family, name, keep_rate):
+    """Pruned, every kept patch keeps its own grid's rotation: the batch equals each image run alone."""
+    pv = pipeline(naflex_model(family), name, keep_rate)
+    batch = images()
+    logits, counts = pv(batch, return_counts=True)
+    alone = [pv([image], return_counts=True) for image in batch]
+    torch.testing.assert_close(logits, torch.cat([a[0] for a in alone]), atol=1e-5, rtol=1e-5)
+    assert torch.equal(counts, torch.cat([a[1] for a in alone]))
+    assert bool((counts[:, -1] < torch.tensor([h * w // 256 for h, w in SIZES])).all()), counts
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
+@pytest.mark.parametrize("family", ["rope_axial_reg4", "rope_dinov3", "rope_mixed", "rope_mrope"])
+def test_rope_triton_replays_reference_decisions_interpreter(family):
+    """The Triton kernel's rotary variant (q and k rotated as it loads them) on the concatenated table."""
+    pv = pipeline(naflex_model(family), "dynamicvit", 0.6)
+    batch = images(SIZES[:3])
+    ref = pv.run(batch)
+    pv.backend = "triton"
+    replayed = pv.run(batch, selections=ref.selections)
+    torch.testing.assert_close(replayed.logits, ref.logits, atol=1e-4, rtol=1e-4)
+    assert torch.equal(replayed.counts, ref.counts)
+
+
+def test_rope_what_cannot_apply_is_refused_in_one_line():
+    """Grouped-query attention, a merging pruner, a rope module of another table layout."""
+    cases = [
+        (lambda: PrunedViT(naflex_model("rope_axial", num_kv_heads=1, qkv_fused=False)), "grouped-query attention"),
+        (lambda: pipeline(naflex_model("rope_axial"), "tome", 0.6), "merges rows"),
+    ]
+    model = naflex_model("rope_axial")
+    model.rope = timm.layers.RotaryEmbedding(32)  # sin and cos as two tables: not the runtime's layout
+    cases.append((lambda: PrunedViT(model), "whose rotary layout the packed runtime does not take"))
+    for build, message in cases:
+        with pytest.raises(NotImplementedError, match=message) as error:
+            build()
+        assert "\n" not in str(error.value)
 
 
 @pytest.mark.gpu
