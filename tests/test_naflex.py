@@ -43,10 +43,7 @@ FAMILIES = {
 }
 ROPE_FAMILIES = {  # a batch of several grids: their tables concatenated, each row's position offset by its grid's
     "rope_axial": ("naflexvit_base_patch16_siglip", dict(rope_type="axial")),  # no prefix rows, RoPE-Axial
-    "rope_axial_reg4": (  # 4 unrotated register rows, timm's AttentionRope; coordinate augmentations (train only)
-        "naflexvit_base_patch16_gap",
-        dict(rope_type="axial", init_values=0.5, rope_shift_coords=1.0, rope_jitter_coords=1.5),
-    ),
+    "rope_axial_reg4": ("naflexvit_base_patch16_gap", dict(rope_type="axial", init_values=0.5)),  # 4 unrotated rows
     "rope_eva_class": (  # EvaAttention, a class token
         "naflexvit_base_patch16_gap",
         dict(rope_type="axial", attn_type="eva", init_values=0.5, class_token=True, reg_tokens=0, global_pool="token"),
@@ -61,7 +58,7 @@ SIZES = ((96, 48), (64, 128), (80, 80), (112, 64))
 
 def naflex_model(family: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
     name, options = FAMILIES[family]
-    missing = set(options) - set(NaFlexVitCfg.__dataclass_fields__) - {"num_classes"}
+    missing = {*options, *overrides} - set(NaFlexVitCfg.__dataclass_fields__) - {"num_classes"}
     if missing:
         pytest.skip(f"this timm's NaFlexVitCfg has no {sorted(missing)}")
     torch.manual_seed(seed)
@@ -202,13 +199,28 @@ def test_rope_keep_all_equals_timm_and_each_image_alone(family):
     model = naflex_model(family)
     batch = images()
     with torch.no_grad():
-        expected = model(patch_dict(batch))
-        alone = torch.cat([model(image[None]) for image in batch])
-    torch.testing.assert_close(alone, expected, atol=1e-5, rtol=1e-5)
+        expected = torch.cat([model(image[None]) for image in batch])
+        try:
+            padded = model(patch_dict(batch))
+        except TypeError as error:  # timm 1.0.29's RoPE-Mixed padded forward fails in timm itself
+            padded, failure = None, f"timm {timm.__version__} cannot run its own padded forward of {family}: {error}"
+    if padded is not None:
+        torch.testing.assert_close(padded, expected, atol=1e-5, rtol=1e-5)
     for name in ("none", "threshold_l2", "dynamicvit"):
         pv = pipeline(model, name)
         torch.testing.assert_close(pv(batch), expected, atol=1e-5, rtol=1e-5, msg=f"{family} {name}")
     torch.testing.assert_close(pv(patch_dict(batch)), expected, atol=1e-5, rtol=1e-5)
+    if padded is None:
+        pytest.skip(f"{failure} (each image alone agrees)")
+
+
+def test_rope_coordinate_augmentations_are_off_in_eval():
+    """The rope's train-time coordinate shift, jitter and rescale change nothing in eval mode, the runtime's."""
+    model = naflex_model("rope_axial_reg4", rope_shift_coords=1.0, rope_jitter_coords=1.5, rope_rescale_coords=1.5)
+    batch = images()
+    with torch.no_grad():
+        expected = model(patch_dict(batch))
+    torch.testing.assert_close(pipeline(model, "dynamicvit")(batch), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("family", list(ROPE_FAMILIES))
@@ -239,18 +251,21 @@ def test_rope_triton_replays_reference_decisions_interpreter(family):
 
 
 def test_rope_what_cannot_apply_is_refused_in_one_line():
-    """Grouped-query attention, a merging pruner, a rope module of another table layout."""
-    cases = [
-        (lambda: PrunedViT(naflex_model("rope_axial", num_kv_heads=1, qkv_fused=False)), "grouped-query attention"),
-        (lambda: pipeline(naflex_model("rope_axial"), "tome", 0.6), "merges rows"),
-    ]
+    """A merging pruner, a rope module of another table layout."""
+    with pytest.raises(NotImplementedError, match="merges rows") as error:
+        pipeline(naflex_model("rope_axial"), "tome", 0.6)
+    assert "\n" not in str(error.value)
     model = naflex_model("rope_axial")
     model.rope = timm.layers.RotaryEmbedding(32)  # sin and cos as two tables: not the runtime's layout
-    cases.append((lambda: PrunedViT(model), "whose rotary layout the packed runtime does not take"))
-    for build, message in cases:
-        with pytest.raises(NotImplementedError, match=message) as error:
-            build()
-        assert "\n" not in str(error.value)
+    with pytest.raises(NotImplementedError, match="whose rotary layout the packed runtime does not take") as error:
+        PrunedViT(model)
+    assert "\n" not in str(error.value)
+
+
+def test_rope_grouped_query_attention_is_refused_in_one_line():
+    with pytest.raises(NotImplementedError, match="grouped-query attention") as error:
+        PrunedViT(naflex_model("rope_axial", num_kv_heads=1, qkv_fused=False))
+    assert "\n" not in str(error.value)
 
 
 @pytest.mark.gpu
