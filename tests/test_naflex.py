@@ -141,10 +141,8 @@ def test_calibrated_threshold_on_a_native_batch():
     assert threshold == pv.pruner.threshold and pv(images()).shape == (4, 10)
 
 
-@pytest.mark.interpreter
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
-@pytest.mark.parametrize(("family", "name"), [("map", "dynamicvit"), ("class_token", "evit")])
-def test_triton_replays_reference_decisions_interpreter(family, name):
+def check_triton_replays_reference_decisions(family: str, name: str) -> None:
+    """The Triton backend, given the reference backend's decisions, gives its logits (1e-4) and counts."""
     pv = pipeline(naflex_model(family), name, 0.6)
     batch = images(SIZES[:3])
     ref = pv.run(batch)
@@ -152,6 +150,13 @@ def test_triton_replays_reference_decisions_interpreter(family, name):
     replayed = pv.run(batch, selections=ref.selections)
     torch.testing.assert_close(replayed.logits, ref.logits, atol=1e-4, rtol=1e-4)
     assert torch.equal(replayed.counts, ref.counts)
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
+@pytest.mark.parametrize(("family", "name"), [("map", "dynamicvit"), ("class_token", "evit")])
+def test_triton_replays_reference_decisions_interpreter(family, name):
+    check_triton_replays_reference_decisions(family, name)
 
 
 BAD_IMAGES = {
@@ -241,13 +246,7 @@ def test_rope_pruned_batch_equals_each_image_alone(family, name, keep_rate):
 @pytest.mark.parametrize("family", ["rope_axial_reg4", "rope_dinov3", "rope_mixed", "rope_mrope"])
 def test_rope_triton_replays_reference_decisions_interpreter(family):
     """The Triton kernel's rotary variant (q and k rotated as it loads them) on the concatenated table."""
-    pv = pipeline(naflex_model(family), "dynamicvit", 0.6)
-    batch = images(SIZES[:3])
-    ref = pv.run(batch)
-    pv.backend = "triton"
-    replayed = pv.run(batch, selections=ref.selections)
-    torch.testing.assert_close(replayed.logits, ref.logits, atol=1e-4, rtol=1e-4)
-    assert torch.equal(replayed.counts, ref.counts)
+    check_triton_replays_reference_decisions(family, "dynamicvit")
 
 
 def test_rope_what_cannot_apply_is_refused_in_one_line():
