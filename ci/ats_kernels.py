@@ -14,6 +14,7 @@ import functools
 import torch
 
 from benchmarks.timing import device_us
+from ci import has_gpu
 from ragged_vit.core.segments import cu_seqlens_from_counts
 from ragged_vit.core.selection import DecisionInput
 from ragged_vit.reference.pruners import ATSPruner
@@ -47,6 +48,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4,64")
     parser.add_argument("--tokens", type=int, default=197)
     args = parser.parse_args()
+    if not has_gpu("python -m ci.ats_kernels"):
+        return
     gen = torch.Generator().manual_seed(0)
     print(torch.cuda.get_device_name())
     print("| B | logits | scores only | sample from scores | ats_select |")

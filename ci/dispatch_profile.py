@@ -15,6 +15,7 @@ import torch
 import triton
 
 from benchmarks.timing import wall_time, warmup
+from ci import has_gpu
 from ragged_vit.core.segments import cu_seqlens_from_counts
 from ragged_vit.reference.attention import split_qkv
 from ragged_vit.triton_impl import attention as ta
@@ -32,6 +33,8 @@ def _per_call_us(fn) -> float:
 
 
 def main() -> None:
+    if not has_gpu("python -m ci.dispatch_profile"):
+        return
     torch.set_num_threads(1)
     cu = cu_seqlens_from_counts(torch.tensor([90])).cuda()
     qkv = torch.randn(90, 3 * 768, device="cuda", dtype=torch.float16)

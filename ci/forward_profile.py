@@ -38,6 +38,7 @@ from torch.profiler import ProfilerActivity, profile
 from benchmarks.e2e_common import DEIT_B, Lab
 from benchmarks.timing import elapsed, schedule, span_time, warmup
 from benchmarks.workloads import workload_keeps
+from ci import has_gpu
 from ragged_vit.pipelines.buckets import TokenBuckets
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.model import PrunedViT
@@ -220,6 +221,8 @@ def main() -> None:
         args.workloads.append(("tome", args.tome))
     if args.tome_adaptive:
         args.workloads.append(("tome_adaptive", args.tome_adaptive))
+    if not has_gpu("python -m ci.forward_profile"):
+        return
     torch.manual_seed(0)
     lab = Lab(torch.device("cuda"), torch.float16)
     results = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}

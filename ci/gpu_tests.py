@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+from ci import has_gpu
 
 REPO = Path(__file__).resolve().parents[1]
 EXCLUSIVE = "exclusive"  # the marker of tests that time the GPU: run after the parallel step, alone
@@ -42,8 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     opts, rest = parser.parse_known_args(argv)
     if opts.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {opts.jobs}")
-    if not torch.cuda.is_available():
-        print("gpu_tests: no CUDA GPU on this machine; the CPU suite is `nox -s tests`")
+    if not has_gpu("python -m ci.gpu_tests (the CPU suite is `nox -s tests`)"):
         return 0
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // opts.jobs))}
     env.pop("TRITON_INTERPRET", None)

@@ -11,6 +11,7 @@ import argparse
 import torch
 
 from benchmarks.workloads import MAX_SEQLEN, NUM_HEADS, make_qkv_sets, make_workload
+from ci import has_gpu
 from ragged_vit.triton_impl.attention import ragged_attention_qkv
 
 
@@ -19,6 +20,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--pruned", type=int, default=0)
     args = parser.parse_args()
+    if not has_gpu("python -m ci.profile_attention"):
+        return
     workload = make_workload(args.batch, args.pruned)  # the kernel benchmark's cell: counts within +-15%
     qkv, cu = make_qkv_sets(workload, 1, "cuda")[0], workload.cu_seqlens("cuda")
     for _ in range(3):

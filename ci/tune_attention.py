@@ -39,6 +39,7 @@ import torch
 from benchmarks.attention_peers import TOLERANCE, Problem, build_peer, reference_output
 from benchmarks.timing import device_us
 from benchmarks.workloads import HEAD_DIM, NUM_HEADS, NUM_PATCHES, Workload, cell_seed, grid, make_workload
+from ci import has_gpu
 from ragged_vit.triton_impl import attention as ta
 from ragged_vit.triton_impl.configs import AttentionConfig, attention_config
 
@@ -111,9 +112,8 @@ def config_error(
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print(f"{PROG} needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
-        return 2
+    if not has_gpu(PROG):
+        return 0
     heads, head_dim, max_seqlen = args.heads, args.head_dim, args.patches + 1  # the bound the pipelines pass
     cells = QUICK_CELLS if args.quick else grid()
     workloads = {f"B{b}_p{p}": scaled_workload(b, p, args.patches) for b, p in cells}

@@ -41,6 +41,7 @@ import torch
 
 from benchmarks import comma_list
 from benchmarks.report_linear import DTYPES, LAYERS, chain_kwargs, make_problem, torch_unfused
+from ci import has_gpu
 from ragged_vit.triton_impl.configs import LinearConfig, linear_config, linear_split
 
 PROG = "python -m ci.tune_linear"
@@ -235,8 +236,7 @@ def sweep(args: argparse.Namespace, sms: int, l2: int, started: float) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print(f"{PROG}: no GPU (torch.cuda.is_available() is False); nothing to tune", file=sys.stderr)
+    if not has_gpu(PROG):
         return 0
     from benchmarks.timing import environment, l2_bytes
     from ragged_vit.triton_impl.configs import sm_count

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import pytest
@@ -32,6 +33,19 @@ def test_the_exclusive_marker_is_registered(pytestconfig: pytest.Config) -> None
 def test_without_a_gpu_it_says_so(capsys: pytest.CaptureFixture) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the suite itself is the test")
-    assert gpu_tests.main([]) == 0 and "no CUDA GPU" in capsys.readouterr().out
+    assert gpu_tests.main([]) == 0 and "needs a CUDA GPU" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         gpu_tests.main(["--jobs", "0"])
+
+
+@pytest.mark.parametrize("tool", ["dispatch_profile", "sanitize_case", "profile_attention", "ats_kernels",
+                                  "forward_profile"])  # fmt: skip
+def test_the_gpu_tools_say_they_need_a_gpu(tool: str, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Run where there is no GPU, each says so in one line and returns, instead of a CUDA traceback."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the GPU suite runs the tools themselves")
+    module = importlib.import_module(f"ci.{tool}")
+    monkeypatch.setattr(sys, "argv", [f"python -m ci.{tool}"])
+    module.main()
+    err = capsys.readouterr().err.strip()
+    assert err == f"python -m ci.{tool} needs a CUDA GPU (torch.cuda.is_available() is False): nothing to run here"

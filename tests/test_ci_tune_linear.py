@@ -77,4 +77,4 @@ def test_sweep_bookkeeping(monkeypatch):
 
 def test_no_gpu_exits_0(capsys):
     assert tune.main(["--out", "unused.json"]) == 0
-    assert "no GPU" in capsys.readouterr().err
+    assert "needs a CUDA GPU" in capsys.readouterr().err
