@@ -13,7 +13,7 @@ the top-level aten ops per forward, the host dispatches besides the Triton launc
 ``--host-profile N`` adds cProfile's top N functions of each eager row; ``--eager-rounds K`` times timm eager and the
 eager pipelines again in turn, K rounds, for ratios that pair timings of one round: the host's speed drifts;
 ``--eager-only`` keeps the eager rows alone, without the compiles of the graphed ones); ``--fused-blocks`` adds each
-pipeline row again with its packed blocks in the fused-linear form (``+fused``: the program's ``fused_block_rows``
+pipeline row again with its packed blocks in the fused-linear form (``+fused``: the pipeline's ``fused_block_rows``
 forced past the forward's rows, whatever ``FUSED_BLOCK_MAX_ROWS`` says; ``docs/tuning.md``, "Fused-linear blocks").
 An eager pipeline is called as a user calls it, ``pv(images)`` (:meth:`ragged_vit.pipelines.model.PrunedViT.forward`).
 ``--workloads`` takes ``WORKLOAD:KEEP`` (keep rate 0.5 by default); ``--tome R`` adds ToMe with a fixed ``r = R`` per
@@ -270,7 +270,7 @@ def main() -> None:
                     if pv.fused_block_refusal() is not None:
                         print(f"{label}: no fused-linear form ({pv.fused_block_refusal()})")
                         continue
-                    pv.program = functools.partial(PrunedViT.program, pv, fused_block_rows=1 << 30)
+                    pv.fused_block_rows = 1 << 30
                 buckets = TokenBuckets(sync_free_rows=sync_free_rows) if sync_free_rows else None
                 forward = GraphedPrunedViT(pv, buckets, overlap_decisions=overlap).run if graphed else pv
             first_s = elapsed([functools.partial(forward, images[0])], lab.device)

@@ -144,6 +144,8 @@ class PrunedViT(nn.Module):
         self.gemm_patch_embed = gemm_patch_embed
         self.mode = mode
         self.last_call: str | None = None  # how the last forward ran: "graphs", or "eager: <why>"
+        # the forward's rows (B x N) up to which the packed blocks take the fused-linear form; None: the tuned limit
+        self.fused_block_rows: int | None = None
         self._runner = None  # the graph modes' GraphedPrunedViT, made on first use
         self._said: set[str] = set()  # the eager reasons said so far
         self._compile_failed = False  # torch.compile failed here once: the graphs run the plain parts
@@ -275,10 +277,11 @@ class PrunedViT(nn.Module):
         """The program of a forward of ``batch`` images of ``plan``'s size (:meth:`ForwardPlan.program`): ``graphs``
         when it is captured in CUDA graphs, ``triton`` when the Triton kernels repack (the merge kernel then takes
         the residual add before it), ``overlap_rows`` as there; ``fused_block_rows`` as there where the packed
-        blocks have the fused-linear form (:meth:`fused_block_refusal`), None: the tuned
-        :data:`ragged_vit.triton_impl.configs.FUSED_BLOCK_MAX_ROWS` (a test or a profile passes another, through a
-        ``functools.partial`` of this method on the instance). Built once per key and cached."""
-        limit = configs.FUSED_BLOCK_MAX_ROWS if fused_block_rows is None else fused_block_rows
+        blocks have the fused-linear form (:meth:`fused_block_refusal`), None: the pipeline's ``fused_block_rows``
+        (a test or a profile sets it), else the tuned :data:`ragged_vit.triton_impl.configs.FUSED_BLOCK_MAX_ROWS`.
+        Built once per key and cached."""
+        limits = (fused_block_rows, self.fused_block_rows, configs.FUSED_BLOCK_MAX_ROWS)
+        limit = next(v for v in limits if v is not None)
         key = (plan.tokens, batch, graphs, triton, overlap_rows, limit, self._backend.name)
         program = self._programs.get(key)
         if program is None:
