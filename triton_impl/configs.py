@@ -90,8 +90,9 @@ def _capability(index: int | None) -> tuple[int, int]:
 @dataclass(frozen=True)
 class LinearConfig:
     """One launch configuration of ``ragged_vit.triton_impl.linear``: the output tile ``block_m x block_n``, the
-    reduction step ``block_k``, ``split_k`` (0: chosen by :func:`linear_split` from K and the SM count) and
-    ``per_sm``, the programs per SM that the split rule aims at."""
+    reduction step ``block_k``, ``split_k`` (0: chosen by :func:`linear_split` from K and the SM count), ``per_sm``,
+    the programs per SM that the split rule aims at, and ``fixup``: with several splits, the last program of each
+    output tile adds the partials (one launch) instead of a second kernel (the same bits either way)."""
 
     block_m: int
     block_n: int
@@ -100,11 +101,12 @@ class LinearConfig:
     num_stages: int
     split_k: int = 0
     per_sm: int = 1
+    fixup: bool = False
 
 
 # Bands of the row count M (the packed rows of a forward), the last one open-ended. SM90: starting points, not yet
 # swept (docs/tuning.md#linear-tile-table): 16-row tiles where M is a handful of rows (the MMA's smallest M), 64-row
-# tiles up to 64 rows, 128 x 64 tiles beyond.
+# tiles up to 64 rows, 128 x 64 tiles beyond; the two-kernel split-K everywhere until the single launch is measured.
 _LinearBands = tuple[tuple[float, LinearConfig], ...]
 _LINEAR_TABLE: dict[tuple[int, int], _LinearBands] = {
     (9, 0): (

@@ -24,6 +24,15 @@ the epilogue, on tiles of the same ``BLOCK_N`` (so ``stats_out`` has one chunk p
 With one split the epilogue runs in the main kernel and there is no workspace. The split count comes from the
 configuration table (:func:`ragged_vit.triton_impl.configs.linear_split`: about one or two programs per SM).
 
+Single-launch split-K (``LinearConfig.fixup``): no second kernel. After storing its partial, each program adds one to
+its output tile's counter (an int32 atomic with acquire-release semantics, after a barrier, so that every thread's
+stores precede it); the program that sees ``splits - 1`` is the tile's last, so every partial is in the workspace: it
+adds them in split order (the reduction kernel's own helper: the same bits as the two-kernel path), runs the epilogue
+and sets the counter back to 0. The counters (one per tile, :data:`FIXUP_MAX_TILES` of them) are allocated zeroed
+once per device and every launch leaves them zero, so a CUDA graph replays the launch without a memset; a launch with
+more tiles, or a first use inside a graph capture, takes the two-kernel path (the same bits). Launches on one device
+share the counters: two of them must not run at once on two streams.
+
 Supported: fp16, bf16, fp32 inputs (``x``, ``weight`` and ``residual`` of one dtype; the vectors ``bias``,
 ``ln_weight``, ``ln_bias``, ``gamma`` in that dtype or fp32); K and N multiples of 16 up to 8192; any M (tuned for M
 up to 256); the last dimension of every matrix contiguous, rows at any stride. ``out`` may be ``residual`` itself (an
@@ -90,6 +99,18 @@ def _epilogue(
         tl.store(stats + 1, tl.sum(dev * dev, 1), mask=mask_m)
 
 
+@triton.jit
+def _split_sum(WS, offs_m, offs_n, M, N, SPLITS: tl.constexpr):
+    """The ``SPLITS`` fp32 partials of a tile in ``WS [SPLITS, M, N]``, added in split order (the same bits on every
+    run, from either split-K path); read past L1, which may hold no line another program wrote."""
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    ptrs = WS + offs_m[:, None] * N + offs_n[None, :]
+    acc = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(ptrs + s * M * N, mask=mask, other=0.0, cache_modifier=".cg")
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _stats_kernel(X, S, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """Mean and M2 of each row of ``X`` over its K values into ``S [1, M, 2]``, in fp32, in one pass: each chunk's
@@ -134,7 +155,7 @@ def _merged_stats(S, offs_m, mask_m, M, K, chunks, width, eps):
 
 @triton.jit(do_not_specialize=["M", "eps", "chunks", "width"])
 def _linear_kernel(
-    X, W, B, LNW, LNB, S, G, R, Y, WS, SO,
+    X, W, B, LNW, LNB, S, G, R, Y, WS, SO, CNT,
     M, N, K, k_per_split, eps, chunks, width,
     stride_xm, stride_wn, stride_rm, stride_ym,
     BLOCK_M: tl.constexpr,
@@ -147,7 +168,8 @@ def _linear_kernel(
     HAS_GAMMA: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     STATS_OUT: tl.constexpr,
-    PARTIAL: tl.constexpr,  # several K splits: write the fp32 partial to WS [splits, M, N], no epilogue here
+    PARTIAL: tl.constexpr,  # several K splits: write the fp32 partial to WS [splits, M, N]
+    FIXUP_SPLITS: tl.constexpr,  # 0: a second kernel adds the partials; else the tile's last program, counted in CNT
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no N masks on the weight
     DOT_PRECISION: tl.constexpr,
@@ -198,6 +220,14 @@ def _linear_kernel(
     if PARTIAL:
         ws = WS + pid_s * M * N + offs_m[:, None] * N + offs_n[None, :]
         tl.store(ws, acc, mask=mask_m[:, None] & mask_n[None, :])
+        if FIXUP_SPLITS:
+            count = CNT + pid_m * tl.num_programs(1) + pid_n
+            tl.debug_barrier()  # every thread's partial stored before the count releases it
+            if tl.atomic_add(count, 1, sem="acq_rel") == FIXUP_SPLITS - 1:  # the last: every partial is in
+                tl.store(count, 0)  # zero again for the next launch (no memset, CUDA-graph safe)
+                acc = _split_sum(WS, offs_m, offs_n, M, N, FIXUP_SPLITS)
+                _epilogue(acc, offs_m, offs_n, M, N, B, G, R, Y, SO, stride_rm, stride_ym,
+                          HAS_BIAS, ACTIVATION, HAS_GAMMA, HAS_RESIDUAL, STATS_OUT)  # fmt: skip
     else:
         _epilogue(acc, offs_m, offs_n, M, N, B, G, R, Y, SO, stride_rm, stride_ym,
                   HAS_BIAS, ACTIVATION, HAS_GAMMA, HAS_RESIDUAL, STATS_OUT)  # fmt: skip
@@ -219,11 +249,7 @@ def _reduce_kernel(
     """Adds the ``SPLITS`` fp32 partials of a tile in split order (the same bits on every run), then the epilogue."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    ptrs = WS + offs_m[:, None] * N + offs_n[None, :]
-    acc = tl.load(ptrs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLITS):
-        acc += tl.load(ptrs + s * M * N, mask=mask, other=0.0)
+    acc = _split_sum(WS, offs_m, offs_n, M, N, SPLITS)
     _epilogue(acc, offs_m, offs_n, M, N, B, G, R, Y, SO, stride_rm, stride_ym, HAS_BIAS, ACTIVATION, HAS_GAMMA,
               HAS_RESIDUAL, STATS_OUT)  # fmt: skip
 
@@ -235,6 +261,22 @@ STATS_BLOCK_M = 8
 """Rows per program of the statistics kernel (a few, so that a few hundred rows spread over many SMs)."""
 STATS_BLOCK_K = 256
 """Columns per step of the statistics kernel."""
+FIXUP_MAX_TILES = 4096
+"""Output tiles the per-device counters of the single-launch split-K cover (16 KiB); a launch with more tiles takes
+the two-kernel path."""
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def tile_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """The int32 tile counters of the single-launch split-K on ``device``: zeroed once, left zero by every launch;
+    None where ``tiles`` exceeds them or where their first use would be inside a CUDA graph capture (an allocation the
+    graph's pool would own), and the two-kernel path runs instead."""
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if tiles > FIXUP_MAX_TILES or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return None
+        counters = _COUNTERS[device] = torch.zeros(FIXUP_MAX_TILES, dtype=torch.int32, device=device)
+    return counters if tiles <= FIXUP_MAX_TILES else None
 
 
 def _check_vector(value: object, name: str, length: int, x: torch.Tensor, what: str) -> None:
@@ -424,6 +466,8 @@ def fused_linear_unchecked(
     sms = sm_count(device.index) if device.type == "cuda" else INTERPRETER_SMS
     splits, k_per_split = linear_split(config, rows, cols, depth, sms)
     workspace = torch.empty((splits, rows, cols), dtype=torch.float32, device=device) if splits > 1 else None
+    grid = (cdiv(rows, config.block_m), cdiv(cols, config.block_n), splits)
+    counters = tile_counters(device, grid[0] * grid[1]) if config.fixup and splits > 1 else None
     index = x.get_device()
     if ln_weight is not None and ln_stats is None:  # the rows' statistics, once per row, before the product
         ln_stats = torch.empty((1, rows, 2), dtype=torch.float32, device=device)
@@ -441,7 +485,7 @@ def fused_linear_unchecked(
     flags = (bias is not None, _ACTIVATION_CODES[activation], gamma is not None, residual is not None,
              stats_out is not None)  # fmt: skip
     stride_rm = residual.stride(0) if residual is not None else 0
-    tensors = (x, weight, bias, ln_weight, ln_bias, ln_stats, gamma, residual, y, workspace, stats_out)
+    tensors = (x, weight, bias, ln_weight, ln_bias, ln_stats, gamma, residual, y, workspace, stats_out, counters)
     present = [t for t in tensors if t is not None]
     # What Triton specialises on that can vary between calls: dtypes, row strides mod 16, pointer alignment; only
     # the all-aligned case is cached, any misaligned pointer takes Triton's own path.
@@ -451,16 +495,15 @@ def fused_linear_unchecked(
         key = (tuple(None if t is None else t.dtype for t in tensors), tuple(int_spec(s) for s in strides), config,
                splits, depth, cols, k_per_split, flags, ln_bias is not None)  # fmt: skip
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    grid = (cdiv(rows, config.block_m), cdiv(cols, config.block_n), splits)
     _main(
         key, index, grid,
         (*tensors, rows, cols, depth, k_per_split, eps, chunks, width, x.stride(0), weight.stride(0), stride_rm,
          y.stride(0), config.block_m, config.block_n, config.block_k, ln_weight is not None, ln_bias is not None,
-         *flags, splits > 1, depth % config.block_k == 0, cols % config.block_n == 0, precision,
-         INTERPRETED and x.dtype == torch.bfloat16),
+         *flags, splits > 1, 0 if counters is None else splits, depth % config.block_k == 0,
+         cols % config.block_n == 0, precision, INTERPRETED and x.dtype == torch.bfloat16),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )  # fmt: skip
-    if splits > 1:
+    if splits > 1 and counters is None:
         block_m = min(16, 1 << (rows - 1).bit_length())  # a constexpr of the reduction: part of its launch key
         _reduce(
             key and (key, "reduce", block_m), index, (cdiv(rows, block_m), cdiv(cols, config.block_n)),
