@@ -2,10 +2,14 @@
 linear contract (ragged_vit.testing.linear), odd row counts with each fusion on and off in every dtype, launch
 configurations and split counts, NaN-poisoned outputs, the in-place residual, the LayerNorm statistics handed from one
 layer's epilogue to the next (``stats_out`` / ``ln_stats``) and computed once per row without them, the split rule, and
-the argument errors with the launch forbidden. Quick under Triton's interpreter on a CPU; ``--full`` and the GPU twins
-run more."""
+the argument errors with the launch forbidden, and the single-launch split-K (``LinearConfig.fixup``): the two-kernel
+path's bits, its counters left zero. Quick under Triton's interpreter on a CPU; ``--full`` and the GPU twins run
+more."""
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import pytest
 import torch
@@ -22,6 +26,7 @@ from ragged_vit.triton_impl.configs import (
     linear_config,
     linear_split,
 )
+from ragged_vit.triton_impl.linear import fused_linear_op
 from tests.helpers import levels, one_per_family
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -41,11 +46,20 @@ def _stats_buffer(rows, cols, device):
     return tlin.empty_ln_stats(rows, cols, torch.device(device))
 
 
-_OPTIONS = {"accepts_out": True, "bad_inputs": True, "ln_stats": True, "stats_buffer": _stats_buffer}
+_OPTIONS = {"accepts_out": True, "bad_inputs": True, "ln_stats": True}
 test_contract_interpreter = pytest.mark.interpreter(
-    one_per_family(linear_suite(tlin.fused_linear, **_OPTIONS), _family, _variant)
+    one_per_family(linear_suite(tlin.fused_linear, **_OPTIONS, stats_buffer=_stats_buffer), _family, _variant)
 )
-test_contract_gpu = pytest.mark.gpu(linear_suite(tlin.fused_linear, device="cuda", level_name="full", **_OPTIONS))
+test_contract_gpu = pytest.mark.gpu(
+    linear_suite(tlin.fused_linear, device="cuda", level_name="full", **_OPTIONS, stats_buffer=_stats_buffer)
+)
+
+# The same contract under the single-launch split-K (K of 48 to 256 in 2 or 3 splits of 32-wide steps).
+FIXUP = LinearConfig(16, 32, 32, 4, 1, split_k=3, fixup=True)
+test_contract_fixup_interpreter = pytest.mark.interpreter(one_per_family(linear_suite(
+    functools.partial(tlin.fused_linear, config=FIXUP), **_OPTIONS,
+    stats_buffer=lambda rows, cols, device: tlin.empty_ln_stats(rows, cols, torch.device(device), FIXUP),
+), _family, _variant))  # fmt: skip
 
 ODD_ROWS = (1, 7, 99, 197, 255)
 # Each fusion alone, none, and all of them (the kwargs builder below knows each name).
@@ -184,6 +198,87 @@ def test_no_rows_launches_nothing(forbid_launch):
     forbid_launch(tlin, "_main", "_reduce", "_stats")
     out = tlin.fused_linear(torch.randn(0, 32), torch.randn(16, 32))
     assert out.shape == (0, 16)
+
+
+def _counters_zero() -> bool:
+    return all(not bool(c.any()) for c in tlin._COUNTERS.values())
+
+
+def _both_paths(x, weight, kwargs, config, monkeypatch, calls=2):
+    """The two-kernel result and ``calls`` single-launch results (each ``(out, stats)`` into NaN-poisoned buffers),
+    the single launch with the reduction kernel forbidden and its counters checked zero after every call."""
+    rows, cols = x.shape[0], weight.shape[0]
+
+    def run(fixup):
+        chosen = dataclasses.replace(config, fixup=fixup)
+        out = _poisoned(rows, cols, x.dtype, x.device)
+        stats = tlin.empty_ln_stats(rows, cols, x.device, chosen).fill_(float("nan"))
+        tlin.fused_linear(x, weight, out=out, stats_out=stats, config=chosen, **kwargs)
+        assert _counters_zero(), "a tile's counter left non-zero"
+        return out, stats
+
+    two = run(False)
+    with monkeypatch.context() as patch:
+        patch.setattr(tlin, "_reduce", lambda *a, **k: pytest.fail("the single launch launched the reduction"))
+        return two, [run(True) for _ in range(calls)]
+
+
+SPLITS = (2, 3, 4, 5)
+FIXUP_ROWS = (1, 7, 99, 197)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize(
+    "splits,rows,fusions,dtype",
+    levels([(s, m, f, d) for s in SPLITS for m in FIXUP_ROWS for f in FUSION_SETS for d in DTYPES],
+           lambda s, m, f, d: SPLITS[FUSION_SETS.index(f) % 4] == s and FIXUP_ROWS[(FUSION_SETS.index(f) + 1) % 4] == m
+           and DTYPES[FUSION_SETS.index(f) % 3] == d,
+           ids=lambda s, m, f, d: f"S{s}-M{m}-{'+'.join(f) or 'plain'}-{str(d)[6:]}"),
+)  # fmt: skip
+def test_fixup_is_the_two_kernel_path_bitwise_interpreter(splits, rows, fusions, dtype, gen, monkeypatch):
+    """The single launch (the last program of each tile adds the partials) gives the two-kernel path's output and
+    ``stats_out`` bit for bit, without launching the reduction, with every counter back at zero, and the same bits
+    again on a second call: splits 2 to 5, odd M, each fusion set, every dtype (K = 160 in 16-wide steps, N = 80 an
+    uneven last tile). Quick: each fusion set once, the splits, rows and dtypes in turn."""
+    x, weight, kwargs = _inputs(rows, 160, 80, dtype, fusions, "cpu", gen)
+    config = LinearConfig(64, 32, 16, 4, 1, splits)
+    assert tlin.linear_split(config, rows, 80, 160, INTERPRETER_SMS)[0] == splits
+    (out, stats), fixed = _both_paths(x, weight, kwargs, config, monkeypatch)
+    assert torch.isfinite(out).all() and torch.isfinite(stats).all()
+    for got, got_stats in fixed:
+        assert torch.equal(got, out) and torch.equal(got_stats, stats)
+
+
+@pytest.mark.interpreter
+def test_fixup_falls_back_past_its_counters_interpreter(gen, monkeypatch):
+    """More output tiles than the counters cover: the two-kernel path runs (the reduction is launched), the same
+    bits."""
+    x, weight, kwargs = _inputs(33, 96, 48, torch.float32, ("bias", "residual"), "cpu", gen)
+    config = LinearConfig(16, 16, 32, 4, 1, 3)
+    expect = tlin.fused_linear(x, weight, config=config, **kwargs)
+    monkeypatch.setattr(tlin, "FIXUP_MAX_TILES", 8)  # 3 x 3 tiles here
+    launched = []
+    reduce = tlin._reduce
+    monkeypatch.setattr(tlin, "_reduce", lambda *a, **k: launched.append(reduce(*a, **k)))
+    got = tlin.fused_linear(x, weight, config=dataclasses.replace(config, fixup=True), **kwargs)
+    assert launched and torch.equal(got, expect) and _counters_zero()
+
+
+@pytest.mark.interpreter
+def test_fixup_through_the_custom_op_interpreter(gen, monkeypatch):
+    """``fused_linear_op`` with the table's pick made a single launch: the two-kernel op's output and statistics bit
+    for bit; its schema and fake implementation (no counters in them: the launch leaves them zero) pass opcheck."""
+    x, weight, kwargs = _inputs(7, 128, 48, torch.float16, ("ln", "bias", "gamma", "residual"), "cpu", gen)
+    args = (x, weight, kwargs["bias"], kwargs["ln_weight"], kwargs["ln_bias"], 1e-6, None, kwargs["residual"],
+            kwargs["gamma"], None, True)  # fmt: skip
+    picked = LinearConfig(16, 32, 32, 4, 1, 4)
+    monkeypatch.setattr(tlin, "linear_config", lambda device, rows: picked)
+    two = fused_linear_op(*args)
+    monkeypatch.setattr(tlin, "linear_config", lambda device, rows: dataclasses.replace(picked, fixup=True))
+    monkeypatch.setattr(tlin, "_reduce", lambda *a, **k: pytest.fail("the single launch launched the reduction"))
+    one = fused_linear_op(*args)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True)) and _counters_zero()
+    torch.library.opcheck(fused_linear_op, args, test_utils=("test_schema", "test_faketensor"))
 
 
 def test_split_rule():
@@ -354,3 +449,62 @@ def test_cuda_graph_replay_and_cached_launch_gpu(gen):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, tlin.fused_linear(fresh, weight, bias, **kwargs))
+
+
+def _fixup_configs(rows):
+    """The table's pick at ``rows`` as a single launch, at one and two programs per SM."""
+    table = linear_config(torch.device("cuda"), rows)
+    return [dataclasses.replace(table, per_sm=p, fixup=True) for p in (1, 2)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", list(VIT_B))
+@pytest.mark.parametrize("rows", [1, 7, 50, 99, 197])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+def test_fixup_vit_b_bitwise_gpu(layer, rows, dtype, gen, monkeypatch):
+    """ViT-B/16's layers with ``stats_out``: the single launch gives the two-kernel path's output and statistics bit
+    for bit, three calls in a row (the counters reset by each), and within the rule."""
+    depth, cols, fusions = VIT_B[layer]
+    x, weight, kwargs = _inputs(rows, depth, cols, dtype, fusions, "cuda", gen)
+    for config in _fixup_configs(rows):
+        (out, stats), fixed = _both_paths(x, weight, kwargs, config, monkeypatch, calls=3)
+        for got, got_stats in fixed:
+            assert torch.equal(got, out) and torch.equal(got_stats, stats), config
+        assert_linear_close(fixed[0][0], x, weight, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("first_use_captured", [False, True], ids=["warm", "first_use_captured"])
+def test_fixup_cuda_graph_replay_gpu(first_use_captured, gen, monkeypatch):
+    """fc2 at one row (K = 3072 in many splits) and qkv at 50 as single launches, captured in one CUDA graph and
+    replayed twice on new inputs: the eager two-kernel bits each time, the counters zero after each replay (no memset
+    captured). Captured before the counters exist, the launch takes the two-kernel path inside the graph."""
+    if first_use_captured:
+        monkeypatch.setattr(tlin, "_COUNTERS", {})
+    layers = [(1, *VIT_B["fc2"]), (50, *VIT_B["qkv"])]
+    problems = [(_inputs(m, k, n, torch.float16, f, "cuda", gen), m) for m, k, n, f in layers]
+    configs = [dataclasses.replace(linear_config(torch.device("cuda"), m), fixup=True) for _, m in problems]
+    statics = [(x.clone(), w, kw) for (x, w, kw), _ in problems]
+
+    def forward():
+        return [tlin.fused_linear(x, w, config=c, **kw) for (x, w, kw), c in zip(statics, configs, strict=True)]
+
+    if not first_use_captured:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            forward()
+        torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = forward()
+    assert bool(tlin._COUNTERS) != first_use_captured
+    for _ in range(2):
+        fresh = [torch.randn(x.shape, generator=gen).to("cuda", x.dtype) for x, _, _ in statics]
+        for (x, _, _), new in zip(statics, fresh, strict=True):
+            x.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _counters_zero()
+        for out, new, (_, w, kw), c in zip(outs, fresh, statics, configs, strict=True):
+            assert torch.equal(out, tlin.fused_linear(new, w, config=dataclasses.replace(c, fixup=False), **kw))
