@@ -155,11 +155,13 @@ PACK_MUTANTS = {
 def split_k_linear(x, weight, bias=None, *, ln_weight=None, ln_bias=None, eps=1e-5, activation=None, residual=None,
                    gamma=None, ln_stats=None, stats_out=None, splits=3, centre=True, eps_inside=True,
                    drop_split=False, residual_first=False, accumulator=None, naive_tanh=False, tile_stats=False,
-                   moments=False, equal_chunks=False, stats_before_residual=False):  # fmt: skip
+                   moments=False, equal_chunks=False, stats_before_residual=False, fixup=None, arrival_order=False,
+                   reset=True):  # fmt: skip
     """The contract's fused linear as a split-K kernel computes it: the LayerNorm in fp32 rounded to the inputs' dtype
-    (from ``ln_stats`` where given), K in ``splits`` slabs of fp32 partial sums added in order, the epilogue in fp32,
-    one rounding, and the output's statistics into ``stats_out``. The keyword arguments after ``stats_out`` are the
-    mutants' knobs; the defaults are the correct port."""
+    (from ``ln_stats`` where given), K in ``splits`` slabs of fp32 partial sums added in order (by a second kernel,
+    or with ``fixup``, a dict kept between calls as a counter buffer is, by the last program to arrive:
+    :func:`_last_program_sum`), the epilogue in fp32, one rounding, and the output's statistics into ``stats_out``.
+    The keyword arguments after ``stats_out`` are the mutants' knobs; the defaults are the correct port."""
     h = x.float()
     if ln_weight is not None:
         rows = h if not tile_stats else h.reshape(1, -1)  # statistics over every row together
@@ -185,7 +187,8 @@ def split_k_linear(x, weight, bias=None, *, ln_weight=None, ln_bias=None, eps=1e
         y = y.float()
     else:
         parts = [h[:, k : k + slab] @ weight[:, k : k + slab].float().T for k in range(0, depth, slab)]
-        y = sum(parts[:-1] if drop_split else parts)
+        parts = parts[:-1] if drop_split else parts
+        y = sum(parts) if fixup is None else _last_program_sum(parts, fixup, arrival_order, reset)
     if bias is not None:
         y = y + bias.float()
     if residual_first and residual is not None:
@@ -207,6 +210,23 @@ def split_k_linear(x, weight, bias=None, *, ln_weight=None, ln_bias=None, eps=1e
         source = y - residual.float() if stats_before_residual and residual is not None else out
         stats_out.copy_(layer_norm_stats(source.float(), stats_out.shape[0]))
     return out
+
+
+def _last_program_sum(parts, counter, arrival_order, reset):
+    """The single-launch split-K on one output tile: the split programs arrive in an order that changes from call to
+    call (rotated, as a GPU schedules them), each adds one to the tile's count after storing its partial, and the one
+    that sees ``splits - 1`` adds the partials in split order (the mutant: in arrival order) and sets the count back
+    to 0 (the mutant: leaves it, so no later call finds a last program and the output stays unwritten, NaN)."""
+    counter["calls"] = counter.get("calls", 0) + 1
+    arrivals = [(counter["calls"] + s) % len(parts) for s in range(len(parts))]
+    total = torch.full_like(parts[0], float("nan"))
+    for _ in arrivals:
+        counter["count"] = counter.get("count", 0) + 1
+        if counter["count"] == len(parts):  # this program saw splits - 1 before its add
+            total = sum(parts[s] for s in arrivals) if arrival_order else sum(parts)
+            if reset:
+                counter["count"] = 0
+    return total
 
 
 def _merged(ln_stats, depth, equal_chunks):
@@ -236,6 +256,8 @@ LINEAR_MUTANTS = {
     "tanh_overflows": functools.partial(split_k_linear, naive_tanh=True),
     "ln_stats_chunks_counted_equal": functools.partial(split_k_linear, equal_chunks=True),
     "stats_out_before_residual": functools.partial(split_k_linear, stats_before_residual=True),
+    "split_k_partials_in_arrival_order": functools.partial(split_k_linear, fixup={}, arrival_order=True),
+    "split_k_counter_not_reset": functools.partial(split_k_linear, fixup={}, reset=False),
 }
 LINEAR_OPTIONS = {"ln_stats": True, "stats_buffer": two_chunk_stats}  # the port takes and writes statistics
 
@@ -331,6 +353,12 @@ test_split_k_linear_conforms = linear_suite(split_k_linear, **LINEAR_OPTIONS)
 @pytest.mark.parametrize("splits", [1, 2, 7])
 def test_split_k_linear_at_other_splits(splits):
     check_linear(functools.partial(split_k_linear, splits=splits), level_name="quick", **LINEAR_OPTIONS)
+
+
+@pytest.mark.parametrize("splits", [2, 5])
+def test_split_k_linear_single_launch(splits):
+    """The last-program port (partials in split order, its count reset) conforms, call after call."""
+    check_linear(functools.partial(split_k_linear, splits=splits, fixup={}), level_name="quick", **LINEAR_OPTIONS)
 
 
 @pytest.mark.parametrize("tile", [1, 7, 64])
