@@ -11,13 +11,17 @@ The space (:func:`candidates`, pruned by M): BLOCK_M from the row count (no 16-r
 128-row tiles for a few), BLOCK_N 32 / 64 / 128 (32 only under 32-row tiles), BLOCK_K 64 / 128, 4 warps (and 8 on
 tiles of 8192 outputs or more), 3 or 4 stages (3 alone where 4 would not fit shared memory), and the split rule's 1 or 2
 programs per SM where that changes some layer's split of K at that M; the table's own pick is always among them.
+All of them add split-K partials with a second kernel; the single launch (``LinearConfig.fixup``) enters as the twins
+of the :data:`FIXUP_TWINS` best of each M (:func:`fixup_twins`), so the sweep compares both paths on the tiles that
+matter without doubling the space.
 
 Every candidate is first checked against the fp32 reference (the lab's rule, :func:`ragged_vit.testing.linear_error`)
 in ``--jobs`` worker processes, which compile the kernels in parallel into Triton's cache; one that is wrong or does
 not compile is reported and left out. The rest are timed in this process by device time under CUDA-graph replay
-(:func:`benchmarks.timing.graph_time`), cycling through enough weight copies to miss L2, first in fp16; the four best
-of each M by fp16 score, and the table's pick, are then timed in bf16. A candidate's score at one M is the geometric
-mean over layers (and dtypes) of its time over the best time of that cell. Past ``--budget-s`` seconds the rest is
+(:func:`benchmarks.timing.graph_time`), cycling through enough weight copies to miss L2, first in fp16; then the
+single-launch twins of the best in fp16; the four best of each M by fp16 score (either path), and the table's pick,
+are then timed in bf16. A candidate's score at one M is the geometric mean over layers (and dtypes) of its time over
+the best time of that cell. Past ``--budget-s`` seconds the rest is
 skipped and said so. Writes every time as JSON (``--out``) and the proposed ``_LINEAR_TABLE`` entry, one band per
 M (adjacent bands with the same pick merged), as Python to ``--table``, and prints both; the entry goes into
 ``triton_impl/configs.py`` by hand, with the run named in ``docs/tuning.md``. Without a GPU it says so and exits 0.
@@ -50,6 +54,8 @@ H100_SMS = 132
 """The SM count :func:`candidates` plans splits for without a GPU (its CPU test); on a GPU, the card's."""
 FINALISTS = 4
 """Candidates per M timed in bf16 too (besides the table's pick): the best by fp16 score."""
+FIXUP_TWINS = 8
+"""Two-kernel candidates per M whose single-launch twins are timed too (in the first dtype): the best by its score."""
 SMEM_BYTES = 227 * 1024
 """Shared memory a program may use on SM90: the stages' input tiles must fit."""
 
@@ -80,6 +86,14 @@ def _twice_per_sm(config: LinearConfig, rows: int, sms: int) -> list[LinearConfi
     layers = [(n, k) for k, n, _ in LAYERS.values()]
     differs = any(linear_split(twice, rows, n, k, sms) != linear_split(config, rows, n, k, sms) for n, k in layers)
     return [twice] if differs else []
+
+
+def fixup_twins(configs: Sequence[LinearConfig], rows: int, sms: int = H100_SMS) -> list[LinearConfig]:
+    """The single-launch twin (``fixup=True``) of each two-kernel config that splits some layer's K at ``rows`` rows
+    (where none splits, the twin is the same launch)."""
+    layers = [(n, k) for k, n, _ in LAYERS.values()]
+    return [dataclasses.replace(c, fixup=True) for c in configs
+            if not c.fixup and any(linear_split(c, rows, n, k, sms)[0] > 1 for n, k in layers)]  # fmt: skip
 
 
 def table_pick(rows: int) -> LinearConfig:
@@ -191,40 +205,57 @@ def _check_all(jobs: list, workers: int) -> list[str | None]:
         return list(pool.map(check, jobs, chunksize=4))
 
 
+def _measure(args: argparse.Namespace, space: dict[int, list[LinearConfig]], dtype_name: str, result: dict, l2: int,
+             started: float) -> None:  # fmt: skip
+    """Checks every config of ``space`` (M -> configs) on every layer in ``dtype_name``, then times those that pass,
+    adding to the cells' earlier times in ``result``; past the budget a cell is listed as skipped, once."""
+    jobs = [(layer, rows, dtype_name, c, args.seed) for rows in args.rows for layer in LAYERS for c in space[rows]]
+    t0 = time.perf_counter()
+    verdicts = _check_all(jobs, args.jobs)
+    print(f"{dtype_name}: {len(jobs)} checks in {time.perf_counter() - t0:.0f} s", flush=True)
+    failed = {}
+    for (layer, rows, _, config, _), verdict in zip(jobs, verdicts, strict=True):
+        if verdict:
+            failed.setdefault((layer, rows), set()).add(config)
+            result["failures"][f"{layer}/M{rows}/{dtype_name}/{config!r}"] = verdict
+    for rows in (r for r in args.rows if space[r]):  # an M without twins times nothing more
+        for layer in LAYERS:
+            cell = f"{layer}/M{rows}/{dtype_name}"
+            if time.perf_counter() - started > args.budget_s:
+                result["skipped"] += [] if cell in result["skipped"] else [cell]
+                continue
+            ok = [c for c in space[rows] if c not in failed.get((layer, rows), ())]
+            row = result["times"].setdefault(cell, {})
+            row.update(time_cell(layer, rows, DTYPES[dtype_name], ok, args.seed, l2))
+            best = min(((t, c) for c, t in row.items() if c != "torch" and not math.isnan(t)), default=None)
+            shown = f"best {best[0]:7.2f} us ({best[0] / row['torch']:.2f}x torch) {best[1]}" if best else "none"
+            print(f"{cell:>22} torch {row['torch']:7.2f} us  {shown}", flush=True)
+
+
+def _ranked(result: dict, rows: int, configs: Sequence[LinearConfig]) -> list[LinearConfig]:
+    """``configs`` that have a score at ``rows`` rows, best first."""
+    cells = {c: t for c, t in result["times"].items() if f"/M{rows}/" in c}
+    by_repr = {repr(c): c for c in configs}
+    return [by_repr[c] for c, _ in sorted(scores(cells, list(by_repr)).items(), key=lambda kv: kv[1])]
+
+
 def sweep(args: argparse.Namespace, sms: int, l2: int, started: float) -> dict:
-    """Checks, then times, every candidate on every cell, fp16 first and the finalists in bf16."""
+    """Checks, then times, every candidate on every cell in the first dtype, then the single-launch twins of the best
+    there, then the finalists in the other dtypes."""
     space = {rows: candidates(rows, sms) for rows in args.rows}
     result: dict = {"times": {}, "failures": {}, "skipped": [], "scores": {}, "picks": {}}
-    for dtype_name in args.dtypes:
-        if dtype_name != args.dtypes[0]:  # the finalists by the first dtype's score, and the table's pick
-            space = {rows: [c for c in space[rows] if repr(c) in result["finalists"][rows]] for rows in args.rows}
-        jobs = [(layer, rows, dtype_name, c, args.seed) for rows in args.rows for layer in LAYERS for c in space[rows]]
-        t0 = time.perf_counter()
-        verdicts = _check_all(jobs, args.jobs)
-        print(f"{dtype_name}: {len(jobs)} checks in {time.perf_counter() - t0:.0f} s", flush=True)
-        failed = {}
-        for (layer, rows, _, config, _), verdict in zip(jobs, verdicts, strict=True):
-            if verdict:
-                failed.setdefault((layer, rows), set()).add(config)
-                result["failures"][f"{layer}/M{rows}/{dtype_name}/{config!r}"] = verdict
-        for rows in args.rows:
-            for layer in LAYERS:
-                cell = f"{layer}/M{rows}/{dtype_name}"
-                if time.perf_counter() - started > args.budget_s:
-                    result["skipped"].append(cell)
-                    continue
-                ok = [c for c in space[rows] if c not in failed.get((layer, rows), ())]
-                result["times"][cell] = time_cell(layer, rows, DTYPES[dtype_name], ok, args.seed, l2)
-                row = result["times"][cell]
-                best = min(((t, c) for c, t in row.items() if c != "torch" and not math.isnan(t)), default=None)
-                shown = f"best {best[0]:7.2f} us ({best[0] / row['torch']:.2f}x torch) {best[1]}" if best else "none"
-                print(f"{cell:>22} torch {row['torch']:7.2f} us  {shown}", flush=True)
-        result["finalists"] = {}
-        for rows in args.rows:
-            cells = {c: t for c, t in result["times"].items() if f"/M{rows}/" in c}
-            ranked = sorted(scores(cells, [repr(c) for c in space[rows]]).items(), key=lambda kv: kv[1])
-            best = [c for c, _ in ranked[:FINALISTS]]
-            result["finalists"][rows] = list(dict.fromkeys([*best, repr(table_pick(rows))]))
+    first, *others = args.dtypes
+    _measure(args, space, first, result, l2, started)
+    twins = {rows: fixup_twins(_ranked(result, rows, space[rows])[:FIXUP_TWINS], rows, sms) for rows in args.rows}
+    _measure(args, twins, first, result, l2, started)
+    space = {rows: [*space[rows], *twins[rows]] for rows in args.rows}
+    result["finalists"] = {
+        rows: list(dict.fromkeys([*map(repr, _ranked(result, rows, space[rows])[:FINALISTS]), repr(table_pick(rows))]))
+        for rows in args.rows
+    }
+    finalists = {rows: [c for c in space[rows] if repr(c) in result["finalists"][rows]] for rows in args.rows}
+    for dtype_name in others:
+        _measure(args, finalists, dtype_name, result, l2, started)
     for rows in args.rows:
         cells = {c: t for c, t in result["times"].items() if f"/M{rows}/" in c}
         ranked = sorted(scores(cells, result["finalists"][rows]).items(), key=lambda kv: kv[1])

@@ -53,23 +53,40 @@ def test_scores_and_table():
     assert entry == {(9, 0): ((50, eval(a)), (197, eval(b)), (math.inf, eval(a)))}
 
 
+def test_fixup_twins():
+    """A single-launch twin only of the two-kernel configs that split some layer's K at that M, the same tiles."""
+    space = tune.candidates(394)
+    twins = tune.fixup_twins(space, 394)
+    assert twins and all(t.fixup for t in twins) and len(twins) < len(space)
+    for config in space:
+        splits = any(linear_split(config, 394, n, k, 132)[0] > 1 for k, n, _ in LAYERS.values())
+        assert (dataclasses.replace(config, fixup=True) in twins) == splits
+    assert tune.fixup_twins(twins, 394) == []
+
+
 def test_sweep_bookkeeping(monkeypatch):
-    """Fake checks (one config wrong everywhere) and times: the wrong one is never timed, bf16 times only the
-    finalists and the table's pick, every M gets a pick with a score over both dtypes; past the budget, cells are
-    skipped and said so."""
+    """Fake checks (one config wrong everywhere) and times (a single launch faster than its two-kernel twin): the
+    wrong one is never timed, the twins of the best are timed in fp16, bf16 times only the finalists and the table's
+    pick, every M gets a pick (here a single launch) with a score over both dtypes; past the budget, cells are skipped
+    and said so, once each."""
     wrong = tune.candidates(50)[-1]
     monkeypatch.setattr(tune, "check", lambda job: "wrong: fake" if job[3] == wrong else None)
 
     def fake_time(layer, rows, dtype, configs, seed, l2):
         assert wrong not in configs
-        return {"torch": 10.0, **{repr(c): 1.0 + c.block_m / 64 + c.num_stages / 8 + c.per_sm for c in configs}}
+        return {"torch": 10.0, **{repr(c): 1.0 + c.block_m / 64 + c.num_stages / 8 + c.per_sm - c.fixup / 4
+                                  for c in configs}}  # fmt: skip
 
     monkeypatch.setattr(tune, "time_cell", fake_time)
     args = argparse.Namespace(rows=(1, 50), dtypes=("float16", "bfloat16"), jobs=1, budget_s=1e9, seed=0)
     result = tune.sweep(args, tune.H100_SMS, 50 << 20, started=0.0)
     assert len(result["failures"]) == len(LAYERS) * (2 if wrong in tune.candidates(1) else 1)
     assert all(len(result["times"][f"qkv/M{m}/bfloat16"]) <= tune.FINALISTS + 2 for m in (1, 50))
-    assert set(result["picks"]) == {1, 50} and eval(result["picks"][50], {"LinearConfig": LinearConfig}).block_m == 16
+    assert set(result["picks"]) == {1, 50}
+    for rows in (1, 50):
+        pick = eval(result["picks"][rows], {"LinearConfig": LinearConfig})
+        assert pick.block_m == 16 and pick.fixup
+        assert any("fixup=True" in c for c in result["times"][f"fc2/M{rows}/float16"])
     assert not result["skipped"]
     args.budget_s = -1.0
     assert len(tune.sweep(args, tune.H100_SMS, 50 << 20, started=0.0)["skipped"]) == 2 * 2 * len(LAYERS)
