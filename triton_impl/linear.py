@@ -15,7 +15,8 @@ The op is :func:`ragged_vit.reference.linear.fused_linear` (its docstring states
     * epilogue, on the fp32 sum: ``+ bias``, GELU (``"gelu"``: exact erf, timm's ``nn.GELU`` default; ``"gelu_tanh"``:
       the tanh approximation, written so that it cannot overflow), ``* gamma`` (LayerScale), ``residual +``, then one
       rounding to the output dtype; with ``stats_out=``, each output tile's rows' mean and M2 over its columns, of the
-      rounded values (the next LayerNorm's statistics: chunk ``p`` is output tile column ``p``).
+      rounded values (the next LayerNorm's statistics: chunk ``p`` is output tile column ``p``), summed by a fixed
+      pairwise tree so that every path below writes the same bits.
 
 Split-K: a small M leaves few output tiles, too few to stream the weight with every SM. The grid is ``(M tiles, N
 tiles, K splits)``; with more than one split each program writes its fp32 partial sum into a workspace ``[splits, M,
@@ -65,6 +66,17 @@ def _tanh(u):
 
 
 @triton.jit
+def _row_sum(v):
+    """Each row's sum over the columns of a tile (a power of two wide) by a fixed tree: halve the columns, adding
+    column j + width / 2 to column j, until one is left. Two-term adds only, so the bits do not depend on the tile's
+    height or register layout: every path (unsplit, reduction kernel, last program) writes the same statistics."""
+    for _ in tl.static_range(16):
+        if v.shape[1] > 1:
+            v = tl.sum(tl.reshape(v, [v.shape[0], 2, v.shape[1] // 2]), 1)
+    return tl.reshape(v, [v.shape[0]])
+
+
+@triton.jit
 def _epilogue(
     acc, offs_m, offs_n, M, N, B, G, R, Y, SO, stride_rm, stride_ym,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, HAS_GAMMA: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
@@ -91,12 +103,12 @@ def _epilogue(
         chunk = tl.program_id(1)
         count = tl.minimum(N - chunk * offs_n.shape[0], offs_n.shape[0]) * 1.0
         v = tl.where(mask, rounded.to(tl.float32), 0.0)
-        mean = tl.sum(v, 1) / count
+        mean = _row_sum(v) / count
         dev = tl.where(mask, v - mean[:, None], 0.0)
         mask_m = offs_m < M
         stats = SO + chunk * M * 2 + offs_m * 2
         tl.store(stats, mean, mask=mask_m)
-        tl.store(stats + 1, tl.sum(dev * dev, 1), mask=mask_m)
+        tl.store(stats + 1, _row_sum(dev * dev), mask=mask_m)
 
 
 @triton.jit
