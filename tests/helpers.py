@@ -21,6 +21,14 @@ PRUNER_CASES = {
 }
 
 
+def assert_fp16_within_twice(out: torch.Tensor, peer: torch.Tensor, ref: torch.Tensor, msg: object = None) -> None:
+    """``out``'s largest error against ``ref`` (fp32) is at most twice ``peer``'s (PyTorch's own fp16 run of the same
+    forward) plus one fp16 ulp of ``ref``'s scale."""
+    out, peer, ref = out.float(), peer.float(), ref.float()
+    bound = 2 * (peer - ref).abs().max().item() + torch.finfo(torch.float16).eps * ref.abs().max().item()
+    assert (out - ref).abs().max().item() <= bound, msg
+
+
 def tiny_pipeline(pruner_factory, backend: str = "reference") -> PrunedViT:
     """A 6-block ViT on 32x32 images (16 patches + CLS) with seeded weights, its pruner from ``pruner_factory``;
     its qkv weights are scaled up so that attention is peaked and ATS keeps a different count per image

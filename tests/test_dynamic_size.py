@@ -33,7 +33,7 @@ from ragged_vit import GraphedPrunedViT, PrunedViT
 from ragged_vit.pipelines.patch_embed import patch_embed_gemm, supports_gemm, with_gemm_patch_embed
 from ragged_vit.pipelines.plan import Counts, build_plan
 from ragged_vit.reference.pruners import make_pruner
-from tests.helpers import no_tf32
+from tests.helpers import assert_fp16_within_twice, no_tf32
 
 SMALL = dict(depth=4, embed_dim=64, num_heads=2, num_classes=10, img_size=64)
 MODELS = {
@@ -266,9 +266,7 @@ def test_keep_all_fp16_against_timm_at_every_size_gpu(name):
             timm16 = model16(x.half()).float()
         out = pv.run(x.half())
         assert out.counts.eq(patches(size)).all()
-        floor = (timm16 - ref).abs().max().item()
-        bound = 2 * floor + torch.finfo(torch.float16).eps * ref.abs().max().item()
-        assert (out.logits.float() - ref).abs().max().item() <= bound, size
+        assert_fp16_within_twice(out.logits, timm16, ref, size)
 
 
 @pytest.mark.gpu

@@ -33,7 +33,7 @@ import ragged_vit
 from ragged_vit import GraphedPrunedViT, PrunedViT
 from ragged_vit.pipelines import packed_block
 from ragged_vit.reference.pruners import make_pruner
-from tests.helpers import no_tf32
+from tests.helpers import assert_fp16_within_twice, no_tf32
 from tests.test_graphs import poisoned  # noqa: F401  (the fixture: NaN in every padding row)
 from tests.test_models import check_pruned_and_replayed
 
@@ -447,9 +447,7 @@ def test_keep_all_fp16_against_timm_gpu(name):
         ref = model(x).float()
         timm16 = model.half()(x.half()).float()
     pv = PrunedViT(model, make_pruner("threshold_l2", mode="ratio", rate=1.0, block=1), "triton", mode="eager")
-    out = pv.run(x.half()).logits.float()
-    bound = 2 * (timm16 - ref).abs().max().item() + torch.finfo(torch.float16).eps * ref.abs().max().item()
-    assert (out - ref).abs().max().item() <= bound
+    assert_fp16_within_twice(pv.run(x.half()).logits, timm16, ref)
 
 
 @pytest.mark.gpu
@@ -467,5 +465,4 @@ def test_pruned_triton_against_reference_gpu(name, pruner):
     sdpa = pv.run(x, selections=ours.selections).logits.float()
     pv.backend = "reference"
     ref = pv.run(x, selections=ours.selections).logits.float()
-    bound = 2 * (sdpa - ref).abs().max().item() + torch.finfo(torch.float16).eps * ref.abs().max().item()
-    assert (ours.logits.float() - ref).abs().max().item() <= bound
+    assert_fp16_within_twice(ours.logits, sdpa, ref)

@@ -22,7 +22,7 @@ from ci.model_families import FAMILIES, family, images
 from ragged_vit import GraphedPrunedViT, PrunedViT
 from ragged_vit.pipelines.plan import Counts
 from ragged_vit.reference.pruners import make_pruner
-from tests.helpers import levels, no_tf32
+from tests.helpers import assert_fp16_within_twice, levels, no_tf32
 
 PRUNERS = {
     "threshold_l2": lambda: make_pruner("threshold_l2", mode="calibrated", rate=0.5, block=1),
@@ -117,10 +117,7 @@ def test_keep_all_fp16_against_timm_gpu(name):
         ref = model(x).float()
         timm16 = model.half()(x.half()).float()
     pv = PrunedViT(model, KEEP_ALL["threshold_l2"](), "triton")
-    out = pv.run(x.half()).logits.float()
-    floor = (timm16 - ref).abs().max().item()
-    bound = 2 * floor + torch.finfo(torch.float16).eps * ref.abs().max().item()
-    assert (out - ref).abs().max().item() <= bound
+    assert_fp16_within_twice(pv.run(x.half()).logits, timm16, ref)
 
 
 @pytest.mark.gpu
@@ -162,9 +159,7 @@ def test_large_models_run_pruned_with_the_triton_kernel_gpu(model_name):
     fa2 = pv.run(x, selections=ours.selections).logits.float()
     pv.backend = "reference"
     ref = pv.run(x, selections=ours.selections).logits.float()
-    floor = (fa2 - ref).abs().max().item()
-    bound = 2 * floor + torch.finfo(torch.float16).eps * ref.abs().max().item()
-    assert (ours.logits.float() - ref).abs().max().item() <= bound
+    assert_fp16_within_twice(ours.logits, fa2, ref)
     pv.backend = "triton"
     graphed = GraphedPrunedViT(pv)
     graphed.run(x)
