@@ -234,9 +234,9 @@ def position_table(embeds: nn.Module, grid: tuple[int, int], dtype: torch.dtype)
 
 def position_rows(embeds: nn.Module, batch: NativeBatch, dtype: torch.dtype) -> torch.Tensor | None:
     """``[T_p, C]``: each patch row's position embedding (each grid size resampled once); None without any."""
-    tables = {grid: position_table(embeds, grid, dtype) for grid in dict.fromkeys(batch.grids)}
     if embeds.pos_embed_type == "none":
         return None
+    tables = {grid: position_table(embeds, grid, dtype) for grid in dict.fromkeys(batch.grids)}
     flat = torch.cat([tables[grid] for grid in batch.grids])
     if batch.index is None:
         return flat
