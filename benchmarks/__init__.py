@@ -21,15 +21,25 @@ def comma_list(text: str | None, kind: Callable = str, choices: Sequence[str] | 
     return values
 
 
-def bench_device(name: str, prog: str):
-    """``(device, dtype)`` of a benchmark run on ``name`` (fp16 on CUDA, fp32 on the CPU dry runs), or None after a
-    one-line error when CUDA is asked for and there is none."""
+def has_gpu(prog: str) -> bool:
+    """Whether a CUDA GPU is here; without one, says in one line that ``prog`` needs one (the GPU tools then exit:
+    nothing to measure on this machine)."""
     import sys
 
     import torch
 
+    if torch.cuda.is_available():
+        return True
+    print(f"{prog} needs a CUDA GPU (torch.cuda.is_available() is False): nothing to run here", file=sys.stderr)
+    return False
+
+
+def bench_device(name: str, prog: str):
+    """``(device, dtype)`` of a benchmark run on ``name`` (fp16 on CUDA, fp32 on the CPU dry runs), or None after
+    :func:`has_gpu`'s line when CUDA is asked for and there is none."""
+    import torch
+
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print(f"{prog} needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+    if device.type == "cuda" and not has_gpu(prog):
         return None
     return device, torch.float16 if device.type == "cuda" else torch.float32

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import comma_list
+from benchmarks import comma_list, has_gpu
 from benchmarks.attention_peers import PEER_NAMES, cell_problem, checked_peer
 from benchmarks.tables import kernel_median, kernel_section
 from benchmarks.timing import copy_bandwidth, environment, l2_bytes, measure
@@ -116,8 +116,7 @@ def notes(cells: list[dict], peers: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not torch.cuda.is_available():
-        print("report_attention needs a CUDA GPU (torch.cuda.is_available() is False)", file=sys.stderr)
+    if not has_gpu("report_attention"):
         return 2
     torch.set_num_threads(1)
     started = time.perf_counter()

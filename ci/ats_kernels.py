@@ -13,8 +13,8 @@ import functools
 
 import torch
 
+from benchmarks import has_gpu
 from benchmarks.timing import device_us
-from ci import has_gpu
 from ragged_vit.core.segments import cu_seqlens_from_counts
 from ragged_vit.core.selection import DecisionInput
 from ragged_vit.reference.pruners import ATSPruner

@@ -14,8 +14,8 @@ import pstats
 import torch
 import triton
 
+from benchmarks import has_gpu
 from benchmarks.timing import wall_time, warmup
-from ci import has_gpu
 from ragged_vit.core.segments import cu_seqlens_from_counts
 from ragged_vit.reference.attention import split_qkv
 from ragged_vit.triton_impl import attention as ta

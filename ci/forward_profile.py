@@ -35,10 +35,10 @@ from collections import defaultdict
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks import has_gpu
 from benchmarks.e2e_common import DEIT_B, Lab
 from benchmarks.timing import elapsed, schedule, span_time, warmup
 from benchmarks.workloads import workload_keeps
-from ci import has_gpu
 from ragged_vit.pipelines.buckets import TokenBuckets
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.model import PrunedViT

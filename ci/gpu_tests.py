@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from ci import has_gpu
+from benchmarks import has_gpu
 
 REPO = Path(__file__).resolve().parents[1]
 EXCLUSIVE = "exclusive"  # the marker of tests that time the GPU: run after the parallel step, alone

@@ -10,8 +10,8 @@ import argparse
 
 import torch
 
+from benchmarks import has_gpu
 from benchmarks.workloads import MAX_SEQLEN, NUM_HEADS, make_qkv_sets, make_workload
-from ci import has_gpu
 from ragged_vit.triton_impl.attention import ragged_attention_qkv
 
 

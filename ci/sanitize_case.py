@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from ci import has_gpu
+from benchmarks import has_gpu
 from ragged_vit import PrunedViT
 from ragged_vit.core.segments import cu_seqlens_from_counts
 from ragged_vit.core.selection import DecisionInput

@@ -36,10 +36,10 @@ from collections.abc import Sequence
 
 import torch
 
+from benchmarks import has_gpu
 from benchmarks.attention_peers import TOLERANCE, Problem, build_peer, reference_output
 from benchmarks.timing import device_us
 from benchmarks.workloads import HEAD_DIM, NUM_HEADS, NUM_PATCHES, Workload, cell_seed, grid, make_workload
-from ci import has_gpu
 from ragged_vit.triton_impl import attention as ta
 from ragged_vit.triton_impl.configs import AttentionConfig, attention_config
 

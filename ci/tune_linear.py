@@ -43,9 +43,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import comma_list
+from benchmarks import comma_list, has_gpu
 from benchmarks.report_linear import DTYPES, LAYERS, chain_kwargs, make_problem, torch_unfused
-from ci import has_gpu
 from ragged_vit.triton_impl.configs import LinearConfig, linear_config, linear_split
 
 PROG = "python -m ci.tune_linear"
