@@ -2,10 +2,13 @@
 # The GPU suite, in one call on the device machine (no nox there): card facts, GPU tests, compute-sanitizer
 # memcheck on a representative case, then whatever extra steps are named (tune, bench-quick, bench).
 # Usage: bash ci/gpu_suite.sh [tests|tests-quick] [sanitize] [tune|tune-quick|tune-linear] [bench|bench-quick] [dispatch]
-#        [profile] [table3-small] [forward-profile] [ats-kernels] [tome-peer] [families] [validate-ranks (2+ GPUs)]
+#        [profile] [table3-small] [forward-profile] [ats-kernels] [tome-peer] [families] [rope-models] [naflex]
+#        [validate-ranks (2+ GPUs)]
 # tests: every test with --full (the long sweeps too); tests-quick: without them. Both run ci/gpu_tests.py: TEST_JOBS
 # (default 8) pytest-xdist workers on the one GPU, then the timed tests alone; TEST_PATHS picks test files; logs
 # $OUT/gpu_tests_<i>.log.
+# rope-models: the default call on RoPE models (ROPE_MODELS, "model:size" words; default issue 40's three); naflex:
+# NaFlex batches (NAFLEX_MODES: timm's compile modes).
 # Set RAGGED_BENCH_COMMIT to the commit's short sha for the e2e steps (the device copy has no .git).
 # Results go under $OUT (default /tmp/ragged-vit-out).
 set -uo pipefail
@@ -50,6 +53,14 @@ for step in "${steps[@]}"; do
     ats-kernels) "$PY" -m ci.ats_kernels 2>&1 | tail -5 ;;
     tome-peer) "$PY" -m benchmarks.tome_peer --batches 1,4,64 --adaptive-batches 64 --r 13 --out "$OUT/tome_peer.json" \
                  2>&1 | grep -v Warning | tee "$OUT/tome_peer.log" | tail -40 ;;
+    rope-models) for spec in ${ROPE_MODELS:-vit_base_patch16_dinov3:224 eva02_base_patch14_224:224 vit_base_patch16_dinov3:512}; do
+                   "$PY" -m benchmarks.default_call --model "${spec%:*}" --img-size "${spec#*:}" --batches 1,4,64 \
+                     --workloads l2:0.5,evit:0.7 --rows timm_compiled,default --out "$OUT/" 2>&1 | grep -v Warning \
+                     | tee -a "$OUT/rope_models.log" | tail -14
+                 done ;;
+    naflex) "$PY" -m benchmarks.naflex --batches 1,8,64 --out "$OUT/naflex.json" \
+              --compile-modes "${NAFLEX_MODES:-default,reduce-overhead,max-autotune-no-cudagraphs}" 2>&1 \
+              | grep -v Warning | tee "$OUT/naflex.log" | tail -20 ;;
     families) "$PY" -m ci.model_families --speed --max-minutes 8.2 --out "$OUT/families.json" 2>&1 | tail -20 ;;
     validate-ranks) "$PY" -m ci.validate_ranks --out "$OUT/validate_ranks" 2>&1 | tail -12 || status=1 ;;
     *) echo "unknown step: $step"; status=2 ;;

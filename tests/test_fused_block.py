@@ -93,6 +93,7 @@ def stats_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
     return calls
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("name", list(PRUNERS))
 def test_fused_form_equals_the_unfused_triton_forward(name, stats_calls):
     """Logits within 1e-4 (fp32) and equal counts; the forward ran fused linears where the program said, and computed
@@ -113,11 +114,11 @@ def test_fused_form_equals_the_unfused_triton_forward(name, stats_calls):
     assert len(stats_calls) == norms
 
 
-def test_statistics_carried_across_a_repack_are_caught(monkeypatch):
+def test_statistics_carried_across_a_repack_are_caught(monkeypatch, device):
     """A mutant that keeps the residual stream's statistics across a repack (EViT: proj's, for norm2 after the
     decision) changes the logits beyond the tolerance of the test above: the rows moved."""
-    pv = forced(pipeline("evit"))
-    x = images()
+    pv = forced(pipeline("evit", device))
+    x = images(device)
     good = pv.run(x)
     monkeypatch.setattr(ForwardState, "x_stats", lambda self: None if self.stats is None else self.stats[1])
     stale = pv.run(x, selections=good.selections)
@@ -171,11 +172,12 @@ def test_hooks_and_other_backends_are_refused():
     assert "hooks" in fused_refusal(block)
 
 
-def test_the_custom_op_is_the_fused_linear():
+def test_the_custom_op_is_the_fused_linear(device):
     """``torch.ops.ragged_vit.fused_linear``: the direct call's output and statistics, and fake shapes for compiles."""
     g = torch.Generator().manual_seed(0)
     x, w, residual = torch.randn(5, 32, generator=g), torch.randn(48, 32, generator=g), torch.randn(5, 48, generator=g)
     ln_w, bias, gamma = torch.rand(32, generator=g), torch.randn(48, generator=g), torch.rand(48, generator=g)
+    x, w, residual, ln_w, bias, gamma = (t.to(device) for t in (x, w, residual, ln_w, bias, gamma))
     y, stats = fused_linear_op(x, w, bias, ln_w, None, 1e-6, "gelu", residual, gamma, None, True)
     direct_stats = torch.empty_like(stats)
     direct = fused_linear(x, w, bias, ln_weight=ln_w, eps=1e-6, activation="gelu", residual=residual, gamma=gamma,
@@ -190,6 +192,7 @@ def test_the_custom_op_is_the_fused_linear():
     assert fy.shape == y.shape and fs.shape == stats.shape and fs.dtype == torch.float32
 
 
+@pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::UserWarning")  # Inductor's notes on the CPU
 def test_compiled_fused_blocks_hold_the_custom_ops():
     """``compile_blocks`` with the fused form: Dynamo traces the fused linears and the attention as custom ops without

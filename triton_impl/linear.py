@@ -16,7 +16,9 @@ The op is :func:`ragged_vit.reference.linear.fused_linear` (its docstring states
       the tanh approximation, written so that it cannot overflow), ``* gamma`` (LayerScale), ``residual +``, then one
       rounding to the output dtype; with ``stats_out=``, each output tile's rows' mean and M2 over its columns, of the
       rounded values (the next LayerNorm's statistics: chunk ``p`` is output tile column ``p``), summed by a fixed
-      pairwise tree so that every path below writes the same bits.
+      pairwise tree and compiled without FMA contraction (which would fuse a product into the tree's adds where a
+      pair sits in one thread, and not where the tile's layout splits it), so that every path below writes the same
+      bits.
 
 Split-K: a small M leaves few output tiles, too few to stream the weight with every SM. The grid is ``(M tiles, N
 tiles, K splits)``; with more than one split each program writes its fp32 partial sum into a workspace ``[splits, M,
@@ -507,13 +509,14 @@ def fused_linear_unchecked(
         key = (tuple(None if t is None else t.dtype for t in tensors), tuple(int_spec(s) for s in strides), config,
                splits, depth, cols, k_per_split, flags, ln_bias is not None)  # fmt: skip
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    fusion = {"enable_fp_fusion": stats_out is None}  # the statistics' sums as written, whatever the tile layout
     _main(
         key, index, grid,
         (*tensors, rows, cols, depth, k_per_split, eps, chunks, width, x.stride(0), weight.stride(0), stride_rm,
          y.stride(0), config.block_m, config.block_n, config.block_k, ln_weight is not None, ln_bias is not None,
          *flags, splits > 1, 0 if counters is None else splits, depth % config.block_k == 0,
          cols % config.block_n == 0, precision, INTERPRETED and x.dtype == torch.bfloat16),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, **fusion,
     )  # fmt: skip
     if splits > 1 and counters is None:
         block_m = min(16, 1 << (rows - 1).bit_length())  # a constexpr of the reduction: part of its launch key
@@ -521,7 +524,7 @@ def fused_linear_unchecked(
             key and (key, "reduce", block_m), index, (cdiv(rows, block_m), cdiv(cols, config.block_n)),
             (workspace, bias, gamma, residual, y, stats_out, rows, cols, stride_rm, y.stride(0), splits, block_m,
              config.block_n, *flags),
-            num_warps=4, num_stages=1,
+            num_warps=4, num_stages=1, **fusion,
         )  # fmt: skip
     return y
 
