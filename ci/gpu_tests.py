@@ -34,20 +34,27 @@ def commands(quick: bool, jobs: int, args: list[str]) -> list[list[str]]:
     return [[*parallel, *options], [*base, "-m", EXCLUSIVE, *options]]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("level", nargs="?", choices=["quick"], help="leave out the long sweeps (--full)")
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """The options, ``quick`` (a first word, as ``nox -s gpu_tests -- quick`` passes it) among them, and the rest:
+    pytest's arguments and test paths."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], usage="%(prog)s [quick] [options] ...")
     parser.add_argument("--jobs", type=int, default=8, help="pytest-xdist workers on the one GPU (default 8)")
     parser.add_argument("--log-dir", type=Path, help="write each run's output to gpu_tests_<i>.log here")
     opts, rest = parser.parse_known_args(argv)
     if opts.jobs < 1:
         parser.error(f"--jobs must be at least 1, got {opts.jobs}")
+    opts.quick = rest[:1] == ["quick"]  # leave out the long sweeps (--full)
+    return opts, rest[opts.quick :]
+
+
+def main(argv: list[str] | None = None) -> int:
+    opts, rest = parse(argv)
     if not has_gpu("python -m ci.gpu_tests (the CPU suite is `nox -s tests`)"):
         return 0
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // opts.jobs))}
     env.pop("TRITON_INTERPRET", None)
     start, codes = time.monotonic(), []
-    for i, cmd in enumerate(commands(opts.level == "quick", opts.jobs, rest)):
+    for i, cmd in enumerate(commands(opts.quick, opts.jobs, rest)):
         if opts.log_dir is None:
             codes.append(subprocess.run(cmd, cwd=REPO, env=env).returncode)
             continue
@@ -58,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         lines = log.read_text().splitlines()
         print(*[line for line in lines if line.startswith(("FAILED", "ERROR"))][:30], *lines[-1:], sep="\n")
     codes[1] = 0 if codes[1] == 5 else codes[1]  # pytest's 5: no test selected (no exclusive test among the paths)
-    level = "quick" if opts.level else "full"
+    level = "quick" if opts.quick else "full"
     print(f"gpu tests ({level}): rc {codes}, {opts.jobs} workers, wall {time.monotonic() - start:.0f} s")
     return 0 if not any(codes) else 1
 

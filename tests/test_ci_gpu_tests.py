@@ -26,6 +26,21 @@ def test_quick_paths_and_options() -> None:
         assert cmd[-3:] == ["-x", "-k", "gpu"]
 
 
+@pytest.mark.parametrize(
+    "argv, quick, rest",
+    [
+        (["quick", "--jobs", "12", "tests/test_eva.py"], True, ["tests/test_eva.py"]),
+        (["--jobs", "12", "tests/test_eva.py", "tests/test_naflex.py", "-x"], False,
+         ["tests/test_eva.py", "tests/test_naflex.py", "-x"]),
+        ([], False, []),
+    ],
+)  # fmt: skip
+def test_the_command_line_takes_quick_then_paths(argv, quick, rest) -> None:
+    """``quick`` first (``nox -s gpu_tests -- quick``), test paths and pytest options after, in any number."""
+    opts, got = gpu_tests.parse(argv)
+    assert (opts.quick, got) == (quick, rest) and opts.jobs == (12 if argv else 8)
+
+
 def test_the_exclusive_marker_is_registered(pytestconfig: pytest.Config) -> None:
     assert any(line.startswith(f"{gpu_tests.EXCLUSIVE}:") for line in pytestconfig.getini("markers"))
 
