@@ -482,6 +482,10 @@ def rope_targets(payload: dict) -> tuple[str, str]:
     cells = [(f"B={b}", need) for b, need in default_call.ROPE_TARGETS["each"]]
     value, verdict = judge(cells, values)
     value += _reported(values, [f"B={b}" for b in default_call.ROPE_REPORTED])
+    failed = "; ".join(f"B={b}: {w} failed its check, not timed" for (b, w, row), r in sorted(rows.items())
+                       if row == "default" and r.get("status") == "failed" and (w, r.get("keep")) in ROPE_WORKLOADS)
+    if failed:  # a row that did not pass its check is not met, whatever the other rows of the cell
+        verdict = f"**missed** ({failed})" if verdict == "met" else f"{verdict} ({failed})"
     if not payload.get("complete", True):
         verdict += " (run cut short)"
     return value, verdict

@@ -17,12 +17,13 @@ import os
 import re
 import subprocess
 import time
+import types
 from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks import default_call, make_results, report_e2e, run_bench, tables, timing
+from benchmarks import default_call, make_results, naflex, report_e2e, run_bench, tables, timing
 from benchmarks.e2e_common import Lab, check_logits
 from benchmarks.timing import REGIONS, Marks, forward_times, gpu_slug, stage_breakdown
 from benchmarks.workloads import WORKLOADS, synthetic_images, synthetic_selection, workload_kind
@@ -606,6 +607,49 @@ def test_default_call_smoke_on_an_eva_model(tmp_path: Path, capsys: pytest.Captu
     assert all(e["check"]["ok"] and e["each_us"] > 0 for e in payload["table"] if "row" in e)
     assert all("timm_eager" in e and "timm_compiled" not in e for e in payload["table"] if "row" not in e)
     assert {t.verdict for t in make_results.issue40_targets(card, "X")} == {"not measured"}
+
+
+def test_a_rope_row_that_failed_its_check_is_a_miss() -> None:
+    """A stored RoPE run whose B = 64 EViT row failed its check: the target is missed, naming that row, though every
+    timed row reaches its bar."""
+    payload = _issue40_fixtures()["default_call_vit_base_patch16_dinov3_224.json"]
+    for entry in payload["table"]:
+        if entry.get("row") and entry["workload"] == "evit" and entry["batch"] == 4:
+            entry["each_us"] = entry["each_us"] / 2  # 2.5x: every timed row over its bar
+    payload["table"] = [{"batch": 64, "workload": "evit", "keep": 0.7, "row": "default", "status": "failed",
+                         "check": {"ok": False}} if e.get("row") and (e["batch"], e["workload"]) == (64, "evit")
+                        else e for e in payload["table"]]  # fmt: skip
+    value, verdict = make_results.rope_targets(payload)
+    assert value.startswith("1.35x / 1.50x") and verdict == "**missed** (B=64: evit failed its check, not timed)"
+    text = default_call.render(payload)  # docs/results.md's section says so too
+    assert "| check failed |" in text and "each B=64 >= 1.3x: worst 1.500x (missed, evit failed its check)" in text
+
+
+def test_default_call_check_counts_a_flipped_selection_as_one_image() -> None:
+    """An image whose logits moved with its counts equal (EViT keeps a fixed count: a near-tie flips which rows) is
+    one image that does not agree, as a flipped count is; the run passes while half the images agree."""
+    ref_logits, counts = torch.randn(4, 10), torch.tensor([[5, 3]] * 4)
+    ref = types.SimpleNamespace(logits=ref_logits, counts=counts)
+    moved = ref_logits.clone()
+    moved[1] += 1.0
+    result = default_call.check((moved, counts.clone()), ref)
+    assert result["ok"] and result["counts_agree"] == 1.0 and result["images_agree"] == 0.75
+    assert result["max_abs_diff"] == 0.0 and result["max_abs_diff_all"] == pytest.approx(1.0)
+    assert not default_call.check((ref_logits + 1.0, counts), ref)["ok"]  # every image moved: broken
+    assert not default_call.check((moved[:, :1].expand(4, 10) * float("nan"), counts), ref)["ok"]
+
+
+def test_naflex_timed_keeps_the_first_output_from_later_calls() -> None:
+    """A forward whose output buffer the next call overwrites (a reduce-overhead graph's): the checked logits are the
+    first call's."""
+    buffer, calls = torch.zeros(2), []
+
+    def forward() -> torch.Tensor:
+        calls.append(1)
+        return buffer.fill_(len(calls))
+
+    result = naflex.timed(forward, torch.device("cpu"), smoke=True)
+    assert len(calls) > 1 and torch.equal(result["logits"], torch.ones(2))
 
 
 @pytest.mark.parametrize(("model", "size", "workload", "says"), [
