@@ -1,6 +1,7 @@
 """Where the device time of one graphed forward goes (GPU machine): ``python -m ci.forward_profile``.
 
-DeiT-B 224 fp16, random seeded weights, the benchmark's images. For each batch size: the unpruned timm model under
+DeiT-B 224 fp16 (``--model NAME [--img-size N]``: another timm ViT, a RoPE model among them), random seeded weights,
+the benchmark's images. For each batch size: the unpruned timm model under
 ``torch.compile(mode="reduce-overhead")`` (as timm builds it, and with the pipelines' GEMM patch embedding, so that gain
 is not credited to pruning) and the graphed pruned pipelines (``ragged_vit.pipelines.graphs``, Triton backend) of a few
 workloads. Each is replayed under ``torch.profiler`` (CUPTI sees the kernels of graph replays); kernels are grouped by
@@ -36,7 +37,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import has_gpu
-from benchmarks.e2e_common import DEIT_B, Lab
+from benchmarks.default_call import CallLab
+from benchmarks.e2e_common import DEIT_B
 from benchmarks.timing import elapsed, schedule, span_time, warmup
 from benchmarks.workloads import workload_keeps
 from ragged_vit.pipelines.buckets import TokenBuckets
@@ -102,13 +104,13 @@ def profile_forward(forward, images: list[torch.Tensor], replays: int = 20) -> d
     }
 
 
-def pipeline(lab: Lab, workload: str, keep: float, images: list[torch.Tensor]) -> PrunedViT:
-    """A workload's Triton pipeline on DeiT-B; ``("tome", r)``: ToMe with a fixed ``r`` per block;
+def pipeline(lab: CallLab, workload: str, keep: float, images: list[torch.Tensor]) -> PrunedViT:
+    """A workload's Triton pipeline on the lab's model; ``("tome", r)``: ToMe with a fixed ``r`` per block;
     ``("tome_adaptive", r)``: ToMe's calibrated mode with ``r_max = 2 r``, its threshold calibrated on ``images`` to
     the fixed ``r``'s mean patch rows per image and block (the counts vary per image; the same rows on average)."""
     if workload not in ("tome", "tome_adaptive"):
-        return lab.pipeline(DEIT_B, workload, keep, "triton")
-    model = lab.model(DEIT_B)
+        return lab.pipeline(lab.name, workload, keep, "triton")
+    model = lab.model(lab.name)
     depth, r = len(model.blocks), int(keep)
     if workload == "tome":
         return PrunedViT(model, make_pruner("tome", r=r, depth=depth), "triton", mode="eager")
@@ -126,10 +128,10 @@ def label_of(workload: str, keep: float) -> str:
     return f"{workload} {keep:g}"
 
 
-def eager_rounds(lab: Lab, batch: int, images: list[torch.Tensor], args: argparse.Namespace) -> list[dict]:
+def eager_rounds(lab: CallLab, batch: int, images: list[torch.Tensor], args: argparse.Namespace) -> list[dict]:
     """timm eager and every workload's eager pipeline timed in turn (``--eager-rounds`` rounds of
     :func:`benchmarks.timing.span_time` each), so that each ratio to timm eager pairs two timings of one round."""
-    model = lab.model(DEIT_B)
+    model = lab.model(lab.name)
 
     def timm_eager(x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -162,6 +164,8 @@ def eager_rounds(lab: Lab, batch: int, images: list[torch.Tensor], args: argpars
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEIT_B, help="a timm ViT name (random weights; default DeiT-B)")
+    parser.add_argument("--img-size", type=int, default=None, help="the image size (default: the model's own)")
     parser.add_argument("--batches", default="1,4,64")
     parser.add_argument(
         "--workloads", default="l2_ratio,l2_calibrated,ats", help="WORKLOAD[:KEEP],... (keep rate 0.5 by default)"
@@ -224,14 +228,16 @@ def main() -> None:
     if not has_gpu("python -m ci.forward_profile"):
         return
     torch.manual_seed(0)
-    lab = Lab(torch.device("cuda"), torch.float16)
-    results = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
-    print(f"{results['card']}  torch {torch.__version__}")
+    options = {} if args.img_size is None else {"img_size": args.img_size}
+    lab = CallLab(torch.device("cuda"), torch.float16, args.model, options)
+    results = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
+               "img_size": lab.image_size(args.model), "rows": []}  # fmt: skip
+    print(f"{results['card']}  torch {torch.__version__}  {args.model} at {results['img_size']}")
     kinds = [k for k, _ in KINDS] + ["other"]
     print("| B | pipeline | img/s | span us | busy us | kernels | host ops | " + " | ".join(kinds) + " | first call |")
     print("|---" * (8 + len(kinds)) + "|")
     for batch in (int(b) for b in args.batches.split(",")):
-        images = lab.images(DEIT_B, batch)
+        images = lab.images(args.model, batch)
         # (label, workload or None for timm, keep rate, graphed, compile_blocks, sync-free rows, overlap, fused)
         configs: list[tuple[str, str | None, float, bool, bool, int, bool, bool]] = [
             ("timm reduce-overhead", None, 1.0, True, False, 0, True, False),
@@ -254,7 +260,7 @@ def main() -> None:
             configs = [twin for c in configs for twin in ((c, (c[0] + " +fused", *c[1:7], True)) if c[1] else (c,))]
         for label, workload, keep, graphed, compiled, sync_free_rows, overlap, fused in configs:
             if workload is None:
-                model = lab.model(DEIT_B)
+                model = lab.model(args.model)
                 if "gemm" in label:  # the same embedding as the pipelines, so its gain is not credited to pruning
                     model = with_gemm_patch_embed(model)
                 if graphed:

@@ -2,13 +2,13 @@
 # The GPU suite, in one call on the device machine (no nox there): card facts, GPU tests, compute-sanitizer
 # memcheck on a representative case, then whatever extra steps are named (tune, bench-quick, bench).
 # Usage: bash ci/gpu_suite.sh [tests|tests-quick] [sanitize] [tune|tune-quick|tune-linear] [bench|bench-quick] [dispatch]
-#        [profile] [table3-small] [forward-profile] [ats-kernels] [tome-peer] [families] [rope-models] [naflex]
+#        [profile] [table3-small] [forward-profile] [ats-kernels] [tome-peer] [families] [rope-models] [rope-profile] [naflex]
 #        [validate-ranks (2+ GPUs)]
 # tests: every test with --full (the long sweeps too); tests-quick: without them. Both run ci/gpu_tests.py: TEST_JOBS
 # (default 8) pytest-xdist workers on the one GPU, then the timed tests alone; TEST_PATHS picks test files; logs
 # $OUT/gpu_tests_<i>.log.
 # rope-models: the default call on RoPE models (ROPE_MODELS, "model:size" words; default issue 40's three); naflex:
-# NaFlex batches (NAFLEX_MODES: timm's compile modes).
+# NaFlex batches (NAFLEX_MODES: timm's compile modes); rope-profile: the forward profile of ROPE_PROFILE_MODEL (DINOv3).
 # Set RAGGED_BENCH_COMMIT to the commit's short sha for the e2e steps (the device copy has no .git).
 # Results go under $OUT (default /tmp/ragged-vit-out).
 set -uo pipefail
@@ -58,6 +58,9 @@ for step in "${steps[@]}"; do
                      --workloads l2:0.5,evit:0.7 --rows timm_compiled,default --out "$OUT/" 2>&1 | grep -v Warning \
                      | tee -a "$OUT/rope_models.log" | tail -14
                  done ;;
+    rope-profile) "$PY" -m ci.forward_profile --model "${ROPE_PROFILE_MODEL:-vit_base_patch16_dinov3}" --batches 1,4,64 \
+                    --workloads l2_calibrated:0.5,evit:0.7 --compile-blocks --out "$OUT/forward_profile_rope.json" 2>&1 \
+                    | grep -E "^(\||NVIDIA)" ;;
     naflex) "$PY" -m benchmarks.naflex --batches 1,8,64 --out "$OUT/naflex.json" \
               --compile-modes "${NAFLEX_MODES:-default,reduce-overhead,max-autotune-no-cudagraphs}" 2>&1 \
               | grep -v Warning | tee "$OUT/naflex.log" | tail -20 ;;
