@@ -22,7 +22,9 @@ family on the CPU (fp32, reference backend, one timed forward, rows ``default`` 
 timing. Rows:
 
 * ``timm_eager``; ``timm_compiled``: ``torch.compile(model, mode="reduce-overhead", dynamic=False)``, compiled anew
-  for each batch size (a fresh Dynamo): the best a user gets from one line;
+  for each batch size (a fresh Dynamo): the best a user gets from one line; ``timm_max_autotune``: the same with
+  ``mode="max-autotune"`` (Inductor's GEMM search, CUDA graphs too; minutes of compiling per batch size, so only when
+  ``--rows`` names it);
 * ``default``: the pipeline as constructed, called: ``mode="auto"`` (CUDA graphs per batch bucket, compiled
   blocks), or, run against an older checkout, whatever its default call did;
 * ``eager``: ``mode="eager"`` (skipped where the checkout has no modes);
@@ -62,7 +64,9 @@ from ragged_vit.pipelines.weights import create_model, load_checkpoint
 
 DEFAULT_WORKLOADS = (("l2_calibrated", 0.5), ("ats", 0.5), ("dynamicvit", 0.7), ("evit", 0.7), ("tome", 13))
 ALIASES = {"l2": "l2_calibrated"}  # --workloads shorthands
-ROWS = ("timm_compiled", "default", "eager", "graphed")
+DEFAULT_ROWS = ("timm_compiled", "default", "eager", "graphed")
+ROWS = (*DEFAULT_ROWS, "timm_max_autotune")
+TIMM_MODES = {"timm_compiled": "reduce-overhead", "timm_max_autotune": "max-autotune"}  # timm's rows: compile modes
 SMOKE_ROWS = ("default", "eager")  # what runs on the CPU: timm_compiled and graphed compile for CUDA
 SMOKE = dict(depth=3, embed_dim=64, num_heads=2, num_classes=10)  # --smoke's model overrides (the family's layout)
 HAS_MODES = "mode" in inspect.signature(PrunedViT).parameters  # False against checkouts before the modes
@@ -165,9 +169,10 @@ def first_call(forward, images: torch.Tensor, device: torch.device) -> tuple[flo
     return seconds, out[0]
 
 
-def timm_compiled(model: torch.nn.Module, images: list[torch.Tensor], device: torch.device) -> dict[str, object]:
+def timm_compiled(model: torch.nn.Module, images: list[torch.Tensor], device: torch.device,
+                  mode: str = "reduce-overhead") -> dict[str, object]:  # fmt: skip
     torch._dynamo.reset()
-    compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
+    compiled = torch.compile(model, mode=mode, dynamic=False)
     seconds, logits = first_call(compiled, images[0], device)
     ref = model(images[0])
     entry = {"first_call_s": round(seconds, 3), "max_abs_diff": (logits.float() - ref.float()).abs().max().item()}
@@ -197,12 +202,12 @@ def main_table(lab: CallLab, workloads, batches, rows, save=lambda results: None
         images = lab.images(lab.name, batch)
         with torch.no_grad():
             base = {"batch": batch, "timm_eager": timed([functools.partial(model, img) for img in images], lab.device)}
-            if "timm_compiled" in rows:
-                base["timm_compiled"] = timm_compiled(model, images, lab.device)
+            for row in (r for r in rows if r in TIMM_MODES):
+                base[row] = timm_compiled(model, images, lab.device, TIMM_MODES[row])
             results.append(base)
             for workload, keep in workloads:
                 for row in rows:
-                    if row == "timm_compiled" or (row == "eager" and not HAS_MODES):
+                    if row in TIMM_MODES or (row == "eager" and not HAS_MODES):
                         continue
                     entry = ours(lab, workload, keep, row, images)
                     results.append({"batch": batch, "workload": workload, "keep": keep, "row": row, **entry})
@@ -261,6 +266,11 @@ def eager_rounds(lab: CallLab, workloads, rounds: int, batches=(1, 4, 16, 64)) -
     return results
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """The bytes of the model's parameters as the forward reads them (the weight-read floor's numerator)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def parse_workloads(text: str) -> list[tuple[str, float]]:
     """``WORKLOAD:KEEP,...`` (``tome:R``: ToMe with a fixed ``r = R``; :data:`ALIASES` resolved)."""
     workloads = []
@@ -282,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workloads", default=",".join(f"{w}:{k:g}" for w, k in DEFAULT_WORKLOADS),
                         help="WORKLOAD:KEEP,... (tome:R is ToMe with a fixed r = R; l2 is l2_calibrated)")  # fmt: skip
     parser.add_argument("--rows", default=None, help=f"comma-separated, of {', '.join(ROWS)}; none: '' (default: "
-                        f"all; --smoke: {','.join(SMOKE_ROWS)})")  # fmt: skip
+                        f"{','.join(DEFAULT_ROWS)}; --smoke: {','.join(SMOKE_ROWS)})")  # fmt: skip
     parser.add_argument("--stream", type=int, default=0, help="also a stream of this many batches of sizes 1-64")
     parser.add_argument("--eager-rounds", type=int, default=0, help="also timm eager vs mode='eager', R rounds")
     parser.add_argument("--smoke", action="store_true", help="a tiny model of the family on the CPU, fp32, one timed "
@@ -297,7 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         batches = comma_list(args.batches, int, None)
         allowed = SMOKE_ROWS if args.smoke else ROWS
-        rows = (comma_list(args.rows, str, allowed) or ()) if args.rows is not None else allowed
+        rows = (comma_list(args.rows, str, allowed) or ()) if args.rows is not None else \
+            SMOKE_ROWS if args.smoke else DEFAULT_ROWS  # fmt: skip
         workloads = parse_workloads(args.workloads)
         if (args.stream or args.eager_rounds) and args.smoke:
             raise ValueError("--stream and --eager-rounds time CUDA graphs and compiled models: not with --smoke")
@@ -321,10 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     if out is not None and (out.is_dir() or args.out.endswith("/")):
         out = out / result_file(args.model, img_size)
     weights = str(args.checkpoint) if args.checkpoint else "random (seeded)"
-    payload: dict[str, object] = {"environment": environment(), "modes": HAS_MODES, "argv": sys.argv[1:] if argv is
-                                  None else list(argv), "model": args.model, "img_size": img_size, "dtype":
-                                  str(dtype).removeprefix("torch."), "weights": weights, "smoke": args.smoke,
-                                  "complete": False}  # fmt: skip
+    payload: dict[str, object] = {
+        "environment": environment(), "modes": HAS_MODES, "argv": sys.argv[1:] if argv is None else list(argv),
+        "model": args.model, "img_size": img_size, "dtype": str(dtype).removeprefix("torch."), "weights": weights,
+        "weight_bytes": weight_bytes(lab.model(args.model)), "smoke": args.smoke, "complete": False,
+    }  # fmt: skip
 
     def save(table: list[dict]) -> None:
         payload["table"] = table
@@ -392,9 +404,12 @@ def render(payload: dict) -> str:
            "/ back to back (img/s of each forward alone in brackets)."]  # fmt: skip
     table = [head]
     timm = [base[b]["timm_compiled"] for b in batches]
-    speeds = [f"{b * 1e6 / t['each_us']:,.0f} / {b * 1e6 / t['back_to_back_us']:,.0f}" for b, t in zip(batches, timm,
-                                                                                                         strict=True)]
-    table.append("| timm `reduce-overhead`, img/s | " + " | ".join(speeds) + " |")
+    for row, mode in TIMM_MODES.items():  # timm's rows: img/s on both clocks
+        entries = [base[b].get(row) for b in batches]
+        if any(entries):
+            speeds = [f"{b * 1e6 / t['each_us']:,.0f} / {b * 1e6 / t['back_to_back_us']:,.0f}" if t else "-"
+                      for b, t in zip(batches, entries, strict=True)]  # fmt: skip
+            table.append(f"| timm `{mode}`, img/s | " + " | ".join(speeds) + " |")
     for workload in workloads:
         for row in ("default", "eager", "graphed"):
             cells = []

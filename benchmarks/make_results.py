@@ -540,9 +540,88 @@ def issue40_targets(card_dir: Path, card: str) -> list[Target]:
     return out
 
 
+LATENCY_FILE = "default_call_latency.json"  # gpu_suite.sh issue41: every workload of issue 41, both timm modes
+ISSUE41_BARS = {"NVIDIA H200": 250.0, "NVIDIA H100 80GB HBM3": 300.0}  # B = 1 us per forward, Threshold-L2 0.5
+PEAK_BANDWIDTH = {"NVIDIA H200": 4.8e12, "NVIDIA H100 80GB HBM3": 3.35e12}  # bytes/s of HBM, the weight-read floor's
+ISSUE41_L2 = ("l2_ratio", "l2_calibrated")  # at keep 0.5
+ISSUE41_OTHERS = (("ats", 0.5), ("dynamicvit", 0.7), ("evit", 0.7), ("tome", 13.0))
+ISSUE41_OTHER_FACTOR, ISSUE41_B4_GAIN, ISSUE41_PEER_BAR, ISSUE41_KEEP_BAND = 1.2, 1.5, 2.5, 0.95
+
+
+def issue41_before(data_dir: Path | None, card: str) -> tuple[Path, dict] | None:
+    """The card's "today" of issue 41 (``docs/data/issue41_before_<card>.json``: its default call before the issue's
+    kernels)."""
+    for path in sorted(data_dir.glob("issue41_before_*.json")) if data_dir and data_dir.is_dir() else []:
+        payload = json.loads(path.read_text())
+        if payload.get("meta", {}).get("card") == card:
+            return path, payload
+    return None
+
+
+def issue41_targets(card_dir: Path, card: str, data_dir: Path | None) -> list[Target]:
+    """Issue 41's targets on one card from its default call on DeiT-B 224 fp16 (:data:`LATENCY_FILE`, the run with the
+    issue's workloads and peers; else ``default_call.json``) and its "today" (:func:`issue41_before`): a row each,
+    "not measured" where the run lacks the rows a target needs."""
+    path = card_dir / LATENCY_FILE if (card_dir / LATENCY_FILE).exists() else card_dir / DEFAULT_CALL_FILE
+    payload = json.loads(path.read_text()) if path.exists() else {"table": []}
+    base, rows = default_call._split(payload.get("table", []))
+    date, data = _date(payload.get("environment")), _rel(path)
+    before = issue41_before(data_dir, card)
+    bar = ISSUE41_BARS.get(card)
+    out = []
+
+    def each_us(b: int, workload: str, keep: float) -> float | None:
+        entry = rows.get((b, workload, "default"))
+        return entry.get("each_us") if entry and entry.get("keep") == keep else None
+
+    def add(target: str, cells: Cells, values: Values, at_most: bool = False, unit: str = "x", where: str = data):
+        value, verdict = judge(cells, values, at_most, unit)
+        out.append(Target(f"{target}: {_bars(cells, at_most, unit)}", card, value, verdict,
+                          date if verdict != "not measured" else "-", where))  # fmt: skip
+
+    head = "DeiT-B 224 fp16, default call (graphed)"
+    if bar is not None:
+        l2 = {"B=1": [(w, each_us(1, w, 0.5)) for w in ISSUE41_L2]}
+        add(f"{head}, B=1, Threshold-L2 ratio and calibrated 0.5, us per forward (each forward synchronised)",
+            [("B=1", bar)], l2, at_most=True, unit="us")  # fmt: skip
+        others = {"B=1": [(w, each_us(1, w, k)) for w, k in ISSUE41_OTHERS]}
+        add(f"{head}, B=1, every other pruner within {ISSUE41_OTHER_FACTOR:g}x of the Threshold-L2 bar, us per "
+            "forward", [("B=1", ISSUE41_OTHER_FACTOR * bar)], others, at_most=True, unit="us")  # fmt: skip
+    peers = {"B=1": [(f"{w} over {row}", default_call._ratio(base[1][row], rows.get((1, w, "default")), "each_us"))
+                     for w in ISSUE41_L2 for row in default_call.TIMM_MODES if row in base.get(1, {})]}
+    add(f"{head}, B=1, Threshold-L2 0.5 over unpruned timm reduce-overhead and max-autotune, each forward "
+        "synchronised", [("B=1", ISSUE41_PEER_BAR)], peers)  # fmt: skip
+    commit = str(payload.get("environment", {}).get("commit", "")).split(" ")[0]
+    if before is not None:
+        before_path, today = before
+        where = f"{data}` and `{_rel(before_path)}"  # (the table puts the backticks around it)
+        if commit == today["meta"]["commit"]:  # the stored run is today's: nothing measured since
+            base, rows = {}, {}
+        gains = {"B=4": [(w, T.ratio(4e6 / us, today["b4_img_per_s"].get(w)) if (us := each_us(4, w, k)) else None)
+                         for w, k in (("l2_calibrated", 0.5), *ISSUE41_OTHERS)]}  # fmt: skip
+        add(f"{head}, B=4, every pruner, img/s over today's ({today['meta']['commit']})", [("B=4", ISSUE41_B4_GAIN)],
+            gains, where=where)  # fmt: skip
+        kept = {"B=64": [(w, T.ratio(default_call._ratio(base[64]["timm_compiled"], rows.get((64, w, "default")),
+                                                         "each_us"), today["b64_over_timm"].get(w)))
+                         for w, _ in (("l2_calibrated", 0.5), *ISSUE41_OTHERS)
+                         if "timm_compiled" in base.get(64, {})]}  # fmt: skip
+        add(f"{head}, B=64, every pruner, ratio to unpruned timm reduce-overhead (same run) over today's",
+            [("B=64", ISSUE41_KEEP_BAND)], kept, where=where)  # fmt: skip
+    peak, weights = PEAK_BANDWIDTH.get(card), payload.get("weight_bytes")
+    fastest = min((us for w in ISSUE41_L2 if (us := each_us(1, w, 0.5))), default=None)
+    measured = bool(peak and weights and fastest)
+    achieved = weights / (fastest * 1e-6) if measured else 0.0
+    value = f"{achieved / 1e12:.2f} TB/s ({100 * achieved / peak:.0f}% of {peak / 1e12:g} TB/s)" if measured else "-"
+    out.append(Target(f"{head}, B=1, Threshold-L2 0.5, achieved weight bandwidth (weight bytes / forward time), "
+                      "beside the card's peak", card, value, "reported" if measured else "not measured",
+                      date if measured else "-", data))  # fmt: skip
+    return out
+
+
 def card_targets(card_dir: Path, parts: dict[str, dict], kernel: dict | None, tome: dict | None,
-                 files: dict[str, list[Path]]) -> list[Target]:  # fmt: skip
-    """Every target measured on one card's stored files (``files``: the e2e files of each part)."""
+                 files: dict[str, list[Path]], data_dir: Path | None = None) -> list[Target]:  # fmt: skip
+    """Every target measured on one card's stored files (``files``: the e2e files of each part; ``data_dir``: the
+    ``docs/data`` files some targets compare with)."""
     metas = [p["meta"] for p in parts.values()] + [x["meta"] for x in (kernel, tome) if x]
     card = next((m.get("card") for m in metas if m.get("card")), None) or card_dir.name
     out = []
@@ -566,7 +645,7 @@ def card_targets(card_dir: Path, parts: dict[str, dict], kernel: dict | None, to
             names = files.get(part, [])
             data = _rel(names[0]) if len(names) == 1 else _rel(card_dir / "e2e") + "/" + E2E_FILES[part]
         out.append(Target(target, card, value, verdict, date, data))
-    return out + issue40_targets(card_dir, card)
+    return out + issue40_targets(card_dir, card) + issue41_targets(card_dir, card, data_dir)
 
 
 def data_targets(data_dir: Path) -> list[Target]:
@@ -954,7 +1033,7 @@ def all_targets(baselines: Path, data_dir: Path) -> list[Target]:
     targets = []
     for d in card_dirs(baselines):
         parts, kernel = load_card(d)
-        targets += card_targets(d, parts, kernel, load_tome(d), part_files(d))
+        targets += card_targets(d, parts, kernel, load_tome(d), part_files(d), data_dir)
     targets += data_targets(data_dir)
     order = {t.target: i for i, t in enumerate(targets)}
     return sorted(targets, key=lambda t: (order[t.target], t.card))

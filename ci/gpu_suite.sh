@@ -2,7 +2,7 @@
 # The GPU suite, in one call on the device machine (no nox there): card facts, GPU tests, compute-sanitizer
 # memcheck on a representative case, then whatever extra steps are named (tune, bench-quick, bench).
 # Usage: bash ci/gpu_suite.sh [tests|tests-quick] [sanitize] [tune|tune-quick|tune-linear] [bench|bench-quick] [dispatch]
-#        [profile] [table3-small] [forward-profile] [ats-kernels] [tome-peer] [families] [rope-models] [rope-profile] [naflex]
+#        [profile] [table3-small] [forward-profile] [ats-kernels] [tome-peer] [families] [rope-models] [rope-profile] [naflex] [issue41]
 #        [validate-ranks (2+ GPUs)]
 # tests: every test with --full (the long sweeps too); tests-quick: without them. Both run ci/gpu_tests.py: TEST_JOBS
 # (default 8) pytest-xdist workers on the one GPU, then the timed tests alone; TEST_PATHS picks test files; logs
@@ -61,6 +61,9 @@ for step in "${steps[@]}"; do
     rope-profile) "$PY" -m ci.forward_profile --model "${ROPE_PROFILE_MODEL:-vit_base_patch16_dinov3}" --batches 1,4,64 \
                     --workloads l2_calibrated:0.5,evit:0.7 --compile-blocks --out "$OUT/forward_profile_rope.json" 2>&1 \
                     | grep -E "^(\||NVIDIA)" ;;
+    issue41) "$PY" -m benchmarks.default_call --workloads l2_ratio:0.5,l2_calibrated:0.5,ats:0.5,dynamicvit:0.7,evit:0.7,tome:13 \
+               --rows timm_compiled,timm_max_autotune,default --batches "${ISSUE41_BATCHES:-1,4,64,256}" --out "$OUT/default_call_latency.json" 2>&1 \
+               | grep -v Warning | tee "$OUT/issue41.log" | tail -30 ;;
     naflex) "$PY" -m benchmarks.naflex --batches 1,8,64 --out "$OUT/naflex.json" \
               --compile-modes "${NAFLEX_MODES:-default,reduce-overhead,max-autotune-no-cudagraphs}" 2>&1 \
               | grep -v Warning | tee "$OUT/naflex.log" | tail -20 ;;

@@ -601,6 +601,9 @@ def test_default_call_smoke_on_an_eva_model(tmp_path: Path, capsys: pytest.Captu
     payload = json.loads((card / "default_call_eva02_base_patch14_224_56.json").read_text())
     assert (payload["model"], payload["img_size"], payload["smoke"], payload["complete"]) == (
         "eva02_base_patch14_224", 56, True, True)  # fmt: skip
+    model = default_call.CallLab(torch.device("cpu"), torch.float32, "eva02_base_patch14_224",
+                                 {**default_call.SMOKE, "img_size": 56}).model("eva02_base_patch14_224")  # fmt: skip
+    assert payload["weight_bytes"] == 4 * sum(p.numel() for p in model.parameters())  # fp32 on the CPU
     rows = [(e["batch"], e["workload"], e["keep"], e["row"]) for e in payload["table"] if "row" in e]
     assert rows == [(b, w, k, r) for b in (1, 2) for w, k in (("l2_calibrated", 0.5), ("evit", 0.7))
                     for r in ("default", "eager")]  # fmt: skip
@@ -623,6 +626,66 @@ def test_a_rope_row_that_failed_its_check_is_a_miss() -> None:
     assert value.startswith("1.35x / 1.50x") and verdict == "**missed** (B=64: evit failed its check, not timed)"
     text = default_call.render(payload)  # docs/results.md's section says so too
     assert "| check failed |" in text and "each B=64 >= 1.3x: worst 1.500x (missed, evit failed its check)" in text
+
+
+def _latency_run(commit: str, b1_us: dict[str, float], b4_us: float, b64_ratio: float) -> dict:
+    """A ``gpu_suite.sh issue41`` run on an H200: both timm modes, every workload of issue 41 at B = 1, 4 and 64."""
+    workloads = [("l2_ratio", 0.5), ("l2_calibrated", 0.5), ("ats", 0.5), ("dynamicvit", 0.7), ("evit", 0.7),
+                 ("tome", 13.0)]  # fmt: skip
+    table = []
+    for b, timm in ((1, 800.0), (4, 1000.0), (64, 6400.0)):
+        timm_rows = {"timm_compiled": {"each_us": timm, "back_to_back_us": timm}}
+        if b == 1:
+            timm_rows["timm_max_autotune"] = {"each_us": 700.0, "back_to_back_us": 650.0}
+        table.append({"batch": b, **timm_rows})
+        for w, keep in workloads:
+            us = {1: b1_us.get(w, 280.0), 4: b4_us, 64: timm / b64_ratio}[b]
+            table.append({"batch": b, "workload": w, "keep": keep, "row": "default", "each_us": us,
+                          "back_to_back_us": us})  # fmt: skip
+    env = {"card": "NVIDIA H200", "commit": commit, "date": "2026-12-01T10:00:00+0000"}
+    return {"environment": env, "model": "deit_base_patch16_224", "img_size": 224, "weight_bytes": 173_000_000,
+            "complete": True, "table": table}  # fmt: skip
+
+
+def test_issue41_targets_from_the_latency_run_and_today(tmp_path: Path) -> None:
+    """The latency run against the card's "today": B = 1 times (L2 at most 250 us, the others 1.2x that), both timm
+    modes, B = 4 img/s over today's, B = 64 same-run ratios over today's, the weight bandwidth; today's own run
+    measures none of the comparisons."""
+    card, data = tmp_path / "nvidia-h200", tmp_path / "data"
+    card.mkdir()
+    data.mkdir()
+    today = {"meta": {"card": "NVIDIA H200", "commit": "0ld"}, "b4_img_per_s": {w: 4000.0 for w in
+             ("l2_calibrated", "ats", "dynamicvit", "evit", "tome")}, "b64_over_timm": {w: 1.6 for w in
+             ("l2_calibrated", "ats", "dynamicvit", "evit", "tome")}}  # fmt: skip
+    (data / "issue41_before_h200.json").write_text(json.dumps(today))
+    run = _latency_run("n3w", {"l2_ratio": 240.0, "l2_calibrated": 260.0, "tome": 310.0}, 4e6 / 6400.0, 1.55)
+    (card / make_results.LATENCY_FILE).write_text(json.dumps(run))
+    targets = make_results.issue41_targets(card, "NVIDIA H200", data)
+
+    def row(*words: str) -> make_results.Target:
+        (found,) = [t for t in targets if all(w in t.target for w in words)]
+        return found
+
+    l2 = row("B=1, Threshold-L2 ratio and calibrated 0.5")
+    assert (l2.value, l2.verdict) == ("260.0 us (l2_calibrated)", "**missed** (B=1: l2_calibrated 260.0 us)")
+    others = row("every other pruner within 1.2x", "<= 300.0 us")
+    assert (others.value, others.verdict) == ("310.0 us (tome)", "**missed** (B=1: tome 310.0 us)")
+    peers = row("over unpruned timm reduce-overhead and max-autotune")  # 700 / 260: max-autotune is the faster peer
+    assert (peers.value, peers.verdict) == ("2.69x (l2_calibrated over timm_max_autotune)", "met")
+    gains = row("B=4, every pruner, img/s over today's (0ld)")
+    assert (gains.value, gains.verdict) == ("1.60x (l2_calibrated)", "met")  # 6400 / 4000 img/s
+    kept = row("B=64, every pruner")
+    assert kept.value.startswith("0.97x") and kept.verdict == "met"  # 1.55 / 1.6 >= 0.95
+    bandwidth = row("achieved weight bandwidth")
+    assert (bandwidth.value, bandwidth.verdict) == ("0.72 TB/s (15% of 4.8 TB/s)", "reported")  # 173 MB / 240 us
+    assert gains.data == f"{_rel_card(card)}` and `{make_results._rel(data / 'issue41_before_h200.json')}"
+    (card / make_results.LATENCY_FILE).write_text(json.dumps(_latency_run("0ld", {}, 1000.0, 1.6)))
+    same = make_results.issue41_targets(card, "NVIDIA H200", data)
+    assert [t.verdict for t in same if "today's" in t.target] == ["not measured", "not measured"]
+
+
+def _rel_card(card: Path) -> str:
+    return make_results._rel(card / make_results.LATENCY_FILE)
 
 
 def test_default_call_check_counts_a_flipped_selection_as_one_image() -> None:
