@@ -3,7 +3,8 @@ when a forward's program is built (:meth:`ragged_vit.pipelines.model.PrunedViT.p
 
 Compiled parts run every block's non-attention work through Inductor (it fuses the LayerNorms, residual adds and
 GELU around the GEMMs; the attention backend and the Triton decisions stay opaque ops), and the pruners that have no
-fused decision run under ``torch.compile`` together with their CLS-attention scores. Compiled on first use of each
+fused decision run under ``torch.compile`` together with their CLS-attention scores; a RoPE model's rotation of the
+qkv a decision scores from is one fused kernel instead of a dozen small ones. Compiled on first use of each
 shape; their results agree with the plain parts' to rounding.
 """
 
@@ -17,6 +18,7 @@ import torch
 
 from ..core.decisions import fused_decision
 from ..core.selection import Decision, DecisionInput, Pruner
+from ..reference.rotary import rotate_qkv
 from .eva import block_table
 from .packed_block import (
     dense_block,
@@ -49,6 +51,8 @@ class Parts:
         fused_blocks, fused_attention, fused_mlp: the same in the fused-linear form (:func:`fused_blocks`,
             :func:`fused_attention`, :func:`fused_mlp`), the steps with ``linear``.
         decide: ``(pruner, inp) -> Decision``: a stage's decision (:func:`decide`).
+        rotate_qkv: a RoPE model's qkv with its queries and keys rotated, for a decision that scores by attention
+            (:func:`ragged_vit.reference.rotary.rotate_qkv`).
     """
 
     compiled: bool
@@ -64,6 +68,7 @@ class Parts:
     fused_attention: Callable
     fused_mlp: Callable
     decide: Callable[[Pruner, DecisionInput], Decision]
+    rotate_qkv: Callable
 
 
 @functools.cache
@@ -72,8 +77,8 @@ def parts(compiled: bool) -> Parts:
     plain = (front, packed_blocks, packed_attention, packed_qkv, packed_attention_residual, packed_attention_branch,
              packed_mlp, packed_mlp_qkv, fused_blocks, fused_attention, fused_mlp)  # fmt: skip
     if not compiled:
-        return Parts(False, *plain, decide)
-    return Parts(True, *map(torch.compile, plain), _decide_compiled)
+        return Parts(False, *plain, decide, rotate_qkv)
+    return Parts(True, *map(torch.compile, plain), _decide_compiled, torch.compile(rotate_qkv))
 
 
 def front(

@@ -17,6 +17,7 @@ by the plan (eager, no read), or a captured capacity (the graph runner).
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -152,12 +153,14 @@ class Stage:
     def check_backend(self, backend) -> None:
         """Raises ``ValueError`` if this kind of stage needs what ``backend`` lacks."""
 
-    def decision_input(self, state: ForwardState) -> DecisionInput:
-        """What this stage decides on, from the state its DECIDE step finds (also for timing a decision alone)."""
+    def decision_input(self, state: ForwardState, rotate: Callable = rotate_qkv) -> DecisionInput:
+        """What this stage decides on, from the state its DECIDE step finds (also for timing a decision alone);
+        ``rotate``: how a RoPE model's qkv is rotated for it (the parts' :func:`~ragged_vit.reference.rotary.
+        rotate_qkv`, compiled or plain)."""
         mid = self.mid
         qkv = state.qkv if mid else None
         if self.rotates_qkv:
-            qkv = rotate_qkv(qkv, self.num_heads, *state.rotary.of(self.attn))
+            qkv = rotate(qkv, self.num_heads, *state.rotary.of(self.attn))
         return DecisionInput(
             x=state.x, cu_seqlens=state.cu_seqlens, stage=self.index, num_patches=state.num_patches,
             max_seqlen=state.max_seqlen, qkv=qkv, num_heads=self.num_heads, scale=self.scale,
@@ -167,7 +170,7 @@ class Stage:
     def decide(self, state: ForwardState, parts: Parts) -> Decision:
         """This stage's decision on ``state`` (the fused one where registered: :func:`ragged_vit.pipelines.parts.
         decide`)."""
-        return parts.decide(self.pruner, self.decision_input(state))
+        return parts.decide(self.pruner, self.decision_input(state, parts.rotate_qkv))
 
     def exact_target(self, state: ForwardState, counts: HostCounts, reference: bool = False) -> Target:
         """The buffer that holds exactly the kept rows: from the decision's host count, else read (one wait)."""

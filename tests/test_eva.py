@@ -20,6 +20,7 @@ GPU twins (fp16, the kernel against timm) are at the end.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 
@@ -31,8 +32,11 @@ from timm.models.eva import Eva
 
 import ragged_vit
 from ragged_vit import GraphedPrunedViT, PrunedViT
+from ragged_vit.pipelines import model as model_module
 from ragged_vit.pipelines import packed_block
+from ragged_vit.pipelines import parts as parts_module
 from ragged_vit.reference.pruners import make_pruner
+from ragged_vit.reference.rotary import rotate_qkv
 from tests.helpers import assert_fp16_within_twice, no_tf32
 from tests.test_graphs import poisoned  # noqa: F401  (the fixture: NaN in every padding row)
 from tests.test_models import check_pruned_and_replayed
@@ -355,19 +359,34 @@ def test_the_modes_take_a_rope_model_as_any_vit():
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # Inductor's notes on the CPU
-def test_compiled_blocks_run_the_eva_blocks_in_and_out_of_the_graph_runner():
+def test_compiled_blocks_run_the_eva_blocks_in_and_out_of_the_graph_runner(monkeypatch):
     """``compile_blocks`` on a RoPE model (RoPE-Mixed: one table per block and head): the compiled front (embedding
     without timm's table, the runner's static one given) and packed blocks, in the graph runner and eagerly, equal the
     plain forward to fp32 rounding; Dynamo traces them without a graph break (``padded_sdpa``: q and k rotated in the
-    compiled region). One case: a compile costs ~15 s on the CPU."""
+    compiled region); EViT's decisions score from the qkv the compiled parts' ``rotate_qkv`` rotated (one fused
+    kernel, not a dozen). One case: a compile costs ~15 s on the CPU."""
     model = family("rope_mixed")
     pv = PrunedViT(model, make_pruner("evit", rate=0.6, blocks=(1, 2), fuse_token=True), "padded_sdpa")
     x = images(model, 3, 13)
     ref = pv.run(x)
+    rotations = []
+
+    def counting(compiled: bool) -> parts_module.Parts:
+        real = parts_module.parts(compiled)
+
+        def rotate(*args):
+            rotations.append(real.rotate_qkv)
+            return real.rotate_qkv(*args)
+
+        return dataclasses.replace(real, rotate_qkv=rotate)
+
+    monkeypatch.setattr(model_module, "parts", counting)
     torch._dynamo.utils.counters.clear()
     graphed = GraphedPrunedViT(pv, compile_blocks=True).run(x)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the compiled path ran
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
+    compiled_rotation = parts_module.parts(True).rotate_qkv
+    assert compiled_rotation is not rotate_qkv and rotations == [compiled_rotation] * 2  # two stages
     pv.compile_blocks = True
     eager = pv.run(x, selections=ref.selections)
     for out in (graphed, eager):
