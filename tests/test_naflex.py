@@ -30,6 +30,7 @@ import ragged_vit
 from benchmarks.naflex import patch_dict  # timm's padded NaFlex input of a list of images
 from ragged_vit import PrunedViT
 from ragged_vit.reference.pruners import PRUNERS
+from tests.helpers import assert_fp16_within_twice, no_tf32
 
 SMALL = dict(embed_dim=64, depth=4, num_heads=2, num_classes=10, pos_embed_grid_size=(4, 4))
 FAMILIES = {
@@ -141,20 +142,25 @@ def test_calibrated_threshold_on_a_native_batch():
     assert threshold == pv.pruner.threshold and pv(images()).shape == (4, 10)
 
 
-def check_triton_replays_reference_decisions(family: str, name: str) -> None:
-    """The Triton backend, given the reference backend's decisions, gives its logits (1e-4) and counts."""
-    pv = pipeline(naflex_model(family), name, 0.6)
-    batch = images(SIZES[:3])
-    ref = pv.run(batch)
-    pv.backend = "triton"
-    replayed = pv.run(batch, selections=ref.selections)
+def check_triton_replays_reference_decisions(family: str, name: str, device: str = "cpu") -> None:
+    """The Triton backend, given the reference backend's decisions, gives its logits (1e-4, fp32) and counts."""
+    pv = pipeline(naflex_model(family).to(device), name, 0.6)
+    batch = [image.to(device) for image in images(SIZES[:3])]
+    with no_tf32():
+        ref = pv.run(batch)
+        pv.backend = "triton"
+        replayed = pv.run(batch, selections=ref.selections)
     torch.testing.assert_close(replayed.logits, ref.logits, atol=1e-4, rtol=1e-4)
     assert torch.equal(replayed.counts, ref.counts)
 
 
+REPLAYED = [("map", "dynamicvit"), ("class_token", "evit")]
+ROPE_REPLAYED = ["rope_axial_reg4", "rope_dinov3", "rope_mixed", "rope_mrope"]
+
+
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
-@pytest.mark.parametrize(("family", "name"), [("map", "dynamicvit"), ("class_token", "evit")])
+@pytest.mark.parametrize(("family", "name"), REPLAYED)
 def test_triton_replays_reference_decisions_interpreter(family, name):
     check_triton_replays_reference_decisions(family, name)
 
@@ -243,7 +249,7 @@ def test_rope_pruned_batch_equals_each_image_alone(family, name, keep_rate):
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
-@pytest.mark.parametrize("family", ["rope_axial_reg4", "rope_dinov3", "rope_mixed", "rope_mrope"])
+@pytest.mark.parametrize("family", ROPE_REPLAYED)
 def test_rope_triton_replays_reference_decisions_interpreter(family):
     """The Triton kernel's rotary variant (q and k rotated as it loads them) on the concatenated table."""
     check_triton_replays_reference_decisions(family, "dynamicvit")
@@ -279,6 +285,39 @@ def test_keep_all_fp16_against_timm_gpu(family):
         timm_half = model.half()(patch_dict([image.half() for image in batch])).float()
     logits = pipeline(model, "threshold_l2", 1.0, "triton")([image.half() for image in batch]).float()
     assert (logits - expected).abs().max() <= 2 * (timm_half - expected).abs().max() + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("family", "name"), [*REPLAYED, *((f, "dynamicvit") for f in ROPE_REPLAYED)])
+def test_triton_replays_reference_decisions_gpu(family, name):
+    """The interpreter twins' check on the GPU (fp32): the compiled kernels, the rotary variant among them."""
+    check_triton_replays_reference_decisions(family, name, "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["rope_axial_reg4", "rope_dinov3", "rope_eva_class", "rope_mixed", "rope_mrope"])
+def test_rope_fp16_against_timm_each_image_gpu(family):
+    """RoPE NaFlex in fp16, unpruned and with DynamicViT given the reference backend's fp32 decisions: the Triton
+    forward against the fp32 reference within twice timm's own fp16 error on each image alone (the unpruned logits)
+    or the reference backend's fp16 error (pruned), plus an fp16 ulp of the logits' scale."""
+    model = naflex_model(family).cuda()
+    batch = [image.cuda() for image in images()]
+    with torch.no_grad(), no_tf32():
+        expected = torch.cat([model(image[None]) for image in batch])
+        try:
+            timm_half = torch.cat([model.half()(image[None].half()) for image in batch])
+        except (RuntimeError, TypeError) as error:
+            pytest.skip(f"timm {timm.__version__} cannot run {family} in fp16 itself: {str(error).splitlines()[0]}")
+        model.float()
+        ref = pipeline(model, "dynamicvit", 0.7).run(batch)
+    model.half()
+    half = [image.half() for image in batch]
+    assert_fp16_within_twice(pipeline(model, "none", backend="triton")(half), timm_half, expected)
+    pv = pipeline(model, "dynamicvit", 0.7, "triton")
+    pruned = pv.run(half, selections=ref.selections)
+    pv.backend = "reference"
+    peer = pv.run(half, selections=ref.selections)
+    assert_fp16_within_twice(pruned.logits, peer.logits, ref.logits)
 
 
 def test_benchmark_smoke(tmp_path):
