@@ -15,7 +15,9 @@ the top-level aten ops per forward, the host dispatches besides the Triton launc
 eager pipelines again in turn, K rounds, for ratios that pair timings of one round: the host's speed drifts;
 ``--eager-only`` keeps the eager rows alone, without the compiles of the graphed ones); ``--fused-blocks`` adds each
 pipeline row again with its packed blocks in the fused-linear form (``+fused``: the pipeline's ``fused_block_rows``
-forced past the forward's rows, whatever ``FUSED_BLOCK_MAX_ROWS`` says; ``docs/tuning.md``, "Fused-linear blocks").
+forced past the forward's rows, whatever ``FUSED_BLOCK_MAX_ROWS`` says; ``docs/tuning.md``, "Fused-linear blocks"), and
+once more with the fused linears launched with programmatic dependent launch (``+fused+pdl``: ``LINEAR_PDL_MAX_ROWS``
+forced past the rows while the row is captured and replayed; on GPUs that have it).
 An eager pipeline is called as a user calls it, ``pv(images)`` (:meth:`ragged_vit.pipelines.model.PrunedViT.forward`).
 ``--workloads`` takes ``WORKLOAD:KEEP`` (keep rate 0.5 by default); ``--tome R`` adds ToMe with a fixed ``r = R`` per
 block (one graph per forward), ``--tome-adaptive R`` its adaptive merging at the same mean rows (a graph per block,
@@ -47,6 +49,8 @@ from ragged_vit.pipelines.model import PrunedViT
 from ragged_vit.pipelines.patch_embed import with_gemm_patch_embed
 from ragged_vit.reference.merging import fixed_r_counts
 from ragged_vit.reference.pruners import make_pruner
+from ragged_vit.triton_impl import configs as linear_configs
+from ragged_vit.triton_impl.launcher import pdl_supported
 
 KINDS = (
     ("attention", r"_ragged|flash|fmha|attention|sdpa"),
@@ -233,32 +237,37 @@ def main() -> None:
     results = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
                "img_size": lab.image_size(args.model), "rows": []}  # fmt: skip
     print(f"{results['card']}  torch {torch.__version__}  {args.model} at {results['img_size']}")
+    pdl_rows = linear_configs.LINEAR_PDL_MAX_ROWS  # the configured value: every row but +fused+pdl's runs with it
     kinds = [k for k, _ in KINDS] + ["other"]
     print("| B | pipeline | img/s | span us | busy us | kernels | host ops | " + " | ".join(kinds) + " | first call |")
     print("|---" * (8 + len(kinds)) + "|")
     for batch in (int(b) for b in args.batches.split(",")):
         images = lab.images(args.model, batch)
-        # (label, workload or None for timm, keep rate, graphed, compile_blocks, sync-free rows, overlap, fused)
-        configs: list[tuple[str, str | None, float, bool, bool, int, bool, bool]] = [
-            ("timm reduce-overhead", None, 1.0, True, False, 0, True, False),
-            ("timm reduce-overhead +gemm embed", None, 1.0, True, False, 0, True, False),
+        # (label, workload or None for timm, keep rate, graphed, compile_blocks, sync-free rows, overlap, fused
+        # linears: 0 no, 1 yes, 2 with programmatic dependent launch)
+        configs: list[tuple[str, str | None, float, bool, bool, int, bool, int]] = [
+            ("timm reduce-overhead", None, 1.0, True, False, 0, True, 0),
+            ("timm reduce-overhead +gemm embed", None, 1.0, True, False, 0, True, 0),
         ][: 0 if args.eager_only else 2]
         if args.eager:
-            configs.append(("timm eager", None, 1.0, False, False, 0, True, False))
+            configs.append(("timm eager", None, 1.0, False, False, 0, True, 0))
         for w, keep in args.workloads:
             name = label_of(w, keep)
             if args.eager:
-                configs.append((name + " eager", w, keep, False, False, 0, True, False))
+                configs.append((name + " eager", w, keep, False, False, 0, True, 0))
             for compiled in () if args.eager_only else (False, True) if args.compile_blocks else (False,):
                 for rows in sorted({0, args.sync_free_rows}):
                     label = name + (" +compile" if compiled else "") + (f" +sync-free {rows}" if rows else "")
-                    configs.append((label, w, keep, True, compiled, rows, True, False))
+                    configs.append((label, w, keep, True, compiled, rows, True, 0))
                 if args.serial_decisions:
                     configs.append((name + (" +compile" if compiled else "") + " +serial", w, keep, True, compiled, 0,
-                                    False, False))  # fmt: skip
-        if args.fused_blocks:  # each pipeline row beside its fused-linear twin
-            configs = [twin for c in configs for twin in ((c, (c[0] + " +fused", *c[1:7], True)) if c[1] else (c,))]
+                                    False, 0))  # fmt: skip
+        if args.fused_blocks:  # each pipeline row beside its fused-linear twins, without and with PDL
+            pdl = pdl_supported(torch.cuda.current_device())
+            configs = [twin for c in configs for twin in ((c, (c[0] + " +fused", *c[1:7], 1),
+                       *([(c[0] + " +fused+pdl", *c[1:7], 2)] if pdl else [])) if c[1] else (c,))]  # fmt: skip
         for label, workload, keep, graphed, compiled, sync_free_rows, overlap, fused in configs:
+            linear_configs.LINEAR_PDL_MAX_ROWS = (1 << 30) if fused == 2 else pdl_rows  # captured and replayed with it
             if workload is None:
                 model = lab.model(args.model)
                 if "gemm" in label:  # the same embedding as the pipelines, so its gain is not credited to pruning
@@ -303,6 +312,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         if args.eager_rounds:
             results.setdefault("eager_rounds", []).extend(eager_rounds(lab, batch, images, args))
+    linear_configs.LINEAR_PDL_MAX_ROWS = pdl_rows
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

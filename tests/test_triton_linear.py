@@ -509,3 +509,73 @@ def test_fixup_cuda_graph_replay_gpu(first_use_captured, gen, monkeypatch):
         assert _counters_zero()
         for out, new, (_, w, kw), c in zip(outs, fresh, statics, configs, strict=True):
             assert torch.equal(out, tlin.fused_linear(new, w, config=dataclasses.replace(c, fixup=False), **kw))
+
+
+
+def _block_chain(x, weights, config, outs):
+    """A ViT-B block's four fused linears in a row (a slice of qkv standing in for the attention's output), each
+    reading the one before, into ``outs`` (qkv, x1, h, y and proj's statistics): the statistics kernel, then qkv,
+    proj (statistics out), fc1 (statistics in), fc2."""
+    (wq, bq, n1, n1b), (wp, bp, g1), (w1, b1, n2, n2b), (w2, b2, g2) = weights
+    qkv, x1, h, y, stats = outs
+    tlin.fused_linear(x, wq, bq, ln_weight=n1, ln_bias=n1b, eps=1e-6, out=qkv, config=config)
+    tlin.fused_linear(qkv[:, : wp.shape[1]], wp, bp, gamma=g1, residual=x, out=x1, stats_out=stats, config=config)
+    tlin.fused_linear(x1, w1, b1, ln_weight=n2, ln_bias=n2b, eps=1e-6, ln_stats=stats, activation="gelu", out=h,
+                      config=config)  # fmt: skip
+    tlin.fused_linear(h, w2, b2, gamma=g2, residual=x1, out=y, config=config)
+    return outs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fixup", [False, True], ids=["two_kernels", "fixup"])
+@pytest.mark.parametrize("rows", [1, 50, 197])
+def test_pdl_chain_same_bits_gpu(rows, fixup, gen, monkeypatch):
+    """A block's chain of fused linears launched with programmatic dependent launch (``LINEAR_PDL_MAX_ROWS`` past the
+    rows): each kernel may start while the one before it runs and waits for it before reading, so the outputs (into
+    NaN-poisoned buffers) are the plain launches' bits, eagerly and replayed from a CUDA graph on new inputs."""
+    from ragged_vit.triton_impl import configs as cfg
+    from ragged_vit.triton_impl.launcher import pdl_supported
+
+    if not pdl_supported(torch.cuda.current_device()):
+        pytest.skip("this GPU or Triton has no programmatic dependent launch (compute capability 9.0 and launch_pdl)")
+
+    def vec(n, scale=0.2, base=0.0):
+        return (base + scale * torch.randn(n, generator=gen)).to("cuda", torch.float16)
+
+    def mat(n, k):
+        return (torch.randn(n, k, generator=gen) / k**0.5).to("cuda", torch.float16)
+
+    def poisoned():
+        cols = (2304, 768, 3072, 768)
+        outs = [_poisoned(rows, n, torch.float16, "cuda") for n in cols]
+        return [*outs, tlin.empty_ln_stats(rows, 768, torch.device("cuda"), config).fill_(float("nan"))]
+
+    weights = [(mat(2304, 768), vec(2304), vec(768, base=1.0), vec(768)), (mat(768, 768), vec(768), vec(768, 0.1)),
+               (mat(3072, 768), vec(3072), vec(768, base=1.0), vec(768)), (mat(768, 3072), vec(768), vec(768, 0.1))]
+    config = dataclasses.replace(linear_config(torch.device("cuda"), rows), fixup=fixup)
+    x = torch.randn(rows, 768, generator=gen).to("cuda", torch.float16)
+    plain = _block_chain(x, weights, config, poisoned())
+    assert all(bool(torch.isfinite(t).all()) for t in plain)
+    monkeypatch.setattr(cfg, "LINEAR_PDL_MAX_ROWS", 1 << 30)
+    for got, want in zip(_block_chain(x, weights, config, poisoned()), plain, strict=True):
+        assert torch.equal(got, want)
+    static, outs = x.clone(), poisoned()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _block_chain(static, weights, config, outs)  # warm: every kernel compiled and the counters made before capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _block_chain(static, weights, config, outs)
+    for _ in range(2):
+        fresh = torch.randn(rows, 768, generator=gen).to("cuda", torch.float16)
+        static.copy_(fresh)
+        for t in outs:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setattr(cfg, "LINEAR_PDL_MAX_ROWS", 0)
+        for got, want in zip(outs, _block_chain(fresh, weights, config, poisoned()), strict=True):
+            assert torch.equal(got, want)
+        monkeypatch.setattr(cfg, "LINEAR_PDL_MAX_ROWS", 1 << 30)

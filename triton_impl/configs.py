@@ -128,6 +128,10 @@ LINEAR_MAX_SPLIT = 16
 FUSED_BLOCK_MAX_ROWS = 0  # docs/tuning.md#fused-linear-blocks: 0 until measured, so no forward takes that form yet
 """Forwards of at most this many rows (``B x N``) run their packed blocks as fused linears (four launches and the
 attention a block: :mod:`ragged_vit.pipelines.packed_block`, the fused-linear form); the plan's rule reads it."""
+LINEAR_PDL_MAX_ROWS = 0  # docs/tuning.md#fused-linear-blocks: 0 until measured, so no launch takes it yet
+"""Fused linears of at most this many rows (M) launch with programmatic dependent launch where the GPU and Triton
+allow it (:func:`ragged_vit.triton_impl.launcher.pdl_supported`): each may start while the kernel before it finishes,
+and waits for it before reading anything (the same bits); a chain of them hides the launch gaps of a small forward."""
 INTERPRETER_SMS = 8
 """The SM count the interpreter plans splits for: small enough that its tests take the split-K path at small N."""
 

@@ -36,6 +36,11 @@ once per device and every launch leaves them zero, so a CUDA graph replays the l
 more tiles, or a first use inside a graph capture, takes the two-kernel path (the same bits). Launches on one device
 share the counters: two of them must not run at once on two streams.
 
+Programmatic dependent launch (``M`` up to :data:`ragged_vit.triton_impl.configs.LINEAR_PDL_MAX_ROWS`, on GPUs that
+have it): every kernel of a launch waits for the kernel before it in the stream (``gdc_wait``) before its first read,
+and lets the next one start once its main loop is done (``gdc_launch_dependents``), so a chain of fused linears
+overlaps each launch with the previous kernel's tail; the bits are the same.
+
 Supported: fp16, bf16, fp32 inputs (``x``, ``weight`` and ``residual`` of one dtype; the vectors ``bias``,
 ``ln_weight``, ``ln_bias``, ``gamma`` in that dtype or fp32); K and N multiples of 16 up to 8192; any M (tuned for M
 up to 256); the last dimension of every matrix contiguous, rows at any stride. ``out`` may be ``residual`` itself (an
@@ -52,8 +57,9 @@ import triton.language as tl
 
 from ..core.validation import FLOAT_DTYPES, check_tensor
 from ..reference.linear import ACTIVATIONS, stats_chunk_width
+from . import configs
 from .configs import INTERPRETER_SMS, LinearConfig, linear_config, linear_split, sm_count
-from .launcher import INTERPRETED, CompiledLauncher, aligned, cdiv, int_spec
+from .launcher import INTERPRETED, CompiledLauncher, aligned, cdiv, int_spec, pdl_supported
 
 MAX_DIM = 8192
 _ACTIVATION_CODES = {None: 0, "gelu": 1, "gelu_tanh": 2}
@@ -126,10 +132,13 @@ def _split_sum(WS, offs_m, offs_n, M, N, SPLITS: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["M"])
-def _stats_kernel(X, S, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _stats_kernel(X, S, M, K, stride_xm, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Mean and M2 of each row of ``X`` over its K values into ``S [1, M, 2]``, in fp32, in one pass: each chunk's
     mean and sum of squared deviations, merged into the running ones by Chan's update (no E[x^2] - E[x]^2
-    cancellation)."""
+    cancellation). ``PDL``: launched with programmatic dependent launch (waits for the kernel before it first)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     offs_k = tl.arange(0, BLOCK_K)
@@ -188,7 +197,10 @@ def _linear_kernel(
     EVEN_N: tl.constexpr,  # N % BLOCK_N == 0: no N masks on the weight
     DOT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,  # bf16 tiles widened to fp32 before the dot (exact products): the interpreter's bf16 dot
+    PDL: tl.constexpr,  # launched with programmatic dependent launch: wait for the kernel before, release the next
 ):  # fmt: skip
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # before the first read: the rows (and statistics) are the previous kernel's output
     pid_m = tl.program_id(0)  # M tiles vary fastest: the programs that share a weight slab run together
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -231,6 +243,8 @@ def _linear_kernel(
         if DOT_FP32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start: it waits for this one before any read
     if PARTIAL:
         ws = WS + pid_s * M * N + offs_m[:, None] * N + offs_n[None, :]
         tl.store(ws, acc, mask=mask_m[:, None] & mask_n[None, :])
@@ -259,8 +273,12 @@ def _reduce_kernel(
     HAS_GAMMA: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     STATS_OUT: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """Adds the ``SPLITS`` fp32 partials of a tile in split order (the same bits on every run), then the epilogue."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = _split_sum(WS, offs_m, offs_n, M, N, SPLITS)
@@ -483,16 +501,19 @@ def fused_linear_unchecked(
     grid = (cdiv(rows, config.block_m), cdiv(cols, config.block_n), splits)
     counters = tile_counters(device, grid[0] * grid[1]) if config.fixup and splits > 1 else None
     index = x.get_device()
+    pdl = rows <= configs.LINEAR_PDL_MAX_ROWS and device.type == "cuda" and pdl_supported(index)
+    launch = {"launch_pdl": True} if pdl else {}  # with the kernels' PDL constexpr: their waits compiled in
     if ln_weight is not None and ln_stats is None:  # the rows' statistics, once per row, before the product
         ln_stats = torch.empty((1, rows, 2), dtype=torch.float32, device=device)
-        stats_key = (x.dtype, int_spec(x.stride(0)), depth) if aligned(x, ln_stats) else None
+        stats_key = (x.dtype, int_spec(x.stride(0)), depth, pdl) if aligned(x, ln_stats) else None
         _stats(
             stats_key,
             index,
             (cdiv(rows, STATS_BLOCK_M),),
-            (x, ln_stats, rows, depth, x.stride(0), STATS_BLOCK_M, STATS_BLOCK_K),
+            (x, ln_stats, rows, depth, x.stride(0), STATS_BLOCK_M, STATS_BLOCK_K, pdl),
             num_warps=4,
             num_stages=1,
+            **launch,
         )
     chunks = 0 if ln_stats is None else ln_stats.shape[0]
     width = 0 if ln_stats is None else stats_chunk_width(depth, chunks)
@@ -507,7 +528,7 @@ def fused_linear_unchecked(
     if aligned(*present):
         strides = (x.stride(0), weight.stride(0), stride_rm, y.stride(0))
         key = (tuple(None if t is None else t.dtype for t in tensors), tuple(int_spec(s) for s in strides), config,
-               splits, depth, cols, k_per_split, flags, ln_bias is not None)  # fmt: skip
+               splits, depth, cols, k_per_split, flags, ln_bias is not None, pdl)  # fmt: skip
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     fusion = {"enable_fp_fusion": stats_out is None}  # the statistics' sums as written, whatever the tile layout
     _main(
@@ -515,16 +536,16 @@ def fused_linear_unchecked(
         (*tensors, rows, cols, depth, k_per_split, eps, chunks, width, x.stride(0), weight.stride(0), stride_rm,
          y.stride(0), config.block_m, config.block_n, config.block_k, ln_weight is not None, ln_bias is not None,
          *flags, splits > 1, 0 if counters is None else splits, depth % config.block_k == 0,
-         cols % config.block_n == 0, precision, INTERPRETED and x.dtype == torch.bfloat16),
-        num_warps=config.num_warps, num_stages=config.num_stages, **fusion,
+         cols % config.block_n == 0, precision, INTERPRETED and x.dtype == torch.bfloat16, pdl),
+        num_warps=config.num_warps, num_stages=config.num_stages, **fusion, **launch,
     )  # fmt: skip
     if splits > 1 and counters is None:
         block_m = min(16, 1 << (rows - 1).bit_length())  # a constexpr of the reduction: part of its launch key
         _reduce(
             key and (key, "reduce", block_m), index, (cdiv(rows, block_m), cdiv(cols, config.block_n)),
             (workspace, bias, gamma, residual, y, stats_out, rows, cols, stride_rm, y.stride(0), splits, block_m,
-             config.block_n, *flags),
-            num_warps=4, num_stages=1, **fusion,
+             config.block_n, *flags, pdl),
+            num_warps=4, num_stages=1, **fusion, **launch,
         )  # fmt: skip
     return y
 
