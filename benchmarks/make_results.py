@@ -595,16 +595,15 @@ def issue41_targets(card_dir: Path, card: str, data_dir: Path | None) -> list[Ta
     if before is not None:
         before_path, today = before
         where = f"{data}` and `{_rel(before_path)}"  # (the table puts the backticks around it)
-        if commit == today["meta"]["commit"]:  # the stored run is today's: nothing measured since
-            base, rows = {}, {}
+        since = commit != today["meta"]["commit"]  # the stored run is today's: nothing measured since
         gains = {"B=4": [(w, T.ratio(4e6 / us, today["b4_img_per_s"].get(w)) if (us := each_us(4, w, k)) else None)
-                         for w, k in (("l2_calibrated", 0.5), *ISSUE41_OTHERS)]}  # fmt: skip
+                         for w, k in (("l2_calibrated", 0.5), *ISSUE41_OTHERS) if since]}  # fmt: skip
         add(f"{head}, B=4, every pruner, img/s over today's ({today['meta']['commit']})", [("B=4", ISSUE41_B4_GAIN)],
             gains, where=where)  # fmt: skip
         kept = {"B=64": [(w, T.ratio(default_call._ratio(base[64]["timm_compiled"], rows.get((64, w, "default")),
                                                          "each_us"), today["b64_over_timm"].get(w)))
                          for w, _ in (("l2_calibrated", 0.5), *ISSUE41_OTHERS)
-                         if "timm_compiled" in base.get(64, {})]}  # fmt: skip
+                         if since and "timm_compiled" in base.get(64, {})]}  # fmt: skip
         add(f"{head}, B=64, every pruner, ratio to unpruned timm reduce-overhead (same run) over today's",
             [("B=64", ISSUE41_KEEP_BAND)], kept, where=where)  # fmt: skip
     peak, weights = PEAK_BANDWIDTH.get(card), payload.get("weight_bytes")

@@ -678,14 +678,12 @@ def test_issue41_targets_from_the_latency_run_and_today(tmp_path: Path) -> None:
     assert kept.value.startswith("0.97x") and kept.verdict == "met"  # 1.55 / 1.6 >= 0.95
     bandwidth = row("achieved weight bandwidth")
     assert (bandwidth.value, bandwidth.verdict) == ("0.72 TB/s (15% of 4.8 TB/s)", "reported")  # 173 MB / 240 us
-    assert gains.data == f"{_rel_card(card)}` and `{make_results._rel(data / 'issue41_before_h200.json')}"
+    latency = make_results._rel(card / make_results.LATENCY_FILE)
+    assert gains.data == f"{latency}` and `{make_results._rel(data / 'issue41_before_h200.json')}"
     (card / make_results.LATENCY_FILE).write_text(json.dumps(_latency_run("0ld", {}, 1000.0, 1.6)))
     same = make_results.issue41_targets(card, "NVIDIA H200", data)
     assert [t.verdict for t in same if "today's" in t.target] == ["not measured", "not measured"]
-
-
-def _rel_card(card: Path) -> str:
-    return make_results._rel(card / make_results.LATENCY_FILE)
+    assert [t.verdict for t in same if "bandwidth" in t.target] == ["reported"]  # today's run measures its own latency
 
 
 def test_default_call_check_counts_a_flipped_selection_as_one_image() -> None:
