@@ -145,20 +145,22 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(args.seed)
     images = [torch.randn(3, h, w, generator=g).to(device, dtype) for h, w in sizes]
     table = []
-    for batch in batches:
-        table += rows_at(model, images[:batch], args, device)
-    payload = {"environment": environment(), "argv": sys.argv[1:] if argv is None else argv, "model": args.model,
-               "seed": args.seed, "smoke": args.smoke, "dtype": str(dtype).removeprefix("torch."), "sizes": sizes,
-               "rows": table}  # fmt: skip
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    for entry in table:
-        rate, head = entry.get("img_per_s"), f"B={entry['batch']:<3} {entry['row']:<44} "
-        if rate is None:
-            print(head + entry["status"])
-        else:
-            print(head + f"{rate:10.1f} img/s each, {entry['img_per_s_back_to_back']:10.1f} back to back")
+    for batch in batches:  # each batch's rows are written and printed when done: a run cut short keeps them
+        done = rows_at(model, images[:batch], args, device)
+        table += done
+        payload = {"environment": environment(), "argv": sys.argv[1:] if argv is None else argv, "model": args.model,
+                   "seed": args.seed, "smoke": args.smoke, "dtype": str(dtype).removeprefix("torch."), "sizes": sizes,
+                   "rows": table}  # fmt: skip
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
+        for entry in done:
+            rate, head = entry.get("img_per_s"), f"B={entry['batch']:<3} {entry['row']:<44} "
+            if rate is None:
+                print(head + entry["status"], flush=True)
+            else:
+                rates = f"{rate:10.1f} img/s each, {entry['img_per_s_back_to_back']:10.1f} back to back"
+                print(head + rates, flush=True)
     return 0
 
 

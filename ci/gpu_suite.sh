@@ -8,7 +8,7 @@
 # (default 8) pytest-xdist workers on the one GPU, then the timed tests alone; TEST_PATHS picks test files; logs
 # $OUT/gpu_tests_<i>.log.
 # rope-models: the default call on RoPE models (ROPE_MODELS, "model:size" words; default issue 40's three); naflex:
-# NaFlex batches (NAFLEX_MODES: timm's compile modes); rope-profile: the forward profile of ROPE_PROFILE_MODEL (DINOv3).
+# NaFlex batches (NAFLEX_BATCHES, issue 40's 64 first; NAFLEX_MODES: timm's compile modes); rope-profile: the forward profile of ROPE_PROFILE_MODEL (DINOv3).
 # Set RAGGED_BENCH_COMMIT to the commit's short sha for the e2e steps (the device copy has no .git).
 # Results go under $OUT (default /tmp/ragged-vit-out).
 set -uo pipefail
@@ -64,9 +64,9 @@ for step in "${steps[@]}"; do
     issue41) "$PY" -m benchmarks.default_call --workloads l2_ratio:0.5,l2_calibrated:0.5,ats:0.5,dynamicvit:0.7,evit:0.7,tome:13 \
                --rows timm_compiled,timm_max_autotune,default --batches "${ISSUE41_BATCHES:-1,4,64,256}" --out "$OUT/default_call_latency.json" 2>&1 \
                | grep -v Warning | tee "$OUT/issue41.log" | tail -30 ;;
-    naflex) "$PY" -m benchmarks.naflex --batches 1,8,64 --out "$OUT/naflex.json" \
+    naflex) "$PY" -m benchmarks.naflex --batches "${NAFLEX_BATCHES:-64,8,1}" --out "$OUT/naflex.json" \
               --compile-modes "${NAFLEX_MODES:-default,reduce-overhead,max-autotune-no-cudagraphs}" 2>&1 \
-              | grep -v Warning | tee "$OUT/naflex.log" | tail -20 ;;
+              | tee "$OUT/naflex.log" | grep -E "^B=" ;;
     families) "$PY" -m ci.model_families --speed --max-minutes 8.2 --out "$OUT/families.json" 2>&1 | tail -20 ;;
     validate-ranks) "$PY" -m ci.validate_ranks --out "$OUT/validate_ranks" 2>&1 | tail -12 || status=1 ;;
     *) echo "unknown step: $step"; status=2 ;;
