@@ -59,6 +59,7 @@ PART_TITLES = {  # in document order
 }
 DEIT_B = "deit_base_patch16_224"
 TOME_FILE = "tome_peer.json"  # python -m benchmarks.tome_peer's default output, in the card's directory
+TOME_ADAPTIVE_FILE = "tome_peer_adaptive.json"  # the adaptive rows' own run (gpu_suite.sh tome-adaptive), if apart
 DEFAULT_CALL_FILE = "default_call.json"  # python -m benchmarks.default_call's output, in the card's directory
 DEFAULT_CALL_TITLE = "The default call (`prune(model)(images)`) against unpruned timm `reduce-overhead`"
 MODEL_CALLS = "default_call_*.json"  # benchmarks.default_call --model's outputs (default_call.result_file)
@@ -82,9 +83,16 @@ def load_card(card_dir: Path) -> tuple[dict[str, dict], dict | None]:
 
 
 def load_tome(card_dir: Path) -> dict | None:
-    """The card's stored ``benchmarks.tome_peer`` run (None if absent)."""
-    path = card_dir / TOME_FILE
-    return json.loads(path.read_text()) if path.exists() else None
+    """The card's stored ``benchmarks.tome_peer`` run (None if absent). When the adaptive rows ran apart (one call
+    cannot hold both runs), that run is the payload's ``"adaptive_run"``: adaptive over fixed ``r`` is a same-run
+    ratio of its own rows."""
+    path, apart = card_dir / TOME_FILE, card_dir / TOME_ADAPTIVE_FILE
+    if not path.exists():
+        return None
+    tome = json.loads(path.read_text())
+    if apart.exists():
+        tome["adaptive_run"] = json.loads(apart.read_text())
+    return tome
 
 
 def card_dirs(baselines: Path) -> list[Path]:
@@ -310,22 +318,24 @@ TOME_LABELS = {"vs_timm": "ToMe r = 13 (`GraphedPrunedViT`) vs unpruned timm red
                "adaptive": "adaptive ToMe (r = 13's mean rows) vs fixed r"}  # fmt: skip
 
 
-def tome_targets(tome: dict) -> list[tuple[str, str, str]]:
-    """``(target, value, verdict)`` of ToMe's targets from a stored ``benchmarks.tome_peer`` run (each forward
-    alone: the targets' clock)."""
-    if tome["meta"].get("model") != DEIT_B or tome["meta"].get("r") != 13:
-        return []
+def tome_targets(tome: dict) -> list[tuple[str, str, str, dict]]:
+    """``(target, value, verdict, run)`` of ToMe's targets from a stored ``benchmarks.tome_peer`` run (each forward
+    alone: the targets' clock); ``run``: the payload measured (the adaptive target's own run if it ran apart,
+    :func:`load_tome`)."""
     out = []
     for key, bars in TOME_TARGETS.items():
+        run = tome.get("adaptive_run", tome) if key == "adaptive" else tome
+        if run["meta"].get("model") != DEIT_B or run["meta"].get("r") != 13:
+            continue
         cells = [(f"B={b}", need) for b, need in bars]
         values: Values = {}
         for b, _ in bars:
-            up = tome_peer.speedups(tome["rows"], b)
+            up = tome_peer.speedups(run["rows"], b)
             name = tome_peer.ADAPTIVE_NAMES[up.adaptive_row] if key == "adaptive" and up.adaptive_row else "ours"
             values[f"B={b}"] = [(name, getattr(up, key))]
         value, verdict = judge(cells, values)
         if verdict != "not measured":
-            out.append((f"{TOME_LABELS[key]}: {_bars(cells)}", value, verdict))
+            out.append((f"{TOME_LABELS[key]}: {_bars(cells)}", value, verdict, run))
     return out
 
 
@@ -631,8 +641,9 @@ def card_targets(card_dir: Path, parts: dict[str, dict], kernel: dict | None, to
         for target, value, verdict, date in default_call_targets(call):
             out.append(Target(target, card, value, verdict, date, _rel(call_path)))
     if tome:
-        for target, value, verdict in tome_targets(tome):
-            out.append(Target(target, card, value, verdict, _date(tome["meta"]), _rel(card_dir / TOME_FILE)))
+        for target, value, verdict, run in tome_targets(tome):
+            name = TOME_FILE if run is tome else TOME_ADAPTIVE_FILE
+            out.append(Target(target, card, value, verdict, _date(run["meta"]), _rel(card_dir / name)))
     if not any(m.get("card") for m in metas) and not call_path.exists():  # a card with issue 40's files alone
         stored = [p for _, p in load_model_calls(card_dir).values()] + [(load_naflex(card_dir) or ([], {}))[1]]
         card = next((p["environment"]["card"] for p in stored if p.get("environment", {}).get("card")), card)
@@ -902,6 +913,9 @@ def card_section(
         m = tome["meta"]
         title = f"{TOME_TITLE} ({m.get('model')}, r = {m.get('r')})"
         out.append("\n\n".join([f"### {title}", T.header(tome), TOME_METHOD, tome_peer.render(tome)]))
+        if (apart := tome.get("adaptive_run")) is not None:
+            out.append("\n\n".join([f"#### The adaptive rows' own run (`{TOME_ADAPTIVE_FILE}`)", T.header(apart),
+                                     tome_peer.render(apart)]))  # fmt: skip
     return "\n\n".join(out)
 
 

@@ -2,13 +2,15 @@
 # The GPU suite, in one call on the device machine (no nox there): card facts, GPU tests, compute-sanitizer
 # memcheck on a representative case, then whatever extra steps are named (tune, bench-quick, bench).
 # Usage: bash ci/gpu_suite.sh [tests|tests-quick] [sanitize] [tune|tune-quick|tune-linear] [bench|bench-quick] [dispatch]
-#        [profile] [table3-small] [forward-profile] [ats-kernels] [tome-peer] [families] [rope-models] [rope-profile] [naflex] [issue41]
+#        [profile] [table3-small] [forward-profile] [ats-kernels] [tome-peer] [tome-adaptive] [families] [rope-models] [rope-profile] [naflex] [issue41]
 #        [validate-ranks (2+ GPUs)]
 # tests: every test with --full (the long sweeps too); tests-quick: without them. Both run ci/gpu_tests.py: TEST_JOBS
 # (default 8) pytest-xdist workers on the one GPU, then the timed tests alone; TEST_PATHS picks test files; logs
 # $OUT/gpu_tests_<i>.log.
 # rope-models: the default call on RoPE models (ROPE_MODELS, "model:size" words; default issue 40's three); naflex:
 # NaFlex batches (NAFLEX_BATCHES, issue 40's 64 first; NAFLEX_MODES: timm's compile modes); rope-profile: the forward profile of ROPE_PROFILE_MODEL (DINOv3).
+# tome-peer: ToMe against its peer, fixed r (~8-9 min on an H200); tome-adaptive: the adaptive rows' own run (its file
+# joins tome_peer.json in the results: benchmarks/make_results.py).
 # Set RAGGED_BENCH_COMMIT to the commit's short sha for the e2e steps (the device copy has no .git).
 # Results go under $OUT (default /tmp/ragged-vit-out).
 set -uo pipefail
@@ -51,8 +53,11 @@ for step in "${steps[@]}"; do
     forward-profile) "$PY" -m ci.forward_profile --compile-blocks --serial-decisions --workloads l2_calibrated,ats \
                        --out "$OUT/forward_profile.json" 2>&1 | grep "^|" ;;
     ats-kernels) "$PY" -m ci.ats_kernels 2>&1 | tail -5 ;;
-    tome-peer) "$PY" -m benchmarks.tome_peer --batches 1,4,64 --adaptive-batches 64 --r 13 --out "$OUT/tome_peer.json" \
+    tome-peer) "$PY" -m benchmarks.tome_peer --batches 1,4,64 --adaptive-batches "" --r 13 --out "$OUT/tome_peer.json" \
                  2>&1 | grep -v Warning | tee "$OUT/tome_peer.log" | tail -40 ;;
+    tome-adaptive) "$PY" -m benchmarks.tome_peer --batches 64 --adaptive-batches 64 --r 13 \
+                     --rows ours,ours_adaptive,ours_adaptive_sync_free,ours_adaptive_lagged \
+                     --out "$OUT/tome_peer_adaptive.json" 2>&1 | grep -v Warning | tee "$OUT/tome_adaptive.log" | tail -20 ;;
     rope-models) for spec in ${ROPE_MODELS:-vit_base_patch16_dinov3:224 eva02_base_patch14_224:224 vit_base_patch16_dinov3:512}; do
                    "$PY" -m benchmarks.default_call --model "${spec%:*}" --img-size "${spec#*:}" --batches 1,4,64 \
                      --workloads l2:0.5,evit:0.7 --rows timm_compiled,default --out "$OUT/" 2>&1 | grep -v Warning \

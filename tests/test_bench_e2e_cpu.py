@@ -567,6 +567,30 @@ def test_make_results_writes_tables_and_figures(tmp_path: Path) -> None:
     assert {p: (figures / p).read_bytes() for p in pngs} == first
 
 
+def test_make_results_takes_the_adaptive_rows_from_their_own_run(tmp_path: Path) -> None:
+    """ToMe's fixed-r run without adaptive rows and the adaptive rows' own run (``tome_peer_adaptive.json``): the
+    adaptive target is the ratio of that run's own rows and names its file; the other targets stay the first run's."""
+    card = tmp_path / "nvidia-h200"
+    card.mkdir()
+    fixed = _tome_fixture()
+    apart = {"meta": {**fixed["meta"], "date": "later"},
+             "rows": [r for r in fixed["rows"] if r["batch"] == 64 and r["row"].startswith("ours")]}  # fmt: skip
+    apart["rows"] = [{**r, "img_per_s": r["img_per_s"] / 2} for r in apart["rows"]]  # its own clock: ratio 0.975
+    fixed["rows"] = [r for r in fixed["rows"] if r["row"] != "ours_adaptive"]
+    (card / "tome_peer.json").write_text(json.dumps(fixed))
+    rows = {t.target.split(":")[0]: t for t in make_results.all_targets(tmp_path, tmp_path / "data")}
+    assert "adaptive ToMe (r = 13's mean rows) vs fixed r" not in rows, "not measured: no adaptive row anywhere"
+    (card / make_results.TOME_ADAPTIVE_FILE).write_text(json.dumps(apart))
+    rows = {t.target.split(":")[0]: t for t in make_results.all_targets(tmp_path, tmp_path / "data")}
+    adaptive = rows["adaptive ToMe (r = 13's mean rows) vs fixed r"]
+    assert (adaptive.value, adaptive.verdict, adaptive.date) == ("0.97x", "met", "later")
+    assert adaptive.data.endswith(make_results.TOME_ADAPTIVE_FILE)
+    vs_timm = rows["ToMe r = 13 (`GraphedPrunedViT`) vs unpruned timm reduce-overhead, each forward alone"]
+    assert vs_timm.value == "1.50x / 1.20x / 1.60x" and vs_timm.data.endswith("tome_peer.json")
+    section = make_results.card_section(card, {}, None, tmp_path / "figures", tmp_path, make_results.load_tome(card))
+    assert f"#### The adaptive rows' own run (`{make_results.TOME_ADAPTIVE_FILE}`)" in section
+
+
 def test_make_results_says_what_issue_40_has_not_measured(tmp_path: Path) -> None:
     """A card without issue 40's files has every one of its targets, "not measured", naming the file to store."""
     card = tmp_path / "nvidia-h200"
