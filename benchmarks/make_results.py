@@ -948,7 +948,20 @@ def naflex_section(payload: dict) -> str:
         body.append(cells)
     method = NAFLEX_METHOD.format(model=payload.get("model"), dtype=payload.get("dtype", "float16"),
                                   seed=payload.get("seed", 0))  # fmt: skip
-    return method + "\n\n" + T.table(["row", *(f"B={b}" for b in batches)], body)
+    env = payload.get("environment", {})
+    about = (f"{env.get('card')}, torch {env.get('torch')}, triton {env.get('triton')}, commit {env.get('commit')}, "
+             f"{env.get('date')} (the latest run).")  # fmt: skip
+    checks, firsts = [], []
+    for name in names:
+        of = {r["batch"]: r for r in rows if r["row"] == name}
+        diffs = [f"B={b} {of[b]['max_abs_diff']:.1e}" for b in batches if of.get(b, {}).get("max_abs_diff") is not None]
+        if diffs and name != "timm_eager":
+            checks.append(f"{name} {', '.join(diffs)}")
+        seconds = [f"{of[b]['first_call_s']:g}" if "first_call_s" in of.get(b, {}) else "-" for b in batches]
+        firsts.append(f"{name} {' / '.join(seconds)}")
+    lines = [f"- Max \\|logit diff\\| against timm eager (the unpruned rows): {'; '.join(checks)}.",
+             f"- First call, s ({' / '.join(f'B={b}' for b in batches)}): {'; '.join(firsts)}."]  # fmt: skip
+    return "\n\n".join([method + " " + about, T.table(["row", *(f"B={b}" for b in batches)], body), "\n".join(lines)])
 
 
 # --------------------------------------------------------------------------------------------------- README
