@@ -60,6 +60,8 @@ PART_TITLES = {  # in document order
 DEIT_B = "deit_base_patch16_224"
 TOME_FILE = "tome_peer.json"  # python -m benchmarks.tome_peer's default output, in the card's directory
 TOME_ADAPTIVE_FILE = "tome_peer_adaptive.json"  # the adaptive rows' own run (gpu_suite.sh tome-adaptive), if apart
+TOME_PUBLISHED_SINCE = "2026-11-28T02:53"  # ToMe follows its paper from then on (docs/tome.md); earlier runs: a variant
+TOME_VARIANT = "measured with the earlier patch-row variant, not the published ToMe: to re-measure"
 DEFAULT_CALL_FILE = "default_call.json"  # python -m benchmarks.default_call's output, in the card's directory
 DEFAULT_CALL_TITLE = "The default call (`prune(model)(images)`) against unpruned timm `reduce-overhead`"
 MODEL_CALLS = "default_call_*.json"  # benchmarks.default_call --model's outputs (default_call.result_file)
@@ -80,6 +82,32 @@ def load_card(card_dir: Path) -> tuple[dict[str, dict], dict | None]:
     kernel_path = card_dir / "attention.json"
     kernel = json.loads(kernel_path.read_text()) if kernel_path.exists() else None
     return {part: T.merge_payloads(payloads) for part, payloads in by_part.items()}, kernel
+
+
+def load_call(path: Path) -> dict:
+    """A stored ``benchmarks.default_call`` run; ToMe rows timed before the published ToMe (each part by its own
+    date, :data:`TOME_PUBLISHED_SINCE`) renamed ``tome_variant``, so no table or target presents them as it."""
+    payload = json.loads(path.read_text())
+    since = payload.get("environment", {}).get("date") or ""
+
+    def variant(part: dict) -> bool:
+        return ((part.get("environment") or {}).get("date") or since) < TOME_PUBLISHED_SINCE
+
+    def renamed(rows: list[dict]) -> list[dict]:
+        return [{**r, "workload": "tome_variant"} if r.get("workload") == "tome" else r for r in rows]
+
+    def rekeyed(entry: dict) -> dict:
+        return {("tome_variant" if k == "tome" else k): v for k, v in entry.items()}
+
+    if variant(payload):
+        payload["table"] = renamed(payload.get("table", []))
+        if isinstance(payload.get("stream"), dict) and variant(payload["stream"]):
+            payload["stream"] = rekeyed(payload["stream"])
+    if isinstance(payload.get("before"), dict) and variant(payload["before"]):
+        payload["before"]["table"] = renamed(payload["before"].get("table", []))
+    if isinstance(payload.get("eager_rounds"), dict) and variant(payload["eager_rounds"]):
+        payload["eager_rounds"]["rounds"] = [rekeyed(r) for r in payload["eager_rounds"].get("rounds", [])]
+    return payload
 
 
 def load_tome(card_dir: Path) -> dict | None:
@@ -335,12 +363,18 @@ def tome_targets(tome: dict) -> list[tuple[str, str, str, dict]]:
             values[f"B={b}"] = [(name, getattr(up, key))]
         value, verdict = judge(cells, values)
         if verdict != "not measured":
+            verdict += f" ({TOME_VARIANT})" if _tome_variant(run) else ""
             out.append((f"{TOME_LABELS[key]}: {_bars(cells)}", value, verdict, run))
     return out
 
 
+def _tome_variant(run: dict) -> bool:
+    """Whether a ``benchmarks.tome_peer`` run predates the published ToMe (:data:`TOME_PUBLISHED_SINCE`)."""
+    return (run["meta"].get("date") or "") < TOME_PUBLISHED_SINCE
+
+
 WORKLOAD_NAMES = {"l2_calibrated": "Threshold-L2 calibrated", "ats": "ATS", "dynamicvit": "DynamicViT",
-                  "evit": "EViT", "tome": "ToMe"}  # fmt: skip
+                  "evit": "EViT", "tome": "ToMe", "tome_variant": "ToMe (earlier patch-row variant)"}  # fmt: skip
 PRUNER_TARGETS = {  # each pruner at its keep rate, the default call over unpruned timm reduce-overhead
     ("l2_calibrated", "ats"): ((1, 1.3), (4, 1.4), (64, 1.6)),
     ("dynamicvit", "evit"): ((1, 1.15), (4, 1.25), (64, 1.45)),
@@ -573,7 +607,7 @@ def issue41_targets(card_dir: Path, card: str, data_dir: Path | None) -> list[Ta
     issue's workloads and peers; else ``default_call.json``) and its "today" (:func:`issue41_before`): a row each,
     "not measured" where the run lacks the rows a target needs."""
     path = card_dir / LATENCY_FILE if (card_dir / LATENCY_FILE).exists() else card_dir / DEFAULT_CALL_FILE
-    payload = json.loads(path.read_text()) if path.exists() else {"table": []}
+    payload = load_call(path) if path.exists() else {"table": []}
     base, rows = default_call._split(payload.get("table", []))
     date, data = _date(payload.get("environment")), _rel(path)
     before = issue41_before(data_dir, card)
@@ -594,7 +628,7 @@ def issue41_targets(card_dir: Path, card: str, data_dir: Path | None) -> list[Ta
         l2 = {"B=1": [(w, each_us(1, w, 0.5)) for w in ISSUE41_L2]}
         add(f"{head}, B=1, Threshold-L2 ratio and calibrated 0.5, us per forward (each forward synchronised)",
             [("B=1", bar)], l2, at_most=True, unit="us")  # fmt: skip
-        others = {"B=1": [(w, each_us(1, w, k)) for w, k in ISSUE41_OTHERS]}
+        others = {"B=1": [(w, each_us(1, w, k)) for w, k in (*ISSUE41_OTHERS, ("tome_variant", 13.0))]}  # (load_call)
         add(f"{head}, B=1, every other pruner within {ISSUE41_OTHER_FACTOR:g}x of the Threshold-L2 bar, us per "
             "forward", [("B=1", ISSUE41_OTHER_FACTOR * bar)], others, at_most=True, unit="us")  # fmt: skip
     peers = {"B=1": [(f"{w} over {row}", default_call._ratio(base[1][row], rows.get((1, w, "default")), "each_us"))
@@ -636,7 +670,7 @@ def card_targets(card_dir: Path, parts: dict[str, dict], kernel: dict | None, to
     out = []
     call_path = card_dir / DEFAULT_CALL_FILE
     if call_path.exists():
-        call = json.loads(call_path.read_text())
+        call = load_call(call_path)
         card = call.get("environment", {}).get("card") or card
         for target, value, verdict, date in default_call_targets(call):
             out.append(Target(target, card, value, verdict, date, _rel(call_path)))
@@ -899,7 +933,7 @@ def card_section(
         out.append("\n\n".join(body))
     call_path = card_dir / DEFAULT_CALL_FILE
     if call_path.exists():
-        out.append(f"### {DEFAULT_CALL_TITLE}\n\n" + default_call.render(json.loads(call_path.read_text())))
+        out.append(f"### {DEFAULT_CALL_TITLE}\n\n" + default_call.render(load_call(call_path)))
     else:
         out.append(f"### {DEFAULT_CALL_TITLE}\n\n(not measured on this card: `python -m benchmarks.default_call`)")
     for (model, size), (path, payload) in sorted(load_model_calls(card_dir).items()):
@@ -912,7 +946,8 @@ def card_section(
     else:
         m = tome["meta"]
         title = f"{TOME_TITLE} ({m.get('model')}, r = {m.get('r')})"
-        out.append("\n\n".join([f"### {title}", T.header(tome), TOME_METHOD, tome_peer.render(tome)]))
+        variant = [f"**{TOME_VARIANT[0].upper()}{TOME_VARIANT[1:]}.**"] if _tome_variant(tome) else []
+        out.append("\n\n".join([f"### {title}", T.header(tome), *variant, TOME_METHOD, tome_peer.render(tome)]))
         if (apart := tome.get("adaptive_run")) is not None:
             out.append("\n\n".join([f"#### The adaptive rows' own run (`{TOME_ADAPTIVE_FILE}`)", T.header(apart),
                                      tome_peer.render(apart)]))  # fmt: skip
@@ -967,7 +1002,7 @@ def naflex_section(payload: dict) -> str:
 # --------------------------------------------------------------------------------------------------- README
 
 
-README_ROWS = ("l2_calibrated", "ats", "dynamicvit", "evit", "tome")
+README_ROWS = ("l2_calibrated", "ats", "dynamicvit", "evit", "tome", "tome_variant")
 
 
 def readme_table(payload: dict, path: Path) -> str:
@@ -983,7 +1018,7 @@ def readme_table(payload: dict, path: Path) -> str:
     def name(w: str) -> str:
         keep = next((rows[k]["keep"] for k in rows if k[1] == w), None)
         shown = WORKLOAD_NAMES.get(w, w)
-        return f"{shown} r = {keep:g}" if w == "tome" else f"{shown} {keep:g}" if keep is not None else shown
+        return f"{shown} r = {keep:g}" if w.startswith("tome") else f"{shown} {keep:g}" if keep is not None else shown
 
     head = ["B", "timm `reduce-overhead`, img/s", *(name(w) for w in workloads)]
     body = []
@@ -1002,7 +1037,7 @@ def readme_table(payload: dict, path: Path) -> str:
 
 def readme_section(baselines: Path) -> str:
     """What ``nox -s results`` writes between the README's results markers: one table per card."""
-    tables = [readme_table(json.loads(p.read_text()), p)
+    tables = [readme_table(load_call(p), p)
               for d in card_dirs(baselines) if (p := d / DEFAULT_CALL_FILE).exists()]  # fmt: skip
     if not tables:
         return "(no stored run of `python -m benchmarks.default_call` yet)"

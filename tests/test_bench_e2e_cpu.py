@@ -804,3 +804,32 @@ def test_public_row_replays_the_reference_decisions(lab: Lab, workload: str, mon
     with torch.no_grad():
         out = seen["module"](*seen["inputs"][0])
     assert (out.float() - seen["ref"]).abs().max().item() <= seen["bound"]
+
+
+def test_tome_measured_before_the_published_algorithm_is_named_the_variant(tmp_path: Path) -> None:
+    """ToMe timed before the published algorithm (``make_results.TOME_PUBLISHED_SINCE``) is presented as the earlier
+    variant everywhere: the default call's rows as ``tome_variant`` (README column, the every-pruner targets), a
+    ToMe peer run's targets and section with a note to re-measure; later runs stay ``tome``."""
+    card = tmp_path / "nvidia-h200"
+    card.mkdir()
+    early = _latency_run("0ld", {"tome": 310.0}, 700.0, 1.5)
+    early["environment"]["date"] = "2026-11-27T10:00:00+0000"
+    for entry in early["table"]:  # the results section also reports first calls
+        entry.get("timm_compiled", {})["first_call_s"] = 10.0
+    (card / "default_call.json").write_text(json.dumps(early))
+    tome = _tome_fixture()
+    tome["meta"]["date"] = "2026-11-27T16:00:00+0000"
+    (card / "tome_peer.json").write_text(json.dumps(tome))
+    loaded = make_results.load_call(card / "default_call.json")
+    assert {e["workload"] for e in loaded["table"] if "workload" in e} >= {"tome_variant", "ats"}
+    assert "tome" not in {e.get("workload") for e in loaded["table"]}
+    readme = make_results.readme_table(loaded, card / "default_call.json")
+    assert "ToMe (earlier patch-row variant) r = 13 |" in readme.splitlines()[2]
+    targets = make_results.card_targets(card, {}, None, make_results.load_tome(card), {}, tmp_path / "data")
+    peer = [t for t in targets if t.target.startswith("ToMe r = 13 (`GraphedPrunedViT`)")]
+    assert len(peer) == 1 and peer[0].verdict.endswith(f"({make_results.TOME_VARIANT})")
+    section = make_results.card_section(card, {}, None, tmp_path / "figures", tmp_path, make_results.load_tome(card))
+    assert f"**{make_results.TOME_VARIANT[0].upper()}{make_results.TOME_VARIANT[1:]}.**" in section
+    late = _latency_run("n3w", {"tome": 310.0}, 700.0, 1.5)  # dated 2026-12-01: the published ToMe
+    (card / "default_call.json").write_text(json.dumps(late))
+    assert "tome" in {e.get("workload") for e in make_results.load_call(card / "default_call.json")["table"]}
