@@ -117,6 +117,53 @@ test_qkv_layout_rotary_gpu = pytest.mark.gpu(
 test_separate_layout_rotary_gpu = pytest.mark.gpu(
     attention_suite(ta.ragged_attention, layout="separate", **_GPU_ROPE, head_dims=(64,))
 )
+
+
+def _rotary_op(qkv, cu_seqlens, max_seqlen, num_heads, scale, rotary, out=None):
+    """The custom op (what ``torch.compile`` calls), the rotation given as its three arguments."""
+    scale = (qkv.shape[1] // (3 * num_heads)) ** -0.5 if scale is None else scale
+    return ta.ragged_attention_qkv_op(qkv, cu_seqlens, max_seqlen, num_heads, scale, None, *rotary)
+
+
+# The op takes the rotation too (a compiled RoPE block hands it to the kernel instead of rotating q and k before it).
+test_custom_op_rotary_interpreter = pytest.mark.interpreter(
+    _one_per_case(attention_suite(_rotary_op, layout="qkv", device="cpu", rotary=True, head_dims=(64,)))
+)
+
+
+@pytest.mark.interpreter
+def test_the_triton_backend_under_compile_rotates_in_the_kernel(gen):
+    """Under ``torch.compile`` the Triton backend's rotary attention is the custom op alone, given the rotation (no
+    rotation of q and k around it in the graph), and equals the backend's direct call bit for bit; the op's schema
+    and fake implementation pass opcheck with a rotation."""
+    backend, heads, head_dim = make_backend("triton"), 2, 64
+    cu = cu_seqlens_from_counts(torch.tensor([9, 1, 14]))
+    qkv = torch.randn(24, 3 * heads * head_dim, generator=gen)
+    table = torch.randn(12, 2 * head_dim, generator=gen)
+    positions = torch.tensor([-1, *range(8), -1, -1, *range(11), 30, 0], dtype=torch.int32)
+    rot = Rotary(table, positions, True)
+
+    def attend(qkv, table, positions):
+        return backend.attend_rotary(qkv, cu, 14, heads, head_dim**-0.5, Rotary(table, positions, True))
+
+    graphs = []
+
+    def keep(graph, example_inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend=keep, fullgraph=True)(qkv, table, positions)
+    (graph,) = graphs
+    calls = [n.target for n in graph.graph.nodes if n.op == "call_function"]
+    assert calls == [ta.ragged_attention_qkv_op], calls
+    assert torch.equal(compiled, backend.attend_rotary(qkv, cu, 14, heads, head_dim**-0.5, rot))
+    args = (qkv, cu, 14, heads, head_dim**-0.5, None, table, positions, True)
+    torch.library.opcheck(ta.ragged_attention_qkv_op, args, test_utils=("test_schema", "test_faketensor"))
+    with pytest.raises(ValueError, match="rope_table and rope_positions come together"):
+        ta.ragged_attention_qkv_op(qkv, cu, 14, heads, head_dim**-0.5, None, table, None, True)
+
+
 # A backend that does not rotate refuses a rotation (the pipelines rotate q and k before its attend instead).
 test_backend_without_rotation_refuses_one = attention_suite(make_backend("padded_sdpa").attend, rotary=False)
 

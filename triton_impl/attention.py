@@ -482,7 +482,7 @@ def ragged_attention_qkv_unchecked(
 _LIBRARY = torch.library.Library("ragged_vit", "DEF")
 _LIBRARY.define(
     "ragged_attention_qkv(Tensor qkv, Tensor cu_seqlens, SymInt max_seqlen, int num_heads, float scale, "
-    "Tensor? key_bias=None) -> Tensor"
+    "Tensor? key_bias=None, Tensor? rope_table=None, Tensor? rope_positions=None, bool rope_half=False) -> Tensor"
 )
 
 
@@ -493,8 +493,14 @@ def _op_impl(
     num_heads: int,
     scale: float,
     key_bias: torch.Tensor | None = None,
+    rope_table: torch.Tensor | None = None,
+    rope_positions: torch.Tensor | None = None,
+    rope_half: bool = False,
 ) -> torch.Tensor:
-    return ragged_attention_qkv(qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias=key_bias)
+    if (rope_table is None) != (rope_positions is None):
+        raise ValueError("rope_table and rope_positions come together (the rotary= of ragged_attention_qkv)")
+    rotary = None if rope_table is None else Rotary(rope_table, rope_positions, rope_half)
+    return ragged_attention_qkv(qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias=key_bias, rotary=rotary)
 
 
 _LIBRARY.impl("ragged_attention_qkv", _op_impl, "CompositeExplicitAutograd")
@@ -508,10 +514,14 @@ def _(
     num_heads: int,
     scale: float,
     key_bias: torch.Tensor | None = None,
+    rope_table: torch.Tensor | None = None,
+    rope_positions: torch.Tensor | None = None,
+    rope_half: bool = False,
 ) -> torch.Tensor:
     return qkv.new_empty((qkv.shape[0], qkv.shape[1] // 3))
 
 
 ragged_attention_qkv_op = torch.ops.ragged_vit.ragged_attention_qkv.default
 """``torch.ops.ragged_vit.ragged_attention_qkv``: :func:`ragged_attention_qkv` as an op (every argument but
-``key_bias`` required)."""
+``key_bias`` and the rotation required; ``rotary=Rotary(table, positions, half)`` as ``rope_table``,
+``rope_positions``, ``rope_half``)."""

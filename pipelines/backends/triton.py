@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ...reference.rotary import Rotary, rotate_qkv
+from ...reference.rotary import Rotary
 from ...triton_impl.attention import (
     SUPPORTED_HEAD_DIMS,
     ragged_attention_qkv_op,
@@ -65,7 +65,6 @@ class TritonBackend(AttentionBackend):
         rotary: Rotary | None = None,
     ) -> torch.Tensor:
         if torch.compiler.is_compiling():  # one opaque op in a compiled graph (it has a fake implementation)
-            if rotary is not None:  # the op takes no rotation: q and k rotated before it
-                qkv = rotate_qkv(qkv, num_heads, *rotary)
-            return ragged_attention_qkv_op(qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias)
+            rope = (None, None, False) if rotary is None else rotary  # the kernel rotates q and k as it loads them
+            return ragged_attention_qkv_op(qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias, *rope)
         return ragged_attention_qkv_unchecked(qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias, rotary=rotary)
