@@ -11,7 +11,7 @@ start:
   anything runs, each error one line naming the argument;
 * **embedding** (:func:`native_front`): every image's patch rows through the model's own projection (one GEMM for
   the batch; a convolution as a GEMM on patch rows), its position embeddings resampled to its own grid by NaFlex's
-  rule (:func:`position_table`: the learned ``[gh, gw]`` table interpolated to ``h x w``, or to the square of the
+  rule (:func:`position_rows`: the learned ``[gh, gw]`` table interpolated to ``h x w``, or to the square of the
   longer side then cropped with ``pos_embed_ar_preserving``; factorized tables per axis, linearly), the prefix rows
   (class, register tokens) first in each image, ``norm_pre``; ``cu_seqlens`` from each image's own token count;
 * **rotary position embeddings** (``rope_type``: ``axial``, ``dinov3``, ``mixed``, ``mrope``; :func:`native_rotary`):
@@ -35,6 +35,7 @@ variable patch size (5-D ``patches``) or with an ``attn_mask``, ATS with a sampl
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ from torch import nn
 from ..core.segments import cu_seqlens_from_counts
 from ..core.selection import Pruner
 from ..core.validation import check_tensor
-from ..reference.native import resample_factorized, resample_grid
+from ..reference.native import axis_weights
 from .eva import RopeSpec, RotaryRows, rope_spec, rotary_at
 from .patch_embed import patch_rows
 from .state import ForwardState
@@ -165,7 +166,7 @@ def native_batch(model: NaFlexVit, images: object, device: torch.device, dtype: 
         if image.device != device:
             raise ValueError(f"{name} must be on the model's device {device}, got {image.device}")
     for image in images:
-        image = image.to(dtype)[None]
+        image = (image if image.dtype == dtype else image.to(dtype))[None]  # (no cast op where none is needed)
         if pad:  # zeros at the bottom and right, as timm's dynamic_img_pad
             image = F.pad(image, (0, -image.shape[-1] % q, 0, -image.shape[-2] % p))
         grids.append((image.shape[-2] // p, image.shape[-1] // q))
@@ -216,32 +217,60 @@ def _patch_dict(model: NaFlexVit, images: dict, device: torch.device, dtype: tor
     return NativeBatch(patches[valid].to(dtype), grids, tuple(counts), index)
 
 
-def position_table(embeds: nn.Module, grid: tuple[int, int], dtype: torch.dtype) -> torch.Tensor | None:
-    """``[h*w, C]``: the position embeddings of one image of ``grid = (h, w)`` patches, row-major, as NaFlexVit
-    resamples its table for each image (:mod:`ragged_vit.reference.native`, fp32, then ``dtype``); None without."""
-    square = getattr(embeds, "pos_embed_ar_preserving", False)
-    if embeds.pos_embed_type == "learned":
-        table = resample_grid(
-            embeds.pos_embed[0], grid, square=square, mode=embeds.pos_embed_interp_mode,
-            align_corners=getattr(embeds, "pos_embed_align_corners", False),
-            antialias=getattr(embeds, "pos_embed_antialias", True),
-        )  # fmt: skip
-        return table.to(dtype)
-    if embeds.pos_embed_type == "factorized":
-        return resample_factorized(embeds.pos_embed_y[0], embeds.pos_embed_x[0], grid, square=square).to(dtype)
-    return None
+POSITION_CHUNK_BYTES = 64 << 20  # the float64 mixing weights of a learned table are built at most this much at once
 
 
 def position_rows(embeds: nn.Module, batch: NativeBatch, dtype: torch.dtype) -> torch.Tensor | None:
-    """``[T_p, C]``: each patch row's position embedding (each grid size resampled once); None without any."""
-    if embeds.pos_embed_type == "none":
+    """``[T_p, C]``: each patch row's position embedding as NaFlexVit resamples its table to the row's image grid
+    (:mod:`ragged_vit.reference.native`: a learned ``[gh, gw, C]`` table interpolated to ``h x w``, or to the square of
+    the longer side and cropped, with ``pos_embed_ar_preserving``; a factorized one per axis, linearly), for every row
+    of the batch at once: a row's embedding mixes the table by its two axes' interpolation weights
+    (:func:`ragged_vit.reference.native.axis_weights`), in float64, then ``dtype``. A few launches for the batch,
+    whatever its sizes, instead of one resampling per grid size. None without position embeddings."""
+    kind = embeds.pos_embed_type
+    if kind == "none":
         return None
-    tables = {grid: position_table(embeds, grid, dtype) for grid in dict.fromkeys(batch.grids)}
-    flat = torch.cat([tables[grid] for grid in batch.grids])
-    if batch.index is None:
-        return flat
-    starts = torch.tensor([0, *(h * w for h, w in batch.grids)], device=flat.device).cumsum(0)[:-1]
-    return flat[table_rows(batch, starts)]
+    square = getattr(embeds, "pos_embed_ar_preserving", False)
+    device, patches = batch.device, batch.rows.shape[0]
+    lengths = [(max(h, w),) * 2 if square else (h, w) for h, w in batch.grids]  # each image's resampled axes
+    # Per image: patches, grid width, and where its two axes' weights start in the stacked weights of lengths 1, 2, ..
+    per_image = torch.tensor([batch.counts, [w for _, w in batch.grids], [ly * (ly - 1) // 2 for ly, _ in lengths],
+                              [lx * (lx - 1) // 2 for _, lx in lengths]]).to(device)  # fmt: skip
+    counts, widths, first_y, first_x = per_image
+    place = table_rows(batch, torch.zeros_like(counts))  # y * w + x within each row's grid
+    width = torch.repeat_interleave(widths, counts, output_size=patches)
+    y, x = place // width, place % width
+    rows_y = torch.repeat_interleave(first_y, counts, output_size=patches) + y
+    rows_x = torch.repeat_interleave(first_x, counts, output_size=patches) + x
+    longest = max(max(pair) for pair in lengths)
+    if kind == "factorized":
+        along_y, along_x = embeds.pos_embed_y[0], embeds.pos_embed_x[0]  # [Ly, C], [Lx, C]
+        wy = _stacked_weights(along_y.shape[0], longest, "linear", False, False, device)[rows_y]
+        wx = _stacked_weights(along_x.shape[0], longest, "linear", False, False, device)[rows_x]
+        return (wy @ along_y.double() + wx @ along_x.double()).to(dtype)
+    table = embeds.pos_embed[0]  # [gh, gw, C]
+    (gh, gw, channels), mode = table.shape, embeds.pos_embed_interp_mode
+    options = (mode, getattr(embeds, "pos_embed_align_corners", False), getattr(embeds, "pos_embed_antialias", True))
+    stacked_y = _stacked_weights(gh, longest, *options, device)
+    stacked_x = _stacked_weights(gw, longest, *options, device)
+    flat = table.reshape(gh * gw, channels).double()
+    out = table.new_empty((patches, channels), dtype=dtype)
+    step = max(1, POSITION_CHUNK_BYTES // (8 * gh * gw))
+    for a in range(0, patches, step):
+        mix = stacked_y[rows_y[a : a + step], :, None] * stacked_x[rows_x[a : a + step], None, :]  # [n, gh, gw]
+        out[a : a + step] = mix.flatten(1) @ flat
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def _stacked_weights(
+    source: int, longest: int, mode: str, align_corners: bool, antialias: bool, device: torch.device
+) -> torch.Tensor:
+    """:func:`ragged_vit.reference.native.axis_weights` of every length ``1..L`` stacked (length ``l``'s from row
+    ``l * (l - 1) / 2``) on ``device``, ``L`` being ``longest`` rounded up to a multiple of 32 (few variants)."""
+    top = -(-longest // 32) * 32
+    stacked = [axis_weights(source, length, mode, align_corners, antialias) for length in range(1, top + 1)]
+    return torch.cat(stacked).to(device)
 
 
 def table_rows(batch: NativeBatch, starts: torch.Tensor) -> torch.Tensor:

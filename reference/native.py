@@ -9,6 +9,8 @@ rows are row-major (``y * w + x``); a ragged batch holds the images' rows one af
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -33,6 +35,24 @@ def resample_grid(
         align_corners=align_corners, antialias=antialias,
     )  # fmt: skip
     return resampled[0, :, :h, :w].flatten(1).t()
+
+
+@functools.lru_cache(maxsize=1024)
+def axis_weights(
+    source: int, length: int, mode: str = "bicubic", align_corners: bool = False, antialias: bool = True
+) -> torch.Tensor:
+    """``[length, source]`` float64 on the CPU (shared: do not write to it): the weights with which the interpolation
+    of :func:`resample_grid` (``mode="linear"``: :func:`resample_axis`) forms each of an axis's ``length`` outputs from
+    its ``source`` inputs. The resize is linear and separable, so a ``[gh, gw, C]`` table resampled to ``(h, w)`` is
+    ``axis_weights(gh, h)`` along the rows and ``axis_weights(gw, w)`` along the columns, to float64 rounding. Found
+    by resizing each basis vector, beside a 4-wide dummy axis: PyTorch's antialiased resize of a 1-wide axis is
+    another map."""
+    if mode == "linear":
+        basis = torch.eye(source, dtype=torch.float64)[None]  # [1, source channels, source]
+        return F.interpolate(basis, size=length, mode=mode, align_corners=align_corners)[0].t().contiguous()
+    basis = torch.eye(source, dtype=torch.float64)[None, :, :, None].expand(1, source, source, 4)
+    out = F.interpolate(basis, size=(length, 4), mode=mode, align_corners=align_corners, antialias=antialias)
+    return out[0, :, :, 0].t().contiguous()
 
 
 def resample_axis(table: torch.Tensor, length: int) -> torch.Tensor:

@@ -103,6 +103,41 @@ def test_keep_all_equals_timm_padded_and_masked(family):
     torch.testing.assert_close(pv(patch_dict(batch)), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("family", ["map", "reg4_avg", "par_learned", "par_factorized"])
+def test_position_rows_are_each_grids_resampled_table(family, monkeypatch):
+    """Every row's position embedding, computed for the whole batch at once, is its image's resampled table
+    (``ragged_vit.reference.native``, one per grid) at its place, from an image list and from a patch dict
+    (its rows out of order), also in chunks of the weights and with bicubic antialiased tables."""
+    from ragged_vit.pipelines import naflex
+    from ragged_vit.reference.native import resample_factorized, resample_grid
+
+    model = naflex_model(family)
+    embeds = model.embeds
+    if embeds.pos_embed_type == "learned":
+        embeds.pos_embed_interp_mode = "bicubic" if family == "reg4_avg" else embeds.pos_embed_interp_mode
+    sizes = (*SIZES, (16, 208), (96, 48))  # a long strip, a repeated grid
+    square = getattr(embeds, "pos_embed_ar_preserving", False)
+
+    def table(grid):
+        if embeds.pos_embed_type == "factorized":
+            return resample_factorized(embeds.pos_embed_y[0], embeds.pos_embed_x[0], grid, square=square)
+        return resample_grid(embeds.pos_embed[0], grid, square=square, mode=embeds.pos_embed_interp_mode,
+                             antialias=getattr(embeds, "pos_embed_antialias", True))  # fmt: skip
+
+    batch = naflex.native_batch(model, images(sizes), torch.device("cpu"), torch.float32)
+    want = torch.cat([table(grid) for grid in batch.grids])
+    torch.testing.assert_close(naflex.position_rows(embeds, batch, torch.float32), want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(naflex, "POSITION_CHUNK_BYTES", 8 * 16 * 7)  # 7 rows at a time
+    torch.testing.assert_close(naflex.position_rows(embeds, batch, torch.float32), want, rtol=1e-5, atol=1e-5)
+    shuffled = patch_dict(images(sizes))
+    order = torch.randperm(shuffled["patches"].shape[1], generator=torch.Generator().manual_seed(0))
+    shuffled = {key: value[:, order] for key, value in shuffled.items()}
+    batch = naflex.native_batch(model, shuffled, torch.device("cpu"), torch.float32)
+    starts = torch.tensor([0, *(h * w for h, w in batch.grids)]).cumsum(0)[:-1]
+    want = torch.cat([table(grid) for grid in batch.grids])[naflex.table_rows(batch, starts)]
+    torch.testing.assert_close(naflex.position_rows(embeds, batch, torch.float32), want, rtol=1e-5, atol=1e-5)
+
+
 def test_conv_embedding_and_dynamic_padding_equal_timm_per_image():
     """A convolutional patch embedding (no patch dict in timm: each image alone through timm), and
     ``dynamic_img_pad`` (sizes that are no multiple of the patch, zero-padded at the bottom and right)."""

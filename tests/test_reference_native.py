@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ragged_vit.reference.native import resample_axis, resample_factorized, resample_grid
+from ragged_vit.reference.native import axis_weights, resample_axis, resample_factorized, resample_grid
 
 
 def test_a_table_at_its_own_grid_is_its_rows(gen):
@@ -36,3 +36,23 @@ def test_a_factorized_table_is_the_sum_of_its_resampled_axes(gen):
     torch.testing.assert_close(got, y[:, None] + x[None, :])
     square = resample_factorized(rows, cols, (3, 2), square=True).reshape(3, 2, 4)
     torch.testing.assert_close(square, resample_axis(rows, 3)[:, None] + resample_axis(cols, 3)[None, :2])
+
+
+@pytest.mark.parametrize("mode, antialias", [("bicubic", True), ("bicubic", False), ("bilinear", True)])
+@pytest.mark.parametrize("grid", [(7, 21), (20, 30), (16, 16), (1, 5), (33, 2)])
+def test_axis_weights_reproduce_the_resample(grid, mode, antialias, gen):
+    """A table resampled to ``(h, w)`` is its rows mixed by ``axis_weights(gh, h)`` and its columns by
+    ``axis_weights(gw, w)`` (separable, to float64 rounding), down- and upsampled, antialiased or not; the identity at
+    the table's own size; ``mode="linear"``: :func:`resample_axis`'s map."""
+    table = torch.randn(16, 12, 5, generator=gen, dtype=torch.float64)
+    h, w = grid
+    want = F.interpolate(table.permute(2, 0, 1)[None], size=grid, mode=mode, align_corners=False, antialias=antialias)
+    rows, cols = axis_weights(16, h, mode, False, antialias), axis_weights(12, w, mode, False, antialias)
+    got = torch.einsum("yi,xj,ijc->yxc", rows, cols, table)
+    torch.testing.assert_close(got, want[0].permute(1, 2, 0), rtol=0, atol=1e-12)  # the same map in float64
+    fp32 = resample_grid(table, grid, mode=mode, antialias=antialias).reshape(h, w, 5)  # the reference, in fp32
+    torch.testing.assert_close(got.float(), fp32, rtol=1e-5, atol=1e-5)
+    assert torch.equal(axis_weights(16, 16, mode, False, antialias), torch.eye(16, dtype=torch.float64))
+    line = torch.randn(9, 3, generator=gen, dtype=torch.float64)
+    linear = F.interpolate(line.t()[None], size=w, mode="linear", align_corners=False)[0].t()
+    torch.testing.assert_close(axis_weights(9, w, "linear") @ line, linear, rtol=0, atol=1e-12)
