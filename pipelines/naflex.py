@@ -217,7 +217,7 @@ def _patch_dict(model: NaFlexVit, images: dict, device: torch.device, dtype: tor
     return NativeBatch(patches[valid].to(dtype), grids, tuple(counts), index)
 
 
-POSITION_CHUNK_BYTES = 64 << 20  # the float64 mixing weights of a learned table are built at most this much at once
+POSITION_CHUNK_BYTES = 64 << 20  # the fp32 mixing weights of a learned table are built at most this much at once
 
 
 def position_rows(embeds: nn.Module, batch: NativeBatch, dtype: torch.dtype) -> torch.Tensor | None:
@@ -225,8 +225,8 @@ def position_rows(embeds: nn.Module, batch: NativeBatch, dtype: torch.dtype) -> 
     (:mod:`ragged_vit.reference.native`: a learned ``[gh, gw, C]`` table interpolated to ``h x w``, or to the square of
     the longer side and cropped, with ``pos_embed_ar_preserving``; a factorized one per axis, linearly), for every row
     of the batch at once: a row's embedding mixes the table by its two axes' interpolation weights
-    (:func:`ragged_vit.reference.native.axis_weights`), in float64, then ``dtype``. A few launches for the batch,
-    whatever its sizes, instead of one resampling per grid size. None without position embeddings."""
+    (:func:`ragged_vit.reference.native.axis_weights`), in fp32 as the resampling is, then ``dtype``: a few launches
+    for the batch, whatever its sizes, instead of one resampling per grid size. None without position embeddings."""
     kind = embeds.pos_embed_type
     if kind == "none":
         return None
@@ -247,15 +247,15 @@ def position_rows(embeds: nn.Module, batch: NativeBatch, dtype: torch.dtype) -> 
         along_y, along_x = embeds.pos_embed_y[0], embeds.pos_embed_x[0]  # [Ly, C], [Lx, C]
         wy = _stacked_weights(along_y.shape[0], longest, "linear", False, False, device)[rows_y]
         wx = _stacked_weights(along_x.shape[0], longest, "linear", False, False, device)[rows_x]
-        return (wy @ along_y.double() + wx @ along_x.double()).to(dtype)
+        return (wy @ along_y.float() + wx @ along_x.float()).to(dtype)
     table = embeds.pos_embed[0]  # [gh, gw, C]
     (gh, gw, channels), mode = table.shape, embeds.pos_embed_interp_mode
     options = (mode, getattr(embeds, "pos_embed_align_corners", False), getattr(embeds, "pos_embed_antialias", True))
     stacked_y = _stacked_weights(gh, longest, *options, device)
     stacked_x = _stacked_weights(gw, longest, *options, device)
-    flat = table.reshape(gh * gw, channels).double()
+    flat = table.reshape(gh * gw, channels).float()
     out = table.new_empty((patches, channels), dtype=dtype)
-    step = max(1, POSITION_CHUNK_BYTES // (8 * gh * gw))
+    step = max(1, POSITION_CHUNK_BYTES // (4 * gh * gw))
     for a in range(0, patches, step):
         mix = stacked_y[rows_y[a : a + step], :, None] * stacked_x[rows_x[a : a + step], None, :]  # [n, gh, gw]
         out[a : a + step] = mix.flatten(1) @ flat
@@ -270,7 +270,7 @@ def _stacked_weights(
     ``l * (l - 1) / 2``) on ``device``, ``L`` being ``longest`` rounded up to a multiple of 32 (few variants)."""
     top = -(-longest // 32) * 32
     stacked = [axis_weights(source, length, mode, align_corners, antialias) for length in range(1, top + 1)]
-    return torch.cat(stacked).to(device)
+    return torch.cat(stacked).to(device, torch.float32)
 
 
 def table_rows(batch: NativeBatch, starts: torch.Tensor) -> torch.Tensor:

@@ -127,7 +127,7 @@ def test_position_rows_are_each_grids_resampled_table(family, monkeypatch):
     batch = naflex.native_batch(model, images(sizes), torch.device("cpu"), torch.float32)
     want = torch.cat([table(grid) for grid in batch.grids])
     torch.testing.assert_close(naflex.position_rows(embeds, batch, torch.float32), want, rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(naflex, "POSITION_CHUNK_BYTES", 8 * 16 * 7)  # 7 rows at a time
+    monkeypatch.setattr(naflex, "POSITION_CHUNK_BYTES", 4 * 16 * 7)  # 7 rows at a time
     torch.testing.assert_close(naflex.position_rows(embeds, batch, torch.float32), want, rtol=1e-5, atol=1e-5)
     shuffled = patch_dict(images(sizes))
     order = torch.randperm(shuffled["patches"].shape[1], generator=torch.Generator().manual_seed(0))
