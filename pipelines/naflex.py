@@ -133,8 +133,10 @@ def native_batch(model: NaFlexVit, images: object, device: torch.device, dtype: 
         return images
     if isinstance(images, dict):
         return _patch_dict(model, images, device, dtype)
+    whole = None  # a [B, C, H, W] tensor: patchified at once
     if isinstance(images, torch.Tensor):
-        images = list(check_tensor(images, "images", ndim=4).unbind(0))
+        whole = check_tensor(images, "images", ndim=4)
+        images = list(whole.unbind(0))
         if not images:
             raise ValueError("images must hold at least one image, got batch size 0")
     elif not isinstance(images, (list, tuple)):
@@ -165,13 +167,18 @@ def native_batch(model: NaFlexVit, images: object, device: torch.device, dtype: 
             raise ValueError(f"{name} has dtype {image.dtype}, images[0] has {first.dtype}: give one dtype")
         if image.device != device:
             raise ValueError(f"{name} must be on the model's device {device}, got {image.device}")
-    for image in images:
-        image = (image if image.dtype == dtype else image.to(dtype))[None]  # (no cast op where none is needed)
+    # Consecutive images of one size are patchified together (a few ops per size, not per image).
+    runs = [whole] if whole is not None else [
+        run[0][None] if len(run) == 1 else torch.stack(run)
+        for run in (list(group) for _, group in itertools.groupby(images, key=lambda image: image.shape))
+    ]  # fmt: skip
+    for run in runs:
+        run = run if run.dtype == dtype else run.to(dtype)  # (no cast op where none is needed)
         if pad:  # zeros at the bottom and right, as timm's dynamic_img_pad
-            image = F.pad(image, (0, -image.shape[-1] % q, 0, -image.shape[-2] % p))
-        grids.append((image.shape[-2] // p, image.shape[-1] // q))
-        rows.append(patch_rows(image, (p, q), channels_last))
-    return NativeBatch(torch.cat(rows), tuple(grids), tuple(h * w for h, w in grids))
+            run = F.pad(run, (0, -run.shape[-1] % q, 0, -run.shape[-2] % p))
+        grids += [(run.shape[-2] // p, run.shape[-1] // q)] * run.shape[0]
+        rows.append(patch_rows(run, (p, q), channels_last))
+    return NativeBatch(torch.cat(rows) if len(rows) > 1 else rows[0], tuple(grids), tuple(h * w for h, w in grids))
 
 
 def _patch_dict(model: NaFlexVit, images: dict, device: torch.device, dtype: torch.dtype) -> NativeBatch:

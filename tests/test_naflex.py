@@ -138,6 +138,26 @@ def test_position_rows_are_each_grids_resampled_table(family, monkeypatch):
     torch.testing.assert_close(naflex.position_rows(embeds, batch, torch.float32), want, rtol=1e-5, atol=1e-5)
 
 
+def test_runs_of_one_size_and_a_tensor_patchify_as_each_image_alone():
+    """Consecutive images of one size are patchified together, a ``[B, C, H, W]`` tensor at once: the same rows, in
+    order, as each image alone (with ``dynamic_img_pad`` too)."""
+    from ragged_vit.pipelines import naflex
+
+    cpu = torch.device("cpu")
+    cases = (({}, ((64, 32), (64, 32), (32, 48), (64, 32))), (dict(dynamic_img_pad=True), ((40, 50),) * 3))
+    for options, sizes in cases:
+        model = naflex_model("map", **options)
+        batch = images(sizes)
+        alone = [naflex.native_batch(model, [image], cpu, torch.float32) for image in batch]
+        together = naflex.native_batch(model, batch, cpu, torch.float32)
+        assert torch.equal(together.rows, torch.cat([a.rows for a in alone]))
+        assert together.grids == tuple(a.grids[0] for a in alone)
+        assert together.counts == tuple(a.counts[0] for a in alone)
+        if len(set(sizes)) == 1:
+            stacked = naflex.native_batch(model, torch.stack(batch), cpu, torch.float32)
+            assert torch.equal(stacked.rows, together.rows) and stacked.grids == together.grids
+
+
 def test_conv_embedding_and_dynamic_padding_equal_timm_per_image():
     """A convolutional patch embedding (no patch dict in timm: each image alone through timm), and
     ``dynamic_img_pad`` (sizes that are no multiple of the patch, zero-padded at the bottom and right)."""
