@@ -12,7 +12,9 @@ weights (``pretrained=False``: nothing is downloaded). Rows, each checked then t
 * ``timm_compiled:<mode>``: the same under ``torch.compile(model, mode=<mode>)`` for each of ``--compile-modes``
   (a failure is recorded, not raised); the best of them is timm's best mode;
 * ``ours``: ``ragged_vit.prune(model, "none")``, the default call, on the list of images (its patchify is timed);
-* ``ours_threshold_l2``: ``ragged_vit.prune(model, "threshold_l2", 0.5)`` on the list.
+* ``ours_threshold_l2``: ``ragged_vit.prune(model, "threshold_l2", 0.5)`` on the list;
+* ``ours_compile_blocks``: ``ours`` with ``compile_blocks=True`` (a native batch runs eagerly: its blocks compiled,
+  dynamic shapes from the second size on), whether compiled blocks should be a native batch's default.
 
 Clocks: :func:`benchmarks.timing.forward_times` (each forward synchronised, and back to back). The unpruned rows'
 logits are compared with timm's eager ones (``max_abs_diff``). Nothing here asserts a time.
@@ -94,6 +96,10 @@ def rows_at(model, images: list[torch.Tensor], args, device: torch.device) -> li
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the default call says once that a native batch runs eagerly
         peers["ours"] = functools.partial(ragged_vit.prune(model, "none", backend=backend), images)
+        if not args.smoke:  # (Inductor on the CPU would time the compiler, not the runtime)
+            compiled = ragged_vit.prune(model, "none", backend=backend)
+            compiled.compile_blocks = True
+            peers["ours_compile_blocks"] = functools.partial(compiled, images)
         pruned = ragged_vit.prune(model, "threshold_l2", 0.5, backend)
         peers["ours_threshold_l2"] = functools.partial(pruned, images)
     rows, reference = [], None
