@@ -359,14 +359,16 @@ def test_the_modes_take_a_rope_model_as_any_vit():
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # Inductor's notes on the CPU
-def test_compiled_blocks_run_the_eva_blocks_in_and_out_of_the_graph_runner(monkeypatch):
+@pytest.mark.parametrize("backend", ["padded_sdpa", pytest.param("triton", marks=pytest.mark.interpreter)])
+def test_compiled_blocks_run_the_eva_blocks_in_and_out_of_the_graph_runner(backend, monkeypatch):
     """``compile_blocks`` on a RoPE model (RoPE-Mixed: one table per block and head): the compiled front (embedding
     without timm's table, the runner's static one given) and packed blocks, in the graph runner and eagerly, equal the
     plain forward to fp32 rounding; Dynamo traces them without a graph break (``padded_sdpa``: q and k rotated in the
-    compiled region); EViT's decisions score from the qkv the compiled parts' ``rotate_qkv`` rotated (one fused
-    kernel, not a dozen). One case: a compile costs ~15 s on the CPU."""
+    compiled region; ``triton``: the attention op given the rotation, under the interpreter); EViT's decisions score
+    from the qkv the compiled parts' ``rotate_qkv`` rotated (one fused kernel, not a dozen). A compile costs ~15 s on
+    the CPU."""
     model = family("rope_mixed")
-    pv = PrunedViT(model, make_pruner("evit", rate=0.6, blocks=(1, 2), fuse_token=True), "padded_sdpa")
+    pv = PrunedViT(model, make_pruner("evit", rate=0.6, blocks=(1, 2), fuse_token=True), backend)
     x = images(model, 3, 13)
     ref = pv.run(x)
     rotations = []
