@@ -242,13 +242,13 @@ def position_rows(embeds: nn.Module, batch: NativeBatch, dtype: torch.dtype) -> 
     lengths = [(max(h, w),) * 2 if square else (h, w) for h, w in batch.grids]  # each image's resampled axes
     # Per image: patches, grid width, and where its two axes' weights start in the stacked weights of lengths 1, 2, ..
     per_image = torch.tensor([batch.counts, [w for _, w in batch.grids], [ly * (ly - 1) // 2 for ly, _ in lengths],
-                              [lx * (lx - 1) // 2 for _, lx in lengths]]).to(device)  # fmt: skip
-    counts, widths, first_y, first_x = per_image
-    place = table_rows(batch, torch.zeros_like(counts))  # y * w + x within each row's grid
-    width = torch.repeat_interleave(widths, counts, output_size=patches)
-    y, x = place // width, place % width
-    rows_y = torch.repeat_interleave(first_y, counts, output_size=patches) + y
-    rows_x = torch.repeat_interleave(first_x, counts, output_size=patches) + x
+                              [lx * (lx - 1) // 2 for _, lx in lengths]])  # fmt: skip
+    if batch.index is None:  # an image list: every row's place is known on the host, its weight rows copied once
+        counts = per_image[0]
+        place = torch.arange(patches) - torch.repeat_interleave(counts.cumsum(0) - counts, counts, output_size=patches)
+        rows_y, rows_x = _weight_rows(place, *per_image, patches).to(device)
+    else:  # a patch dict: the places are on the device
+        rows_y, rows_x = _weight_rows(batch.index, *per_image.to(device), patches)
     longest = max(max(pair) for pair in lengths)
     if kind == "factorized":
         along_y, along_x = embeds.pos_embed_y[0], embeds.pos_embed_x[0]  # [Ly, C], [Lx, C]
@@ -261,12 +261,19 @@ def position_rows(embeds: nn.Module, batch: NativeBatch, dtype: torch.dtype) -> 
     stacked_y = _stacked_weights(gh, longest, *options, device)
     stacked_x = _stacked_weights(gw, longest, *options, device)
     flat = table.reshape(gh * gw, channels).float()
-    out = table.new_empty((patches, channels), dtype=dtype)
     step = max(1, POSITION_CHUNK_BYTES // (4 * gh * gw))
-    for a in range(0, patches, step):
-        mix = stacked_y[rows_y[a : a + step], :, None] * stacked_x[rows_x[a : a + step], None, :]  # [n, gh, gw]
-        out[a : a + step] = mix.flatten(1) @ flat
-    return out
+    chunks = [(stacked_y[rows_y[a : a + step], :, None] * stacked_x[rows_x[a : a + step], None, :]).flatten(1) @ flat
+              for a in range(0, patches, step)]  # each row's [gh, gw] mixing weights times the table  # fmt: skip
+    return (chunks[0] if len(chunks) == 1 else torch.cat(chunks)).to(dtype)
+
+
+def _weight_rows(place, counts, widths, first_y, first_x, patches: int) -> torch.Tensor:
+    """int64 ``[2, T_p]``: each patch row's row in the stacked weights of its two axes (:func:`_stacked_weights`),
+    from its ``place`` ``y * w + x`` in its grid and its image's count, width and first weight rows."""
+    width = torch.repeat_interleave(widths, counts, output_size=patches)
+    y = place // width
+    return torch.stack([y, place - y * width]) + torch.repeat_interleave(torch.stack([first_y, first_x]), counts,
+                                                                         dim=1, output_size=patches)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=64)
