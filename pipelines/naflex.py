@@ -46,6 +46,7 @@ from timm.models.naflexvit import NaFlexVit
 from torch import nn
 
 from ..core.segments import cu_seqlens_from_counts
+from ..core.segments import positions as places_in_images
 from ..core.selection import Pruner
 from ..core.validation import check_tensor
 from ..reference.native import axis_weights
@@ -244,8 +245,7 @@ def position_rows(embeds: nn.Module, batch: NativeBatch, dtype: torch.dtype) -> 
     per_image = torch.tensor([batch.counts, [w for _, w in batch.grids], [ly * (ly - 1) // 2 for ly, _ in lengths],
                               [lx * (lx - 1) // 2 for _, lx in lengths]])  # fmt: skip
     if batch.index is None:  # an image list: every row's place is known on the host, its weight rows copied once
-        counts = per_image[0]
-        place = torch.arange(patches) - torch.repeat_interleave(counts.cumsum(0) - counts, counts, output_size=patches)
+        place = places_in_images(cu_seqlens_from_counts(per_image[0]), patches)
         rows_y, rows_x = _weight_rows(place, *per_image, patches).to(device)
     else:  # a patch dict: the places are on the device
         rows_y, rows_x = _weight_rows(batch.index, *per_image.to(device), patches)
@@ -295,9 +295,7 @@ def table_rows(batch: NativeBatch, starts: torch.Tensor) -> torch.Tensor:
     first = torch.repeat_interleave(starts.to(device), counts, output_size=patches)
     if batch.index is not None:
         return first + batch.index
-    within = torch.arange(patches, device=device) - torch.repeat_interleave(counts.cumsum(0) - counts, counts,
-                                                                            output_size=patches)  # fmt: skip
-    return first + within
+    return first + places_in_images(cu_seqlens_from_counts(counts), patches)
 
 
 def native_rotary(pipeline, batch: NativeBatch, patch_slots: torch.Tensor | None, total: int) -> RotaryRows:
