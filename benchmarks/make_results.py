@@ -88,10 +88,10 @@ def load_call(path: Path) -> dict:
     """A stored ``benchmarks.default_call`` run; ToMe rows timed before the published ToMe (each part by its own
     date, :data:`TOME_PUBLISHED_SINCE`) renamed ``tome_variant``, so no table or target presents them as it."""
     payload = json.loads(path.read_text())
-    since = payload.get("environment", {}).get("date") or ""
+    date = (payload.get("environment") or {}).get("date") or ""
 
-    def variant(part: dict) -> bool:
-        return ((part.get("environment") or {}).get("date") or since) < TOME_PUBLISHED_SINCE
+    def variant(environment: dict | None) -> bool:
+        return ((environment or {}).get("date") or date) < TOME_PUBLISHED_SINCE
 
     def renamed(rows: list[dict]) -> list[dict]:
         return [{**r, "workload": "tome_variant"} if r.get("workload") == "tome" else r for r in rows]
@@ -99,13 +99,13 @@ def load_call(path: Path) -> dict:
     def rekeyed(entry: dict) -> dict:
         return {("tome_variant" if k == "tome" else k): v for k, v in entry.items()}
 
-    if variant(payload):
+    if variant(payload.get("environment")):
         payload["table"] = renamed(payload.get("table", []))
-        if isinstance(payload.get("stream"), dict) and variant(payload["stream"]):
-            payload["stream"] = rekeyed(payload["stream"])
-    if isinstance(payload.get("before"), dict) and variant(payload["before"]):
+    if isinstance(payload.get("stream"), dict) and variant(payload.get("stream_environment")):
+        payload["stream"] = rekeyed(payload["stream"])
+    if isinstance(payload.get("before"), dict) and variant(payload["before"].get("environment")):
         payload["before"]["table"] = renamed(payload["before"].get("table", []))
-    if isinstance(payload.get("eager_rounds"), dict) and variant(payload["eager_rounds"]):
+    if isinstance(payload.get("eager_rounds"), dict) and variant(payload["eager_rounds"].get("environment")):
         payload["eager_rounds"]["rounds"] = [rekeyed(r) for r in payload["eager_rounds"].get("rounds", [])]
     return payload
 
