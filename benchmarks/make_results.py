@@ -91,7 +91,7 @@ def load_call(path: Path) -> dict:
     date = (payload.get("environment") or {}).get("date") or ""
 
     def variant(environment: dict | None) -> bool:
-        return ((environment or {}).get("date") or date) < TOME_PUBLISHED_SINCE
+        return _tome_variant((environment or {}).get("date") or date)
 
     def renamed(rows: list[dict]) -> list[dict]:
         return [{**r, "workload": "tome_variant"} if r.get("workload") == "tome" else r for r in rows]
@@ -363,14 +363,14 @@ def tome_targets(tome: dict) -> list[tuple[str, str, str, dict]]:
             values[f"B={b}"] = [(name, getattr(up, key))]
         value, verdict = judge(cells, values)
         if verdict != "not measured":
-            verdict += f" ({TOME_VARIANT})" if _tome_variant(run) else ""
+            verdict += f" ({TOME_VARIANT})" if _tome_variant(run["meta"].get("date")) else ""
             out.append((f"{TOME_LABELS[key]}: {_bars(cells)}", value, verdict, run))
     return out
 
 
-def _tome_variant(run: dict) -> bool:
-    """Whether a ``benchmarks.tome_peer`` run predates the published ToMe (:data:`TOME_PUBLISHED_SINCE`)."""
-    return (run["meta"].get("date") or "") < TOME_PUBLISHED_SINCE
+def _tome_variant(date: str | None) -> bool:
+    """Whether ToMe timed at ``date`` (a run's ISO date) predates the published ToMe (:data:`TOME_PUBLISHED_SINCE`)."""
+    return (date or "") < TOME_PUBLISHED_SINCE
 
 
 WORKLOAD_NAMES = {"l2_calibrated": "Threshold-L2 calibrated", "ats": "ATS", "dynamicvit": "DynamicViT",
@@ -946,7 +946,7 @@ def card_section(
     else:
         m = tome["meta"]
         title = f"{TOME_TITLE} ({m.get('model')}, r = {m.get('r')})"
-        variant = [f"**{TOME_VARIANT[0].upper()}{TOME_VARIANT[1:]}.**"] if _tome_variant(tome) else []
+        variant = [f"**{TOME_VARIANT[0].upper()}{TOME_VARIANT[1:]}.**"] if _tome_variant(m.get("date")) else []
         out.append("\n\n".join([f"### {title}", T.header(tome), *variant, TOME_METHOD, tome_peer.render(tome)]))
         if (apart := tome.get("adaptive_run")) is not None:
             out.append("\n\n".join([f"#### The adaptive rows' own run (`{TOME_ADAPTIVE_FILE}`)", T.header(apart),
