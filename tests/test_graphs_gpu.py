@@ -284,15 +284,8 @@ def test_variable_counts_read_once_per_stage(lab, case, stages, buckets, monkeyp
         return reads[-1][1]
 
     monkeypatch.setattr(HostCounts, "read", read)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            out = runner.run(images)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    assert not syncs, [str(w.message) for w in syncs]
+    syncs, out = _syncs(runner.run, images)
+    assert not syncs, syncs
     assert len(reads) == stages
     rows = (out.counts + pv.plan.num_prefix).cpu()  # [B, S]: each image's rows after each stage
     for stage, (total, longest) in reads:
@@ -322,21 +315,23 @@ def test_lean_eager_forward_matches_run_in_fp32(lab, case, monkeypatch):
         monkeypatch.setattr(HostCounts, "total_and_longest", lambda self, kept: reads.append(1) or real(self, kept))
         for batch in (4, 64):
             images = lab.batch(batch, seed=3)
-            assert [_syncs(pv, images), len(reads), _syncs(pv.run, images), len(reads)] == [0, 0, 0, 9], f"B={batch}"
+            counts = [len(_syncs(pv, images)[0]), len(reads), len(_syncs(pv.run, images)[0]), len(reads)]
+            assert counts == [0, 0, 0, 9], f"B={batch}"
             reads.clear()
 
 
-def _syncs(forward, images: torch.Tensor) -> int:
-    """Synchronising calls of one ``forward(images)``."""
+def _syncs(forward, images: torch.Tensor) -> tuple[list[str], object]:
+    """The synchronising calls of one ``forward(images)``, and its output. Matches PyTorch's per-call warning only:
+    ``set_sync_debug_mode`` itself warns once per process that the mode is a prototype."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            forward(images)
+            out = forward(images)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return len([w for w in caught if "synchroniz" in str(w.message)])
+    return [str(w.message) for w in caught if "called a synchronizing" in str(w.message)], out
 
 
 # --- fallback, memory, misuse ------------------------------------------------------------------------------------
