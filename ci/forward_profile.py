@@ -21,9 +21,7 @@ forced past the rows while the row is captured and replayed; on GPUs that have i
 An eager pipeline is called as a user calls it, ``pv(images)`` (:meth:`ragged_vit.pipelines.model.PrunedViT.forward`).
 ``--workloads`` takes ``WORKLOAD:KEEP`` (keep rate 0.5 by default); ``--tome R`` adds ToMe with a fixed ``r = R`` per
 block (one graph per forward), ``--tome-adaptive R`` its adaptive merging at the same mean rows (a graph per block,
-sized by each block's total). ``--rope-outside``: under ``torch.compile`` a RoPE model's q and k are rotated by a pass
-of their own before the attention op (the compiled path before the op took the rotation), for an A/B of the kernel's
-own rotation: run once with it and once without, in one call. Details go to ``--out`` (JSON).
+sized by each block's total). Details go to ``--out`` (JSON).
 """
 
 from __future__ import annotations
@@ -45,14 +43,12 @@ from benchmarks.default_call import CallLab
 from benchmarks.e2e_common import DEIT_B
 from benchmarks.timing import elapsed, schedule, span_time, warmup
 from benchmarks.workloads import workload_keeps
-from ragged_vit.pipelines.backends.triton import TritonBackend
 from ragged_vit.pipelines.buckets import TokenBuckets
 from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.model import PrunedViT
 from ragged_vit.pipelines.patch_embed import with_gemm_patch_embed
 from ragged_vit.reference.merging import fixed_r_counts
 from ragged_vit.reference.pruners import make_pruner
-from ragged_vit.reference.rotary import rotate_qkv
 from ragged_vit.triton_impl import configs as linear_configs
 from ragged_vit.triton_impl.launcher import pdl_supported
 
@@ -128,19 +124,6 @@ def pipeline(lab: CallLab, workload: str, keep: float, images: list[torch.Tensor
     pv = PrunedViT(model, make_pruner("tome", r_max=2 * r, rate=rate, depth=depth), "triton", mode="eager")
     pv.calibrate(torch.cat(images))
     return pv
-
-
-def rotate_outside_under_compile() -> None:
-    """``--rope-outside``: the Triton backend, under ``torch.compile``, rotates q and k before its attention op (a
-    pass of their own) instead of handing the rotation to the kernel."""
-    attend = TritonBackend._attend
-
-    def outside(self, qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias=None, rotary=None):
-        if rotary is not None and torch.compiler.is_compiling():
-            qkv, rotary = rotate_qkv(qkv, num_heads, *rotary), None
-        return attend(self, qkv, cu_seqlens, max_seqlen, num_heads, scale, key_bias, rotary)
-
-    TritonBackend._attend = outside
 
 
 def label_of(workload: str, keep: float) -> str:
@@ -224,9 +207,6 @@ def main() -> None:
         help="also ToMe's adaptive merging at the same mean rows as r = R (threshold calibrated on the images, "
         "r_max = 2 R; the graph runner's default buckets)",
     )
-    parser.add_argument(
-        "--rope-outside", action="store_true", help="under torch.compile, q and k rotated before the attention op"
-    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     try:
@@ -241,8 +221,6 @@ def main() -> None:
         parser.error("--eager-only: --compile-blocks, --sync-free-rows and --serial-decisions set graphed rows")
     if args.eager_rounds < 0:
         parser.error(f"--eager-rounds: must be >= 0, got {args.eager_rounds}")
-    if args.rope_outside and not args.compile_blocks:
-        parser.error("--rope-outside: changes the compiled rows, which only --compile-blocks adds")
     if args.tome < 0:
         parser.error(f"--tome: r must be >= 0, got {args.tome}")
     if args.tome_adaptive < 0:
@@ -253,15 +231,11 @@ def main() -> None:
         args.workloads.append(("tome_adaptive", args.tome_adaptive))
     if not has_gpu("python -m ci.forward_profile"):
         return
-    if args.rope_outside:
-        rotate_outside_under_compile()
     torch.manual_seed(0)
     options = {} if args.img_size is None else {"img_size": args.img_size}
     lab = CallLab(torch.device("cuda"), torch.float16, args.model, options)
-    if args.rope_outside and getattr(lab.model(args.model), "rope", None) is None:
-        parser.error(f"--rope-outside: {args.model} has no rotary position embeddings")
     results = {"card": torch.cuda.get_device_name(), "torch": torch.__version__, "model": args.model,
-               "img_size": lab.image_size(args.model), "rope_outside": args.rope_outside, "rows": []}  # fmt: skip
+               "img_size": lab.image_size(args.model), "rows": []}  # fmt: skip
     print(f"{results['card']}  torch {torch.__version__}  {args.model} at {results['img_size']}")
     pdl_rows = linear_configs.LINEAR_PDL_MAX_ROWS  # the configured value: every row but +fused+pdl's runs with it
     kinds = [k for k, _ in KINDS] + ["other"]

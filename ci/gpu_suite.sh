@@ -9,7 +9,7 @@
 # $OUT/gpu_tests_<i>.log.
 # rope-models: the default call on RoPE models (ROPE_MODELS, "model:size" words; default issue 40's three); naflex:
 # NaFlex batches (NAFLEX_BATCHES, issue 40's 64 first; NAFLEX_MODES: timm's compile modes); rope-profile: the forward
-# profiles of ROPE_PROFILE_MODEL (DINOv3; again with --rope-outside, the A/B of the kernel's rotation) and DeiT-B at
+# profiles of ROPE_PROFILE_MODELS (DINOv3 and EVA-02) and DeiT-B beside them at
 # ROPE_PROFILE_BATCHES (4,64), for what RoPE adds.
 # tome-peer: ToMe against its peer, fixed r (~8-9 min on an H200); tome-adaptive: the adaptive rows' own run (its file
 # joins tome_peer.json in the results: benchmarks/make_results.py).
@@ -65,11 +65,10 @@ for step in "${steps[@]}"; do
                      --workloads l2:0.5,evit:0.7 --rows timm_compiled,default --out "$OUT/" 2>&1 | grep -v Warning \
                      | tee -a "$OUT/rope_models.log" | tail -14
                  done ;;
-    rope-profile) model="${ROPE_PROFILE_MODEL:-vit_base_patch16_dinov3}"  # the kernel's rotation, then a pass of its own
-                  for run in "$model:" "$model:--rope-outside" "deit_base_patch16_224:"; do  # and DeiT-B beside
-                    "$PY" -m ci.forward_profile --model "${run%%:*}" --batches "${ROPE_PROFILE_BATCHES:-4,64}" \
-                      --workloads l2_calibrated:0.5,evit:0.7 --compile-blocks ${run#*:} \
-                      --out "$OUT/forward_profile_${run%%:*}${run#*:}.json" 2>&1 | grep -E "^(\||NVIDIA)"
+    rope-profile) for model in ${ROPE_PROFILE_MODELS:-vit_base_patch16_dinov3 eva02_base_patch14_224} deit_base_patch16_224; do
+                    "$PY" -m ci.forward_profile --model "$model" --batches "${ROPE_PROFILE_BATCHES:-4,64}" \
+                      --workloads l2_calibrated:0.5,evit:0.7 --compile-blocks --out "$OUT/forward_profile_$model.json" \
+                      2>&1 | grep -E "^(\||NVIDIA)"
                   done ;;
     issue41) "$PY" -m benchmarks.default_call --workloads l2_ratio:0.5,l2_calibrated:0.5,ats:0.5,dynamicvit:0.7,evit:0.7,tome:13 \
                --rows timm_compiled,timm_max_autotune,default --batches "${ISSUE41_BATCHES:-1,4,64,256}" --out "$OUT/default_call_latency.json" 2>&1 \
