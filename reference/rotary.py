@@ -9,6 +9,10 @@ dtype, the result cast back to ``x``'s), where ``rot`` is one of two layouts (:d
 * ``"interleaved"``: pairs of neighbours, ``rot(x) = [-x1, x0, -x3, x2, ...]`` (EVA-02, ``vit_*_rope_*``, PE);
 * ``"half"``: the two halves, ``rot(x) = [-x[D/2:], x[:D/2]]`` (DINOv3: ``rope_rotate_half=True``).
 
+A rotation turns each pair of lanes by one angle, so timm's tables hold each pair's sin and cos twice
+(:func:`table_from_angles`). The rotation here reads them once, from the pair's **first lane** (the first half, or the
+even lanes): the second lane's entries are never read, and the kernels read half the table.
+
 A table is shared by every head and block (``[N, 2*D]``: timm's ``RotaryEmbeddingCat``, DINOv3's, MRoPE's) or is
 one per head (``[H, N, 2*D]``: one block's slice of RoPE-Mixed's learned frequencies, ``[depth, H, N, 2*D]``).
 
@@ -53,6 +57,21 @@ def rot(x: torch.Tensor, half: bool) -> torch.Tensor:
     return torch.stack([-pairs[..., 1], pairs[..., 0]], dim=-1).flatten(-2)
 
 
+def table_from_angles(angles: torch.Tensor, half: bool = False) -> torch.Tensor:
+    """The ``[sin | cos]`` table (``[..., 2*D]``) of ``angles [..., D/2]`` (one per pair of lanes) in the layout's lane
+    order, as timm's rope modules lay it out: each value twice, side by side (interleaved) or in both halves."""
+    spread = torch.cat([angles, angles], -1) if half else angles.repeat_interleave(2, -1)
+    return torch.cat([spread.sin(), spread.cos()], -1)
+
+
+def pair_values(values: torch.Tensor, half: bool) -> torch.Tensor:
+    """Each pair's first-lane entry of ``values [..., D]`` (one half of a table row) copied to both of its lanes."""
+    if half:
+        first = values[..., : values.shape[-1] // 2]
+        return torch.cat([first, first], -1)
+    return values[..., 0::2].repeat_interleave(2, -1)
+
+
 def check_rotary(
     table: torch.Tensor, positions: torch.Tensor, total: int, heads: int, head_dim: int, device: torch.device
 ) -> None:
@@ -83,7 +102,7 @@ def rotate(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, half: 
 
     Returns:
         ``[T, H, D]`` in ``x``'s dtype: ``x * cos + rot(x) * sin`` computed in the promoted dtype of ``x`` and the
-        table, then cast (timm's order).
+        table, then cast (timm's order), each pair's sin and cos read from its first lane (module docstring).
     """
     check_tensor(x, "x", ndim=3)
     total, heads, head_dim = x.shape
@@ -92,7 +111,7 @@ def rotate(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, half: 
     valid = (positions >= 0) & (positions < count)
     index = torch.where(valid, positions, 0).long()
     rows = table[index][:, None] if table.dim() == 2 else table[:, index].transpose(0, 1)  # [T, 1 or H, 2*D]
-    sin, cos = rows.chunk(2, dim=-1)
+    sin, cos = (pair_values(t, half) for t in rows.chunk(2, dim=-1))
     rotated = (x * cos + rot(x, half) * sin).to(x.dtype)
     return torch.where(valid[:, None, None], rotated, x)
 

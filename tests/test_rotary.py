@@ -12,7 +12,14 @@ from timm.layers.pos_embed_sincos import apply_rot_embed_cat
 from ragged_vit.core.segments import cu_seqlens_from_counts
 from ragged_vit.pipelines.backends import make_backend
 from ragged_vit.reference import packing as ref_packing
-from ragged_vit.reference.rotary import Rotary, patch_positions, repack_positions, rotate, rotate_qkv
+from ragged_vit.reference.rotary import (
+    Rotary,
+    patch_positions,
+    repack_positions,
+    rotate,
+    rotate_qkv,
+    table_from_angles,
+)
 from ragged_vit.testing import attention_cases, attention_suite
 from ragged_vit.triton_impl import attention as ta
 from ragged_vit.triton_impl import pack as tp
@@ -27,11 +34,25 @@ def test_rotate_is_timms_rotation_with_prefix_rows_unrotated(half, per_head, dty
     rows unchanged, as timm's Eva attention leaves its ``num_prefix_tokens`` rows."""
     batch, heads, tokens, prefix, dim = 2, 3, 11, 5, 8
     x = torch.randn(batch, heads, tokens, dim, generator=gen).to(dtype)
-    table = torch.randn(heads, tokens - prefix, 2 * dim, generator=gen) if per_head else torch.randn(6, 2 * dim)
+    angles = torch.randn(*((heads, tokens - prefix) if per_head else (6,)), dim // 2, generator=gen)
+    table = table_from_angles(angles, half)
     expected = torch.cat([x[:, :, :prefix], apply_rot_embed_cat(x[:, :, prefix:], table, half=half).to(dtype)], 2)
     rows = x.transpose(1, 2).flatten(0, 1)  # packed [B*N, H, D]
     out = rotate(rows, table, patch_positions(batch, tokens, prefix), half)
     assert torch.equal(out.unflatten(0, (batch, tokens)).transpose(1, 2), expected)
+
+
+@pytest.mark.parametrize("half", [False, True], ids=["interleaved", "half"])
+def test_rotate_reads_each_pairs_angle_from_its_first_lane(half, gen):
+    """A pair turns by one angle: the second lane's sin and cos (timm's copies) are never read, so garbage there
+    changes nothing, and the first lanes' values are what rotate both lanes."""
+    x, positions = torch.randn(5, 2, 8, generator=gen), torch.arange(5, dtype=torch.int32)
+    table = table_from_angles(torch.rand(5, 4, generator=gen) * 6.3, half)
+    lanes = torch.arange(8)
+    second = lanes >= 4 if half else lanes % 2 == 1
+    garbage = table.clone()
+    garbage[:, torch.cat([second, second])] = torch.randn(5, 8, generator=gen)
+    assert torch.equal(rotate(x, garbage, positions, half), rotate(x, table, positions, half))
 
 
 def test_rotate_leaves_positions_outside_the_table_unrotated_and_checks_its_arguments(gen):

@@ -51,64 +51,81 @@ from .launcher import CompiledLauncher, cdiv, next_power_of_2
 
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))
 _LOG2E = tl.constexpr(1.4426950408889634)
+_MIN_DOT = 16  # tl.dot's smallest reduction width: the rotary dots' half head dim is padded up to it
 
 
 @triton.jit
-def _rotate(x, partner_ptrs, table_ptrs, lanes, rotated_rows, sign, HEAD_DIM: tl.constexpr):
-    """RoPE on a loaded tile ``x`` (rows of q, or columns of k^T): ``x * cos + sign * partner * sin`` in fp32, rounded
-    to ``x``'s dtype (timm's order), where ``rotated_rows`` (else ``x`` unchanged). ``partner_ptrs`` address each
-    element's partner, ``table_ptrs`` its sin (its cos ``HEAD_DIM`` further); ``lanes`` masks the loads."""
-    partner = tl.load(partner_ptrs, mask=lanes, other=0.0).to(tl.float32)
+def _rotate_pairs(a, b, table_ptrs, lanes, rotated_rows, HEAD_DIM: tl.constexpr):
+    """RoPE on a loaded tile's pairs of lanes (rows of q, or columns of k^T): ``a`` the pairs' first lanes, ``b`` their
+    second, turned by the angle whose sin ``table_ptrs`` addresses (its cos ``HEAD_DIM`` further): ``a cos - b sin``
+    and ``b cos + a sin`` in fp32, rounded to the tile's dtype (timm's order), where ``rotated_rows`` (else unchanged);
+    ``lanes`` masks the loads."""
     sin = tl.load(table_ptrs, mask=lanes & rotated_rows, other=0.0).to(tl.float32)
     cos = tl.load(table_ptrs + HEAD_DIM, mask=lanes & rotated_rows, other=1.0).to(tl.float32)
-    rotated = x.to(tl.float32) * cos + sign * partner * sin
-    return tl.where(rotated_rows, rotated.to(x.dtype), x)
+    a32, b32 = a.to(tl.float32), b.to(tl.float32)
+    turned_a = (a32 * cos - b32 * sin).to(a.dtype)
+    turned_b = (b32 * cos + a32 * sin).to(b.dtype)
+    return tl.where(rotated_rows, turned_a, a), tl.where(rotated_rows, turned_b, b)
 
 
 @triton.jit
 def _attend_key_tile(
-    q, acc, m_i, l_i, k_base, v_base, b_base, n0, seqlen, qk_scale,
+    q, q2, acc, m_i, l_i, k_base, v_base, b_base, n0, seqlen, qk_scale,
     stride_kt, stride_kd, stride_vt, stride_vd,
     offs_n0, offs_d, mask_d,
-    p_base, t_base, rope_rows, stride_rn, partner_d, sign,
+    p_base, t_base, rope_rows, stride_rn, lane_a, lane_b, mask_h,
     MASKED: tl.constexpr,
     EVEN_D: tl.constexpr,
+    EVEN_H: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_ROPE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys ``n0 : n0 + BLOCK_N``; only the ragged last tile is masked (and the padded
-    head-dim lanes, when the head dim is not a power of two). ``b_base`` points at the image's first key bias; with
-    ``HAS_ROPE`` the keys are rotated as they are loaded (``p_base``: the image's first position, ``t_base``: the
-    head's rope table)."""
+    head-dim lanes, when the head dim is not a power of two). ``b_base`` points at the image's first key bias. With
+    ``HAS_ROPE`` the keys are loaded as their pairs' first lanes (``lane_a``) and second lanes (``lane_b``), rotated
+    (``p_base``: the image's first position, ``t_base``: the head's rope table), and scored against the queries'
+    halves ``q`` and ``q2`` by two dots: each key element and its table entry are read once."""
     offs_n = n0 + offs_n0
-    k_ptrs = k_base + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd  # [BLOCK_D, BLOCK_N]
     v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd  # [BLOCK_N, BLOCK_D]
     if MASKED:
         mask_n = offs_n < seqlen
-        kt = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0)
     elif EVEN_D:
-        kt = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
     else:
-        kt = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
         v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
     if HAS_ROPE:
+        k_cols = k_base + offs_n[None, :] * stride_kt
         if MASKED:
-            pos = tl.load(p_base + offs_n, mask=offs_n < seqlen, other=-1)
-            lanes = (offs_n < seqlen)[None, :] & mask_d[:, None]
+            pos = tl.load(p_base + offs_n, mask=mask_n, other=-1)
+            lanes = mask_n[None, :] & mask_h[:, None]
         else:
             pos = tl.load(p_base + offs_n)
-            lanes = (offs_n >= 0)[None, :] & mask_d[:, None]
+            lanes = (offs_n >= 0)[None, :] & mask_h[:, None]
+        if MASKED or not EVEN_H:
+            ka = tl.load(k_cols + lane_a[:, None] * stride_kd, mask=lanes, other=0.0)  # [BLOCK_H, BLOCK_N]
+            kb = tl.load(k_cols + lane_b[:, None] * stride_kd, mask=lanes, other=0.0)
+        else:
+            ka = tl.load(k_cols + lane_a[:, None] * stride_kd)
+            kb = tl.load(k_cols + lane_b[:, None] * stride_kd)
         ok = (pos >= 0) & (pos < rope_rows)
         rows = tl.where(ok, pos, 0).to(tl.int64)
-        kt = _rotate(
-            kt, k_base + offs_n[None, :] * stride_kt + partner_d[:, None] * stride_kd,
-            t_base + rows[None, :] * stride_rn + offs_d[:, None], lanes, ok[None, :], sign[:, None], HEAD_DIM,
-        )  # fmt: skip
-    s = tl.dot(q, kt, input_precision=DOT_PRECISION)
+        ka, kb = _rotate_pairs(
+            ka, kb, t_base + rows[None, :] * stride_rn + lane_a[:, None], lanes, ok[None, :], HEAD_DIM
+        )
+        s = tl.dot(q, ka, input_precision=DOT_PRECISION)
+        s = tl.dot(q2, kb, acc=s, input_precision=DOT_PRECISION)
+    else:
+        k_ptrs = k_base + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd  # [BLOCK_D, BLOCK_N]
+        if MASKED:
+            kt = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)
+        elif EVEN_D:
+            kt = tl.load(k_ptrs)
+        else:
+            kt = tl.load(k_ptrs, mask=mask_d[:, None], other=0.0)
+        s = tl.dot(q, kt, input_precision=DOT_PRECISION)
     if MASKED:
         s = tl.where(mask_n[None, :], s, float("-inf"))
     if HAS_BIAS:
@@ -152,6 +169,7 @@ def _ragged_attention_kernel(
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
+    BLOCK_H: tl.constexpr,  # with HAS_ROPE: HEAD_DIM / 2 rounded up to a power of two, at least 16 (a dot's minimum)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -179,53 +197,58 @@ def _ragged_attention_kernel(
     v_base = V + V_OFFSET + start.to(tl.int64) * stride_vt + h * stride_vh
     o_base = O + start.to(tl.int64) * stride_ot + h * stride_oh
     b_base = KEY_BIAS + start if HAS_BIAS else KEY_BIAS
-    if HAS_ROPE:
+    if HAS_ROPE:  # each pair's lanes: the first and second halves, or the even and odd lanes
         p_base = ROPE_POS + start
         t_base = ROPE_TABLE + h * stride_rh
+        offs_h = tl.arange(0, BLOCK_H)
+        mask_h = offs_h < HEAD_DIM // 2
         if ROPE_HALF:
-            partner_d = tl.where(offs_d < HEAD_DIM // 2, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
-            sign = tl.where(offs_d < HEAD_DIM // 2, -1.0, 1.0)
+            lane_a, lane_b = offs_h, offs_h + HEAD_DIM // 2
         else:
-            partner_d = offs_d ^ 1
-            sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
+            lane_a, lane_b = offs_h * 2, offs_h * 2 + 1
     else:
-        p_base, t_base, partner_d, sign = ROPE_POS, ROPE_TABLE, offs_d, offs_d
+        p_base, t_base, lane_a, lane_b, mask_h = ROPE_POS, ROPE_TABLE, offs_d, offs_d, mask_d
+    EVEN_H: tl.constexpr = 2 * BLOCK_H == HEAD_DIM
 
     # Grid-stride loop over query tiles: correct for any grid size along axis 0.
     for tile in range(pid_m, tl.cdiv(seqlen, BLOCK_M), tl.num_programs(0)):
         offs_m = tile * BLOCK_M + offs_m0
         mask_m = offs_m < seqlen
-        q = tl.load(
-            q_base + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
-            mask=mask_m[:, None] & mask_d[None, :],
-            other=0.0,
-        )
-        if HAS_ROPE:
+        if HAS_ROPE:  # q as its pairs' two lanes, rotated once per query tile
+            lanes = mask_m[:, None] & mask_h[None, :]
+            q_rows = q_base + offs_m[:, None] * stride_qt
+            q = tl.load(q_rows + lane_a[None, :] * stride_qd, mask=lanes, other=0.0)
+            q2 = tl.load(q_rows + lane_b[None, :] * stride_qd, mask=lanes, other=0.0)
             pos = tl.load(p_base + offs_m, mask=mask_m, other=-1)
             ok = (pos >= 0) & (pos < rope_rows)
             rows = tl.where(ok, pos, 0).to(tl.int64)
-            q = _rotate(
-                q, q_base + offs_m[:, None] * stride_qt + partner_d[None, :] * stride_qd,
-                t_base + rows[:, None] * stride_rn + offs_d[None, :], mask_m[:, None] & mask_d[None, :], ok[:, None],
-                sign[None, :], HEAD_DIM,
-            )  # fmt: skip
+            q, q2 = _rotate_pairs(
+                q, q2, t_base + rows[:, None] * stride_rn + lane_a[None, :], lanes, ok[:, None], HEAD_DIM
+            )
+        else:
+            q = tl.load(
+                q_base + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
+                mask=mask_m[:, None] & mask_d[None, :],
+                other=0.0,
+            )
+            q2 = q
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         for n0 in range(0, full_end, BLOCK_N):
             acc, m_i, l_i = _attend_key_tile(
-                q, acc, m_i, l_i, k_base, v_base, b_base, n0, seqlen, qk_scale,
+                q, q2, acc, m_i, l_i, k_base, v_base, b_base, n0, seqlen, qk_scale,
                 stride_kt, stride_kd, stride_vt, stride_vd, offs_n0, offs_d, mask_d,
-                p_base, t_base, rope_rows, stride_rn, partner_d, sign,
-                MASKED=False, EVEN_D=EVEN_D, HAS_BIAS=HAS_BIAS, HAS_ROPE=HAS_ROPE, HEAD_DIM=HEAD_DIM,
+                p_base, t_base, rope_rows, stride_rn, lane_a, lane_b, mask_h,
+                MASKED=False, EVEN_D=EVEN_D, EVEN_H=EVEN_H, HAS_BIAS=HAS_BIAS, HAS_ROPE=HAS_ROPE, HEAD_DIM=HEAD_DIM,
                 DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
         if full_end < seqlen:
             acc, m_i, l_i = _attend_key_tile(
-                q, acc, m_i, l_i, k_base, v_base, b_base, full_end, seqlen, qk_scale,
+                q, q2, acc, m_i, l_i, k_base, v_base, b_base, full_end, seqlen, qk_scale,
                 stride_kt, stride_kd, stride_vt, stride_vd, offs_n0, offs_d, mask_d,
-                p_base, t_base, rope_rows, stride_rn, partner_d, sign,
-                MASKED=True, EVEN_D=EVEN_D, HAS_BIAS=HAS_BIAS, HAS_ROPE=HAS_ROPE, HEAD_DIM=HEAD_DIM,
+                p_base, t_base, rope_rows, stride_rn, lane_a, lane_b, mask_h,
+                MASKED=True, EVEN_D=EVEN_D, EVEN_H=EVEN_H, HAS_BIAS=HAS_BIAS, HAS_ROPE=HAS_ROPE, HEAD_DIM=HEAD_DIM,
                 DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
         acc = acc / l_i[:, None]
@@ -265,8 +288,8 @@ def _launch(
     if rotary is None:
         args = (
             *tensors, cu_seqlens, key_bias, None, None, total, 0, 0, 0, scale * _LOG2E.value, *strides, *offsets,
-            heads, head_dim, next_power_of_2(head_dim), config.block_m, config.block_n, key_bias is not None, False,
-            False, precision,
+            heads, head_dim, next_power_of_2(head_dim), _MIN_DOT, config.block_m, config.block_n, key_bias is not None,
+            False, False, precision,
         )  # fmt: skip
     else:
         table = rotary.table
@@ -274,7 +297,8 @@ def _launch(
         args = (
             *tensors, cu_seqlens, key_bias, table, rotary.positions, total, table.shape[-2], head_stride,
             table.stride(-2), scale * _LOG2E.value, *strides, *offsets, heads, head_dim, next_power_of_2(head_dim),
-            config.block_m, config.block_n, key_bias is not None, True, bool(rotary.half), precision,
+            max(_MIN_DOT, next_power_of_2(head_dim // 2)), config.block_m, config.block_n, key_bias is not None, True,
+            bool(rotary.half), precision,
         )  # fmt: skip
     device = tensors[0].get_device()
     _launcher(key, device, grid, args, num_warps=config.num_warps, num_stages=config.num_stages)

@@ -73,7 +73,7 @@ import torch.nn.functional as F
 
 from ..core.segments import cu_seqlens_from_counts
 from ..reference.attention import ragged_attention, split_qkv
-from ..reference.rotary import Rotary, rotate
+from ..reference.rotary import Rotary, rotate, table_from_angles
 from .report import Failure, bad_call_failures, level, raise_failures
 
 QUICK_LENGTHS = (1, 2, 63, 64, 65, 197)
@@ -394,9 +394,7 @@ def _rotary(case: AttentionCase, device: torch.device, g: torch.Generator) -> Ro
     half = case.rope.startswith("half")
     rows = max(case.lengths) + 9
     shape = (case.heads, rows, case.head_dim // 2) if case.rope.endswith("per_head") else (rows, case.head_dim // 2)
-    angles = torch.rand(shape, generator=g) * 6.3
-    spread = (lambda t: torch.cat([t, t], -1)) if half else (lambda t: t.repeat_interleave(2, -1))
-    table = torch.cat([spread(angles.sin()), spread(angles.cos())], dim=-1)
+    table = table_from_angles(torch.rand(shape, generator=g) * 6.3, half)
     pieces = []
     for b, n in enumerate(case.lengths):
         prefix = min(b % 3, n)
