@@ -89,7 +89,8 @@ def _reduce(
     if sizes is not None:  # a merged forward: avg only (MERGE_POOLS)
         weight = sizes.to(x.dtype)[:, None].masked_fill(~keep, 0.0)
         return segment_sum(x * weight, seg, images) / segment_sum(weight, seg, images)
-    mean = segment_sum(x.masked_fill(~keep, 0.0), seg, images) / segment_sum(keep.to(x.dtype), seg, images)
+    count = segment_sum(keep.to(torch.int32), seg, images).to(x.dtype)  # integer adds: one launch, no segment scan
+    mean = segment_sum(x.masked_fill(~keep, 0.0), seg, images) / count
     if pool == "avg":
         return mean
     index = seg[:, None].expand_as(x)
