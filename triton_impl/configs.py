@@ -125,7 +125,7 @@ LINEAR_MIN_K_BLOCKS = 2
 """Each split of K walks at least this many ``block_k`` steps, so a split's loads can still be pipelined."""
 LINEAR_MAX_SPLIT = 16
 """At most this many splits of K: beyond it the fp32 partial sums cost more traffic than the spread gains."""
-FUSED_BLOCK_MAX_ROWS = 0  # docs/tuning.md#fused-linear-blocks: the form measured slower at B 1-4, so no forward takes it
+FUSED_BLOCK_MAX_ROWS = 0  # docs/tuning.md#fused-linear-blocks: measured slower at B 1-4, so no forward takes it
 """Forwards of at most this many rows (``B x N``) run their packed blocks as fused linears (four launches and the
 attention a block: :mod:`ragged_vit.pipelines.packed_block`, the fused-linear form); the plan's rule reads it."""
 LINEAR_PDL_MAX_ROWS = 0  # docs/tuning.md#fused-linear-blocks: measured slower at B 1-4, so no launch takes it
