@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .rotary import Rotary, check_rotary
 from .segments import segment_ids, segment_sum, uniform_cu_seqlens
 from .validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_tensor
 
@@ -63,6 +64,9 @@ class DecisionInput:
             row (its best-scoring patch) of every image.
         image_patches: int64 ``[B]``: each image's own unpruned patch count, in a batch of images of different sizes
             (native resolution); ``num_patches`` is then the largest. None: every image has ``num_patches``.
+        rotary: a RoPE model's rotation of the queries and keys in ``qkv`` (:class:`ragged_vit.core.rotary.Rotary`),
+            which its block's attention applies as it reads them: a decision that scores by attention rotates them
+            too (the Triton kernels as they load them). None: ``qkv`` as the scores read it.
     """
 
     x: torch.Tensor
@@ -77,6 +81,7 @@ class DecisionInput:
     v: torch.Tensor | None = None
     num_prefix: int = 1
     image_patches: torch.Tensor | None = None
+    rotary: Rotary | None = None
 
     @property
     def row_bound(self) -> int:
@@ -183,6 +188,12 @@ def check_decision_input(inp: object, *, attention: bool = False, values: bool =
             )
         if isinstance(inp.scale, bool) or not isinstance(inp.scale, (int, float)):
             raise TypeError(f"inp.scale must be a float with inp.qkv, got {type(inp.scale).__name__}")
+    if inp.rotary is not None:
+        if inp.qkv is None:
+            raise ValueError("inp.rotary rotates inp.qkv's queries and keys: give inp.qkv too")
+        if not isinstance(inp.rotary, Rotary):
+            raise TypeError(f"inp.rotary must be a ragged_vit.core.rotary.Rotary, got {type(inp.rotary).__name__}")
+        check_rotary(inp.rotary.table, inp.rotary.positions, x.shape[0], heads, qkv.shape[1] // (3 * heads), x.device)
     required = {"cls_attn": attention, "v": values}
     for name, needed in required.items():
         value = getattr(inp, name)

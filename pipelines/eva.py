@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from timm.models.eva import Eva, EvaAttention, EvaBlock
 from torch import nn
 
+from ..core.rotary import Rotary
 from ..reference.attention import split_qkv
-from ..reference.rotary import Rotary, patch_positions
+from ..reference.rotary import patch_positions
 
 EvaBlockPostNorm = getattr(timm.models.eva, "EvaBlockPostNorm", None)
 AttentionRope = getattr(timm.layers, "AttentionRope", None)

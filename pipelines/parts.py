@@ -18,7 +18,6 @@ import torch
 
 from ..core.decisions import fused_decision
 from ..core.selection import Decision, DecisionInput, Pruner
-from ..reference.rotary import rotate_qkv
 from .eva import block_table
 from .packed_block import (
     dense_block,
@@ -51,8 +50,6 @@ class Parts:
         fused_blocks, fused_attention, fused_mlp: the same in the fused-linear form (:func:`fused_blocks`,
             :func:`fused_attention`, :func:`fused_mlp`), the steps with ``linear``.
         decide: ``(pruner, inp) -> Decision``: a stage's decision (:func:`decide`).
-        rotate_qkv: a RoPE model's qkv with its queries and keys rotated, for a decision that scores by attention
-            (:func:`ragged_vit.reference.rotary.rotate_qkv`).
     """
 
     compiled: bool
@@ -68,7 +65,6 @@ class Parts:
     fused_attention: Callable
     fused_mlp: Callable
     decide: Callable[[Pruner, DecisionInput], Decision]
-    rotate_qkv: Callable
 
 
 @functools.cache
@@ -77,8 +73,8 @@ def parts(compiled: bool) -> Parts:
     plain = (front, packed_blocks, packed_attention, packed_qkv, packed_attention_residual, packed_attention_branch,
              packed_mlp, packed_mlp_qkv, fused_blocks, fused_attention, fused_mlp)  # fmt: skip
     if not compiled:
-        return Parts(False, *plain, decide, rotate_qkv)
-    return Parts(True, *map(torch.compile, plain), _decide_compiled, torch.compile(rotate_qkv))
+        return Parts(False, *plain, decide)
+    return Parts(True, *map(torch.compile, plain), _decide_compiled)
 
 
 def front(

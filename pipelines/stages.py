@@ -17,7 +17,6 @@ by the plan (eager, no read), or a captured capacity (the graph runner).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +27,6 @@ from ..core.selection import Decision, DecisionInput, MergeSelection, Placement,
 from ..reference import merging as ref_merging
 from ..reference import packing as ref_packing
 from ..reference import rotary as ref_rotary
-from ..reference.rotary import rotate_qkv
 from ..triton_impl import merging as triton_merging
 from ..triton_impl import pack as triton_pack
 from .eva import RotaryRows
@@ -145,7 +143,7 @@ class Stage:
         self.num_heads, self.scale = (attn.num_heads, attn.scale) if self.mid else (None, None)
         self.num_prefix = model.num_prefix_tokens
         # A RoPE model's decision by attention scores the rotated keys its block attends with.
-        self.rotates_qkv = self.mid and pruner.needs_attention and getattr(model, "rope", None) is not None
+        self.rotates = self.mid and pruner.needs_attention and getattr(model, "rope", None) is not None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.index}, block={self.block}, {self.placement.value})"
@@ -153,24 +151,20 @@ class Stage:
     def check_backend(self, backend) -> None:
         """Raises ``ValueError`` if this kind of stage needs what ``backend`` lacks."""
 
-    def decision_input(self, state: ForwardState, rotate: Callable = rotate_qkv) -> DecisionInput:
-        """What this stage decides on, from the state its DECIDE step finds (also for timing a decision alone);
-        ``rotate``: how a RoPE model's qkv is rotated for it (the parts' :func:`~ragged_vit.reference.rotary.
-        rotate_qkv`, compiled or plain)."""
-        mid = self.mid
-        qkv = state.qkv if mid else None
-        if self.rotates_qkv:
-            qkv = rotate(qkv, self.num_heads, *state.rotary.of(self.attn))
+    def decision_input(self, state: ForwardState) -> DecisionInput:
+        """What this stage decides on, from the state its DECIDE step finds (also for timing a decision alone): a
+        RoPE model's rotation goes with the block's qkv, for the decision to apply as it reads it."""
         return DecisionInput(
             x=state.x, cu_seqlens=state.cu_seqlens, stage=self.index, num_patches=state.num_patches,
-            max_seqlen=state.max_seqlen, qkv=qkv, num_heads=self.num_heads, scale=self.scale,
-            num_prefix=self.num_prefix, image_patches=state.image_patches,
+            max_seqlen=state.max_seqlen, qkv=state.qkv if self.mid else None, num_heads=self.num_heads,
+            scale=self.scale, num_prefix=self.num_prefix, image_patches=state.image_patches,
+            rotary=state.rotary.of(self.attn) if self.rotates else None,
         )  # fmt: skip
 
     def decide(self, state: ForwardState, parts: Parts) -> Decision:
         """This stage's decision on ``state`` (the fused one where registered: :func:`ragged_vit.pipelines.parts.
         decide`)."""
-        return parts.decide(self.pruner, self.decision_input(state, parts.rotate_qkv))
+        return parts.decide(self.pruner, self.decision_input(state))
 
     def exact_target(self, state: ForwardState, counts: HostCounts, reference: bool = False) -> Target:
         """The buffer that holds exactly the kept rows: from the decision's host count, else read (one wait)."""

@@ -6,10 +6,11 @@ here. The types these functions share (pruner interface, selections) and the per
 layer down, in :mod:`ragged_vit.core`.
 """
 
+from ..core.rotary import Rotary
 from .attention import padded_attention, ragged_attention, split_qkv
 from .cls_attention import cls_attention
 from .packing import cls_rows, pack, repack, total_and_longest, unpack
-from .rotary import Rotary, rotate, rotate_qkv
+from .rotary import rotate, rotate_qkv
 
 __all__ = [
     "Rotary",

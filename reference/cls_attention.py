@@ -12,6 +12,7 @@ from ..core.segments import segment_ids, segment_softmax
 from ..core.selection import DecisionInput
 from ..core.validation import check_cu_seqlens, check_same_device, check_tensor
 from .attention import split_qkv
+from .rotary import rotate
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -49,11 +50,14 @@ def cls_attention(
 
 def attention_inputs(inp: DecisionInput) -> tuple[torch.Tensor, torch.Tensor]:
     """What an attention-scoring pruner reads at a stage: fp32 ``[T, H]`` CLS attention and ``[T, H*D]`` values,
-    as given in ``inp`` (``cls_attn``, ``v``) or else derived from its block's ``qkv`` (the one definition of both)."""
+    as given in ``inp`` (``cls_attn``, ``v``) or else derived from its block's ``qkv`` (the one definition of both),
+    its queries and keys rotated by ``inp.rotary`` first where given (a RoPE model's, as its attention reads them)."""
     cls_attn, v = inp.cls_attn, inp.v
     if inp.qkv is not None and (cls_attn is None or v is None):
         q, k, values = split_qkv(inp.qkv, inp.num_heads)
         if cls_attn is None:
+            if inp.rotary is not None:
+                q, k = (rotate(t, *inp.rotary) for t in (q, k))
             cls_attn = cls_attention(q, k, inp.cu_seqlens, inp.scale)
         if v is None:
             v = values.flatten(1)

@@ -25,26 +25,13 @@ keeps its own rotation whatever its row.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
+from ..core.rotary import POSITION_DTYPES, check_rotary
 from ..core.validation import check_cu_seqlens, check_int, check_tensor
 
 LAYOUTS = ("interleaved", "half")
 """The rotation layouts (module docstring): ``half=False`` and ``half=True`` in timm's ``apply_rot_embed_cat``."""
-
-_POSITION_DTYPES = (torch.int32, torch.int64)
-
-
-class Rotary(NamedTuple):
-    """The rotation an attention applies to its queries and keys as it reads them (``rotary=`` of the attention
-    entries): ``table`` ``[N, 2*D]`` or ``[H, N, 2*D]`` (``[sin | cos]`` per position), ``positions`` int ``[T]`` (each
-    row's table row; outside ``[0, N)``: unrotated), ``half`` (the layout)."""
-
-    table: torch.Tensor
-    positions: torch.Tensor
-    half: bool = False
 
 
 def rot(x: torch.Tensor, half: bool) -> torch.Tensor:
@@ -70,25 +57,6 @@ def pair_values(values: torch.Tensor, half: bool) -> torch.Tensor:
         first = values[..., : values.shape[-1] // 2]
         return torch.cat([first, first], -1)
     return values[..., 0::2].repeat_interleave(2, -1)
-
-
-def check_rotary(
-    table: torch.Tensor, positions: torch.Tensor, total: int, heads: int, head_dim: int, device: torch.device
-) -> None:
-    """Raises ``TypeError``/``ValueError`` naming ``rotary`` unless ``table`` (``[N, 2*D]`` or ``[H, N, 2*D]``,
-    floating point) and ``positions`` (int32/int64 ``[T]``) fit rows of ``heads`` heads of ``head_dim``."""
-    check_tensor(table, "rotary table", dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float64),
-                 device=device)  # fmt: skip
-    check_tensor(positions, "rotary positions", ndim=1, dtypes=_POSITION_DTYPES, device=device)
-    if head_dim % 2:
-        raise ValueError(f"rotary needs an even head dim, got {head_dim}")
-    if table.dim() not in (2, 3) or table.shape[-1] != 2 * head_dim or (table.dim() == 3 and table.shape[0] != heads):
-        raise ValueError(
-            f"rotary table must be [N, {2 * head_dim}] or [{heads}, N, {2 * head_dim}] ([sin | cos] per position), "
-            f"got {tuple(table.shape)}"
-        )
-    if positions.shape[0] != total:
-        raise ValueError(f"rotary positions must hold one index per row ({total}), got {positions.shape[0]}")
 
 
 def rotate(x: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, half: bool = False) -> torch.Tensor:
@@ -143,7 +111,7 @@ def repack_positions(
 ) -> torch.Tensor:
     """The positions of the rows a repack keeps (``keep``, bool ``[T]``), in the repack's order: each image's kept
     rows, then with ``extra_token`` one ``-1`` per image (an appended token has no single position)."""
-    check_tensor(positions, "positions", ndim=1, dtypes=_POSITION_DTYPES)
+    check_tensor(positions, "positions", ndim=1, dtypes=POSITION_DTYPES)
     total = positions.shape[0]
     check_cu_seqlens(cu_seqlens, total=total, device=positions.device)
     check_tensor(keep, "keep", ndim=1, dtypes=(torch.bool,), device=positions.device)

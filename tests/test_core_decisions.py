@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ragged_vit.core.decisions import fused_decision, register_decision, registered_decisions
+from ragged_vit.core.rotary import Rotary
 from ragged_vit.core.selection import DecisionInput, Pruner, TokenSelection, check_decision_input, kept_counts
 from ragged_vit.pipelines.parts import decide
 from ragged_vit.pipelines.plan import StepKind
@@ -133,6 +134,12 @@ def test_qkv_or_cls_attention_give_the_same_decision(gen):
         ({"qkv": torch.zeros(31, 48), "num_heads": 0, "scale": 0.3}, "inp.num_heads"),
         ({"qkv": torch.zeros(31, 48), "num_heads": 2}, "inp.scale"),
         ({"max_seqlen": 0}, "inp.max_seqlen"),
+        ({"rotary": Rotary(torch.zeros(4, 16), torch.zeros(31, dtype=torch.int32))}, "give inp.qkv too"),
+        ({"qkv": torch.zeros(31, 48), "num_heads": 2, "scale": 0.3, "rotary": (1, 2)}, "inp.rotary must be"),
+        ({"qkv": torch.zeros(31, 48), "num_heads": 2, "scale": 0.3,
+          "rotary": Rotary(torch.zeros(4, 12), torch.zeros(31, dtype=torch.int32))}, r"rotary table must be \[N, 16\]"),
+        ({"qkv": torch.zeros(31, 48), "num_heads": 2, "scale": 0.3,
+          "rotary": Rotary(torch.zeros(4, 16), torch.zeros(30, dtype=torch.int32))}, "one index per row"),
     ],
 )
 def test_bad_decision_inputs_name_the_field(changes, match):
@@ -145,3 +152,12 @@ def test_bad_decision_inputs_name_the_field(changes, match):
 def test_pruner_base_is_abstract_about_keep_rates():
     with pytest.raises(NotImplementedError, match="keep rate"):
         Pruner.from_keep_rate(0.5, embed_dim=8, num_patches=16)
+
+
+def test_tome_refuses_a_rotation():
+    """A merged row would stand for several patch positions, which one rotation cannot: ToMe names ``inp.rotary``."""
+    cu = torch.tensor([0, 17, 30, 31], dtype=torch.int32)
+    rotary = Rotary(torch.zeros(16, 16), torch.full((31,), -1, dtype=torch.int32))
+    inp = DecisionInput(torch.zeros(31, 16), cu, 0, 16, qkv=torch.zeros(31, 48), num_heads=2, scale=0.3, rotary=rotary)
+    with pytest.raises(ValueError, match="inp.rotary: ToMe does not merge"):
+        make_pruner("tome", r=3, depth=4)(inp)

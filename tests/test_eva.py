@@ -36,7 +36,6 @@ from ragged_vit.pipelines import model as model_module
 from ragged_vit.pipelines import packed_block
 from ragged_vit.pipelines import parts as parts_module
 from ragged_vit.reference.pruners import make_pruner
-from ragged_vit.reference.rotary import rotate_qkv
 from tests.helpers import assert_fp16_within_twice, no_tf32
 from tests.test_graphs import poisoned  # noqa: F401  (the fixture: NaN in every padding row)
 from tests.test_models import check_pruned_and_replayed
@@ -364,31 +363,30 @@ def test_compiled_blocks_run_the_eva_blocks_in_and_out_of_the_graph_runner(backe
     """``compile_blocks`` on a RoPE model (RoPE-Mixed: one table per block and head): the compiled front (embedding
     without timm's table, the runner's static one given) and packed blocks, in the graph runner and eagerly, equal the
     plain forward to fp32 rounding; Dynamo traces them without a graph break (``padded_sdpa``: q and k rotated in the
-    compiled region; ``triton``: the attention op given the rotation, under the interpreter); EViT's decisions score
-    from the qkv the compiled parts' ``rotate_qkv`` rotated (one fused kernel, not a dozen). A compile costs ~15 s on
-    the CPU."""
+    compiled region; ``triton``: the attention op given the rotation, under the interpreter); EViT's decisions are
+    given the block's own qkv and its rotation, to apply as they read it (no rotated copy of the qkv). A compile costs
+    ~15 s on the CPU."""
     model = family("rope_mixed")
     pv = PrunedViT(model, make_pruner("evit", rate=0.6, blocks=(1, 2), fuse_token=True), backend)
     x = images(model, 3, 13)
     ref = pv.run(x)
-    rotations = []
+    given = []
 
-    def counting(compiled: bool) -> parts_module.Parts:
+    def recording(compiled: bool) -> parts_module.Parts:
         real = parts_module.parts(compiled)
 
-        def rotate(*args):
-            rotations.append(real.rotate_qkv)
-            return real.rotate_qkv(*args)
+        def decide(pruner, inp):
+            given.append(inp.rotary)
+            return real.decide(pruner, inp)
 
-        return dataclasses.replace(real, rotate_qkv=rotate)
+        return dataclasses.replace(real, decide=decide)
 
-    monkeypatch.setattr(model_module, "parts", counting)
+    monkeypatch.setattr(model_module, "parts", recording)
     torch._dynamo.utils.counters.clear()
     graphed = GraphedPrunedViT(pv, compile_blocks=True).run(x)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] > 0  # the compiled path ran
     assert not torch._dynamo.utils.counters["graph_break"], dict(torch._dynamo.utils.counters["graph_break"])
-    compiled_rotation = parts_module.parts(True).rotate_qkv
-    assert compiled_rotation is not rotate_qkv and rotations == [compiled_rotation] * 2  # two stages
+    assert len(given) == 2 and all(r is not None and r.table.dim() == 3 for r in given)  # two stages, per-head tables
     pv.compile_blocks = True
     eager = pv.run(x, selections=ref.selections)
     for out in (graphed, eager):

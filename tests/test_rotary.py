@@ -9,11 +9,11 @@ import pytest
 import torch
 from timm.layers.pos_embed_sincos import apply_rot_embed_cat
 
+from ragged_vit.core.rotary import Rotary
 from ragged_vit.core.segments import cu_seqlens_from_counts
 from ragged_vit.pipelines.backends import make_backend
 from ragged_vit.reference import packing as ref_packing
 from ragged_vit.reference.rotary import (
-    Rotary,
     patch_positions,
     repack_positions,
     rotate,

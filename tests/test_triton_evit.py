@@ -17,14 +17,18 @@ CUDA graph as eager, and per image whatever the other images hold.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from ragged_vit.core.rotary import Rotary
 from ragged_vit.core.segments import cu_seqlens_from_counts
 from ragged_vit.core.selection import DecisionInput
 from ragged_vit.reference.attention import split_qkv
-from ragged_vit.reference.cls_attention import cls_attention
+from ragged_vit.reference.cls_attention import attention_inputs, cls_attention
 from ragged_vit.reference.pruners import EViTPruner
+from ragged_vit.reference.rotary import table_from_angles
 from ragged_vit.testing import decision_suite
 from ragged_vit.triton_impl import cls_attention as cls_kernels
 from ragged_vit.triton_impl import evit, select
@@ -100,6 +104,56 @@ def test_scores_write_every_row_of_every_image_interpreter(gen, monkeypatch):
     others[long] = False
     torch.testing.assert_close(scores[others], ref[others], rtol=1e-5, atol=1e-7)
     assert bool((scores[long][:32] > 0).all()) and bool((scores[long][32:] == 0).all())
+
+
+def _rotation(cu, heads, head_dim, half, per_head, gen):
+    """A RoPE rotation of the rows of ``cu``: each image's first row (the class token) and its last (a fused token)
+    unrotated, a row outside the table, the rest patches in order."""
+    rows = 48
+    shape = (heads, rows, head_dim // 2) if per_head else (rows, head_dim // 2)
+    table = table_from_angles(torch.rand(shape, generator=gen) * 6.3, half)
+    positions = torch.cat([torch.arange(int(n)) - 1 for n in cu.diff()]).to(torch.int32)
+    positions[cu[1:].long() - 1] = -1
+    positions[len(positions) // 2] = rows + 3
+    return Rotary(table, positions, half)
+
+
+def _rotated_scores(device, head_dim, half, per_head, dtype, gen):
+    """With ``rotary`` the kernels rotate the CLS query and the keys as the attention kernel does (pairs of lanes,
+    padded halves at head dim 40): EViT's scores equal the reference's (:func:`ragged_vit.reference.cls_attention.
+    attention_inputs` on the same rotation) to fp32 rounding, ATS's squared values are the unrotated ones, and the
+    rotation changes the scores (the check can fail)."""
+    heads = 3
+    qkv, cu = _case((17, 3, 1, 9, 0, 12), heads, head_dim, device, gen, dtype)
+    rotary, scale = _rotation(cu.cpu(), heads, head_dim, half, per_head, gen), head_dim**-0.5
+    rotary = Rotary(rotary.table.to(device), rotary.positions.to(device), half)
+    inp = dataclasses.replace(_inp(qkv, cu, heads, 16), rotary=rotary)
+    expected = attention_inputs(inp)[0].mean(-1)
+    scores = cls_kernels.cls_attention_mean(qkv, cu, heads, scale, 17, rotary)
+    torch.testing.assert_close(scores, expected, rtol=1e-5, atol=1e-7)
+    assert not torch.allclose(scores, cls_kernels.cls_attention_mean(qkv, cu, heads, scale, 17), rtol=1e-3)
+    _, squares = cls_kernels.cls_attention_logits(qkv, cu, heads, scale, 17, values=True, rotary=rotary)
+    _, plain = cls_kernels.cls_attention_logits(qkv, cu, heads, scale, 17, values=True)
+    assert torch.equal(squares, plain)
+
+
+ROTATIONS = pytest.mark.parametrize("half,per_head", [(False, False), (True, True)], ids=["interleaved", "half-heads"])
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@ROTATIONS
+@pytest.mark.parametrize("head_dim", [16, 40])
+def test_rotated_scores_match_the_reference_interpreter(head_dim, half, per_head, dtype, gen):
+    _rotated_scores("cpu", head_dim, half, per_head, dtype, gen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@ROTATIONS
+@pytest.mark.parametrize("head_dim", [64, 40])
+def test_rotated_scores_match_the_reference_gpu(head_dim, half, per_head, dtype, gen):
+    _rotated_scores("cuda", head_dim, half, per_head, dtype, gen)
 
 
 GPU_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

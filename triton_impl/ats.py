@@ -286,7 +286,9 @@ def _select(pruner: ATSPruner, inp: DecisionInput) -> TokenSelection:
     cells, batch = qkv.shape[0] * inp.num_heads, cu.shape[0] - 1
     lengths = (cells, cells, qkv.shape[0], batch * 2 * _sample_shape(bound)[0])
     logits, squares, scores, work = scratch(lengths, torch.float32, qkv.device)
-    cls_attention_logits(qkv, cu, inp.num_heads, inp.scale, bound, values=True, out=(logits, squares))
+    cls_attention_logits(
+        qkv, cu, inp.num_heads, inp.scale, bound, values=True, out=(logits, squares), rotary=inp.rotary
+    )
     keep, kept = _sample(logits, squares, scores, cu, bound, samples, pruner.min_keep, inp.num_prefix,
                          from_logits=True, sample=True, work=work, heads=inp.num_heads)  # fmt: skip
     return TokenSelection(keep, kept)

@@ -16,7 +16,7 @@ Supported:
       scaled logits of key row ``t`` for every head and query: ToMe's proportional attention passes ``log(size)``),
       as :func:`ragged_vit.reference.ragged_attention` takes it. A constexpr switches it: without a bias the compiled
       kernel has no bias argument and no bias instruction.
-    * an optional rotary position embedding ``rotary`` (:class:`ragged_vit.reference.rotary.Rotary`: a RoPE ViT's
+    * an optional rotary position embedding ``rotary`` (:class:`ragged_vit.core.rotary.Rotary`: a RoPE ViT's
       table of ``[sin | cos]`` per position, shared or one per head, each row's position, the interleaved or half
       layout): q and k are rotated in fp32 as they are loaded, rounded to the input dtype, as
       :func:`ragged_vit.reference.rotary.rotate` does (rows at positions outside the table, the prefix rows, stay as
@@ -44,8 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..core.rotary import Rotary, check_rotary
 from ..core.validation import FLOAT_DTYPES, check_cu_seqlens, check_max_seqlen, check_tensor
-from ..reference.rotary import Rotary, check_rotary
 from .configs import AttentionConfig, attention_config
 from .launcher import CompiledLauncher, cdiv, next_power_of_2
 
@@ -55,7 +55,19 @@ _MIN_DOT = 16  # tl.dot's smallest reduction width: the rotary dots' half head d
 
 
 @triton.jit
-def _rotate_pairs(a, b, table_ptrs, lanes, rotated_rows, HEAD_DIM: tl.constexpr):
+def pair_lanes(HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
+    """RoPE's pairs of lanes of a head: the first and second halves (``HALF``), or the even and odd lanes, as two
+    ``[BLOCK_H]`` offset vectors, and the mask of the ``HEAD_DIM / 2`` real pairs."""
+    offs_h = tl.arange(0, BLOCK_H)
+    if HALF:
+        lane_a, lane_b = offs_h, offs_h + HEAD_DIM // 2
+    else:
+        lane_a, lane_b = offs_h * 2, offs_h * 2 + 1
+    return lane_a, lane_b, offs_h < HEAD_DIM // 2
+
+
+@triton.jit
+def rotate_pairs(a, b, table_ptrs, lanes, rotated_rows, HEAD_DIM: tl.constexpr):
     """RoPE on a loaded tile's pairs of lanes (rows of q, or columns of k^T): ``a`` the pairs' first lanes, ``b`` their
     second, turned by the angle whose sin ``table_ptrs`` addresses (its cos ``HEAD_DIM`` further): ``a cos - b sin``
     and ``b cos + a sin`` in fp32, rounded to the tile's dtype (timm's order), where ``rotated_rows`` (else unchanged);
@@ -112,7 +124,7 @@ def _attend_key_tile(
             kb = tl.load(k_cols + lane_b[:, None] * stride_kd)
         ok = (pos >= 0) & (pos < rope_rows)
         rows = tl.where(ok, pos, 0).to(tl.int64)
-        ka, kb = _rotate_pairs(
+        ka, kb = rotate_pairs(
             ka, kb, t_base + rows[None, :] * stride_rn + lane_a[:, None], lanes, ok[None, :], HEAD_DIM
         )
         s = tl.dot(q, ka, input_precision=DOT_PRECISION)
@@ -200,12 +212,7 @@ def _ragged_attention_kernel(
     if HAS_ROPE:  # each pair's lanes: the first and second halves, or the even and odd lanes
         p_base = ROPE_POS + start
         t_base = ROPE_TABLE + h * stride_rh
-        offs_h = tl.arange(0, BLOCK_H)
-        mask_h = offs_h < HEAD_DIM // 2
-        if ROPE_HALF:
-            lane_a, lane_b = offs_h, offs_h + HEAD_DIM // 2
-        else:
-            lane_a, lane_b = offs_h * 2, offs_h * 2 + 1
+        lane_a, lane_b, mask_h = pair_lanes(HEAD_DIM, BLOCK_H, ROPE_HALF)
     else:
         p_base, t_base, lane_a, lane_b, mask_h = ROPE_POS, ROPE_TABLE, offs_d, offs_d, mask_d
     EVEN_H: tl.constexpr = 2 * BLOCK_H == HEAD_DIM
@@ -222,7 +229,7 @@ def _ragged_attention_kernel(
             pos = tl.load(p_base + offs_m, mask=mask_m, other=-1)
             ok = (pos >= 0) & (pos < rope_rows)
             rows = tl.where(ok, pos, 0).to(tl.int64)
-            q, q2 = _rotate_pairs(
+            q, q2 = rotate_pairs(
                 q, q2, t_base + rows[:, None] * stride_rn + lane_a[None, :], lanes, ok[:, None], HEAD_DIM
             )
         else:
@@ -349,7 +356,7 @@ def _check_common(
 
 def _check_rotary(rotary: object, total: int, heads: int, head_dim: int, device: torch.device) -> None:
     if not isinstance(rotary, Rotary):
-        raise TypeError(f"rotary must be a ragged_vit.reference.rotary.Rotary or None, got {type(rotary).__name__}")
+        raise TypeError(f"rotary must be a ragged_vit.core.rotary.Rotary or None, got {type(rotary).__name__}")
     check_rotary(rotary.table, rotary.positions, total, heads, head_dim, device)
     if rotary.table.stride(-1) != 1 or not rotary.positions.is_contiguous():
         raise ValueError("rotary table must have a contiguous last dimension and rotary positions must be contiguous")
@@ -380,7 +387,7 @@ def ragged_attention(
         scale: softmax scale; ``None`` means ``D ** -0.5``.
         key_bias: optional float32 ``[T]`` (contiguous, finite), added to every logit of key row ``t`` after the
             scale, in natural-log units (ToMe's proportional attention passes ``log(size)``).
-        rotary: optional :class:`ragged_vit.reference.rotary.Rotary`: q and k rotated by their rows' rope table rows
+        rotary: optional :class:`ragged_vit.core.rotary.Rotary`: q and k rotated by their rows' rope table rows
             as they are loaded (``table`` ``[N, 2*D]`` or ``[H, N, 2*D]``, last dimension contiguous; ``positions``
             int32/int64 ``[T]``, contiguous, outside ``[0, N)`` unrotated), as
             :func:`ragged_vit.reference.rotary.rotate` does (fp32, rounded to the input dtype).

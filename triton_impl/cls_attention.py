@@ -6,7 +6,9 @@ its image, per head, straight from the block's qkv projection (``[T, H]`` fp32),
 norm per head (what ATS weighs its scores with). ``_mean_kernel`` (one program per image, its rows in registers)
 takes each head's softmax over the image's rows on one ``[rows, heads]`` tile and averages the heads: EViT's score.
 :func:`cls_attention_logits` and :func:`cls_attention_mean` launch them without checks: they serve the fused
-decisions (:mod:`ragged_vit.triton_impl.evit`, :mod:`ragged_vit.triton_impl.ats`), which built their input.
+decisions (:mod:`ragged_vit.triton_impl.evit`, :mod:`ragged_vit.triton_impl.ats`), which built their input. A RoPE
+model's rotation (``rotary=``, a decision input's) is applied to the CLS query and the keys as they are loaded, pair by
+pair as the attention kernel applies it (:func:`ragged_vit.triton_impl.attention.rotate_pairs`).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
+from ..core.rotary import Rotary
 from ..core.selection import DecisionInput
 from ..core.validation import FLOAT_DTYPES, check_int, check_max_seqlen, check_tensor
+from .attention import pair_lanes, rotate_pairs
 from .launcher import CompiledLauncher, aligned, cdiv, next_power_of_2
 
 _BLOCK_T = 16  # rows per step of the logits kernel: a DeiT image spreads over 13 programs
@@ -31,28 +35,53 @@ def image_rows(CU, b, total):
     return start, end
 
 
-@triton.jit(do_not_specialize=["total", "stride", "scale"])
+@triton.jit(do_not_specialize=["total", "stride", "scale", "rope_rows"])
 def _logits_kernel(
     QKV, CU, LOGITS, SQUARES, total, stride, scale,
+    ROPE_TABLE, ROPE_POS,  # [N, 2*D] or [H, N, 2*D] and int [T], or None (HAS_ROPE False: compiled out)
+    rope_rows, stride_rh, stride_rn,  # the table's rows (positions outside [0, N): unrotated) and strides
     H: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, VALUES: tl.constexpr,
+    HAS_ROPE: tl.constexpr, ROPE_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     h = tl.program_id(2)
     start, end = image_rows(CU, b, total)
     offs_d = tl.arange(0, BLOCK_D)
     in_d = offs_d < D
-    q = tl.load(QKV + start.to(tl.int64) * stride + h * D + offs_d, mask=in_d & (end > start), other=0.0)
-    q = q.to(tl.float32)  # the CLS query of head h
+    if HAS_ROPE:  # q and k as their pairs' two lanes (the attention kernel's rotation), each logit two half sums
+        lane_a, lane_b, in_h = pair_lanes(D, BLOCK_H, ROPE_HALF)
+        table = ROPE_TABLE + h * stride_rh
+        cls = QKV + start.to(tl.int64) * stride + h * D
+        qa = tl.load(cls + lane_a, mask=in_h & (end > start), other=0.0)
+        qb = tl.load(cls + lane_b, mask=in_h & (end > start), other=0.0)
+        pos = tl.load(ROPE_POS + start, mask=end > start, other=-1)
+        ok = (pos >= 0) & (pos < rope_rows)
+        qa, qb = rotate_pairs(qa, qb, table + tl.where(ok, pos, 0).to(tl.int64) * stride_rn + lane_a, in_h, ok, D)
+        qa, qb = qa.to(tl.float32), qb.to(tl.float32)
+    else:
+        q = tl.load(QKV + start.to(tl.int64) * stride + h * D + offs_d, mask=in_d & (end > start), other=0.0)
+        q = q.to(tl.float32)  # the CLS query of head h
     # Grid-stride loop over this image's row blocks: the grid's second axis is only a bound on the work.
     for t0 in range(start + tl.program_id(1) * BLOCK_T, end, tl.num_programs(1) * BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T)
         in_t = t < end
-        head = QKV + t.to(tl.int64)[:, None] * stride + h * D + offs_d[None, :]
-        mask = in_t[:, None] & in_d[None, :]
-        k = tl.load(head + H * D, mask=mask, other=0.0).to(tl.float32)
-        tl.store(LOGITS + t * H + h, tl.sum(k * q[None, :], axis=1) * scale, mask=in_t)
+        head = QKV + t.to(tl.int64)[:, None] * stride + h * D
+        if HAS_ROPE:
+            lanes = in_t[:, None] & in_h[None, :]
+            ka = tl.load(head + H * D + lane_a[None, :], mask=lanes, other=0.0)
+            kb = tl.load(head + H * D + lane_b[None, :], mask=lanes, other=0.0)
+            pos = tl.load(ROPE_POS + t, mask=in_t, other=-1)
+            ok = (pos >= 0) & (pos < rope_rows)
+            rows = tl.where(ok, pos, 0).to(tl.int64)
+            ka, kb = rotate_pairs(ka, kb, table + rows[:, None] * stride_rn + lane_a[None, :], lanes, ok[:, None], D)
+            logit = tl.sum(ka.to(tl.float32) * qa[None, :], axis=1) + tl.sum(kb.to(tl.float32) * qb[None, :], axis=1)
+        else:
+            k = tl.load(head + H * D + offs_d[None, :], mask=in_t[:, None] & in_d[None, :], other=0.0)
+            logit = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
+        tl.store(LOGITS + t * H + h, logit * scale, mask=in_t)
         if VALUES:
-            v = tl.load(head + 2 * H * D, mask=mask, other=0.0).to(tl.float32)
+            v = tl.load(head + 2 * H * D + offs_d[None, :], mask=in_t[:, None] & in_d[None, :], other=0.0)
+            v = v.to(tl.float32)
             tl.store(SQUARES + t * H + h, tl.sum(v * v, axis=1), mask=in_t)
 
 
@@ -106,10 +135,12 @@ def cls_attention_logits(
     max_seqlen: int,
     values: bool,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    rotary: Rotary | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 ``[T, H]`` CLS-query logits of every row (scaled), and with ``values`` the squared norm of every row's
     value per head (else None), from a checked qkv projection ``[T, 3*H*D]`` (contiguous rows); into ``out`` (two
-    contiguous fp32 buffers of at least ``T * H`` elements, any shape: views of one allocation) when given."""
+    contiguous fp32 buffers of at least ``T * H`` elements, any shape: views of one allocation) when given. A checked
+    ``rotary`` (a RoPE model's) rotates the CLS query and the keys as they are loaded, as the attention kernel does."""
     total, head_dim = qkv.shape[0], qkv.shape[1] // (3 * heads)
     if out is not None:
         logits, squares = out
@@ -117,20 +148,31 @@ def cls_attention_logits(
         logits = torch.empty(total, heads, dtype=torch.float32, device=qkv.device)
         squares = torch.empty(total, heads, dtype=torch.float32, device=qkv.device) if values else logits
     block_d = next_power_of_2(head_dim)
-    args = (qkv, cu, logits, squares, total, qkv.stride(0), float(scale), heads, head_dim, _BLOCK_T, block_d, values)
+    args = (qkv, cu, logits, squares, total, qkv.stride(0), float(scale))
     key = (qkv.dtype, heads, head_dim, values) if aligned(qkv, cu, logits, squares) else None
+    if rotary is None:
+        args += (None, None, 0, 0, 0, heads, head_dim, _BLOCK_T, block_d, values, False, False, 1)
+    else:
+        table, positions, half = rotary
+        args += (table, positions, table.shape[-2], table.stride(0) if table.dim() == 3 else 0, table.stride(-2), heads,
+                 head_dim, _BLOCK_T, block_d, values, True, bool(half), next_power_of_2(head_dim // 2))  # fmt: skip
+        if key is not None and aligned(table, positions):
+            key += (table.dtype, positions.dtype, table.dim(), table.stride(0) % 16, table.stride(-2) % 16, half)
+        else:
+            key = None
     grid = (cu.shape[0] - 1, cdiv(max_seqlen, _BLOCK_T), heads)
     _logits_launcher(key, qkv.get_device(), grid, args, num_warps=2, num_stages=1)
     return logits, squares if values else None
 
 
 def cls_attention_mean(
-    qkv: torch.Tensor, cu: torch.Tensor, heads: int, scale: float, max_seqlen: int
+    qkv: torch.Tensor, cu: torch.Tensor, heads: int, scale: float, max_seqlen: int, rotary: Rotary | None = None
 ) -> torch.Tensor:
     """fp32 ``[T]``: the CLS query's attention probability of every row of its image, averaged over the heads (EViT's
-    score; prefix rows get theirs too), from a checked qkv projection; rows past ``max_seqlen`` in an image get 0,
-    rows outside every image are not written."""
-    logits, _ = cls_attention_logits(qkv, cu, heads, scale, max_seqlen, values=False)
+    score; prefix rows get theirs too), from a checked qkv projection (and ``rotary``, as
+    :func:`cls_attention_logits` takes it); rows past ``max_seqlen`` in an image get 0, rows outside every image are
+    not written."""
+    logits, _ = cls_attention_logits(qkv, cu, heads, scale, max_seqlen, values=False, rotary=rotary)
     # Every row of every image is written (a tail past the tile: 0), so no zero-fill launch first; rows outside
     # every image (a buffer longer than ``cu[-1]``) are left as allocated: no decision reads them.
     scores = torch.empty(qkv.shape[0], dtype=torch.float32, device=qkv.device)

@@ -148,7 +148,7 @@ def evit_select(pruner: EViTPruner, inp: DecisionInput) -> TokenSelection:
 def _select(pruner: EViTPruner, inp: DecisionInput) -> TokenSelection:
     """:func:`evit_select` on checked input: the fused decision the pipelines look up."""
     x, cu, prefix = inp.x, inp.cu_seqlens, inp.num_prefix
-    score = cls_attention_mean(inp.qkv, cu, inp.num_heads, inp.scale, inp.row_bound)  # fp32 [T]
+    score = cls_attention_mean(inp.qkv, cu, inp.num_heads, inp.scale, inp.row_bound, inp.rotary)  # fp32 [T]
     keep, kept = rank_keep_unchecked(score, cu, inp.row_bound, pruner.rate, None, None, 0, prefix)
     total, batch = x.shape[0], cu.shape[0] - 1
     current = uniform_length(cu, total)

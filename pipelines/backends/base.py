@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...reference.rotary import Rotary
+from ...core.rotary import Rotary
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -122,7 +122,7 @@ class AttentionBackend(abc.ABC):
         rotary: Rotary,
         key_bias: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """:meth:`attend` with q and k rotated first by ``rotary`` (:class:`ragged_vit.reference.rotary.Rotary`: each
+        """:meth:`attend` with q and k rotated first by ``rotary`` (:class:`ragged_vit.core.rotary.Rotary`: each
         row's table row of the model's rope, prefix rows unrotated), by the backend as it reads them; only where
         ``capabilities.rotary`` (else ``ValueError``). Trusted input, as :meth:`attend`'s."""
         if not self.capabilities.rotary:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from ...reference.rotary import Rotary
+from ...core.rotary import Rotary
 from ...triton_impl.attention import (
     SUPPORTED_HEAD_DIMS,
     ragged_attention_qkv_op,

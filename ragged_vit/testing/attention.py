@@ -46,7 +46,7 @@ images; with ``bad_inputs``, a bias of an integer dtype, 2-D, one row short or o
 ``TypeError``/``ValueError`` naming ``key_bias`` when given one (before any launch, by contract: the lab sees only
 the error).
 
-**The rotary variant** (``rotary=True``): ``fn`` also takes ``rotary=``, a :class:`ragged_vit.reference.rotary.Rotary`
+**The rotary variant** (``rotary=True``): ``fn`` also takes ``rotary=``, a :class:`ragged_vit.core.rotary.Rotary`
 (``table`` ``[N, 2*D]`` or ``[H, N, 2*D]`` of ``[sin | cos]`` per position, last dimension contiguous; ``positions``
 int32 ``[T]``, contiguous; ``half``, the layout) and rotates each row's query and key by its position's table row
 before attending, as :func:`ragged_vit.reference.rotary.rotate` does (RoPE ViTs: timm's Eva models); a position outside
@@ -71,9 +71,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..core.rotary import Rotary
 from ..core.segments import cu_seqlens_from_counts
 from ..reference.attention import ragged_attention, split_qkv
-from ..reference.rotary import Rotary, rotate, table_from_angles
+from ..reference.rotary import rotate, table_from_angles
 from .report import Failure, bad_call_failures, level, raise_failures
 
 QUICK_LENGTHS = (1, 2, 63, 64, 65, 197)

@@ -191,6 +191,8 @@ class ToMeMerger(Pruner):
         inp = super().check_input(inp)
         if inp.qkv is None:
             raise ValueError("inp.qkv is required by ToMe (it matches rows by their attention keys), got None")
+        if inp.rotary is not None:  # a merged row would stand for several patch positions
+            raise ValueError("inp.rotary: ToMe does not merge the rows of a RoPE model (one rotation per row)")
         return inp
 
     def decide(self, inp: DecisionInput) -> MergeSelection:
