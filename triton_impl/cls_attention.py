@@ -54,9 +54,10 @@ def _logits_kernel(
         cls = QKV + start.to(tl.int64) * stride + h * D
         qa = tl.load(cls + lane_a, mask=in_h & (end > start), other=0.0)
         qb = tl.load(cls + lane_b, mask=in_h & (end > start), other=0.0)
-        pos = tl.load(ROPE_POS + start, mask=end > start, other=-1)
-        ok = (pos >= 0) & (pos < rope_rows)
-        qa, qb = rotate_pairs(qa, qb, table + tl.where(ok, pos, 0).to(tl.int64) * stride_rn + lane_a, in_h, ok, D)
+        cls_pos = tl.load(ROPE_POS + start, mask=end > start, other=-1)
+        cls_ok = (cls_pos >= 0) & (cls_pos < rope_rows)
+        cls_row = tl.where(cls_ok, cls_pos, 0).to(tl.int64)
+        qa, qb = rotate_pairs(qa, qb, table + cls_row * stride_rn + lane_a, in_h, cls_ok, D)
         qa, qb = qa.to(tl.float32), qb.to(tl.float32)
     else:
         q = tl.load(QKV + start.to(tl.int64) * stride + h * D + offs_d, mask=in_d & (end > start), other=0.0)
