@@ -1,13 +1,17 @@
-"""The RoPE variants of the attention and CLS-attention kernels compile for SM90 on the CPU: Triton's front end, its
-passes and ptxas, without a GPU. The interpreter runs a kernel as Python, so what only compilation checks (a
-loop-carried variable that changes type, a dot's operand shapes, shared memory past the card's) passes under it and
-fails on the first GPU call; this catches it in the CPU suite. Each variant takes the launch configuration the SM90
-bands give it (``ragged_vit.triton_impl.configs``). The compiles run in a child process without
-``TRITON_INTERPRET`` (under it ``triton.jit`` gives interpreted functions, which do not compile)."""
+"""Compiling for SM90 on the CPU (``ci.sm90_compile``): what the interpreter cannot see.
+
+The interpreter runs a kernel as Python, so what only compiling checks (a loop-carried variable that changes type, a
+dot's operand shapes, shared memory past the card's) passes under it and fails on a GPU's first call. Here, in a child
+process without ``TRITON_INTERPRET`` (under it ``triton.jit`` gives interpreted functions, which do not compile):
+the tool's recording of a launch, its report of a kernel that does not compile (a loop-carried variable that changes
+type) beside one that does, and the RoPE variants of the attention and CLS-logits kernels with the launch
+configurations of the SM90 bands (``ragged_vit.triton_impl.configs``). ``python -m ci.sm90_compile`` does the same
+for every variant a test run launches.
+"""
 
 from __future__ import annotations
 
-import inspect
+import functools
 import json
 import os
 import shutil
@@ -16,83 +20,119 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import triton
+import triton.language as tl
+
+from ci.sm90_compile import SMEM_BYTES, signature_of
 
 REPO = Path(__file__).resolve().parents[1]
-SMEM_BYTES = 227 * 1024  # an SM90 program's shared memory
-# (label, kernel, dtype, head dim, half layout, SM90 band: 0 short sequences, -1 long; values for the CLS logits)
-VARIANTS = (
-    ("attention fp16 d64 interleaved long", "attention", "fp16", 64, False, -1),
-    ("attention bf16 d80 half short", "attention", "bf16", 80, True, 0),
-    ("attention fp16 d64 half short", "attention", "fp16", 64, True, 0),
-    ("attention fp32 d40 interleaved long", "attention", "fp32", 40, False, -1),
-    ("cls logits fp16 interleaved values", "cls", "fp16", 64, False, True),
-    ("cls logits fp32 half", "cls", "fp32", 64, True, False),
-)
 
 
-def _compile(kernel, types: dict[str, str], consts: dict[str, object], num_warps: int, num_stages: int):
-    """``kernel`` compiled for SM90 with ``consts`` (constexpr values) and ``types`` (the other arguments' Triton
-    types, ``i32`` where not named)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = inspect.signature(kernel.fn).parameters
-    signature = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=consts)
-    options = {"num_warps": num_warps, "num_stages": num_stages}
-    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+@triton.jit
+def _rows_kernel(X, OUT, n, BLOCK: tl.constexpr):
+    """A grid-stride loop whose carried variables keep their types."""
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(0, n, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        total += tl.load(X + offs, mask=offs < n, other=0.0)
+    tl.store(OUT + tl.arange(0, BLOCK), total)
 
 
-def compile_variant(kind: str, dtype: str, head_dim: int, half: bool, option: int | bool) -> int:
-    """Compiles one variant of :data:`VARIANTS`; returns its shared memory in bytes."""
+@triton.jit
+def _retyped_kernel(X, OUT, n, BLOCK: tl.constexpr):
+    """``first`` is a scalar before the loop and a tile inside it: the interpreter runs it, the compiler refuses."""
+    first = tl.load(X)
+    for start in range(0, n, BLOCK):
+        first = tl.load(X + start + tl.arange(0, BLOCK))
+    tl.store(OUT + tl.arange(0, BLOCK), first)
+
+
+def _variant(kernel: str, types: dict, consts: dict, module: str = __name__, **options) -> dict:
+    file = sys.modules[module].__file__
+    return {"module": module, "file": file, "name": kernel, "types": types, "consts": consts, "options": options}
+
+
+def _rotary_variants() -> list[dict]:
+    """The rotary attention (both layouts, fp16 / bf16 / fp32, head dims 64, 80 and the padded 40, each SM90 band)
+    and the rotary CLS logits (both layouts, with and without the values' squares)."""
     from ragged_vit.triton_impl import attention as ta
     from ragged_vit.triton_impl import cls_attention as ca
     from ragged_vit.triton_impl.configs import _bands
 
-    if kind == "cls":
+    out = []
+    for dtype, head_dim, half, band in (("fp16", 64, False, -1), ("bf16", 80, True, 0), ("fp16", 64, True, 0),
+                                        ("fp32", 40, False, -1)):  # fmt: skip
+        config = _bands((9, 0), head_dim)[band][1]
+        types = {n: f"*{dtype}" for n in ("Q", "K", "V", "O")}
+        types.update(CU_SEQLENS="*i32", ROPE_TABLE="*fp32", ROPE_POS="*i32", qk_scale="fp32")
+        types.update({n: "i32" for n in ("total_rows", "rope_rows", "stride_rh", "stride_rn")})
+        types.update({f"stride_{t}{d}": "i32" for t in "qkvo" for d in "thd"})
+        consts = {
+            "KEY_BIAS": None, "K_OFFSET": 12 * head_dim, "V_OFFSET": 24 * head_dim, "NUM_HEADS": 12,
+            "HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
+            "BLOCK_H": max(ta._MIN_DOT, triton.next_power_of_2(head_dim // 2)), "BLOCK_M": config.block_m,
+            "BLOCK_N": config.block_n, "HAS_BIAS": False, "HAS_ROPE": True, "ROPE_HALF": half,
+            "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
+        }  # fmt: skip
+        options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        out.append(_variant("_ragged_attention_kernel", types, consts, ta.__name__, **options))
+    for dtype, half, values in (("fp16", False, True), ("fp32", True, False)):
         types = {"QKV": f"*{dtype}", "CU": "*i32", "LOGITS": "*fp32", "SQUARES": "*fp32", "ROPE_TABLE": "*fp32",
-                 "ROPE_POS": "*i32", "scale": "fp32"}  # fmt: skip
-        consts = {"H": 12, "D": head_dim, "BLOCK_T": ca._BLOCK_T, "BLOCK_D": triton.next_power_of_2(head_dim),
-                  "VALUES": option, "HAS_ROPE": True, "ROPE_HALF": half,
-                  "BLOCK_H": triton.next_power_of_2(head_dim // 2)}  # fmt: skip
-        return _compile(ca._logits_kernel, types, consts, num_warps=2, num_stages=1).metadata.shared
-    config = _bands((9, 0), head_dim)[option][1]
-    types = {n: f"*{dtype}" for n in ("Q", "K", "V", "O")}
-    types.update(CU_SEQLENS="*i32", ROPE_TABLE="*fp32", ROPE_POS="*i32", qk_scale="fp32")
-    consts = {
-        "KEY_BIAS": None, "K_OFFSET": 12 * head_dim, "V_OFFSET": 24 * head_dim, "NUM_HEADS": 12, "HEAD_DIM": head_dim,
-        "BLOCK_D": triton.next_power_of_2(head_dim), "BLOCK_H": max(ta._MIN_DOT, triton.next_power_of_2(head_dim // 2)),
-        "BLOCK_M": config.block_m, "BLOCK_N": config.block_n, "HAS_BIAS": False, "HAS_ROPE": True, "ROPE_HALF": half,
-        "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
-    }  # fmt: skip
-    kernel = _compile(ta._ragged_attention_kernel, types, consts, config.num_warps, config.num_stages)
-    return kernel.metadata.shared
+                 "ROPE_POS": "*i32", "scale": "fp32", "total": "i32", "stride": "i32", "rope_rows": "i32",
+                 "stride_rh": "i32", "stride_rn": "i32"}  # fmt: skip
+        consts = {"H": 12, "D": 64, "BLOCK_T": ca._BLOCK_T, "BLOCK_D": 64, "VALUES": values, "HAS_ROPE": True,
+                  "ROPE_HALF": half, "BLOCK_H": 32}  # fmt: skip
+        out.append(_variant("_logits_kernel", types, consts, ca.__name__, num_warps=2, num_stages=1))
+    return out
 
 
 def main() -> None:
-    """Compiles every variant; prints ``{label: shared bytes or the error}`` as JSON."""
-    results = {}
-    for label, *variant in VARIANTS:
-        try:
-            results[label] = compile_variant(*variant)
-        except Exception as error:  # noqa: BLE001 - reported per variant, the test names it
-            results[label] = f"{type(error).__name__}: {str(error)[-1500:]}"
-    print(json.dumps(results))
+    """In the child: compiles a sound kernel, the retyped one and the rotary variants; prints each group's results
+    (shared bytes, or the error) as JSON."""
+    from ci.sm90_compile import compile_all
+
+    pointers = {"X": "*fp32", "OUT": "*fp32", "n": "i32"}
+    groups = {
+        "good": [_variant("_rows_kernel", pointers, {"BLOCK": 64}, num_warps=4, num_stages=2)],
+        "retyped": [_variant("_retyped_kernel", pointers, {"BLOCK": 64}, num_warps=4, num_stages=2)],
+        "rotary": _rotary_variants(),
+    }
+    print(json.dumps({name: compile_all(variants, 1) for name, variants in groups.items()}))
 
 
-def _ptxas() -> bool:
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists() or bool(
-        shutil.which("ptxas")
-    )
-
-
-@pytest.mark.skipif(not _ptxas(), reason="this Triton has no ptxas to compile for SM90 with")
-def test_rotary_kernels_compile_for_sm90():
+@functools.cache
+def _compiled() -> dict[str, list[int | str]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = "from tests.test_sm90_compile import main; main()"
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
-    failed = {label: r for label, r in results.items() if not isinstance(r, int) or r > SMEM_BYTES}
-    assert not failed, failed
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+needs_ptxas = pytest.mark.skipif(
+    not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists() and not shutil.which("ptxas"),
+    reason="this Triton has no ptxas to compile for SM90 with",
+)
+
+
+def test_a_launch_is_recorded_as_types_and_constexprs():
+    """The plugin's record of one launch: pointer and scalar types by parameter, constexprs by value."""
+    x = torch.zeros(4, dtype=torch.float16)
+    variant = signature_of(_rows_kernel.fn, (x, x.int(), 7), {"BLOCK": 64, "num_warps": 2, "num_stages": 1})
+    assert variant == _variant("_rows_kernel", {"X": "*fp16", "OUT": "*i32", "n": "i32"}, {"BLOCK": 64},
+                               num_warps=2, num_stages=1)  # fmt: skip
+
+
+@needs_ptxas
+def test_a_retyped_loop_variable_fails_and_a_sound_kernel_compiles():
+    (good,), (retyped,) = _compiled()["good"], _compiled()["retyped"]
+    assert isinstance(good, int) and good <= SMEM_BYTES
+    assert isinstance(retyped, str) and "Loop-carried variable" in retyped, retyped
+
+
+@needs_ptxas
+def test_rotary_kernels_compile_for_sm90():
+    results = _compiled()["rotary"]
+    failed = [r for r in results if not isinstance(r, int) or r > SMEM_BYTES]
+    assert len(results) == 6 and not failed, failed

@@ -8,9 +8,9 @@ Supported:
     * Separate ``q, k, v [T, H, D]`` with arbitrary strides.
     * fp16, bf16, fp32 inputs; output in the input dtype (bf16 is never routed through fp16). fp32 dot products
       run in IEEE fp32 (not TF32) so fp32 results are fp32-accurate.
-    * head_dim any multiple of 8 up to 256 (DeiT's 64, ViT-H/14's 80). A head dim that is not a power of two is
-      padded to one inside the kernel (masked loads and stores: zeros that change no dot product); other head dims
-      raise ``ValueError``.
+    * head_dim any multiple of 8 up to 256 (DeiT's 64, ViT-H/14's 80). A head dim that is not a power of two of at
+      least 16 (``tl.dot``'s smallest width) is padded to one inside the kernel (masked loads and stores: zeros that
+      change no dot product); other head dims raise ``ValueError``.
     * softmax scale ``head_dim ** -0.5`` unless given; ``log2(e)`` is folded into it and ``exp2`` is used.
     * an optional per-key additive bias ``key_bias`` (float32 ``[T]``, contiguous, natural-log units, added to the
       scaled logits of key row ``t`` for every head and query: ToMe's proportional attention passes ``log(size)``),
@@ -51,7 +51,12 @@ from .launcher import CompiledLauncher, cdiv, next_power_of_2
 
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))
 _LOG2E = tl.constexpr(1.4426950408889634)
-_MIN_DOT = 16  # tl.dot's smallest reduction width: the rotary dots' half head dim is padded up to it
+_MIN_DOT = 16  # tl.dot's smallest reduction width: a head dim (and the rotary dots' half) is padded up to it
+
+
+def _block_d(head_dim: int) -> int:
+    """The head dim's tile width: a power of two, at least :data:`_MIN_DOT` (masked lanes: zeros)."""
+    return max(_MIN_DOT, next_power_of_2(head_dim))
 
 
 @triton.jit
@@ -180,7 +185,7 @@ def _ragged_attention_kernel(
     V_OFFSET: tl.constexpr,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two
+    BLOCK_D: tl.constexpr,  # HEAD_DIM rounded up to a power of two, at least 16
     BLOCK_H: tl.constexpr,  # with HAS_ROPE: HEAD_DIM / 2 rounded up to a power of two, at least 16 (a dot's minimum)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -295,7 +300,7 @@ def _launch(
     if rotary is None:
         args = (
             *tensors, cu_seqlens, key_bias, None, None, total, 0, 0, 0, scale * _LOG2E.value, *strides, *offsets,
-            heads, head_dim, next_power_of_2(head_dim), _MIN_DOT, config.block_m, config.block_n, key_bias is not None,
+            heads, head_dim, _block_d(head_dim), _MIN_DOT, config.block_m, config.block_n, key_bias is not None,
             False, False, precision,
         )  # fmt: skip
     else:
@@ -303,7 +308,7 @@ def _launch(
         head_stride = table.stride(0) if table.dim() == 3 else 0  # 0: one table for every head
         args = (
             *tensors, cu_seqlens, key_bias, table, rotary.positions, total, table.shape[-2], head_stride,
-            table.stride(-2), scale * _LOG2E.value, *strides, *offsets, heads, head_dim, next_power_of_2(head_dim),
+            table.stride(-2), scale * _LOG2E.value, *strides, *offsets, heads, head_dim, _block_d(head_dim),
             max(_MIN_DOT, next_power_of_2(head_dim // 2)), config.block_m, config.block_n, key_bias is not None, True,
             bool(rotary.half), precision,
         )  # fmt: skip
