@@ -22,9 +22,9 @@ from ragged_vit.triton_impl.configs import AttentionConfig
 from tests.helpers import levels, one_per_family, rotated
 
 # Every case of the lab, on both entry points: under the interpreter (quick), on a GPU (full, every supported head
-# dim class: powers of two and padded ones).
+# dim class: powers of two, padded ones, and 8, padded to tl.dot's smallest width of 16).
 _INTERP = dict(device="cpu", accepts_out=True, bad_inputs=True, head_dims=(8, 24, 32, 64, 80))
-_GPU = dict(device="cuda", accepts_out=True, bad_inputs=True, level_name="full", head_dims=(64, 80, 256))
+_GPU = dict(device="cuda", accepts_out=True, bad_inputs=True, level_name="full", head_dims=(8, 64, 80, 256))
 
 
 def _one_per_case(test):
