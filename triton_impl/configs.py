@@ -105,14 +105,15 @@ class LinearConfig:
 
 
 # Bands of the row count M (the packed rows of a forward), the last one open-ended. SM90: starting points, not yet
-# swept (docs/tuning.md#linear-tile-table): 16-row tiles where M is a handful of rows (the MMA's smallest M), 64-row
-# tiles up to 64 rows, 128 x 64 tiles beyond; the two-kernel split-K everywhere until the single launch is measured.
+# swept on a GPU (docs/tuning.md#linear-tile-table): 16-row tiles where M is a handful of rows (the MMA's smallest M),
+# 64-row tiles up to 64 rows, 128 x 64 tiles beyond, each chosen among those that compile without register spills;
+# the two-kernel split-K everywhere until the single launch is measured.
 _LinearBands = tuple[tuple[float, LinearConfig], ...]
 _LINEAR_TABLE: dict[tuple[int, int], _LinearBands] = {
     (9, 0): (
-        (16, LinearConfig(16, 64, 128, 4, 4)),
-        (64, LinearConfig(64, 64, 64, 4, 4)),
-        (_OPEN, LinearConfig(128, 64, 64, 4, 3)),
+        (16, LinearConfig(16, 64, 64, 4, 4)),
+        (64, LinearConfig(64, 64, 64, 8, 3)),
+        (_OPEN, LinearConfig(128, 64, 64, 8, 3)),
     ),
 }
 # Any other capability, and the CPU interpreter (where fewer, larger tiles run faster): untuned, correct everywhere.
