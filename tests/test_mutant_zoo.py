@@ -10,6 +10,7 @@ an off-by-one offset, ``max_seqlen`` taken as every image's length, a dropped ro
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from ragged_vit.core.selection import DecisionInput, TokenSelection
 from ragged_vit.reference.linear import layer_norm_stats, merge_ln_stats
-from ragged_vit.reference.pruners import ThresholdL2Pruner
+from ragged_vit.reference.pruners import EViTPruner, ThresholdL2Pruner
 from ragged_vit.testing import (
     ConformanceError,
     attention_suite,
@@ -315,6 +316,15 @@ DECISION_MUTANTS = {
 PRUNER = ThresholdL2Pruner("ratio", rate=0.5, min_keep=0)
 
 
+def ignores_rotation(pruner: EViTPruner, inp: DecisionInput) -> TokenSelection:
+    """Broken: a decision by attention that scores the keys unrotated (a RoPE model's ``inp.rotary`` dropped)."""
+    return pruner(dataclasses.replace(inp, rotary=None))
+
+
+ATTENTION_DECISION_MUTANTS = {"ignores_rotation": ignores_rotation}
+ATTENTION_PRUNER = EViTPruner(rate=0.5)
+
+
 def _caught(check) -> bool:
     try:
         check()
@@ -333,6 +343,8 @@ def _zoo() -> dict[str, bool]:
                LINEAR_MUTANTS.items()}  # fmt: skip
     caught |= {f"decision/{n}": _caught(lambda f=f: check_decision(PRUNER, f, "quick")) for n, f in
                DECISION_MUTANTS.items()}  # fmt: skip
+    caught |= {f"decision/{n}": _caught(lambda f=f: check_decision(ATTENTION_PRUNER, f, "quick", exact=False))
+               for n, f in ATTENTION_DECISION_MUTANTS.items()}  # fmt: skip
     return caught
 
 

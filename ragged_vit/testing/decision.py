@@ -38,6 +38,9 @@ The cases (``quick`` / ``full`` as in :func:`ragged_vit.testing.level`), each in
   rule; for one scoring by attention, where the NaN spreads is the implementation's: only what always holds is
   checked);
 * ``prefix``: 5 prefix rows (a class token and four registers), and none for pruners that do not need a class token;
+* ``rotary``, ``rotary_half`` (a pruner that scores by attention): a RoPE model's rotation of q and k given with them
+  (``inp.rotary``, :class:`ragged_vit.core.rotary.Rotary`: interleaved pairs with one table; the half layout with a
+  table per head), the prefix rows unrotated, which the scores must apply as the block's attention does;
 * ``empty`` (unless ``empty_images=False``): images without a row among the others;
 * ``loose_bound``: ``max_seqlen`` twice the longest image (a bound, not a length);
 * ``isolation``: the property above;
@@ -59,8 +62,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from ..core.rotary import Rotary
 from ..core.segments import cu_seqlens_from_counts
 from ..core.selection import DecisionInput, Pruner, TokenSelection, kept_counts
+from ..reference.rotary import table_from_angles
 from .attention import default_dtypes
 from .report import Failure, bad_call_failures, level, raise_failures
 
@@ -104,13 +109,15 @@ def decision_cases(
     dtypes = tuple(dtypes) if dtypes is not None else default_dtypes(device)
     g = torch.Generator().manual_seed(len(dtypes))
     ragged = tuple(torch.randint(1, 80, (5,), generator=g).tolist())
-    no_prefix = () if pruner.needs_attention else (0,)
+    attention = pruner.needs_attention
+    no_prefix = () if attention else (0,)
     cases = []
     for dtype in dtypes:
         kinds = [("lengths", ADVERSARIAL_LENGTHS if full else QUICK_LENGTHS, 1), ("ragged", ragged, 1),
                  ("ties", (33, 65, 9), 1), ("large", (40, 65, 9), 1), ("nan", (40, 65, 2), 1),
                  ("loose_bound", (30, 7, 19), 1),
-                 ("isolation", (40, 70, 9), 1), *(("prefix", (5, 40, 70, 6), p) for p in (5, *no_prefix))]  # fmt: skip
+                 ("isolation", (40, 70, 9), 1), *(("prefix", (5, 40, 70, 6), p) for p in (5, *no_prefix)),
+                 *((("rotary", (40, 65, 9), 1), ("rotary_half", (33, 64, 7), 1)) if attention else ())]  # fmt: skip
         if empty_images:
             kinds.append(("empty", (5, 0, 64, 0), 1))
         if full:
@@ -264,6 +271,8 @@ def _input(
         nan_rows = torch.randperm(total, generator=g)[:3]
         (x if qkv is None else qkv)[nan_rows] = float("nan")
     heads = width // 64 if width % 64 == 0 else width // 16  # DeiT's head dim where the width allows it
+    rotates = case.kind.startswith("rotary") and qkv is not None
+    rotary = _rotation(case, heads, width // heads, device, g) if rotates else None
     return DecisionInput(
         x.to(device, case.dtype),
         cu.to(device),
@@ -274,7 +283,19 @@ def _input(
         heads if qkv is not None else None,
         (width // heads) ** -0.5 if qkv is not None else None,
         num_prefix=case.num_prefix,
+        rotary=rotary,
     )
+
+
+def _rotation(case: DecisionCase, heads: int, head_dim: int, device: torch.device, g: torch.Generator) -> Rotary:
+    """A ``rotary`` case's rotation: a fp32 table of random angles (one per head for ``rotary_half``), each image's
+    prefix rows unrotated and its patches at their own table rows."""
+    half = case.kind == "rotary_half"
+    rows = max(case.lengths)
+    shape = (heads, rows, head_dim // 2) if half else (rows, head_dim // 2)
+    table = table_from_angles(torch.rand(shape, generator=g) * 6.3, half)
+    positions = torch.cat([(torch.arange(n) - case.num_prefix).clamp_min(-1) for n in case.lengths])
+    return Rotary(table.to(device), positions.to(device, torch.int32), half)
 
 
 def _compare(
