@@ -70,8 +70,8 @@ def _rotary_variants() -> list[dict]:
         types.update({f"stride_{t}{d}": "i32" for t in "qkvo" for d in "thd"})
         consts = {
             "KEY_BIAS": None, "K_OFFSET": 12 * head_dim, "V_OFFSET": 24 * head_dim, "NUM_HEADS": 12,
-            "HEAD_DIM": head_dim, "BLOCK_D": triton.next_power_of_2(head_dim),
-            "BLOCK_H": max(ta._MIN_DOT, triton.next_power_of_2(head_dim // 2)), "BLOCK_M": config.block_m,
+            "HEAD_DIM": head_dim, "BLOCK_D": ta._block_d(head_dim), "BLOCK_H": ta._block_d(head_dim // 2),
+            "BLOCK_M": config.block_m,
             "BLOCK_N": config.block_n, "HAS_BIAS": False, "HAS_ROPE": True, "ROPE_HALF": half,
             "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
         }  # fmt: skip

@@ -47,16 +47,32 @@ import triton.language as tl
 from ..core.rotary import Rotary, check_rotary
 from ..core.validation import FLOAT_DTYPES, check_cu_seqlens, check_max_seqlen, check_tensor
 from .configs import AttentionConfig, attention_config
-from .launcher import CompiledLauncher, cdiv, next_power_of_2
+from .launcher import CompiledLauncher, aligned, cdiv, next_power_of_2
 
 SUPPORTED_HEAD_DIMS = tuple(range(8, 257, 8))
 _LOG2E = tl.constexpr(1.4426950408889634)
 _MIN_DOT = 16  # tl.dot's smallest reduction width: a head dim (and the rotary dots' half) is padded up to it
 
 
-def _block_d(head_dim: int) -> int:
-    """The head dim's tile width: a power of two, at least :data:`_MIN_DOT` (masked lanes: zeros)."""
-    return max(_MIN_DOT, next_power_of_2(head_dim))
+def _block_d(lanes: int) -> int:
+    """The tile width of ``lanes`` lanes of a dot (a head dim, or its half for the rotary dots): a power of two, at
+    least :data:`_MIN_DOT` (masked lanes: zeros)."""
+    return max(_MIN_DOT, next_power_of_2(lanes))
+
+
+def rotary_table_args(table: torch.Tensor) -> tuple[int, int, int]:
+    """A rope table's rows, head stride (0: one table for every head) and row stride, as the kernels take them."""
+    return table.shape[-2], table.stride(0) if table.dim() == 3 else 0, table.stride(-2)
+
+
+def rotary_key(key: tuple | None, rotary: Rotary) -> tuple | None:
+    """A launch ``key`` (:mod:`ragged_vit.triton_impl.launcher`) extended by what Triton specialises on a rotation's
+    arguments: dtypes, the table's rank and strides mod 16, the layout; None without a key or where a rotation pointer
+    is misaligned (Triton's own path)."""
+    table, positions, half = rotary
+    if key is None or not aligned(table, positions):
+        return None
+    return (*key, table.dtype, positions.dtype, table.dim(), table.stride(0) % 16, table.stride(-2) % 16, half)
 
 
 @triton.jit
@@ -72,13 +88,16 @@ def pair_lanes(HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr
 
 
 @triton.jit
-def rotate_pairs(a, b, table_ptrs, lanes, rotated_rows, HEAD_DIM: tl.constexpr):
+def rotate_pairs(a, b, pos, rope_rows, table, stride_rn, lane_a, lanes, HEAD_DIM: tl.constexpr):
     """RoPE on a loaded tile's pairs of lanes (rows of q, or columns of k^T): ``a`` the pairs' first lanes, ``b`` their
-    second, turned by the angle whose sin ``table_ptrs`` addresses (its cos ``HEAD_DIM`` further): ``a cos - b sin``
-    and ``b cos + a sin`` in fp32, rounded to the tile's dtype (timm's order), where ``rotated_rows`` (else unchanged);
-    ``lanes`` masks the loads."""
-    sin = tl.load(table_ptrs, mask=lanes & rotated_rows, other=0.0).to(tl.float32)
-    cos = tl.load(table_ptrs + HEAD_DIM, mask=lanes & rotated_rows, other=1.0).to(tl.float32)
+    second, turned by the angle of each row's position ``pos`` in the head's ``table`` (rows of ``[sin | cos]``,
+    ``stride_rn`` apart; ``pos`` and the first lanes' offsets ``lane_a`` shaped to broadcast against the tile):
+    ``a cos - b sin`` and ``b cos + a sin`` in fp32, rounded to the tile's dtype (timm's order). A row at a position
+    outside ``[0, rope_rows)`` stays as it is; ``lanes`` masks the loads."""
+    rotated_rows = (pos >= 0) & (pos < rope_rows)
+    sin_ptrs = table + tl.where(rotated_rows, pos, 0).to(tl.int64) * stride_rn + lane_a
+    sin = tl.load(sin_ptrs, mask=lanes & rotated_rows, other=0.0).to(tl.float32)
+    cos = tl.load(sin_ptrs + HEAD_DIM, mask=lanes & rotated_rows, other=1.0).to(tl.float32)
     a32, b32 = a.to(tl.float32), b.to(tl.float32)
     turned_a = (a32 * cos - b32 * sin).to(a.dtype)
     turned_b = (b32 * cos + a32 * sin).to(b.dtype)
@@ -127,11 +146,7 @@ def _attend_key_tile(
         else:
             ka = tl.load(k_cols + lane_a[:, None] * stride_kd)
             kb = tl.load(k_cols + lane_b[:, None] * stride_kd)
-        ok = (pos >= 0) & (pos < rope_rows)
-        rows = tl.where(ok, pos, 0).to(tl.int64)
-        ka, kb = rotate_pairs(
-            ka, kb, t_base + rows[None, :] * stride_rn + lane_a[:, None], lanes, ok[None, :], HEAD_DIM
-        )
+        ka, kb = rotate_pairs(ka, kb, pos[None, :], rope_rows, t_base, stride_rn, lane_a[:, None], lanes, HEAD_DIM)
         s = tl.dot(q, ka, input_precision=DOT_PRECISION)
         s = tl.dot(q2, kb, acc=s, input_precision=DOT_PRECISION)
     else:
@@ -232,11 +247,7 @@ def _ragged_attention_kernel(
             q = tl.load(q_rows + lane_a[None, :] * stride_qd, mask=lanes, other=0.0)
             q2 = tl.load(q_rows + lane_b[None, :] * stride_qd, mask=lanes, other=0.0)
             pos = tl.load(p_base + offs_m, mask=mask_m, other=-1)
-            ok = (pos >= 0) & (pos < rope_rows)
-            rows = tl.where(ok, pos, 0).to(tl.int64)
-            q, q2 = rotate_pairs(
-                q, q2, t_base + rows[:, None] * stride_rn + lane_a[None, :], lanes, ok[:, None], HEAD_DIM
-            )
+            q, q2 = rotate_pairs(q, q2, pos[:, None], rope_rows, t_base, stride_rn, lane_a[None, :], lanes, HEAD_DIM)
         else:
             q = tl.load(
                 q_base + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
@@ -304,13 +315,10 @@ def _launch(
             False, False, precision,
         )  # fmt: skip
     else:
-        table = rotary.table
-        head_stride = table.stride(0) if table.dim() == 3 else 0  # 0: one table for every head
         args = (
-            *tensors, cu_seqlens, key_bias, table, rotary.positions, total, table.shape[-2], head_stride,
-            table.stride(-2), scale * _LOG2E.value, *strides, *offsets, heads, head_dim, _block_d(head_dim),
-            max(_MIN_DOT, next_power_of_2(head_dim // 2)), config.block_m, config.block_n, key_bias is not None, True,
-            bool(rotary.half), precision,
+            *tensors, cu_seqlens, key_bias, rotary.table, rotary.positions, total, *rotary_table_args(rotary.table),
+            scale * _LOG2E.value, *strides, *offsets, heads, head_dim, _block_d(head_dim), _block_d(head_dim // 2),
+            config.block_m, config.block_n, key_bias is not None, True, bool(rotary.half), precision,
         )  # fmt: skip
     device = tensors[0].get_device()
     _launcher(key, device, grid, args, num_warps=config.num_warps, num_stages=config.num_stages)
@@ -500,12 +508,8 @@ def ragged_attention_qkv_unchecked(
     bias_ptr, bias_dtype = (0, None) if key_bias is None else (key_bias.data_ptr(), key_bias.dtype)
     aligned = qkv.is_cuda and (qkv.data_ptr() | o.data_ptr() | cu_seqlens.data_ptr() | bias_ptr) % 16 == 0
     key = (qkv.dtype, bias_dtype, num_heads, head_dim, config, row % 16, out_row % 16) if aligned else None
-    if rotary is not None and key is not None:  # the rope arguments' specialisation too
-        table, positions = rotary.table, rotary.positions
-        if (table.data_ptr() | positions.data_ptr()) % 16:
-            key = None
-        else:
-            key += (table.dtype, positions.dtype, table.dim(), table.stride(0) % 16, table.stride(-2) % 16, rotary.half)
+    if rotary is not None:
+        key = rotary_key(key, rotary)
     _launch(
         (qkv, qkv, qkv, o), strides, (inner, 2 * inner), cu_seqlens, (total, num_heads, head_dim), max_seqlen,
         scale, key_bias, config, key, rotary,

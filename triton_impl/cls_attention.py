@@ -20,7 +20,7 @@ import triton.language as tl
 from ..core.rotary import Rotary
 from ..core.selection import DecisionInput
 from ..core.validation import FLOAT_DTYPES, check_int, check_max_seqlen, check_tensor
-from .attention import pair_lanes, rotate_pairs
+from .attention import pair_lanes, rotary_key, rotary_table_args, rotate_pairs
 from .launcher import CompiledLauncher, aligned, cdiv, next_power_of_2
 
 _BLOCK_T = 16  # rows per step of the logits kernel: a DeiT image spreads over 13 programs
@@ -54,10 +54,8 @@ def _logits_kernel(
         cls = QKV + start.to(tl.int64) * stride + h * D
         qa = tl.load(cls + lane_a, mask=in_h & (end > start), other=0.0)
         qb = tl.load(cls + lane_b, mask=in_h & (end > start), other=0.0)
-        cls_pos = tl.load(ROPE_POS + start, mask=end > start, other=-1)
-        cls_ok = (cls_pos >= 0) & (cls_pos < rope_rows)
-        cls_row = tl.where(cls_ok, cls_pos, 0).to(tl.int64)
-        qa, qb = rotate_pairs(qa, qb, table + cls_row * stride_rn + lane_a, in_h, cls_ok, D)
+        cls_pos = tl.load(ROPE_POS + start, mask=end > start, other=-1)  # not `pos`: the loop's is a tile
+        qa, qb = rotate_pairs(qa, qb, cls_pos, rope_rows, table, stride_rn, lane_a, in_h, D)
         qa, qb = qa.to(tl.float32), qb.to(tl.float32)
     else:
         q = tl.load(QKV + start.to(tl.int64) * stride + h * D + offs_d, mask=in_d & (end > start), other=0.0)
@@ -72,9 +70,7 @@ def _logits_kernel(
             ka = tl.load(head + H * D + lane_a[None, :], mask=lanes, other=0.0)
             kb = tl.load(head + H * D + lane_b[None, :], mask=lanes, other=0.0)
             pos = tl.load(ROPE_POS + t, mask=in_t, other=-1)
-            ok = (pos >= 0) & (pos < rope_rows)
-            rows = tl.where(ok, pos, 0).to(tl.int64)
-            ka, kb = rotate_pairs(ka, kb, table + rows[:, None] * stride_rn + lane_a[None, :], lanes, ok[:, None], D)
+            ka, kb = rotate_pairs(ka, kb, pos[:, None], rope_rows, table, stride_rn, lane_a[None, :], lanes, D)
             logit = tl.sum(ka.to(tl.float32) * qa[None, :], axis=1) + tl.sum(kb.to(tl.float32) * qb[None, :], axis=1)
         else:
             k = tl.load(head + H * D + offs_d[None, :], mask=in_t[:, None] & in_d[None, :], other=0.0)
@@ -155,12 +151,9 @@ def cls_attention_logits(
         args += (None, None, 0, 0, 0, heads, head_dim, _BLOCK_T, block_d, values, False, False, 1)
     else:
         table, positions, half = rotary
-        args += (table, positions, table.shape[-2], table.stride(0) if table.dim() == 3 else 0, table.stride(-2), heads,
-                 head_dim, _BLOCK_T, block_d, values, True, bool(half), next_power_of_2(head_dim // 2))  # fmt: skip
-        if key is not None and aligned(table, positions):
-            key += (table.dtype, positions.dtype, table.dim(), table.stride(0) % 16, table.stride(-2) % 16, half)
-        else:
-            key = None
+        args += (table, positions, *rotary_table_args(table), heads, head_dim, _BLOCK_T, block_d, values, True,
+                 bool(half), next_power_of_2(head_dim // 2))  # fmt: skip
+        key = rotary_key(key, rotary)
     grid = (cu.shape[0] - 1, cdiv(max_seqlen, _BLOCK_T), heads)
     _logits_launcher(key, qkv.get_device(), grid, args, num_warps=2, num_stages=1)
     return logits, squares if values else None
