@@ -233,6 +233,7 @@ def failed_quantities(out: str) -> str:
 
 @pytest.mark.gpu
 @pytest.mark.exclusive
+@pytest.mark.full  # a minute of benchmark runs: the full GPU suite's, not the quick one's
 def test_gate_on_the_gpu_stores_passes_clean_and_fails_injected(tmp_path: Path) -> None:
     """The quick suite's B1-p80 kernel entries of ours and one eager pipeline row: store, pass clean, fail injected.
 
