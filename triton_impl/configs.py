@@ -104,16 +104,15 @@ class LinearConfig:
     fixup: bool = False
 
 
-# Bands of the row count M (the packed rows of a forward), the last one open-ended. SM90: starting points, not yet
-# swept on a GPU (docs/tuning.md#linear-tile-table): 16-row tiles where M is a handful of rows (the MMA's smallest M),
-# 64-row tiles up to 64 rows, 128 x 64 tiles beyond, each chosen among those that compile without register spills;
-# the two-kernel split-K everywhere until the single launch is measured.
+# Bands of the row count M (the packed rows of a forward), the last one open-ended. SM90: ci.tune_linear's picks on
+# an H200 (docs/tuning.md#linear-tile-table): the single launch at M = 1, 64-row tiles beyond.
 _LinearBands = tuple[tuple[float, LinearConfig], ...]
 _LINEAR_TABLE: dict[tuple[int, int], _LinearBands] = {
     (9, 0): (
-        (16, LinearConfig(16, 64, 64, 4, 4)),
-        (64, LinearConfig(64, 64, 64, 8, 3)),
-        (_OPEN, LinearConfig(128, 64, 64, 8, 3)),
+        (1, LinearConfig(16, 64, 64, 4, 4, fixup=True)),
+        (99, LinearConfig(64, 64, 64, 4, 4)),
+        (394, LinearConfig(64, 128, 64, 4, 4)),
+        (_OPEN, LinearConfig(64, 128, 64, 4, 3, per_sm=2)),
     ),
 }
 # Any other capability, and the CPU interpreter (where fewer, larger tiles run faster): untuned, correct everywhere.
