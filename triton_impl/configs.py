@@ -104,8 +104,8 @@ class LinearConfig:
     fixup: bool = False
 
 
-# Bands of the row count M (the packed rows of a forward), the last one open-ended. SM90: ci.tune_linear's picks on
-# an H200 (docs/tuning.md#linear-tile-table): the single launch at M = 1, 64-row tiles beyond.
+# Bands of the row count M (the packed rows of a forward), the last one open-ended. SM90: ci.tune_linear's picks
+# (docs/tuning.md#linear-tile-table): the single launch at M = 1, 64-row tiles beyond.
 _LinearBands = tuple[tuple[float, LinearConfig], ...]
 _LINEAR_TABLE: dict[tuple[int, int], _LinearBands] = {
     (9, 0): (
