@@ -48,9 +48,10 @@ def _retyped_kernel(X, OUT, n, BLOCK: tl.constexpr):
     tl.store(OUT + tl.arange(0, BLOCK), first)
 
 
-def _variant(kernel: str, types: dict, consts: dict, module: str = __name__, **options) -> dict:
+def _variant(kernel: str, types: dict, consts: dict, module: str = __name__, divisible=(), **options) -> dict:
     file = sys.modules[module].__file__
-    return {"module": module, "file": file, "name": kernel, "types": types, "consts": consts, "options": options}
+    return {"module": module, "file": file, "name": kernel, "types": types, "consts": consts,
+            "divisible": list(divisible), "options": options}  # fmt: skip
 
 
 def _rotary_variants() -> list[dict]:
@@ -75,8 +76,12 @@ def _rotary_variants() -> list[dict]:
             "BLOCK_N": config.block_n, "HAS_BIAS": False, "HAS_ROPE": True, "ROPE_HALF": half,
             "DOT_PRECISION": "ieee" if dtype == "fp32" else "tf32",
         }  # fmt: skip
+        for n in ("stride_qd", "stride_kd", "stride_vd", "stride_od"):  # contiguous heads: specialised to 1
+            types.pop(n)
+            consts[n] = 1
+        divisible = [n for n, t in types.items() if t.startswith("*")] + ["stride_rn", "stride_qt", "stride_ot"]
         options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
-        out.append(_variant("_ragged_attention_kernel", types, consts, ta.__name__, **options))
+        out.append(_variant("_ragged_attention_kernel", types, consts, ta.__name__, divisible, **options))
     for dtype, half, values in (("fp16", False, True), ("fp32", True, False)):
         types = {"QKV": f"*{dtype}", "CU": "*i32", "LOGITS": "*fp32", "SQUARES": "*fp32", "ROPE_TABLE": "*fp32",
                  "ROPE_POS": "*i32", "scale": "fp32", "total": "i32", "stride": "i32", "rope_rows": "i32",
@@ -89,7 +94,7 @@ def _rotary_variants() -> list[dict]:
 
 def main() -> None:
     """In the child: compiles a sound kernel, the retyped one and the rotary variants; prints each group's results
-    (shared bytes, or the error) as JSON."""
+    (shared bytes and ptxas's registers, or the error) as JSON."""
     from ci.sm90_compile import compile_all
 
     pointers = {"X": "*fp32", "OUT": "*fp32", "n": "i32"}
@@ -98,11 +103,11 @@ def main() -> None:
         "retyped": [_variant("_retyped_kernel", pointers, {"BLOCK": 64}, num_warps=4, num_stages=2)],
         "rotary": _rotary_variants(),
     }
-    print(json.dumps({name: compile_all(variants, 1) for name, variants in groups.items()}))
+    print(json.dumps({name: compile_all(variants, 1, registers=True) for name, variants in groups.items()}))
 
 
 @functools.cache
-def _compiled() -> dict[str, list[int | str]]:
+def _compiled() -> dict[str, list[dict | str]]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     code = "from tests.test_sm90_compile import main; main()"
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
@@ -116,23 +121,30 @@ needs_ptxas = pytest.mark.skipif(
 )
 
 
-def test_a_launch_is_recorded_as_types_and_constexprs():
-    """The plugin's record of one launch: pointer and scalar types by parameter, constexprs by value."""
-    x = torch.zeros(4, dtype=torch.float16)
-    variant = signature_of(_rows_kernel.fn, (x, x.int(), 7), {"BLOCK": 64, "num_warps": 2, "num_stages": 1})
-    assert variant == _variant("_rows_kernel", {"X": "*fp16", "OUT": "*i32", "n": "i32"}, {"BLOCK": 64},
-                               num_warps=2, num_stages=1)  # fmt: skip
+def test_a_launch_is_recorded_as_a_gpu_launch_would_specialise_it():
+    """The plugin's record of one launch: pointer and scalar types by parameter, constexprs by value, and Triton's
+    specialisations: 16-byte aligned pointers and multiples of 16 divisible by 16, an integer equal to 1 a constant,
+    none of them for a parameter in ``do_not_specialize``."""
+    x = torch.zeros(64, dtype=torch.float16)
+    options = {"BLOCK": 64, "num_warps": 2, "num_stages": 1}
+    variant = signature_of(_rows_kernel.fn, (x, x[1:].int(), 7), options)
+    assert variant == _variant("_rows_kernel", {"X": "*fp16", "OUT": "*i32", "n": "i32"}, {"BLOCK": 64}, __name__,
+                               ["X", "OUT"], num_warps=2, num_stages=1)  # fmt: skip
+    assert signature_of(_rows_kernel.fn, (x[1:], x, 32), options)["divisible"] == ["OUT", "n"]
+    assert signature_of(_rows_kernel.fn, (x, x, 1), options)["consts"] == {"n": 1, "BLOCK": 64}
+    fixed = signature_of(_rows_kernel.fn, (x, x, 1), options, {"do_not_specialize": ["n"]})
+    assert fixed["types"]["n"] == "i32" and fixed["divisible"] == ["X", "OUT"]
 
 
 @needs_ptxas
 def test_a_retyped_loop_variable_fails_and_a_sound_kernel_compiles():
     (good,), (retyped,) = _compiled()["good"], _compiled()["retyped"]
-    assert isinstance(good, int) and good <= SMEM_BYTES
+    assert isinstance(good, dict) and good["shared"] <= SMEM_BYTES and good["registers"] > 0
     assert isinstance(retyped, str) and "Loop-carried variable" in retyped, retyped
 
 
 @needs_ptxas
 def test_rotary_kernels_compile_for_sm90():
     results = _compiled()["rotary"]
-    failed = [r for r in results if not isinstance(r, int) or r > SMEM_BYTES]
+    failed = [r for r in results if isinstance(r, str) or r["shared"] > SMEM_BYTES]
     assert len(results) == 6 and not failed, failed
