@@ -505,9 +505,10 @@ def ragged_attention_qkv_unchecked(
     strides = (row, head_dim, 1, row, head_dim, 1, row, head_dim, 1, out_row, head_dim, 1)
     # What Triton specialises on that can vary between calls: dtypes, strides mod 16 and pointer alignment. Only
     # the all-aligned case is cached (the usual one); any misaligned pointer takes Triton's own path.
-    bias_ptr, bias_dtype = (0, None) if key_bias is None else (key_bias.data_ptr(), key_bias.dtype)
-    aligned = qkv.is_cuda and (qkv.data_ptr() | o.data_ptr() | cu_seqlens.data_ptr() | bias_ptr) % 16 == 0
-    key = (qkv.dtype, bias_dtype, num_heads, head_dim, config, row % 16, out_row % 16) if aligned else None
+    biases = () if key_bias is None else (key_bias,)
+    bias_dtype = None if key_bias is None else key_bias.dtype
+    cached = aligned(qkv, o, cu_seqlens, *biases)
+    key = (qkv.dtype, bias_dtype, num_heads, head_dim, config, row % 16, out_row % 16) if cached else None
     if rotary is not None:
         key = rotary_key(key, rotary)
     _launch(
