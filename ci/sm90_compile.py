@@ -114,7 +114,7 @@ def compile_variant(variant: dict, registers: bool = False) -> dict | str:
         names = list(inspect.signature(kernel.fn).parameters)
         consts = variant["consts"]
         signature = {n: "constexpr" if n in consts else variant["types"][n] for n in names}
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in variant.get("divisible", ())}
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in variant["divisible"]}
         source = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
         compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=variant["options"])
         result = {"shared": compiled.metadata.shared}
