@@ -125,10 +125,18 @@ def check_eva_block(block: nn.Module, name: str = "block") -> None:
 def eva_qkv(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """The qkv projection of normalised rows ``x [T, C]`` -> ``[T, 3*H*D]`` (timm's layout), as the Eva attention
     computes it: one fused Linear (its separate q/v bias concatenated with the zero k bias, added in the Linear or
-    after it as the module says) or three, then the per-head q/k norms."""
+    after it as the module says) or three, then the per-head q/k norms. Three plain Linears run as one GEMM over their
+    weights concatenated (each call, so later weights are seen): one launch for three, and no copy of three outputs
+    into one buffer."""
     fused = attn.qkv
     if fused is None:
-        qkv = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=1)
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        if all(type(p) is nn.Linear and not p._forward_hooks and not p._forward_pre_hooks for p in projections):
+            weight = torch.cat([p.weight for p in projections])
+            biases = [p.weight.new_zeros(p.out_features) if p.bias is None else p.bias for p in projections]
+            qkv = F.linear(x, weight, None if all(p.bias is None for p in projections) else torch.cat(biases))
+        else:
+            qkv = torch.cat([p(x) for p in projections], dim=1)
     elif getattr(attn, "q_bias", None) is None:
         qkv = fused(x)
     else:

@@ -486,3 +486,23 @@ def test_pruned_triton_against_reference_gpu(name, pruner):
     pv.backend = "reference"
     ref = pv.run(x, selections=ours.selections).logits.float()
     assert_fp16_within_twice(ours.logits, sdpa, ref)
+
+
+def test_split_projections_run_as_one_gemm_and_a_hooked_one_as_itself(gen):
+    """EVA-02 B/L's q, k and v Linears (k without a bias) give the packed qkv as one GEMM over their weights,
+    the three outputs side by side; a projection with a hook runs as its module, so the hook still fires."""
+    from ragged_vit.pipelines.eva import eva_qkv
+    from ragged_vit.testing.ops import op_names
+
+    attn = family("eva02_split_qkv").blocks[0].attn
+    for p in (attn.q_proj, attn.v_proj):
+        p.bias.data.normal_(generator=gen)
+    x = torch.randn(7, attn.q_proj.in_features, generator=gen)
+    with torch.no_grad():
+        expected = torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], dim=1)
+        torch.testing.assert_close(eva_qkv(attn, x), expected, **FP32)
+        assert op_names(eva_qkv, attn, x).count("aten::linear") == 1
+        seen = []
+        attn.k_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+        torch.testing.assert_close(eva_qkv(attn, x), expected, **FP32)
+    assert seen == [torch.Size([7, attn.k_proj.out_features])]

@@ -76,28 +76,44 @@ def rotary_key(key: tuple | None, rotary: Rotary) -> tuple | None:
 
 
 @triton.jit
-def pair_lanes(HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr):
-    """RoPE's pairs of lanes of a head: the first and second halves (``HALF``), or the even and odd lanes, as two
-    ``[BLOCK_H]`` offset vectors, and the mask of the ``HEAD_DIM / 2`` real pairs."""
-    offs_h = tl.arange(0, BLOCK_H)
+def load_pairs(rows, stride_d, row_mask, other, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, HALF: tl.constexpr,
+               MASKED: tl.constexpr):  # fmt: skip
+    """RoPE's pairs of lanes of a tile's rows (``rows``: ``[R, 1]`` pointers to each row's first lane, lanes
+    ``stride_d`` apart) as two ``[R, BLOCK_H]`` tiles, the pairs' first lanes and their second: a row's two halves
+    (``HALF``), or its even and odd lanes, read as one contiguous tile and split (strided loads cost a load per
+    element). ``MASKED`` reads only the rows of ``row_mask`` (``[R, 1]``) and the ``HEAD_DIM / 2`` real pairs
+    (``other`` elsewhere); without it every row and pair must be real."""
     if HALF:
-        lane_a, lane_b = offs_h, offs_h + HEAD_DIM // 2
+        offs_h = tl.arange(0, BLOCK_H)[None, :]
+        if MASKED:
+            lanes = row_mask & (offs_h < HEAD_DIM // 2)
+            a = tl.load(rows + offs_h * stride_d, mask=lanes, other=other)
+            b = tl.load(rows + (offs_h + HEAD_DIM // 2) * stride_d, mask=lanes, other=other)
+        else:
+            a = tl.load(rows + offs_h * stride_d)
+            b = tl.load(rows + (offs_h + HEAD_DIM // 2) * stride_d)
     else:
-        lane_a, lane_b = offs_h * 2, offs_h * 2 + 1
-    return lane_a, lane_b, offs_h < HEAD_DIM // 2
+        offs_p = tl.arange(0, 2 * BLOCK_H)[None, :]
+        if MASKED:
+            pairs = tl.load(rows + offs_p * stride_d, mask=row_mask & (offs_p < HEAD_DIM), other=other)
+        else:
+            pairs = tl.load(rows + offs_p * stride_d)
+        a, b = tl.split(tl.reshape(pairs, [pairs.shape[0], BLOCK_H, 2]))
+    return a, b
 
 
 @triton.jit
-def rotate_pairs(a, b, pos, rope_rows, table, stride_rn, lane_a, lanes, HEAD_DIM: tl.constexpr):
-    """RoPE on a loaded tile's pairs of lanes (rows of q, or columns of k^T): ``a`` the pairs' first lanes, ``b`` their
-    second, turned by the angle of each row's position ``pos`` in the head's ``table`` (rows of ``[sin | cos]``,
-    ``stride_rn`` apart; ``pos`` and the first lanes' offsets ``lane_a`` shaped to broadcast against the tile):
-    ``a cos - b sin`` and ``b cos + a sin`` in fp32, rounded to the tile's dtype (timm's order). A row at a position
-    outside ``[0, rope_rows)`` stays as it is; ``lanes`` masks the loads."""
+def rotate_pairs(a, b, pos, rope_rows, table, stride_rn, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+                 HALF: tl.constexpr):  # fmt: skip
+    """RoPE on a tile's pairs (:func:`load_pairs`'s ``a`` and ``b``), each row turned by the angle of its position
+    ``pos`` (``[R, 1]``) in the head's ``table`` (rows of ``[sin | cos]``, ``stride_rn`` apart; a pair's angle read
+    at its first lane): ``a cos - b sin`` and ``b cos + a sin`` in fp32, rounded to the tile's dtype (timm's order).
+    A row at a position outside ``[0, rope_rows)`` stays as it is."""
     rotated_rows = (pos >= 0) & (pos < rope_rows)
-    sin_ptrs = table + tl.where(rotated_rows, pos, 0).to(tl.int64) * stride_rn + lane_a
-    sin = tl.load(sin_ptrs, mask=lanes & rotated_rows, other=0.0).to(tl.float32)
-    cos = tl.load(sin_ptrs + HEAD_DIM, mask=lanes & rotated_rows, other=1.0).to(tl.float32)
+    angles = table + tl.where(rotated_rows, pos, 0).to(tl.int64) * stride_rn
+    sin, _ = load_pairs(angles, 1, rotated_rows, 0.0, HEAD_DIM, BLOCK_H, HALF, True)
+    cos, _ = load_pairs(angles + HEAD_DIM, 1, rotated_rows, 1.0, HEAD_DIM, BLOCK_H, HALF, True)
+    sin, cos = sin.to(tl.float32), cos.to(tl.float32)
     a32, b32 = a.to(tl.float32), b.to(tl.float32)
     turned_a = (a32 * cos - b32 * sin).to(a.dtype)
     turned_b = (b32 * cos + a32 * sin).to(b.dtype)
@@ -109,20 +125,22 @@ def _attend_key_tile(
     q, q2, acc, m_i, l_i, k_base, v_base, b_base, n0, seqlen, qk_scale,
     stride_kt, stride_kd, stride_vt, stride_vd,
     offs_n0, offs_d, mask_d,
-    p_base, t_base, rope_rows, stride_rn, lane_a, lane_b, mask_h,
+    p_base, t_base, rope_rows, stride_rn,
     MASKED: tl.constexpr,
     EVEN_D: tl.constexpr,
     EVEN_H: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_ROPE: tl.constexpr,
+    ROPE_HALF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     """One online-softmax step over keys ``n0 : n0 + BLOCK_N``; only the ragged last tile is masked (and the padded
     head-dim lanes, when the head dim is not a power of two). ``b_base`` points at the image's first key bias. With
-    ``HAS_ROPE`` the keys are loaded as their pairs' first lanes (``lane_a``) and second lanes (``lane_b``), rotated
-    (``p_base``: the image's first position, ``t_base``: the head's rope table), and scored against the queries'
-    halves ``q`` and ``q2`` by two dots: each key element and its table entry are read once."""
+    ``HAS_ROPE`` the keys are loaded as their pairs' two lanes (:func:`load_pairs`), rotated (``p_base``: the image's
+    first position, ``t_base``: the head's rope table), and scored against the queries' pair lanes ``q`` and ``q2``
+    by two dots: each key element and its table entry are read once."""
     offs_n = n0 + offs_n0
     v_ptrs = v_base + offs_n[:, None] * stride_vt + offs_d[None, :] * stride_vd  # [BLOCK_N, BLOCK_D]
     if MASKED:
@@ -133,22 +151,16 @@ def _attend_key_tile(
     else:
         v = tl.load(v_ptrs, mask=mask_d[None, :], other=0.0)
     if HAS_ROPE:
-        k_cols = k_base + offs_n[None, :] * stride_kt
+        k_rows = k_base + offs_n[:, None] * stride_kt
         if MASKED:
             pos = tl.load(p_base + offs_n, mask=mask_n, other=-1)
-            lanes = mask_n[None, :] & mask_h[:, None]
+            ka, kb = load_pairs(k_rows, stride_kd, mask_n[:, None], 0.0, HEAD_DIM, BLOCK_H, ROPE_HALF, True)
         else:
             pos = tl.load(p_base + offs_n)
-            lanes = (offs_n >= 0)[None, :] & mask_h[:, None]
-        if MASKED or not EVEN_H:
-            ka = tl.load(k_cols + lane_a[:, None] * stride_kd, mask=lanes, other=0.0)  # [BLOCK_H, BLOCK_N]
-            kb = tl.load(k_cols + lane_b[:, None] * stride_kd, mask=lanes, other=0.0)
-        else:
-            ka = tl.load(k_cols + lane_a[:, None] * stride_kd)
-            kb = tl.load(k_cols + lane_b[:, None] * stride_kd)
-        ka, kb = rotate_pairs(ka, kb, pos[None, :], rope_rows, t_base, stride_rn, lane_a[:, None], lanes, HEAD_DIM)
-        s = tl.dot(q, ka, input_precision=DOT_PRECISION)
-        s = tl.dot(q2, kb, acc=s, input_precision=DOT_PRECISION)
+            ka, kb = load_pairs(k_rows, stride_kd, offs_n[:, None] >= 0, 0.0, HEAD_DIM, BLOCK_H, ROPE_HALF, not EVEN_H)
+        ka, kb = rotate_pairs(ka, kb, pos[:, None], rope_rows, t_base, stride_rn, HEAD_DIM, BLOCK_H, ROPE_HALF)
+        s = tl.dot(q, tl.trans(ka), input_precision=DOT_PRECISION)
+        s = tl.dot(q2, tl.trans(kb), acc=s, input_precision=DOT_PRECISION)
     else:
         k_ptrs = k_base + offs_n[None, :] * stride_kt + offs_d[:, None] * stride_kd  # [BLOCK_D, BLOCK_N]
         if MASKED:
@@ -229,12 +241,11 @@ def _ragged_attention_kernel(
     v_base = V + V_OFFSET + start.to(tl.int64) * stride_vt + h * stride_vh
     o_base = O + start.to(tl.int64) * stride_ot + h * stride_oh
     b_base = KEY_BIAS + start if HAS_BIAS else KEY_BIAS
-    if HAS_ROPE:  # each pair's lanes: the first and second halves, or the even and odd lanes
+    if HAS_ROPE:
         p_base = ROPE_POS + start
         t_base = ROPE_TABLE + h * stride_rh
-        lane_a, lane_b, mask_h = pair_lanes(HEAD_DIM, BLOCK_H, ROPE_HALF)
     else:
-        p_base, t_base, lane_a, lane_b, mask_h = ROPE_POS, ROPE_TABLE, offs_d, offs_d, mask_d
+        p_base, t_base = ROPE_POS, ROPE_TABLE
     EVEN_H: tl.constexpr = 2 * BLOCK_H == HEAD_DIM
 
     # Grid-stride loop over query tiles: correct for any grid size along axis 0.
@@ -242,12 +253,10 @@ def _ragged_attention_kernel(
         offs_m = tile * BLOCK_M + offs_m0
         mask_m = offs_m < seqlen
         if HAS_ROPE:  # q as its pairs' two lanes, rotated once per query tile
-            lanes = mask_m[:, None] & mask_h[None, :]
             q_rows = q_base + offs_m[:, None] * stride_qt
-            q = tl.load(q_rows + lane_a[None, :] * stride_qd, mask=lanes, other=0.0)
-            q2 = tl.load(q_rows + lane_b[None, :] * stride_qd, mask=lanes, other=0.0)
+            q, q2 = load_pairs(q_rows, stride_qd, mask_m[:, None], 0.0, HEAD_DIM, BLOCK_H, ROPE_HALF, True)
             pos = tl.load(p_base + offs_m, mask=mask_m, other=-1)
-            q, q2 = rotate_pairs(q, q2, pos[:, None], rope_rows, t_base, stride_rn, lane_a[None, :], lanes, HEAD_DIM)
+            q, q2 = rotate_pairs(q, q2, pos[:, None], rope_rows, t_base, stride_rn, HEAD_DIM, BLOCK_H, ROPE_HALF)
         else:
             q = tl.load(
                 q_base + offs_m[:, None] * stride_qt + offs_d[None, :] * stride_qd,
@@ -262,17 +271,17 @@ def _ragged_attention_kernel(
             acc, m_i, l_i = _attend_key_tile(
                 q, q2, acc, m_i, l_i, k_base, v_base, b_base, n0, seqlen, qk_scale,
                 stride_kt, stride_kd, stride_vt, stride_vd, offs_n0, offs_d, mask_d,
-                p_base, t_base, rope_rows, stride_rn, lane_a, lane_b, mask_h,
-                MASKED=False, EVEN_D=EVEN_D, EVEN_H=EVEN_H, HAS_BIAS=HAS_BIAS, HAS_ROPE=HAS_ROPE, HEAD_DIM=HEAD_DIM,
-                DOT_PRECISION=DOT_PRECISION,
+                p_base, t_base, rope_rows, stride_rn,
+                MASKED=False, EVEN_D=EVEN_D, EVEN_H=EVEN_H, HAS_BIAS=HAS_BIAS, HAS_ROPE=HAS_ROPE, ROPE_HALF=ROPE_HALF,
+                HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
         if full_end < seqlen:
             acc, m_i, l_i = _attend_key_tile(
                 q, q2, acc, m_i, l_i, k_base, v_base, b_base, full_end, seqlen, qk_scale,
                 stride_kt, stride_kd, stride_vt, stride_vd, offs_n0, offs_d, mask_d,
-                p_base, t_base, rope_rows, stride_rn, lane_a, lane_b, mask_h,
-                MASKED=True, EVEN_D=EVEN_D, EVEN_H=EVEN_H, HAS_BIAS=HAS_BIAS, HAS_ROPE=HAS_ROPE, HEAD_DIM=HEAD_DIM,
-                DOT_PRECISION=DOT_PRECISION,
+                p_base, t_base, rope_rows, stride_rn,
+                MASKED=True, EVEN_D=EVEN_D, EVEN_H=EVEN_H, HAS_BIAS=HAS_BIAS, HAS_ROPE=HAS_ROPE, ROPE_HALF=ROPE_HALF,
+                HEAD_DIM=HEAD_DIM, BLOCK_H=BLOCK_H, DOT_PRECISION=DOT_PRECISION,
             )  # fmt: skip
         acc = acc / l_i[:, None]
         tl.store(

@@ -20,7 +20,7 @@ import triton.language as tl
 from ..core.rotary import Rotary
 from ..core.selection import DecisionInput
 from ..core.validation import FLOAT_DTYPES, check_int, check_max_seqlen, check_tensor
-from .attention import pair_lanes, rotary_key, rotary_table_args, rotate_pairs
+from .attention import load_pairs, rotary_key, rotary_table_args, rotate_pairs
 from .launcher import CompiledLauncher, aligned, cdiv, next_power_of_2
 
 _BLOCK_T = 16  # rows per step of the logits kernel: a DeiT image spreads over 13 programs
@@ -49,13 +49,14 @@ def _logits_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     in_d = offs_d < D
     if HAS_ROPE:  # q and k as their pairs' two lanes (the attention kernel's rotation), each logit two half sums
-        lane_a, lane_b, in_h = pair_lanes(D, BLOCK_H, ROPE_HALF)
         table = ROPE_TABLE + h * stride_rh
-        cls = QKV + start.to(tl.int64) * stride + h * D
-        qa = tl.load(cls + lane_a, mask=in_h & (end > start), other=0.0)
-        qb = tl.load(cls + lane_b, mask=in_h & (end > start), other=0.0)
-        cls_pos = tl.load(ROPE_POS + start, mask=end > start, other=-1)  # not `pos`: the loop's is a tile
-        qa, qb = rotate_pairs(qa, qb, cls_pos, rope_rows, table, stride_rn, lane_a, in_h, D)
+        # The CLS row as a tile of BLOCK_T copies (cached reads): each key row then meets its own copy, elementwise.
+        cls_rows = tl.zeros([BLOCK_T, 1], dtype=tl.int32)
+        has_cls = cls_rows < end - start
+        cls = QKV + start.to(tl.int64) * stride + h * D + cls_rows
+        qa, qb = load_pairs(cls, 1, has_cls, 0.0, D, BLOCK_H, ROPE_HALF, True)
+        cls_pos = tl.load(ROPE_POS + start + cls_rows, mask=has_cls, other=-1)  # not `pos`: the loop's
+        qa, qb = rotate_pairs(qa, qb, cls_pos, rope_rows, table, stride_rn, D, BLOCK_H, ROPE_HALF)
         qa, qb = qa.to(tl.float32), qb.to(tl.float32)
     else:
         q = tl.load(QKV + start.to(tl.int64) * stride + h * D + offs_d, mask=in_d & (end > start), other=0.0)
@@ -66,12 +67,10 @@ def _logits_kernel(
         in_t = t < end
         head = QKV + t.to(tl.int64)[:, None] * stride + h * D
         if HAS_ROPE:
-            lanes = in_t[:, None] & in_h[None, :]
-            ka = tl.load(head + H * D + lane_a[None, :], mask=lanes, other=0.0)
-            kb = tl.load(head + H * D + lane_b[None, :], mask=lanes, other=0.0)
+            ka, kb = load_pairs(head + H * D, 1, in_t[:, None], 0.0, D, BLOCK_H, ROPE_HALF, True)
             pos = tl.load(ROPE_POS + t, mask=in_t, other=-1)
-            ka, kb = rotate_pairs(ka, kb, pos[:, None], rope_rows, table, stride_rn, lane_a[None, :], lanes, D)
-            logit = tl.sum(ka.to(tl.float32) * qa[None, :], axis=1) + tl.sum(kb.to(tl.float32) * qb[None, :], axis=1)
+            ka, kb = rotate_pairs(ka, kb, pos[:, None], rope_rows, table, stride_rn, D, BLOCK_H, ROPE_HALF)
+            logit = tl.sum(ka.to(tl.float32) * qa, axis=1) + tl.sum(kb.to(tl.float32) * qb, axis=1)
         else:
             k = tl.load(head + H * D + offs_d[None, :], mask=in_t[:, None] & in_d[None, :], other=0.0)
             logit = tl.sum(k.to(tl.float32) * q[None, :], axis=1)
