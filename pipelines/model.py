@@ -227,7 +227,8 @@ class PrunedViT(nn.Module):
 
     @property
     def num_dense_blocks(self) -> int:
-        """Blocks run densely by timm before the first stage; the rest run packed."""
+        """Blocks before the first stage, run densely by timm (packed on a NaFlexVit, which has no dense batch); the
+        rest run packed."""
         return self._plan.dense_blocks
 
     @property
@@ -239,9 +240,7 @@ class PrunedViT(nn.Module):
     def image_size(self) -> tuple[int, int]:
         """The model's input size ``(H, W)`` (timm's ``img_size``): the only one it takes unless it was built with
         ``dynamic_img_size=True``, then the size of :attr:`plan` and :attr:`num_patches`."""
-        if self.native:
-            return native_image_size(self.model)
-        return tuple(self.model.patch_embed.img_size)
+        return input_shape(self.model)[1:]
 
     @property
     def patch_size(self) -> tuple[int, int]:
@@ -637,13 +636,20 @@ def _embedding(model: nn.Module) -> nn.Module:
     return model.embeds if is_naflex(model) else model.patch_embed
 
 
+def input_shape(model: nn.Module) -> tuple[int, int, int]:
+    """``(C, H, W)`` of the images a timm ViT takes at its own size: a NaFlexVit's position-embedding grid in pixels
+    (it takes other sizes too), else its ``patch_embed``'s ``img_size``."""
+    if is_naflex(model):
+        return (model.embeds.in_chans, *native_image_size(model))
+    return (model.patch_embed.proj.in_channels, *model.patch_embed.img_size)
+
+
 def _allowed_shape(model: VisionTransformer) -> str:
     """The image shapes ``model`` takes, for error messages."""
     if is_naflex(model):
         p, q = model.embeds.patch_size
         return f"(H, W) with H a positive multiple of {p} and W of {q} (NaFlexVit)"
-    channels = model.patch_embed.proj.in_channels
-    height, width = model.patch_embed.img_size
+    channels, height, width = input_shape(model)
     if not getattr(model, "dynamic_img_size", False):
         return f"[B, {channels}, {height}, {width}]"
     p, q = model.patch_embed.patch_size

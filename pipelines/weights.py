@@ -48,6 +48,7 @@ def create_model(name: str, **kwargs: object) -> nn.Module:
         ValueError: timm has no model called ``name`` (the message lists similar names), or ``pretrained=True``
             without a local file.
         FileNotFoundError: the ``pretrained_cfg_overlay`` file does not exist.
+        TypeError or ValueError: timm refused one of ``kwargs`` (the message names the call).
     """
     if not isinstance(name, str):
         raise TypeError(f"model name must be a str, got {type(name).__name__}")
@@ -65,7 +66,14 @@ def create_model(name: str, **kwargs: object) -> nn.Module:
         similar = difflib.get_close_matches(name, timm.list_models(), n=5, cutoff=0.6)
         hint = f"did you mean {', '.join(map(repr, similar))}?" if similar else "timm.list_models() lists them"
         raise ValueError(f"model {name!r} is not a timm model: {hint}")
-    return timm.create_model(name, **{"pretrained": False, **kwargs})
+    try:
+        return timm.create_model(name, **{"pretrained": False, **kwargs})
+    except (TypeError, ValueError, AssertionError) as e:  # timm's own check of an argument (a size, a count)
+        if not kwargs:
+            raise
+        given = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+        kind = ValueError if isinstance(e, AssertionError) else type(e)  # timm asserts some: still a bad argument
+        raise kind(f"timm.create_model({name!r}, {given}) failed: {e}") from e
 
 
 def _first_sentence(text: str, limit: int = 160) -> str:

@@ -154,6 +154,7 @@ def test_cli_rejects_bad_arguments(argv, match, capsys):
         (["--checkpoint", "/no/such/deit.pth"], "checkpoint file not found: /no/such/deit.pth"),
         (["--backends", "fa2_varlen"], "backend 'fa2_varlen' needs a CUDA device"),
         (["--model", "resnet18"], "model must be a timm VisionTransformer, Eva or NaFlexVit, got ResNet"),
+        (["--model-arg", "img_size=abc"], "timm.create_model('deit_tiny_patch16_224', img_size='abc') failed: "),
     ],
 )
 def test_cli_reports_errors_in_one_line(argv, match, capsys):
@@ -161,6 +162,20 @@ def test_cli_reports_errors_in_one_line(argv, match, capsys):
     assert main([*argv, *backends, *FAST]) == 2
     err = capsys.readouterr().err
     assert err.startswith("ragged-vit: error: ") and match in err
+
+
+def test_cli_runs_a_naflex_model_every_block_packed(capsys):
+    """A NaFlexVit in the demo: the images at its position-embedding grid's size, every block packed (no dense batch,
+    with a pruner and without), the backends agreeing."""
+    pytest.importorskip("skimage")
+    small = ["--model", "naflexvit_base_patch16_siglip", *(a for kv in ("depth=4", "embed_dim=64", "num_heads=2")
+                                                             for a in ("--model-arg", kv))]  # fmt: skip
+    assert main([*small, "--images", "chelsea", "--pruner", "dynamicvit", "--backends", "reference,triton", *FAST]) == 0
+    out = capsys.readouterr().out
+    assert "images: 1 at 256x256: chelsea" in out and "every block packed" in out and "out of 256" in out, out
+    assert "1/1" in out.split("Backend agreement", 1)[1].split("triton", 1)[1].splitlines()[0]
+    assert main([*small, "--images", "chelsea", "--pruner", "none", *FAST]) == 0
+    assert "none: every block packed (a NaFlexVit has no dense batch), backend reference" in capsys.readouterr().out
 
 
 def _one_line_error(capsys) -> str:

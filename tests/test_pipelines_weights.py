@@ -65,6 +65,19 @@ def test_a_model_name_typo_suggests_the_close_names():
         create_model("deit_tinyy_patch16_224")
 
 
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(img_size="abc"), TypeError, r"timm.create_model\('deit_tiny_patch16_224', img_size='abc'\) failed: "),
+        (dict(foo=1), TypeError, r"\(\'deit_tiny_patch16_224', foo=1\) failed: .*unexpected keyword argument 'foo'"),
+        (dict(embed_dim=100, num_heads=3), ValueError, r"embed_dim=100, num_heads=3\) failed: "),  # timm asserts
+    ],
+)
+def test_an_argument_timm_refuses_is_named_with_the_call(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        create_model("deit_tiny_patch16_224", **kwargs)
+
+
 def test_missing_and_unexpected_keys_are_listed(tmp_path):
     model = create_model(MODEL)
     state = dict(model.state_dict())

@@ -82,6 +82,8 @@ def class_names(num_classes: int) -> list[str]:
 def describe_pruner(pv: PrunedViT, options: DemoOptions) -> str:
     """One line: the pruner, its parameter and where its stages act."""
     pruner = pv.pruner
+    if pruner is None and pv.native:
+        return f"none: every block packed (a NaFlexVit has no dense batch), backend {pv.backend.name}"
     if pruner is None:
         return "none: every block dense, timm's own forward (the backend is not used)"
     where = {
@@ -93,7 +95,7 @@ def describe_pruner(pv: PrunedViT, options: DemoOptions) -> str:
     depth = len(pv.model.blocks)
     unused = getattr(pruner, "mode", None) == "threshold" or {"r", "threshold"} & set(options.pruner_options)
     rate = "" if unused else f", keep rate {options.keep_rate}"  # the keep rate, where it set the pruner
-    dense = pv.num_dense_blocks
+    dense = 0 if pv.native else pv.num_dense_blocks  # a NaFlexVit runs every block packed
     layout = f"blocks 0-{dense - 1} dense, {dense}-{depth - 1} packed" if dense else "every block packed"
     return f"{pruner.name} ({pruner.extra_repr()}){rate}: {where} {blocks}; {layout}"
 
@@ -376,7 +378,7 @@ def run_demo(options: DemoOptions, out: TextIO | None = None) -> int:
     top_p, top_i = probs.topk(min(TOP_K_VERBOSE if options.verbose else 1, probs.shape[-1]), dim=-1)
     names = class_names(probs.shape[-1])
     counts = base.counts.cpu()
-    num_patches = model.patch_embed.num_patches
+    num_patches = pv.num_patches
     more = "" if options.verbose else "; --verbose: top-5"
     say(f"Top-{top_p.shape[1]} per image (backend {base_name}{more}); kept patches per stage out of {num_patches}:")
     for b, image in enumerate(loaded):

@@ -66,9 +66,10 @@ def eval_transform(model: torch.nn.Module):
     """timm's eval transform from the model's pretrained config, at the model's own input size, and the config."""
     from timm.data import create_transform, resolve_data_config
 
+    from ..model import input_shape
+
     config = resolve_data_config({}, model=model)
-    size = (model.patch_embed.proj.in_channels, *model.patch_embed.img_size)
-    config["input_size"] = tuple(int(s) for s in size)
+    config["input_size"] = tuple(int(s) for s in input_shape(model))
     return create_transform(**config), config
 
 
