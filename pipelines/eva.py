@@ -133,8 +133,11 @@ def eva_qkv(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         if all(type(p) is nn.Linear and not p._forward_hooks and not p._forward_pre_hooks for p in projections):
             weight = torch.cat([p.weight for p in projections])
-            biases = [p.weight.new_zeros(p.out_features) if p.bias is None else p.bias for p in projections]
-            qkv = F.linear(x, weight, None if all(p.bias is None for p in projections) else torch.cat(biases))
+            bias = None
+            if any(p.bias is not None for p in projections):  # a missing one (EVA-02's k) as zeros
+                bias = torch.cat([p.weight.new_zeros(p.out_features) if p.bias is None else p.bias
+                                  for p in projections])  # fmt: skip
+            qkv = F.linear(x, weight, bias)
         else:
             qkv = torch.cat([p(x) for p in projections], dim=1)
     elif getattr(attn, "q_bias", None) is None:
