@@ -538,8 +538,7 @@ class PrunedViT(nn.Module):
         images = check_tensor(images, "images", ndim=4)
         if not images.is_floating_point():
             raise TypeError(f"images must be a floating-point tensor, got {images.dtype}")
-        channels = self.model.patch_embed.proj.in_channels
-        if images.shape[1] != channels or not _takes_size(self.model, images.shape[-2:]):
+        if images.shape[1] != input_shape(self.model)[0] or not _takes_size(self.model, images.shape[-2:]):
             raise ValueError(
                 f"images must have shape {_allowed_shape(self.model)} for this model, got {list(images.shape)}"
             )
