@@ -164,17 +164,26 @@ def test_cli_reports_errors_in_one_line(argv, match, capsys):
     assert err.startswith("ragged-vit: error: ") and match in err
 
 
+NAFLEX_SMALL = ["--model", "naflexvit_base_patch16_siglip", *(a for kv in ("depth=4", "embed_dim=64", "num_heads=2")
+                                                                for a in ("--model-arg", kv))]  # fmt: skip
+
+
+@pytest.mark.interpreter
 def test_cli_runs_a_naflex_model_every_block_packed(capsys):
-    """A NaFlexVit in the demo: the images at its position-embedding grid's size, every block packed (no dense batch,
-    with a pruner and without), the backends agreeing."""
+    """A NaFlexVit in the demo: the images at its position-embedding grid's size, every block packed (no dense batch),
+    the backends agreeing."""
     pytest.importorskip("skimage")
-    small = ["--model", "naflexvit_base_patch16_siglip", *(a for kv in ("depth=4", "embed_dim=64", "num_heads=2")
-                                                             for a in ("--model-arg", kv))]  # fmt: skip
-    assert main([*small, "--images", "chelsea", "--pruner", "dynamicvit", "--backends", "reference,triton", *FAST]) == 0
+    argv = [*NAFLEX_SMALL, "--images", "chelsea", "--pruner", "dynamicvit", "--backends", "reference,triton", *FAST]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert "images: 1 at 256x256: chelsea" in out and "every block packed" in out and "out of 256" in out, out
     assert "1/1" in out.split("Backend agreement", 1)[1].split("triton", 1)[1].splitlines()[0]
-    assert main([*small, "--images", "chelsea", "--pruner", "none", *FAST]) == 0
+
+
+def test_cli_runs_a_naflex_model_unpruned(capsys):
+    """A NaFlexVit without a pruner still runs every block packed, and the demo says so."""
+    pytest.importorskip("skimage")
+    assert main([*NAFLEX_SMALL, "--images", "chelsea", "--pruner", "none", *FAST]) == 0
     assert "none: every block packed (a NaFlexVit has no dense batch), backend reference" in capsys.readouterr().out
 
 
