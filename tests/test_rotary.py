@@ -117,7 +117,8 @@ def test_triton_repack_carries_positions_with_the_rows(mode, gen):
 
 # The attention kernel's rotary variant: every case of the lab's rotary family (both layouts, shared and per-head
 # tables, prefix rows, pruned positions, positions outside the table), under the interpreter at the head dims 64 and
-# 128 (each case once, the head dims and dtypes in turn), and on a GPU the full level in every dtype.
+# 128 (each case once, the head dims and dtypes in turn), and on a GPU the lab's full level at the head dims 64, 80 and
+# 128 in every dtype (each case once at the quick level, the whole product with --full).
 _INTERP_ROPE = dict(device="cpu", accepts_out=True, bad_inputs=True, rotary=True)
 _GPU_ROPE = dict(device="cuda", accepts_out=True, bad_inputs=True, rotary=True, level_name="full")
 
@@ -133,10 +134,10 @@ test_separate_layout_rotary_interpreter = pytest.mark.interpreter(
     _one_per_case(attention_suite(ta.ragged_attention, layout="separate", **_INTERP_ROPE, head_dims=(40,)))
 )
 test_qkv_layout_rotary_gpu = pytest.mark.gpu(
-    attention_suite(ta.ragged_attention_qkv, layout="qkv", **_GPU_ROPE, head_dims=(64, 80, 128))
+    _one_per_case(attention_suite(ta.ragged_attention_qkv, layout="qkv", **_GPU_ROPE, head_dims=(64, 80, 128)))
 )
 test_separate_layout_rotary_gpu = pytest.mark.gpu(
-    attention_suite(ta.ragged_attention, layout="separate", **_GPU_ROPE, head_dims=(64,))
+    _one_per_case(attention_suite(ta.ragged_attention, layout="separate", **_GPU_ROPE, head_dims=(64,)))
 )
 
 
