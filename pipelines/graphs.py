@@ -337,13 +337,14 @@ class GraphedPrunedViT:
         return batch if self.batch_sizes is None or batch in self.batch_sizes else None
 
     @torch.no_grad()
-    def run_checked(self, images: torch.Tensor) -> PrunedOutput:
-        """:meth:`run` on images the pipeline checked (``check_images``)."""
+    def run_checked(self, images: torch.Tensor, counts: bool = True) -> PrunedOutput:
+        """:meth:`run` on images the pipeline checked (``check_images``); without ``counts`` the output's counts are
+        an empty ``[B, 0]`` tensor (no copy of them: one launch fewer behind the graphs)."""
         pipeline, batch = self.pipeline, images.shape[0]
         size = self.bucket(batch)
         if size is None:
             self.counters.eager_calls += 1
-            out = pipeline._execute(images, None, None, bounded=True)  # the eager forward: as few host reads
+            out = pipeline._execute(images, None, None, bounded=True, counts=counts)  # the eager forward: few reads
             return PrunedOutput(out.logits, out.counts, [])
         if self._binding is None:
             self._bind(images)
@@ -358,13 +359,15 @@ class GraphedPrunedViT:
                 self._run_segments(bufs)
         except _Changed:
             self.reset()
-            return self.run_checked(images)
-        logits, counts = bufs.logits, bufs.counts
+            return self.run_checked(images, counts)
+        logits, lengths = bufs.logits, bufs.counts
         if size != batch:
-            logits, counts = logits[:batch], counts[:batch]
+            logits, lengths = logits[:batch], lengths[:batch]
+        if not counts:
+            lengths = torch.empty((batch, 0), dtype=lengths.dtype, device=lengths.device)
         if self.clone_outputs:
-            logits, counts = logits.clone(), counts.clone()
-        return PrunedOutput(logits, counts, [])
+            logits, lengths = logits.clone(), lengths.clone() if counts else lengths
+        return PrunedOutput(logits, lengths, [])
 
     def _check_binding(self) -> None:
         """Raises ``RuntimeError`` (with ``rebind``: :class:`_Changed`) if the pipeline changed since binding."""

@@ -346,7 +346,7 @@ class PrunedViT(nn.Module):
             images = self.check_images(images)
             why = self._not_capturable(images, selections)
             if why is None:
-                out = self._graphed(images)
+                out = self._graphed(images, return_counts)
                 return (out.logits, out.counts) if return_counts else out.logits
             if self.mode == "graphs":
                 raise ValueError(f"mode='graphs' cannot capture this call: {why} (use mode='auto' or 'eager')")
@@ -377,8 +377,9 @@ class PrunedViT(nn.Module):
             self._said.add(why)
             warnings.warn(f"PrunedViT ran eagerly: {why}", EagerFallbackWarning, stacklevel=3)
 
-    def _graphed(self, images: torch.Tensor) -> PrunedOutput:
-        """The graph modes' forward of checked ``images``: replayed (or captured first) by this pipeline's runner."""
+    def _graphed(self, images: torch.Tensor, counts: bool) -> PrunedOutput:
+        """The graph modes' forward of checked ``images``: replayed (or captured first) by this pipeline's runner
+        (the counts copied out only when ``counts``)."""
         runner = self._runner
         if runner is None:
             runner = self._runner = GraphedPrunedViT(
@@ -386,7 +387,7 @@ class PrunedViT(nn.Module):
             )
         runner.compile_blocks = self.compile_blocks is not False and not self._compile_failed
         try:
-            out = runner.run_checked(images)
+            out = runner.run_checked(images, counts)
         except torch._dynamo.exc.TorchDynamoException as error:  # Inductor cannot compile here: plain parts
             if not runner.compile_blocks:
                 raise
@@ -396,7 +397,7 @@ class PrunedViT(nn.Module):
                           f"({type(error).__name__}: {first})", EagerFallbackWarning, stacklevel=3)  # fmt: skip
             runner.reset()
             runner.compile_blocks = False
-            out = runner.run_checked(images)
+            out = runner.run_checked(images, counts)
         self.last_call = "graphs"
         return out
 

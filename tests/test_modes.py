@@ -129,6 +129,20 @@ def test_batch_buckets_pad_to_the_next_size_and_return_the_real_images(case):
 
 
 @pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on unwritten padding rows
+def test_a_call_without_counts_returns_the_same_logits_and_no_counts():
+    """``pv(images)`` returns the logits only, so the runner copies no counts out: the same logits as with the counts,
+    and an empty ``[B, 0]`` counts tensor, from a padded bucket and from the eager forward above the largest."""
+    pv = tiny_pipeline(ATS, "triton")
+    runner = GraphedPrunedViT(pv, batch_buckets=(2,))
+    for batch in (1, 3):  # bucket 2; above it: the eager forward
+        images = tiny_images(batch, 11)
+        full, bare = runner.run_checked(images), runner.run_checked(images, counts=False)
+        assert torch.equal(bare.logits, full.logits) and full.counts.shape == (batch, pv.num_stages)
+        assert bare.counts.shape == (batch, 0) and bare.counts.dtype == full.counts.dtype
+
+
+@pytest.mark.interpreter
 def test_rebind_captures_anew_after_a_change():
     """With ``rebind`` a changed pipeline (new weights, a new pruner setting) is re-bound at the next call, which
     then reflects the change; without it the call raises (``test_graphs.py``)."""
