@@ -181,10 +181,21 @@ def test_cli_runs_a_naflex_model_every_block_packed(capsys):
 
 
 def test_cli_runs_a_naflex_model_unpruned(capsys):
-    """A NaFlexVit without a pruner still runs every block packed, and the demo says so."""
+    """A NaFlexVit without a pruner still runs every block packed (on the backend given), and the demo says so."""
     pytest.importorskip("skimage")
-    assert main([*NAFLEX_SMALL, "--images", "chelsea", "--pruner", "none", *FAST]) == 0
+    assert main([*NAFLEX_SMALL, "--images", "chelsea", "--pruner", "none", "--backends", "reference", *FAST]) == 0
     assert "none: every block packed (a NaFlexVit has no dense batch), backend reference" in capsys.readouterr().out
+
+
+@pytest.mark.interpreter
+def test_cli_compares_backends_on_an_unpruned_naflex_model(capsys):
+    """``--pruner none`` takes ``--backends`` for a NaFlexVit (its blocks run packed), and they agree."""
+    pytest.importorskip("skimage")
+    argv = [*NAFLEX_SMALL, "--images", "chelsea", "--pruner", "none", "--backends", "reference,triton", *FAST]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "none: every block packed (a NaFlexVit has no dense batch), backends reference, triton" in out, out
+    assert "1/1" in out.split("Backend agreement", 1)[1].split("triton", 1)[1].splitlines()[0]
 
 
 def _one_line_error(capsys) -> str:

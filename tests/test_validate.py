@@ -275,6 +275,20 @@ def test_the_unpruned_model_is_labelled_unpruned(data, capsys):
     assert "Kept patches: all" in out and "  unpruned, model only" in out
 
 
+def test_an_unpruned_naflexvit_takes_a_backend(data, capsys):
+    """A NaFlexVit runs its blocks packed without a pruner too, so ``--pruner none`` takes ``--backend`` for it (and
+    says which ran); for other models that flag does nothing and stays an error."""
+    folder, _ = data
+    naflex = {"depth": 2, "embed_dim": 64, "num_heads": 2, "num_classes": 3}
+    argv = [str(folder), "--model", "naflexvit_base_patch16_siglip",
+            *(a for k, v in naflex.items() for a in ("--model-arg", f"{k}={v}")),
+            "--pruner", "none", "--backend", "reference", "--batch-size", "8", "--device", "cpu"]  # fmt: skip
+    assert cli_main(["validate", *argv, *_fast()]) == 0
+    out = capsys.readouterr().out
+    assert "none: every block packed (a NaFlexVit has no dense batch), backend reference" in out, out
+    assert "  unpruned   top-1 " in out
+
+
 def _validate_main(argv: list[str]) -> int:
     """``python -m ragged_vit.validate``'s entry, in this process."""
     from ragged_vit.validate import main

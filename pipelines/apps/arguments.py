@@ -198,6 +198,15 @@ def _check_tome(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("argument --keep-rate: not used with --r or --threshold (they set tome's merges)")
 
 
+def packs_unpruned(model: str | None) -> bool:
+    """Whether timm's model ``model`` runs its blocks packed without a pruner, so that an attention backend applies
+    with ``--pruner none``: a NaFlexVit (a native batch has no dense batch for timm's blocks). Imports timm (call it
+    inside :func:`interpreter_env`)."""
+    from timm.models import is_model_in_modules
+
+    return model is not None and is_model_in_modules(model, ["naflexvit"])
+
+
 def check_checkpoint_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """``--seed`` with ``--checkpoint``, or ``--strip-prefix`` without it, would do nothing: an error (status 2)."""
     if args.seed is not None and args.checkpoint is not None:

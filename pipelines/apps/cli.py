@@ -36,6 +36,7 @@ from .arguments import (
     device,
     interpreter_env,
     non_negative,
+    packs_unpruned,
     positive,
     pruner_arguments,
 )
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 def _backends(parser: argparse.ArgumentParser, args: argparse.Namespace, on_gpu: bool) -> list[str]:
     """``--backends`` (or the device's default) as a list of known names, each once."""
     defaults = "triton,fa2_varlen,padded_sdpa" if on_gpu else "reference,triton"
-    if args.pruner == "none":  # no packed block: one backend, which is not used
+    if args.pruner == "none" and not packs_unpruned(args.model):  # no packed block: one backend, which is not used
         defaults = defaults.split(",", 1)[0]
     backends = [b.strip() for b in (args.backends or defaults).split(",") if b.strip()]
     unknown = [b for b in backends if b not in BACKEND_NAMES]
@@ -147,9 +148,10 @@ def _backends(parser: argparse.ArgumentParser, args: argparse.Namespace, on_gpu:
 def _check_unused(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """An option that would do nothing with the others given is an error (``parser.error``: status 2)."""
     if args.pruner == "none":
-        for flag, value in (("--keep-rate", args.keep_rate), ("--backends", args.backends)):
-            if value is not None:
-                parser.error(f"argument {flag}: not used with --pruner none (timm's own forward, nothing packed)")
+        if args.keep_rate is not None:
+            parser.error("argument --keep-rate: not used with --pruner none (nothing is pruned)")
+        if args.backends is not None and not packs_unpruned(args.model):
+            parser.error("argument --backends: not used with --pruner none (timm's own forward, nothing packed)")
     check_checkpoint_flags(parser, args)
 
 

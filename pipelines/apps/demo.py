@@ -83,7 +83,9 @@ def describe_pruner(pv: PrunedViT, options: DemoOptions) -> str:
     """One line: the pruner, its parameter and where its stages act."""
     pruner = pv.pruner
     if pruner is None and pv.native:
-        return f"none: every block packed (a NaFlexVit has no dense batch), backend {pv.backend.name}"
+        names = options.backends if isinstance(options, DemoOptions) else [pv.backend.name]
+        return f"none: every block packed (a NaFlexVit has no dense batch), backend{'s' * (len(names) > 1)} " + \
+            ", ".join(names)  # fmt: skip
     if pruner is None:
         return "none: every block dense, timm's own forward (the backend is not used)"
     where = {

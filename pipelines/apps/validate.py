@@ -31,6 +31,7 @@ from .arguments import (
     interpreter_env,
     non_negative,
     on_cpu,
+    packs_unpruned,
     positive,
     pruner_arguments,
 )
@@ -105,7 +106,8 @@ def build_parser(prog: str = "ragged-vit validate") -> argparse.ArgumentParser:
     parser.add_argument(
         "--compile-blocks",
         action="store_true",
-        help="torch.compile around the packed blocks (PrunedViT.compile_blocks; CUDA only, not with --pruner none)",
+        help="torch.compile around the packed blocks (PrunedViT.compile_blocks; CUDA only; with --pruner none only on "
+        "a NaFlexVit, whose blocks run packed)",
     )
     parser.add_argument(
         "--compare-unpruned",
@@ -148,13 +150,12 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, on_gp
     pruner's own options."""
     options = pruner_arguments(parser, args)
     if args.pruner == "none":
-        for flag, value in (
-            ("--keep-rate", args.keep_rate),
-            ("--backend", args.backend),
-            ("--compile-blocks", args.compile_blocks or None),
-        ):
-            if value is not None:
-                parser.error(f"argument {flag}: not used with --pruner none (timm's own forward, nothing packed)")
+        if args.keep_rate is not None:
+            parser.error("argument --keep-rate: not used with --pruner none (nothing is pruned)")
+        if not packs_unpruned(args.model):  # a NaFlexVit runs its blocks packed unpruned too
+            for flag, value in (("--backend", args.backend), ("--compile-blocks", args.compile_blocks or None)):
+                if value is not None:
+                    parser.error(f"argument {flag}: not used with --pruner none (timm's own forward, nothing packed)")
         if args.compare_unpruned:
             parser.error("argument --compare-unpruned: with --pruner none the model is the unpruned one")
     if not on_gpu:
