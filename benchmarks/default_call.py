@@ -283,6 +283,35 @@ def parse_workloads(text: str) -> list[tuple[str, float]]:
     return workloads
 
 
+SAME_RUN_KEYS = ("model", "img_size", "dtype", "weights", "smoke")
+"""What an appended run (``--append``) must share with the stored one whose rows it keeps."""
+
+
+def earlier_rows(out: Path | None, payload: dict, batches: list[int]) -> tuple[list[dict], list[dict]]:
+    """``--append``: the rows of the run stored at ``out`` at batch sizes not in ``batches``, and where they came from
+    (``earlier``: one entry per earlier run, its batch sizes, environment and arguments). Nothing stored: none.
+    Raises ``ValueError`` (one line) for no ``--out`` or a stored run of another model, size, dtype or weights."""
+    if out is None:
+        raise ValueError("needs --out, the run to add to")
+    if not out.exists():
+        return [], []
+    stored = json.loads(out.read_text())
+    for key in SAME_RUN_KEYS:
+        if stored.get(key) != payload[key]:
+            raise ValueError(f"{out} holds a run with {key} {stored.get(key)!r}, this one has {payload[key]!r}")
+    kept = [entry for entry in stored.get("table", []) if entry["batch"] not in batches]
+    left = {entry["batch"] for entry in kept}
+    runs = [*stored.get("earlier", []), {"batches": None, "environment": stored.get("environment", {}),
+                                         "argv": stored.get("argv", [])}]  # fmt: skip
+    earlier = []
+    for run in runs:  # the stored run's own rows (batches None): those not from a run before it
+        before = {b for r in earlier for b in r["batches"]}
+        mine = left - before if run["batches"] is None else left & set(run["batches"])
+        if mine:
+            earlier.append({**run, "batches": sorted(mine)})
+    return kept, earlier
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.default_call", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=DEIT_B, help="a timm model name (random weights unless --checkpoint)")
@@ -299,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
                         "forward per row (rows default and eager)")  # fmt: skip
     parser.add_argument("--out", default=None, help="JSON file for the results, or a directory (ending "
                         "in / or existing) to write result_file()'s name in")  # fmt: skip
+    parser.add_argument("--append", action="store_true", help="keep the rows of --out's earlier run (same model, "
+                        "size, dtype and weights) at the batch sizes this run does not time: one run over several "
+                        "calls")  # fmt: skip
     args = parser.parse_args(argv)
     prog = "benchmarks.default_call"
     if not args.smoke and not torch.cuda.is_available():
@@ -337,20 +369,28 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model, "img_size": img_size, "dtype": str(dtype).removeprefix("torch."), "weights": weights,
         "weight_bytes": weight_bytes(lab.model(args.model)), "smoke": args.smoke, "complete": False,
     }  # fmt: skip
+    kept: list[dict] = []
+    if args.append:
+        try:
+            kept, payload["earlier"] = earlier_rows(out, payload, batches)
+        except ValueError as exc:
+            print(f"{prog}: --append: {exc}", file=sys.stderr)
+            return 2
 
     def save(table: list[dict]) -> None:
-        payload["table"] = table
+        payload["table"] = [*kept, *table]
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(payload, indent=1, default=str) + "\n")
 
-    save(main_table(lab, workloads, batches, rows, save) if rows else [])
+    table = main_table(lab, workloads, batches, rows, save) if rows else []
+    save(table)
     if args.stream:
         payload["stream"] = stream(lab, workloads, args.stream)
     if args.eager_rounds:
         payload["eager_rounds"] = eager_rounds(lab, workloads, args.eager_rounds)
     payload["complete"] = True
-    save(payload["table"])
+    save(table)
     if out is not None:
         print(f"wrote {out}", file=sys.stderr)
     print(summary(payload))
@@ -402,6 +442,10 @@ def render(payload: dict) -> str:
     out = [f"Commit {commit}. `python -m benchmarks.default_call` ({about(payload)}, {weights} weights): ours over "
            "unpruned timm `torch.compile(mode=\"reduce-overhead\")` in the same process, each forward synchronised "
            "/ back to back (img/s of each forward alone in brackets)."]  # fmt: skip
+    for run in payload.get("earlier", []):  # rows kept from earlier calls (--append)
+        env = run.get("environment", {})
+        out[0] += (f" B={', '.join(map(str, run['batches']))}: from an earlier call, commit {env.get('commit', '?')}, "
+                   f"{str(env.get('date', '?'))[:10]}.")  # fmt: skip
     table = [head]
     timm = [base[b]["timm_compiled"] for b in batches]
     for row, mode in TIMM_MODES.items():  # timm's rows: img/s on both clocks

@@ -11,6 +11,10 @@
 # NaFlex batches (NAFLEX_BATCHES, issue 40's 64 first; NAFLEX_MODES: timm's compile modes); rope-profile: the forward
 # profiles of ROPE_PROFILE_MODELS (DINOv3 and EVA-02) and DeiT-B beside them at
 # ROPE_PROFILE_BATCHES (4,64), for what RoPE adds.
+# issue41: the default call's latency run (both timm modes) into $OUT/default_call_latency.json, adding to a run
+# already there (--append): it takes more than one 10-minute call, so split it, e.g. ISSUE41_BATCHES=1,4, then the
+# stored file copied to $OUT and ISSUE41_BATCHES=64,256 ISSUE41_ROWS=timm_compiled,default (max-autotune is judged at
+# B = 1 only).
 # tome-peer: ToMe against its peer, fixed r (~8-9 min on an H200); tome-adaptive: the adaptive rows' own run (its file
 # joins tome_peer.json in the results: benchmarks/make_results.py).
 # Set RAGGED_BENCH_COMMIT to the commit's short sha for the e2e steps (the device copy has no .git).
@@ -71,7 +75,8 @@ for step in "${steps[@]}"; do
                       2>&1 | grep -E "^(\||NVIDIA)"
                   done ;;
     issue41) "$PY" -m benchmarks.default_call --workloads l2_ratio:0.5,l2_calibrated:0.5,ats:0.5,dynamicvit:0.7,evit:0.7,tome:13 \
-               --rows timm_compiled,timm_max_autotune,default --batches "${ISSUE41_BATCHES:-1,4,64,256}" --out "$OUT/default_call_latency.json" 2>&1 \
+               --rows "${ISSUE41_ROWS:-timm_compiled,timm_max_autotune,default}" --batches "${ISSUE41_BATCHES:-1,4,64,256}" \
+               --out "$OUT/default_call_latency.json" --append 2>&1 \
                | grep -v Warning | tee "$OUT/issue41.log" | tail -30 ;;
     naflex) "$PY" -m benchmarks.naflex --batches "${NAFLEX_BATCHES:-64,8,1}" --out "$OUT/naflex.json" \
               --compile-modes "${NAFLEX_MODES:-default,reduce-overhead,max-autotune-no-cudagraphs}" 2>&1 \

@@ -636,6 +636,29 @@ def test_default_call_smoke_on_an_eva_model(tmp_path: Path, capsys: pytest.Captu
     assert {t.verdict for t in make_results.issue40_targets(card, "X")} == {"not measured"}
 
 
+def test_default_call_appends_batch_sizes_over_calls(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``--append`` keeps the stored run's rows at the batch sizes a later call does not time, says which call timed
+    which, and refuses a stored run of another model setting (one line, exit 2)."""
+    out = tmp_path / "latency.json"
+    run = ["--smoke", "--workloads", "evit:0.7", "--rows", "default", "--out", str(out), "--append"]
+    assert default_call.main([*run, "--batches", "1,2"]) == 0
+    first = json.loads(out.read_text())
+    assert default_call.main([*run, "--batches", "2,3"]) == 0  # B = 2 timed again: the new rows replace the old
+    payload = json.loads(out.read_text())
+    assert sorted((e["batch"], e.get("row", "")) for e in payload["table"]) == [
+        (1, ""), (1, "default"), (2, ""), (2, "default"), (3, ""), (3, "default")]  # fmt: skip
+    assert [e for e in payload["table"] if e["batch"] == 1] == [e for e in first["table"] if e["batch"] == 1]
+    assert payload["earlier"] == [{"batches": [1], "environment": first["environment"], "argv": first["argv"]}]
+    assert default_call.main([*run, "--batches", "1"]) == 0  # the first call's rows are all replaced now
+    assert [e["batches"] for e in json.loads(out.read_text())["earlier"]] == [[2, 3]]
+    capsys.readouterr()
+    assert default_call.main([*run, "--batches", "1", "--img-size", "64"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("benchmarks.default_call: --append: ") and "img_size" in err and err.count("\n") == 1
+    assert default_call.main(["--smoke", "--append", "--batches", "1"]) == 2
+    assert "--append: needs --out" in capsys.readouterr().err
+
+
 def test_a_rope_row_that_failed_its_check_is_a_miss() -> None:
     """A stored RoPE run whose B = 64 EViT row failed its check: the target is missed, naming that row, though every
     timed row reaches its bar."""
