@@ -99,6 +99,12 @@ class TokenBuckets:
             )
         return caps[bisect.bisect_left(caps, total)]
 
+    def native_capacity(self, total: int) -> int:
+        """The rows of a native batch's buffer (a NaFlexVit's images of their own sizes, no unpruned size bounding
+        them): the smallest multiple of ``step`` that holds ``total``."""
+        check_int(total, "total", 1)
+        return -(-total // self.step) * self.step
+
     def rereads_after(self, capacity: int) -> bool:
         """Whether a stage whose input buffer has ``capacity`` rows reads its total (see ``sync_free_rows``)."""
         return capacity > self.sync_free_rows

@@ -77,6 +77,14 @@ batch's row positions are static per input shape. The positions travel with the 
 graph (the pack kernel copies them beside the rows) and, between two graphs, with the decision in the stage's
 handover.
 
+**Native batches** (a NaFlexVit's images of their own sizes, :mod:`ragged_vit.pipelines.naflex`; without a pruner
+and without RoPE). The front runs eagerly (each image's patch rows, their resampled position embeddings, the prefix
+rows and offsets are shaped on the host by the images' grids) and its rows are copied into a static buffer of
+``TokenBuckets.native_capacity(total)`` rows; the blocks and the head replay from a graph keyed by ``("native", B,
+capacity, max_seqlen)``, the rows past the total one padding image (offsets static per key), ``max_seqlen`` the
+longest image (or the padding image) rounded up to ``seqlen_step``. A key is captured the second time it comes (the
+first runs eagerly on the static buffers): a stream of one-off size mixes captures nothing.
+
 Not supported: ``selections=`` replay, training, the ``nested_sdpa`` backend (NestedTensor construction is not
 capturable), the ``reference`` backend on CUDA (it reads the offsets on the host), and variable-count stages
 that append an extra token (no registered pruner does).
@@ -85,9 +93,9 @@ that append an extra token (no registered pruner does).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -97,7 +105,8 @@ from ..triton_impl.launcher import INTERPRETED
 from .backends import BACKENDS
 from .buckets import TokenBuckets, default_sync_free_rows, padding_images
 from .executor import CapturedRepack, ExactRepack, Run, execute, stage_counts
-from .plan import MLP_OVERLAP_MAX_ROWS, ForwardPlan, Program
+from .naflex import NativeBatch, native_front
+from .plan import MLP_OVERLAP_MAX_ROWS, ForwardPlan, Program, StepKind
 from .stages import HostCounts, Target, host_counts
 from .state import ForwardState, PrunedOutput
 
@@ -116,10 +125,11 @@ class SegmentShape(NamedTuple):
 
 GraphKey = tuple
 """``(B, H, W)`` (batch and image size) for a whole fixed-count forward; ``(B, H, W, SegmentShape, ...)`` for
-consecutive segments of a variable-count forward replayed as one graph (from one host read to the next)."""
+consecutive segments of a variable-count forward replayed as one graph (from one host read to the next);
+``("native", B, capacity, max_seqlen)`` for the blocks and head of a native batch."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class GraphMemory:
     """What the graphs of a :class:`GraphedPrunedViT` hold on the device.
 
@@ -137,7 +147,7 @@ class GraphMemory:
     keys: tuple[GraphKey, ...]
 
 
-@dataclass
+@dataclasses.dataclass
 class GraphCounters:
     """How calls were served: graphs captured and replayed, segments run eagerly (graph budget spent, or CPU),
     and calls handed to the pipeline's eager forward (batch size outside ``batch_sizes``)."""
@@ -189,6 +199,23 @@ class _Buffers:
         tensors += [self.rotary.positions] if self.rotary is not None else []  # (the table: the runner's, per size)
         tensors += [*self.handover.tensors(), self.cu] if self.handover is not None else []  # (stats: host memory)
         return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class _NativeBuffers:
+    """The static tensors of one native-batch key ``("native", B, capacity, max_seqlen)`` (see the module docstring,
+    Native batches), allocated outside the graph pool and kept until ``reset()``."""
+
+    def __init__(self, pipeline: Pipeline, batch: int, capacity: int, bound: int) -> None:
+        model, dtype, device = pipeline.model, pipeline.dtype, pipeline.device
+        width = model.num_classes if model.num_classes > 0 else model.embed_dim
+        self.batch, self.bound = batch, bound
+        self.x = torch.zeros((capacity, model.embed_dim), dtype=dtype, device=device)  # the front's rows, then padding
+        # The real images' offsets (copied in per call), then the padding image's end: the buffer's last row.
+        self.cu = torch.full((batch + 2,), capacity, dtype=torch.int32, device=device)
+        self.logits = torch.empty((batch, width), dtype=dtype, device=device)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.x, self.cu, self.logits))
 
 
 class _Binding:
@@ -303,7 +330,8 @@ class GraphedPrunedViT:
         self.buckets = buckets
         self._pool, self._own_pool = pool, pool is None
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self._buffers: dict[tuple[int, int, int], _Buffers] = {}  # by (B, H, W)
+        self._buffers: dict[tuple, _Buffers | _NativeBuffers] = {}  # by (B, H, W), or a native key
+        self._seen: set[GraphKey] = set()  # native keys met once: the next call captures them
         self._tables: dict[tuple[int, int], torch.Tensor | None] = {}  # a RoPE model's static rope table by (H, W)
         self._binding: _Binding | None = None
 
@@ -340,6 +368,8 @@ class GraphedPrunedViT:
     def run_checked(self, images: torch.Tensor, counts: bool = True) -> PrunedOutput:
         """:meth:`run` on images the pipeline checked (``check_images``); without ``counts`` the output's counts are
         an empty ``[B, 0]`` tensor (no copy of them: one launch fewer behind the graphs)."""
+        if isinstance(images, NativeBatch):
+            return self._run_native(images, counts)
         pipeline, batch = self.pipeline, images.shape[0]
         size = self.bucket(batch)
         if size is None:
@@ -394,6 +424,7 @@ class GraphedPrunedViT:
             torch.cuda.synchronize()  # no replay in flight on what is freed
         self._graphs.clear()
         self._buffers.clear()
+        self._seen.clear()
         self._tables.clear()
         self._binding = None
         if self._own_pool:
@@ -420,6 +451,57 @@ class GraphedPrunedViT:
                 self._tables[size] = self.pipeline.rope_table(size)
             self._buffers[key] = _Buffers(self.pipeline, batch, size, self._tables[size])
         return self._buffers[key]
+
+    def _run_native(self, batch: NativeBatch, counts: bool) -> PrunedOutput:
+        """A native batch: the front eagerly, the blocks and head from the graph of its key (module docstring)."""
+        pipeline = self.pipeline
+        if pipeline.num_stages or pipeline.rope is not None:
+            raise ValueError(
+                "GraphedPrunedViT replays a NaFlexVit's native batches without a pruner and without RoPE only: "
+                f"{'its pruner' if pipeline.num_stages else 'its rope'} decides on rows the host does not size; "
+                "run the pipeline itself (mode='auto' runs them eagerly)"
+            )
+        if self._binding is None:
+            self._bind(batch)
+        prefix = pipeline.model.num_prefix_tokens
+        plan = pipeline.plan_of_tokens(batch.max_patches + prefix, "the longest image")
+        front = native_front(pipeline, self._parts(), batch, ())  # eager: the packed rows and their offsets
+        images, total = len(batch), front.x.shape[0]
+        capacity = self.buckets.native_capacity(total)
+        bound = self.buckets.seqlen_bound(max(front.max_seqlen, capacity - total), capacity)
+        key = ("native", images, capacity, bound)
+        bufs = self._buffers.get(key)
+        if bufs is None:
+            with torch.inference_mode(False):  # normal tensors: writable inside and outside inference mode
+                bufs = self._buffers[key] = _NativeBuffers(pipeline, images, capacity, bound)
+        bufs.x[:total].copy_(front.x)
+        bufs.cu[: images + 1].copy_(front.cu_seqlens)
+        first = key not in self._graphs and key not in self._seen
+        self._seen.add(key)
+        try:
+            forward = functools.partial(self._native_forward, bufs, plan)
+            if first:  # met once: eagerly on the static buffers, captured if it comes again
+                forward()
+                self.counters.eager_segments += 1
+            else:
+                self._launch(key, forward)
+            self._check_binding()
+        except _Changed:
+            self.reset()
+            return self._run_native(batch, counts)
+        logits = bufs.logits.clone() if self.clone_outputs else bufs.logits
+        return PrunedOutput(logits, torch.zeros((images, 0), dtype=torch.long, device=logits.device), [])
+
+    def _native_forward(self, bufs: _NativeBuffers, plan: ForwardPlan) -> None:
+        """The blocks and head of a native batch on its static rows, into its static logits: the program's steps, its
+        FRONT's blocks run on the rows the eager front left."""
+        pipeline, on_cuda = self.pipeline, self.pipeline.device.type == "cuda"
+        steps = list(pipeline.program(plan, bufs.batch, graphs=True, triton=on_cuda).steps)
+        steps[0] = dataclasses.replace(steps[0], kind=StepKind.BLOCKS)  # FRONT ran eagerly, but for its blocks
+        run = Run(pipeline, self._parts(), ExactRepack(host_counts(pipeline.device), reference=not on_cuda))
+        state = ForwardState(bufs.batch, bufs.x, bufs.cu, bufs.bound)
+        execute(run, steps, state)
+        bufs.logits.copy_(state.logits)
 
     def _launch(self, key: GraphKey, fn: Callable[[], None]) -> None:
         """Replays the graph of ``key``, capturing it first if allowed; else runs ``fn`` eagerly."""

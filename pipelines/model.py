@@ -358,14 +358,16 @@ class PrunedViT(nn.Module):
         """Why a forward of ``images`` cannot run from CUDA graphs, or None."""
         if selections is not None:
             return "selections are replayed eagerly (CUDA graphs make their own decisions on the device)"
-        if self.native:
-            return "a NaFlexVit's batches of several image sizes run eagerly (their CUDA graphs are not done yet)"
+        if self.native and self.pruner is not None:
+            return "a NaFlexVit's pruned native batches run eagerly (their CUDA graphs are not done yet)"
+        if self.native and self.rope is not None:
+            return "a NaFlexVit with RoPE runs its native batches eagerly (their CUDA graphs are not done yet)"
         if images.device.type != "cuda":
             return f"the model is on {images.device.type.upper()}: CUDA graphs need a CUDA GPU"
         caps = self._backend.capabilities
         if not caps.capturable:
             return f"backend {self._backend.name!r} cannot run in a CUDA graph: {caps.not_capturable_because}"
-        if images.shape[0] > BATCH_BUCKETS[-1]:
+        if not self.native and images.shape[0] > BATCH_BUCKETS[-1]:  # (native batches: captured per exact size)
             return f"a batch of {images.shape[0]} images is above the largest graph bucket, {BATCH_BUCKETS[-1]}"
         if torch.compiler.is_compiling():
             return "called under torch.compile, which captures graphs of its own"

@@ -28,7 +28,7 @@ from timm.models.naflexvit import NaFlexVitCfg
 
 import ragged_vit
 from benchmarks.naflex import patch_dict  # timm's padded NaFlex input of a list of images
-from ragged_vit import PrunedViT
+from ragged_vit import GraphedPrunedViT, PrunedViT
 from ragged_vit.reference.pruners import PRUNERS
 from tests.helpers import assert_fp16_within_twice, no_tf32
 
@@ -254,8 +254,48 @@ def test_what_cannot_apply_is_refused_in_one_line():
         pipeline(naflex_model("class_token"), "ats", 0.5)
     with pytest.raises(NotImplementedError, match="pos_embed_use_grid_sample"):
         PrunedViT(naflex_model("map", pos_embed_use_grid_sample=True))
-    with pytest.raises(ValueError, match="run eagerly"):
-        PrunedViT(naflex_model("map"), mode="graphs")(images())
+    with pytest.raises(ValueError, match="pruned native batches run eagerly"):
+        ragged_vit.prune(naflex_model("map"), "dynamicvit", 0.7, mode="graphs")(images())
+
+
+@pytest.mark.parametrize("family", ["map", "reg4_avg", "class_token", "eva_blocks"])
+def test_graph_runner_runs_unpruned_native_batches_on_static_buffers(family):
+    """The graph runner on native batches (no pruner, no RoPE): the front eagerly, the blocks and head on the static
+    buffers of ``("native", B, capacity, max_seqlen)``; every call equals the eager forward whatever the buffers' rows
+    held before (NaN) and whichever mix of sizes came before it; a key is met once before it may be captured."""
+    model = naflex_model(family)
+    pv = pipeline(model, "none")
+    runner = GraphedPrunedViT(pv)
+    mixes = [SIZES, ((64, 64),), SIZES[:2], SIZES, ((48, 48), (48, 48))]
+    for seed, sizes in enumerate(mixes):
+        batch = images(sizes, seed)
+        for bufs in runner._buffers.values():
+            bufs.x.fill_(float("nan"))  # the padding rows of this call hold NaN
+        out = runner.run(batch)
+        torch.testing.assert_close(out.logits, pv.run(batch).logits, atol=1e-5, rtol=1e-5, msg=f"{sizes}")
+        assert out.counts.shape == (len(sizes), 0)
+    keys = sorted(runner._buffers)
+    assert all(key[0] == "native" and key[2] % runner.buckets.step == 0 for key in keys)
+    assert {key[1] for key in keys} == {1, 2, 4} and runner._seen == set(keys)
+    assert runner.counters.eager_segments == len(mixes)  # the CPU captures nothing
+
+
+@pytest.mark.interpreter
+def test_graph_runner_native_batches_with_triton_interpreter():
+    """The same with the Triton kernel (under the interpreter) on the static buffers: the eager reference's logits."""
+    model = naflex_model("map")
+    runner = GraphedPrunedViT(pipeline(model, "none", backend="triton"))
+    for seed, sizes in enumerate([SIZES, SIZES[1:3]]):
+        batch = images(sizes, seed)
+        torch.testing.assert_close(runner.run(batch).logits, pipeline(model, "none").run(batch).logits, atol=1e-4,
+                                   rtol=1e-4)  # fmt: skip
+
+
+def test_graph_runner_refuses_pruned_and_rope_native_batches():
+    for model, name in ((naflex_model("map"), "dynamicvit"), (naflex_model("rope_axial"), "none")):
+        runner = GraphedPrunedViT(pipeline(model, name, 0.7 if name != "none" else 1.0))
+        with pytest.raises(ValueError, match="native batches without a pruner and without RoPE only"):
+            runner.run(images())
 
 
 @pytest.mark.parametrize("family", list(ROPE_FAMILIES))
@@ -340,6 +380,32 @@ def test_keep_all_fp16_against_timm_gpu(family):
         timm_half = model.half()(patch_dict([image.half() for image in batch])).float()
     logits = pipeline(model, "threshold_l2", 1.0, "triton")([image.half() for image in batch]).float()
     assert (logits - expected).abs().max() <= 2 * (timm_half - expected).abs().max() + 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["map", "reg4_avg"])
+def test_default_call_replays_unpruned_native_batches_gpu(family):
+    """The default call on CUDA: an unpruned native batch runs eagerly on its key's first call, is captured on the
+    second and replayed after (the front eagerly, the blocks and head from the graph); every call's logits within
+    twice timm's own fp16 error of timm's fp32 forward, and a call's outputs are the caller's (later calls leave them).
+    """
+    model = naflex_model(family).cuda()
+    mixes = [images(SIZES, 1), images(SIZES[:2], 2)]
+    batches = [[image.cuda() for image in batch] for batch in mixes]
+    with torch.no_grad():
+        expected = [model(patch_dict(batch)) for batch in batches]
+        timm_half = [model.half()(patch_dict([im.half() for im in batch])).float() for batch in batches]
+    pv = ragged_vit.prune(model, "none")  # the default call: mode auto, Triton, compiled blocks in the graphs
+    outs = []
+    for _ in range(3):
+        for i in (0, 1):
+            out = pv([im.half() for im in batches[i]])
+            outs.append((i, out, out.clone()))
+    counters = pv._runner.counters  # per mix: eager, then captured and replayed, then replayed
+    assert pv.last_call == "graphs" and (counters.eager_segments, counters.captures, counters.replays) == (2, 2, 4)
+    for i, out, copy in outs:
+        error = (out.float() - expected[i]).abs().max()
+        assert error <= 2 * (timm_half[i] - expected[i]).abs().max() + 1e-3 and torch.equal(out, copy)
 
 
 @pytest.mark.gpu
