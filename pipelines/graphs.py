@@ -77,13 +77,15 @@ batch's row positions are static per input shape. The positions travel with the 
 graph (the pack kernel copies them beside the rows) and, between two graphs, with the decision in the stage's
 handover.
 
-**Native batches** (a NaFlexVit's images of their own sizes, :mod:`ragged_vit.pipelines.naflex`; without a pruner
-and without RoPE). The front runs eagerly (each image's patch rows, their resampled position embeddings, the prefix
-rows and offsets are shaped on the host by the images' grids) and its rows are copied into a static buffer of
-``TokenBuckets.native_capacity(total)`` rows; the blocks and the head replay from a graph keyed by ``("native", B,
-capacity, max_seqlen)``, the rows past the total one padding image (offsets static per key), ``max_seqlen`` the
-longest image (or the padding image) rounded up to ``seqlen_step``. A key is captured the second time it comes (the
-first runs eagerly on the static buffers): a stream of one-off size mixes captures nothing.
+**Native batches** (a NaFlexVit's images of their own sizes, :mod:`ragged_vit.pipelines.naflex`; without a pruner).
+The front runs eagerly (each image's patch rows, their resampled position embeddings, the prefix rows and offsets, a
+RoPE model's tables of the batch's grids and each row's position in them, are shaped on the host by the images'
+grids) and copied into static buffers of ``TokenBuckets.native_capacity(total)`` rows; the blocks and the head
+replay from a graph keyed by ``("native", B, capacity, max_seqlen)``, the rows past the total one padding image
+(offsets static per key), ``max_seqlen`` the longest image (or the padding image) rounded up to ``seqlen_step``; a
+RoPE model's table buffer has ``capacity`` rows (the batch's distinct grids never hold more positions than its
+patches). A key is captured the second time it comes (the first runs eagerly on the static buffers): a stream of
+one-off size mixes captures nothing.
 
 Not supported: ``selections=`` replay, training, the ``nested_sdpa`` backend (NestedTensor construction is not
 capturable), the ``reference`` backend on CUDA (it reads the offsets on the host), and variable-count stages
@@ -104,6 +106,7 @@ from ..core.validation import check_int
 from ..triton_impl.launcher import INTERPRETED
 from .backends import BACKENDS
 from .buckets import TokenBuckets, default_sync_free_rows, padding_images
+from .eva import RotaryRows
 from .executor import CapturedRepack, ExactRepack, Run, execute, stage_counts
 from .naflex import NativeBatch, native_front
 from .plan import MLP_OVERLAP_MAX_ROWS, ForwardPlan, Program, StepKind
@@ -205,7 +208,7 @@ class _NativeBuffers:
     """The static tensors of one native-batch key ``("native", B, capacity, max_seqlen)`` (see the module docstring,
     Native batches), allocated outside the graph pool and kept until ``reset()``."""
 
-    def __init__(self, pipeline: Pipeline, batch: int, capacity: int, bound: int) -> None:
+    def __init__(self, pipeline: Pipeline, batch: int, capacity: int, bound: int, rotary: RotaryRows | None) -> None:
         model, dtype, device = pipeline.model, pipeline.dtype, pipeline.device
         width = model.num_classes if model.num_classes > 0 else model.embed_dim
         self.batch, self.bound = batch, bound
@@ -213,9 +216,28 @@ class _NativeBuffers:
         # The real images' offsets (copied in per call), then the padding image's end: the buffer's last row.
         self.cu = torch.full((batch + 2,), capacity, dtype=torch.int32, device=device)
         self.logits = torch.empty((batch, width), dtype=dtype, device=device)
+        # A RoPE model: the batch's grids' tables (fewer rows than the patches, so at most ``capacity``) and each row's
+        # position, copied in per call; padding rows keep -1 or an earlier call's position, inside the table.
+        self.rotary = None
+        if rotary is not None:
+            table = rotary.table.new_zeros((*rotary.table.shape[:-2], capacity, rotary.table.shape[-1]))
+            positions = torch.full((capacity,), -1, dtype=torch.int32, device=device)
+            self.rotary = dataclasses.replace(rotary, positions=positions, table=table)
+
+    def load(self, front: ForwardState) -> None:
+        """Copies a call's front (its rows, offsets and rotation) into the buffers."""
+        total = front.x.shape[0]
+        self.x[:total].copy_(front.x)
+        self.cu[: self.batch + 1].copy_(front.cu_seqlens)
+        if self.rotary is not None:
+            table = front.rotary.table
+            self.rotary.table[..., : table.shape[-2], :].copy_(table)
+            self.rotary.positions[:total].copy_(front.rotary.positions)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.x, self.cu, self.logits))
+        tensors = [self.x, self.cu, self.logits]
+        tensors += [self.rotary.table, self.rotary.positions] if self.rotary is not None else []
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class _Binding:
@@ -455,11 +477,10 @@ class GraphedPrunedViT:
     def _run_native(self, batch: NativeBatch, counts: bool) -> PrunedOutput:
         """A native batch: the front eagerly, the blocks and head from the graph of its key (module docstring)."""
         pipeline = self.pipeline
-        if pipeline.num_stages or pipeline.rope is not None:
+        if pipeline.num_stages:
             raise ValueError(
-                "GraphedPrunedViT replays a NaFlexVit's native batches without a pruner and without RoPE only: "
-                f"{'its pruner' if pipeline.num_stages else 'its rope'} decides on rows the host does not size; "
-                "run the pipeline itself (mode='auto' runs them eagerly)"
+                "GraphedPrunedViT replays a NaFlexVit's native batches without a pruner only: its stages count the "
+                "rows of each image on the device; run the pipeline itself (mode='auto' runs them eagerly)"
             )
         if self._binding is None:
             self._bind(batch)
@@ -473,9 +494,8 @@ class GraphedPrunedViT:
         bufs = self._buffers.get(key)
         if bufs is None:
             with torch.inference_mode(False):  # normal tensors: writable inside and outside inference mode
-                bufs = self._buffers[key] = _NativeBuffers(pipeline, images, capacity, bound)
-        bufs.x[:total].copy_(front.x)
-        bufs.cu[: images + 1].copy_(front.cu_seqlens)
+                bufs = self._buffers[key] = _NativeBuffers(pipeline, images, capacity, bound, front.rotary)
+        bufs.load(front)
         first = key not in self._graphs and key not in self._seen
         self._seen.add(key)
         try:
@@ -499,7 +519,7 @@ class GraphedPrunedViT:
         steps = list(pipeline.program(plan, bufs.batch, graphs=True, triton=on_cuda).steps)
         steps[0] = dataclasses.replace(steps[0], kind=StepKind.BLOCKS)  # FRONT ran eagerly, but for its blocks
         run = Run(pipeline, self._parts(), ExactRepack(host_counts(pipeline.device), reference=not on_cuda))
-        state = ForwardState(bufs.batch, bufs.x, bufs.cu, bufs.bound)
+        state = ForwardState(bufs.batch, bufs.x, bufs.cu, bufs.bound, rotary=bufs.rotary)
         execute(run, steps, state)
         bufs.logits.copy_(state.logits)
 

@@ -360,8 +360,6 @@ class PrunedViT(nn.Module):
             return "selections are replayed eagerly (CUDA graphs make their own decisions on the device)"
         if self.native and self.pruner is not None:
             return "a NaFlexVit's pruned native batches run eagerly (their CUDA graphs are not done yet)"
-        if self.native and self.rope is not None:
-            return "a NaFlexVit with RoPE runs its native batches eagerly (their CUDA graphs are not done yet)"
         if images.device.type != "cuda":
             return f"the model is on {images.device.type.upper()}: CUDA graphs need a CUDA GPU"
         caps = self._backend.capabilities

@@ -30,8 +30,8 @@ rope's training-time coordinate augmentations (``rope_shift_coords``, ``rope_jit
 module whose table layout the runtime does not take (:func:`ragged_vit.pipelines.eva.rope_spec`), a merging pruner
 (ToMe) on a RoPE model, ``pos_embed_use_grid_sample``, grouped-query attention (``num_kv_heads``), patch dicts of
 variable patch size (5-D ``patches``) or with an ``attn_mask``, ATS with a sample count relative to the image
-(``ATSPruner(num_samples=K)`` runs), CUDA graphs for a pruned or RoPE native batch (it runs eagerly; an unpruned
-one replays its blocks and head: :mod:`ragged_vit.pipelines.graphs`, Native batches).
+(``ATSPruner(num_samples=K)`` runs), CUDA graphs for a pruned native batch (it runs eagerly; an unpruned one
+replays its blocks and head: :mod:`ragged_vit.pipelines.graphs`, Native batches).
 """
 
 from __future__ import annotations
