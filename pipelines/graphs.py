@@ -355,6 +355,7 @@ class GraphedPrunedViT:
         self._buffers: dict[tuple, _Buffers | _NativeBuffers] = {}  # by (B, H, W), or a native key
         self._seen: set[GraphKey] = set()  # native keys met once: the next call captures them
         self._tables: dict[tuple[int, int], torch.Tensor | None] = {}  # a RoPE model's static rope table by (H, W)
+        self._grid_tables: dict[tuple[int, int], torch.Tensor] = {}  # a RoPE NaFlexVit's table by patch grid
         self._binding: _Binding | None = None
 
     @property
@@ -448,6 +449,7 @@ class GraphedPrunedViT:
         self._buffers.clear()
         self._seen.clear()
         self._tables.clear()
+        self._grid_tables.clear()
         self._binding = None
         if self._own_pool:
             self._pool = None  # (the pipeline may have moved to another device)
@@ -486,7 +488,7 @@ class GraphedPrunedViT:
             self._bind(batch)
         prefix = pipeline.model.num_prefix_tokens
         plan = pipeline.plan_of_tokens(batch.max_patches + prefix, "the longest image")
-        front = native_front(pipeline, self._parts(), batch, ())  # eager: the packed rows and their offsets
+        front = native_front(pipeline, self._parts(), batch, (), self._grid_tables)  # eager: rows, offsets, rotation
         images, total = len(batch), front.x.shape[0]
         capacity = self.buckets.native_capacity(total)
         bound = self.buckets.seqlen_bound(max(front.max_seqlen, capacity - total), capacity)

@@ -299,13 +299,17 @@ def table_rows(batch: NativeBatch, starts: torch.Tensor) -> torch.Tensor:
     return first + places_in_images(cu_seqlens_from_counts(counts), patches)
 
 
-def native_rotary(pipeline, batch: NativeBatch, patch_slots: torch.Tensor | None, total: int) -> RotaryRows:
+def native_rotary(
+    pipeline, batch: NativeBatch, patch_slots: torch.Tensor | None, total: int, known: dict | None = None
+) -> RotaryRows:
     """The rotation of a native batch's ``total`` packed rows: timm's rope table of each distinct grid
     (``rope.get_embed(shape=grid)``, the one its forward gives an image of that grid), concatenated along the
     positions; each patch row (at row ``patch_slots`` of the buffer, None: rows in order) at its place in its grid's
-    table, every other row ``-1`` (unrotated)."""
+    table, every other row ``-1`` (unrotated). ``known``: tables by grid built before, and where the new ones go (a
+    graph runner's, dropped when the model changes); None: every table built anew."""
     rope, grids = pipeline.model.rope, list(dict.fromkeys(batch.grids))
-    tables = [rope.get_embed(shape=grid) for grid in grids]
+    known = {} if known is None else known
+    tables = [known[grid] if grid in known else known.setdefault(grid, rope.get_embed(shape=grid)) for grid in grids]
     for (h, w), table in zip(grids, tables, strict=True):
         if table.shape[-2] != h * w:
             raise NotImplementedError(
@@ -340,9 +344,12 @@ def prefix_tokens(embeds: nn.Module) -> torch.Tensor | None:
     return torch.cat(tokens) if tokens else None
 
 
-def native_front(pipeline, parts, batch: NativeBatch, blocks: Sequence[int]) -> ForwardState:
+def native_front(
+    pipeline, parts, batch: NativeBatch, blocks: Sequence[int], rope_tables: dict | None = None
+) -> ForwardState:
     """FRONT for a native batch: the packed buffer ``[T, C]`` (each image's prefix rows, then its patches with their
-    resampled position embeddings, ``norm_pre``) and its offsets, then ``blocks`` run packed."""
+    resampled position embeddings, ``norm_pre``) and its offsets, then ``blocks`` run packed. ``rope_tables``: a RoPE
+    model's tables by grid to reuse and fill (:func:`native_rotary`)."""
     model = pipeline.model
     embeds, prefix, device = model.embeds, model.num_prefix_tokens, batch.device
     x = embed_rows(embeds, batch.rows)
@@ -366,7 +373,7 @@ def native_front(pipeline, parts, batch: NativeBatch, blocks: Sequence[int]) -> 
     state = ForwardState(images, x, cu, batch.max_patches + prefix, batch.max_patches,
                          image_patches=counts if ragged else None)  # fmt: skip
     if pipeline.rope is not None:
-        state.rotary = native_rotary(pipeline, batch, slots, x.shape[0])
+        state.rotary = native_rotary(pipeline, batch, slots, x.shape[0], rope_tables)
     if blocks:
         group = [model.blocks[k] for k in blocks]
         state.x = parts.blocks(group, state.x, cu, state.max_seqlen, pipeline.backend, rotary=state.rotary)

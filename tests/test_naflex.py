@@ -312,6 +312,7 @@ def test_graph_runner_runs_unpruned_rope_native_batches(family):
                                    msg=f"{sizes}")  # fmt: skip
     for key, bufs in runner._buffers.items():
         assert bufs.rotary is not None and bufs.rotary.table.shape[-2] == key[2]  # capacity rows
+    assert set(runner._grid_tables) == {(h // 16, w // 16) for h, w in SIZES}  # each grid's table built once
 
 
 @pytest.mark.parametrize("family", list(ROPE_FAMILIES))
