@@ -340,6 +340,11 @@ class GraphedPrunedViT:
     def run_checked(self, images: torch.Tensor, counts: bool = True) -> PrunedOutput:
         """:meth:`run` on images the pipeline checked (``check_images``); without ``counts`` the output's counts are
         an empty ``[B, 0]`` tensor (no copy of them: one launch fewer behind the graphs)."""
+        if not isinstance(images, torch.Tensor):  # a NaFlexVit's native batch (ragged_vit.pipelines.naflex)
+            raise ValueError(
+                "GraphedPrunedViT does not replay a NaFlexVit's native batches: run the pipeline itself (mode='auto' "
+                "runs them eagerly)"
+            )
         pipeline, batch = self.pipeline, images.shape[0]
         size = self.bucket(batch)
         if size is None:

@@ -28,7 +28,7 @@ from timm.models.naflexvit import NaFlexVitCfg
 
 import ragged_vit
 from benchmarks.naflex import patch_dict  # timm's padded NaFlex input of a list of images
-from ragged_vit import PrunedViT
+from ragged_vit import GraphedPrunedViT, PrunedViT
 from ragged_vit.reference.pruners import PRUNERS
 from tests.helpers import assert_fp16_within_twice, no_tf32
 
@@ -256,6 +256,8 @@ def test_what_cannot_apply_is_refused_in_one_line():
         PrunedViT(naflex_model("map", pos_embed_use_grid_sample=True))
     with pytest.raises(ValueError, match="run eagerly"):
         PrunedViT(naflex_model("map"), mode="graphs")(images())
+    with pytest.raises(ValueError, match="does not replay a NaFlexVit's native batches"):
+        GraphedPrunedViT(PrunedViT(naflex_model("map")))(images())
 
 
 @pytest.mark.parametrize("family", list(ROPE_FAMILIES))
