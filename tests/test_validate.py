@@ -422,6 +422,7 @@ def test_skip_bad_counts_and_lists_skipped_files(data, tmp_path, capsys):
         (["--compile-blocks"], "argument --compile-blocks: needs a CUDA device"),
         (["--pruner", "none", "--compare-unpruned"], "argument --compare-unpruned: with --pruner none"),
         (["--pruner", "none", "--backend", "reference"], "argument --backend: not used with --pruner none"),
+        (["--model", "naflexvit_base_patch16_siglip", "--graphs"], "argument --graphs: a NaFlexVit's pruned native"),
         (["--pruner", "evit", "--fuse-token", "--threshold-mode", "ratio"], "--threshold-mode: not an option of"),
         (["--strip-prefix", "module."], "argument --strip-prefix: applies to --checkpoint's keys"),
         (["--model-arg", "depth"], "argument --model-arg: must be KEY=VALUE"),
