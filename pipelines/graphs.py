@@ -77,15 +77,18 @@ batch's row positions are static per input shape. The positions travel with the 
 graph (the pack kernel copies them beside the rows) and, between two graphs, with the decision in the stage's
 handover.
 
-**Native batches** (a NaFlexVit's images of their own sizes, :mod:`ragged_vit.pipelines.naflex`; without a pruner).
-The front runs eagerly (each image's patch rows, their resampled position embeddings, the prefix rows and offsets, a
-RoPE model's tables of the batch's grids and each row's position in them, are shaped on the host by the images'
-grids) and copied into static buffers of ``TokenBuckets.native_capacity(total)`` rows; the blocks and the head
-replay from a graph keyed by ``("native", B, capacity, max_seqlen)``, the rows past the total one padding image
-(offsets static per key), ``max_seqlen`` the longest image (or the padding image) rounded up to ``seqlen_step``; a
-RoPE model's table buffer has ``capacity`` rows (the batch's distinct grids never hold more positions than its
-patches). A key is captured the second time it comes (the first runs eagerly on the static buffers): a stream of
-one-off size mixes captures nothing.
+**Native batches** (a NaFlexVit's images of their own sizes, :mod:`ragged_vit.pipelines.naflex`). The front runs
+eagerly (each image's patch rows, their resampled position embeddings, the prefix rows and offsets, a RoPE model's
+tables of the batch's grids and each row's position in them, are shaped on the host by the images' grids) and is
+copied into static buffers of ``TokenBuckets.native_capacity(total)`` rows; the blocks, stages and head replay from
+ONE graph keyed by ``("native", B, capacity, max_seqlen)``, ``max_seqlen`` the longest image (or the padding image)
+rounded up to ``seqlen_step``, the rows past the total one padding image. No stage reads its total: each repacks
+into a static buffer of at most the previous one's rows or ``B`` images of the stage's bound on an image's rows (the
+plan of ``max_seqlen`` rows), the rows past the real total padding images, as a read-free chain does; the stages
+count each image from its own patches, copied in per call (a padding image's: 0). A RoPE model's table buffer has
+``capacity`` rows (the batch's distinct grids never hold more positions than its patches). Merging pruners and
+appended tokens are refused (``naflex.native_refusal``). A key is captured the second time it comes (the first runs
+eagerly on the static buffers): a stream of one-off size mixes captures nothing.
 
 Not supported: ``selections=`` replay, training, the ``nested_sdpa`` backend (NestedTensor construction is not
 capturable), the ``reference`` backend on CUDA (it reads the offsets on the host), and variable-count stages
@@ -108,7 +111,7 @@ from .backends import BACKENDS
 from .buckets import TokenBuckets, default_sync_free_rows, padding_images
 from .eva import RotaryRows
 from .executor import CapturedRepack, ExactRepack, Run, execute, stage_counts
-from .naflex import NativeBatch, native_front
+from .naflex import NativeBatch, native_front, native_refusal
 from .plan import MLP_OVERLAP_MAX_ROWS, ForwardPlan, Program, StepKind
 from .stages import HostCounts, Target, host_counts
 from .state import ForwardState, PrunedOutput
@@ -206,16 +209,29 @@ class _Buffers:
 
 class _NativeBuffers:
     """The static tensors of one native-batch key ``("native", B, capacity, max_seqlen)`` (see the module docstring,
-    Native batches), allocated outside the graph pool and kept until ``reset()``."""
+    Native batches) and the plan of its stages, allocated outside the graph pool and kept until ``reset()``."""
 
-    def __init__(self, pipeline: Pipeline, batch: int, capacity: int, bound: int, rotary: RotaryRows | None) -> None:
+    def __init__(
+        self, pipeline: Pipeline, batch: int, capacity: int, plan: ForwardPlan, rotary: RotaryRows | None
+    ) -> None:
         model, dtype, device = pipeline.model, pipeline.dtype, pipeline.device
         width = model.num_classes if model.num_classes > 0 else model.embed_dim
-        self.batch, self.bound = batch, bound
+        self.batch, self.plan, self.bound = batch, plan, plan.tokens
         self.x = torch.zeros((capacity, model.embed_dim), dtype=dtype, device=device)  # the front's rows, then padding
-        # The real images' offsets (copied in per call), then the padding image's end: the buffer's last row.
-        self.cu = torch.full((batch + 2,), capacity, dtype=torch.int32, device=device)
+        # Each stage's buffer: at most the previous one's rows or B images of the stage's bound, whatever the front's
+        # total; the rows past the real ones form padding images of at most that bound.
+        self.shapes = [(capacity, plan.tokens, 1)]
+        for stage in plan.stages:
+            rows = min(self.shapes[-1][0], batch * stage.rows_after)
+            self.shapes.append((rows, stage.rows_after, padding_images(rows, batch, stage.rows_after)))
+        pads = max(p for _, _, p in self.shapes)
+        # Row j: the offsets of the buffer after stage j - 1, the real images' then the padding images' (the repack
+        # writes them; row 0's are copied in per call, then the padding image's end, the buffer's last row).
+        self.cu = torch.full((len(self.shapes), batch + 1 + pads), capacity, dtype=torch.int32, device=device)
+        # Each image's patches (the stages count from them), copied in per call; a padding image's 0.
+        self.patches = torch.zeros(batch + pads, dtype=torch.int64, device=device)
         self.logits = torch.empty((batch, width), dtype=dtype, device=device)
+        self.counts = torch.zeros((batch, len(plan.stages)), dtype=torch.long, device=device)
         # A RoPE model: the batch's grids' tables (fewer rows than the patches, so at most ``capacity``) and each row's
         # position, copied in per call; padding rows keep -1 or an earlier call's position, inside the table.
         self.rotary = None
@@ -224,18 +240,25 @@ class _NativeBuffers:
             positions = torch.full((capacity,), -1, dtype=torch.int32, device=device)
             self.rotary = dataclasses.replace(rotary, positions=positions, table=table)
 
-    def load(self, front: ForwardState) -> None:
-        """Copies a call's front (its rows, offsets and rotation) into the buffers."""
+    def targets(self) -> dict[int, Target]:
+        """Where each stage's repack writes (:class:`CapturedRepack`)."""
+        return {j: Target(rows, bound, pads, cu_out=self.cu[j + 1, : self.batch + 1 + pads])
+                for j, (rows, bound, pads) in enumerate(self.shapes[1:])}  # fmt: skip
+
+    def load(self, front: ForwardState, patches: Sequence[int]) -> None:
+        """Copies a call's front (its rows, offsets and rotation) and its images' ``patches`` into the buffers."""
         total = front.x.shape[0]
         self.x[:total].copy_(front.x)
-        self.cu[: self.batch + 1].copy_(front.cu_seqlens)
+        self.cu[0, : self.batch + 1].copy_(front.cu_seqlens)
+        if self.plan.stages:
+            self.patches[: self.batch].copy_(torch.tensor(patches, dtype=torch.int64))
         if self.rotary is not None:
             table = front.rotary.table
             self.rotary.table[..., : table.shape[-2], :].copy_(table)
             self.rotary.positions[:total].copy_(front.rotary.positions)
 
     def nbytes(self) -> int:
-        tensors = [self.x, self.cu, self.logits]
+        tensors = [self.x, self.cu, self.patches, self.logits, self.counts]
         tensors += [self.rotary.table, self.rotary.positions] if self.rotary is not None else []
         return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -477,17 +500,16 @@ class GraphedPrunedViT:
         return self._buffers[key]
 
     def _run_native(self, batch: NativeBatch, counts: bool) -> PrunedOutput:
-        """A native batch: the front eagerly, the blocks and head from the graph of its key (module docstring)."""
+        """A native batch: the front eagerly, the blocks, stages and head from the graph of its key (module
+        docstring)."""
         pipeline = self.pipeline
-        if pipeline.num_stages:
-            raise ValueError(
-                "GraphedPrunedViT replays a NaFlexVit's native batches without a pruner only: its stages count the "
-                "rows of each image on the device; run the pipeline itself (mode='auto' runs them eagerly)"
-            )
+        why = native_refusal(pipeline)
+        if why is not None:
+            raise ValueError(f"GraphedPrunedViT cannot replay this NaFlexVit's native batches: {why}")
         if self._binding is None:
             self._bind(batch)
         prefix = pipeline.model.num_prefix_tokens
-        plan = pipeline.plan_of_tokens(batch.max_patches + prefix, "the longest image")
+        pipeline.plan_of_tokens(batch.max_patches + prefix, "the longest image")  # checked as the eager forward
         front = native_front(pipeline, self._parts(), batch, (), self._grid_tables)  # eager: rows, offsets, rotation
         images, total = len(batch), front.x.shape[0]
         capacity = self.buckets.native_capacity(total)
@@ -495,13 +517,14 @@ class GraphedPrunedViT:
         key = ("native", images, capacity, bound)
         bufs = self._buffers.get(key)
         if bufs is None:
+            plan = pipeline.plan_of_tokens(bound, "the longest image")  # the key's bounds on every stage's rows
             with torch.inference_mode(False):  # normal tensors: writable inside and outside inference mode
-                bufs = self._buffers[key] = _NativeBuffers(pipeline, images, capacity, bound, front.rotary)
-        bufs.load(front)
+                bufs = self._buffers[key] = _NativeBuffers(pipeline, images, capacity, plan, front.rotary)
+        bufs.load(front, batch.counts)
         first = key not in self._graphs and key not in self._seen
         self._seen.add(key)
         try:
-            forward = functools.partial(self._native_forward, bufs, plan)
+            forward = functools.partial(self._native_forward, bufs)
             if first:  # met once: eagerly on the static buffers, captured if it comes again
                 forward()
                 self.counters.eager_segments += 1
@@ -511,19 +534,28 @@ class GraphedPrunedViT:
         except _Changed:
             self.reset()
             return self._run_native(batch, counts)
-        logits = bufs.logits.clone() if self.clone_outputs else bufs.logits
-        return PrunedOutput(logits, torch.zeros((images, 0), dtype=torch.long, device=logits.device), [])
+        logits, lengths = bufs.logits, bufs.counts if counts else bufs.counts[:, :0]
+        if self.clone_outputs:
+            logits, lengths = logits.clone(), lengths.clone() if counts else torch.empty_like(lengths)
+        return PrunedOutput(logits, lengths, [])
 
-    def _native_forward(self, bufs: _NativeBuffers, plan: ForwardPlan) -> None:
-        """The blocks and head of a native batch on its static rows, into its static logits: the program's steps, its
-        FRONT's blocks run on the rows the eager front left."""
-        pipeline, on_cuda = self.pipeline, self.pipeline.device.type == "cuda"
-        steps = list(pipeline.program(plan, bufs.batch, graphs=True, triton=on_cuda).steps)
+    def _native_forward(self, bufs: _NativeBuffers) -> None:
+        """The blocks, stages and head of a native batch on its static rows, into its static logits and counts: the
+        program's steps (its FRONT's blocks run on the rows the eager front left), each stage repacking into its
+        static buffer with padding images (no host read), every image counted from its own patches."""
+        pipeline, plan, batch = self.pipeline, bufs.plan, bufs.batch
+        triton = pipeline.device.type == "cuda" or bool(plan.stages)  # the CPU repacks under the interpreter
+        overlap = MLP_OVERLAP_MAX_ROWS if self.overlap_decisions else 0
+        steps = list(pipeline.program(plan, batch, graphs=True, triton=triton, overlap_rows=overlap).steps)
         steps[0] = dataclasses.replace(steps[0], kind=StepKind.BLOCKS)  # FRONT ran eagerly, but for its blocks
-        run = Run(pipeline, self._parts(), ExactRepack(host_counts(pipeline.device), reference=not on_cuda))
-        state = ForwardState(bufs.batch, bufs.x, bufs.cu, bufs.bound, rotary=bufs.rotary)
+        run = Run(pipeline, self._parts(), CapturedRepack(bufs.targets()))
+        state = ForwardState(batch, bufs.x, bufs.cu[0, : batch + 2], bufs.bound, bufs.bound - plan.num_prefix,
+                             rotary=bufs.rotary, image_patches=bufs.patches if plan.stages else None)  # fmt: skip
         execute(run, steps, state)
         bufs.logits.copy_(state.logits)
+        if plan.stages:
+            offsets = bufs.cu[1:, : batch + 1]  # every stage's real offsets
+            bufs.counts.copy_((offsets[:, 1:] - offsets[:, :-1] - plan.num_prefix).t())
 
     def _launch(self, key: GraphKey, fn: Callable[[], None]) -> None:
         """Replays the graph of ``key``, capturing it first if allowed; else runs ``fn`` eagerly."""

@@ -73,6 +73,7 @@ from .naflex import (
     native_batch,
     native_front,
     native_image_size,
+    native_refusal,
 )
 from .packed_block import check_packable, fused_refusal
 from .parts import Parts, front, parts
@@ -358,8 +359,8 @@ class PrunedViT(nn.Module):
         """Why a forward of ``images`` cannot run from CUDA graphs, or None."""
         if selections is not None:
             return "selections are replayed eagerly (CUDA graphs make their own decisions on the device)"
-        if self.native and self.pruner is not None:
-            return "a NaFlexVit's pruned native batches run eagerly (their CUDA graphs are not done yet)"
+        if self.native and (why := native_refusal(self)) is not None:
+            return f"a NaFlexVit's native batches run eagerly here: {why}"
         if images.device.type != "cuda":
             return f"the model is on {images.device.type.upper()}: CUDA graphs need a CUDA GPU"
         caps = self._backend.capabilities

@@ -157,7 +157,8 @@ class Stage:
         return DecisionInput(
             x=state.x, cu_seqlens=state.cu_seqlens, stage=self.index, num_patches=state.num_patches,
             max_seqlen=state.max_seqlen, qkv=state.qkv if self.mid else None, num_heads=self.num_heads,
-            scale=self.scale, num_prefix=self.num_prefix, image_patches=state.image_patches,
+            scale=self.scale, num_prefix=self.num_prefix,
+            image_patches=_images_of(state.image_patches, state.cu_seqlens),
             rotary=state.rotary.of(self.attn) if self.rotates else None,
         )  # fmt: skip
 
@@ -191,6 +192,13 @@ class Stage:
         """The static buffers in which a graph leaves this kind of stage's decision for the next graph (``rotary``: a
         RoPE model's static table and unpruned positions, whose rows' positions go with the decision; None without)."""
         raise NotImplementedError  # pragma: no cover - abstract
+
+
+def _images_of(patches: torch.Tensor | None, cu_seqlens: torch.Tensor) -> torch.Tensor | None:
+    """Each image's patches for the images of ``cu_seqlens`` (a graph runner's static counts hold more: the most
+    padding images any of its buffers has)."""
+    images = cu_seqlens.shape[0] - 1
+    return patches if patches is None or patches.shape[0] == images else patches[:images]
 
 
 class Handover:

@@ -254,8 +254,8 @@ def test_what_cannot_apply_is_refused_in_one_line():
         pipeline(naflex_model("class_token"), "ats", 0.5)
     with pytest.raises(NotImplementedError, match="pos_embed_use_grid_sample"):
         PrunedViT(naflex_model("map", pos_embed_use_grid_sample=True))
-    with pytest.raises(ValueError, match="pruned native batches run eagerly"):
-        ragged_vit.prune(naflex_model("map"), "dynamicvit", 0.7, mode="graphs")(images())
+    with pytest.raises(ValueError, match="native batches run eagerly here: pruner 'tome' merges rows"):
+        ragged_vit.prune(naflex_model("class_token"), "tome", 0.9, mode="graphs")(images())
 
 
 @pytest.mark.parametrize("family", ["map", "reg4_avg", "class_token", "eva_blocks"])
@@ -292,10 +292,48 @@ def test_graph_runner_native_batches_with_triton_interpreter(family):
                                    rtol=1e-4)  # fmt: skip
 
 
-def test_graph_runner_refuses_pruned_native_batches():
-    runner = GraphedPrunedViT(pipeline(naflex_model("map"), "dynamicvit", 0.7))
-    with pytest.raises(ValueError, match="native batches without a pruner only"):
-        runner.run(images())
+GRAPHED_PRUNERS = {  # pruners whose native batches replay from graphs: (family, name, keep rate or a pruner)
+    "dynamicvit": ("map", "dynamicvit", 0.7),
+    "evit": ("class_token", "evit", 0.7),
+    "l2_ratio": ("reg4_avg", "threshold_l2", 0.5),
+    "l2_calibrated": ("map", lambda: PRUNERS["threshold_l2"](mode="calibrated", rate=0.5, block=1), None),
+    "ats_samples": ("class_token", lambda: PRUNERS["ats"](num_samples=12, blocks=(1, 2, 3)), None),
+}
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
+@pytest.mark.parametrize("case", list(GRAPHED_PRUNERS))
+def test_graph_runner_runs_pruned_native_batches(case):
+    """A pruned native batch through the graph runner: every stage repacks into the key's static buffer (at most the
+    previous one's rows or B images of the stage's bound), the rows past the real total as padding images whose
+    patches count 0, with no host read; the logits and counts equal the eager forward's (the same pipeline, Triton
+    under the interpreter), whatever the static rows held (NaN) and whichever mix came before."""
+    family, name, keep = GRAPHED_PRUNERS[case]
+    model = naflex_model(family)
+    if keep is None:
+        pv = PrunedViT(model, name(), "triton", mode="eager")
+    else:
+        pv = pipeline(model, name, keep, "triton")
+    if getattr(pv.pruner, "mode", None) == "calibrated":
+        pv.calibrate(images())
+    runner = GraphedPrunedViT(pv)
+    for seed, sizes in enumerate([SIZES, SIZES[:1], SIZES[1:3], SIZES, ((64, 64), (64, 64))]):
+        batch = images(sizes, seed)
+        for bufs in runner._buffers.values():
+            bufs.x.fill_(float("nan"))
+        out, ref = runner.run(batch), pv.run(batch)
+        torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5, msg=f"{sizes}")
+        assert torch.equal(out.counts, ref.counts), (sizes, out.counts, ref.counts)
+    assert runner.counters.eager_segments == 5
+
+
+def test_graph_runner_refuses_merging_and_appended_tokens_in_native_batches():
+    model = naflex_model("class_token")
+    for pv, what in ((pipeline(model, "tome", 0.9), "merges rows"),
+                     (PrunedViT(model, PRUNERS["evit"](rate=0.7, blocks=(1, 2), fuse_token=True)), "appends a token")):
+        with pytest.raises(ValueError, match=f"cannot replay this NaFlexVit's native batches: .*{what}"):
+            GraphedPrunedViT(pv).run(images())
 
 
 @pytest.mark.parametrize("family", list(ROPE_FAMILIES))
@@ -422,6 +460,34 @@ def test_default_call_replays_unpruned_native_batches_gpu(family):
     for i, out, copy in outs:
         assert_fp16_within_twice(out, timm_half[i], expected[i])
         assert torch.equal(out, copy)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["dynamicvit", "evit", "l2_calibrated"])
+def test_default_call_replays_pruned_native_batches_gpu(case):
+    """The default call on a pruned native batch (CUDA, fp16): eager on a key's first call, then captured and
+    replayed; the counts are the eager forward's, and so are the logits within fp16 and compiled rounding (the rules
+    of ``test_modes.py``'s default-call twin: an image whose decision flipped near a tie is left out)."""
+    family, name, keep = GRAPHED_PRUNERS[case]
+    model = naflex_model(family).cuda().half()
+    pv = ragged_vit.prune(model, name, keep) if keep is not None else PrunedViT(model, name(), "triton")
+    if getattr(pv.pruner, "mode", None) == "calibrated":
+        pv.calibrate([image.cuda().half() for image in images()])
+    eager = PrunedViT(model, pv.pruner, "triton", mode="eager")
+    batches = [[image.cuda().half() for image in images(sizes, seed)] for seed, sizes in enumerate((SIZES, SIZES[:2]))]
+    same_images = []
+    for _ in range(3):
+        for batch in batches:
+            logits, counts = pv(batch, return_counts=True)
+            ref_logits, ref_counts = eager(batch, return_counts=True)
+            assert (counts - ref_counts).abs().max() <= 8, (counts.tolist(), ref_counts.tolist())
+            same = (counts == ref_counts).all(dim=1)
+            same_images += same.tolist()
+            diff = (logits[same].float() - ref_logits[same].float()).abs()
+            assert diff.numel() == 0 or (diff.mean() < 2e-2 and diff.max() < 0.25), (diff.mean(), diff.max())
+    counters = pv._runner.counters
+    assert pv.last_call == "graphs" and (counters.eager_segments, counters.captures, counters.replays) == (2, 2, 4)
+    assert sum(same_images) >= len(same_images) / 2, same_images
 
 
 @pytest.mark.gpu
