@@ -87,7 +87,9 @@ into a static buffer of at most the previous one's rows or ``B`` images of the s
 plan of ``max_seqlen`` rows), the rows past the real total padding images, as a read-free chain does; the stages
 count each image from its own patches, copied in per call (a padding image's: 0). A RoPE model's table buffer has
 ``capacity`` rows (the batch's distinct grids never hold more positions than its patches). Merging pruners and
-appended tokens are refused (``naflex.native_refusal``). A key is captured the second time it comes (the first runs
+appended tokens are refused (``naflex.native_refusal``). Without reads the stages' buffers hold each image at the
+key's bound (the longest image's count), so a pruned batch of more than ``AUTO_SYNC_FREE_ROWS`` rows runs the
+pipeline's eager forward, which sizes them exactly. A key is captured the second time it comes (the first runs
 eagerly on the static buffers): a stream of one-off size mixes captures nothing.
 
 Not supported: ``selections=`` replay, training, the ``nested_sdpa`` backend (NestedTensor construction is not
@@ -108,7 +110,7 @@ import torch
 from ..core.validation import check_int
 from ..triton_impl.launcher import INTERPRETED
 from .backends import BACKENDS
-from .buckets import TokenBuckets, default_sync_free_rows, padding_images
+from .buckets import AUTO_SYNC_FREE_ROWS, TokenBuckets, default_sync_free_rows, padding_images
 from .eva import RotaryRows
 from .executor import CapturedRepack, ExactRepack, Run, execute, stage_counts
 from .naflex import NativeBatch, native_front, native_refusal
@@ -508,11 +510,15 @@ class GraphedPrunedViT:
             raise ValueError(f"GraphedPrunedViT cannot replay this NaFlexVit's native batches: {why}")
         if self._binding is None:
             self._bind(batch)
-        prefix = pipeline.model.num_prefix_tokens
+        prefix, images = pipeline.model.num_prefix_tokens, len(batch)
+        total = sum(batch.counts) + images * prefix
+        capacity = self.buckets.native_capacity(total)
+        if pipeline.num_stages and capacity > AUTO_SYNC_FREE_ROWS:  # the eager forward sizes its buffers exactly
+            self.counters.eager_calls += 1
+            out = pipeline._execute(batch, None, None, bounded=True, counts=counts)
+            return PrunedOutput(out.logits, out.counts, [])
         pipeline.plan_of_tokens(batch.max_patches + prefix, "the longest image")  # checked as the eager forward
         front = native_front(pipeline, self._parts(), batch, (), self._grid_tables)  # eager: rows, offsets, rotation
-        images, total = len(batch), front.x.shape[0]
-        capacity = self.buckets.native_capacity(total)
         bound = self.buckets.seqlen_bound(max(front.max_seqlen, capacity - total), capacity)
         key = ("native", images, capacity, bound)
         bufs = self._buffers.get(key)

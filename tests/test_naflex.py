@@ -326,6 +326,10 @@ def test_graph_runner_runs_pruned_native_batches(case):
         torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5, msg=f"{sizes}")
         assert torch.equal(out.counts, ref.counts), (sizes, out.counts, ref.counts)
     assert runner.counters.eager_segments == 5
+    many = images(SIZES * 10, 9)  # past AUTO_SYNC_FREE_ROWS rows: the eager forward, which sizes its buffers exactly
+    out, ref = runner.run(many), pv.run(many)
+    torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out.counts, ref.counts) and runner.counters.eager_calls == 1
 
 
 def test_graph_runner_refuses_merging_and_appended_tokens_in_native_batches():
