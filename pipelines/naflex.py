@@ -12,8 +12,9 @@ start:
 * **embedding** (:func:`native_front`): every image's patch rows through the model's own projection (one GEMM for
   the batch; a convolution as a GEMM on patch rows), its position embeddings resampled to its own grid by NaFlex's
   rule (:func:`position_rows`: the learned ``[gh, gw]`` table interpolated to ``h x w``, or to the square of the
-  longer side then cropped with ``pos_embed_ar_preserving``; factorized tables per axis, linearly), the prefix rows
-  (class, register tokens) first in each image, ``norm_pre``; ``cu_seqlens`` from each image's own token count;
+  longer side then cropped with ``pos_embed_ar_preserving``; factorized tables per axis, linearly; each grid's rows
+  kept by the pipeline, :class:`GridPositions`), the prefix rows (class, register tokens) first in each image,
+  ``norm_pre``; ``cu_seqlens`` from each image's own token count;
 * **rotary position embeddings** (``rope_type``: ``axial``, ``dinov3``, ``mixed``, ``mrope``; :func:`native_rotary`):
   timm builds one rope table per grid size (``rope.get_embed(shape=grid)``); the batch's distinct grids' tables are
   concatenated into one, each patch row's position is its place in its grid's table plus that table's start (prefix
@@ -37,6 +38,7 @@ batches).
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 from collections.abc import Sequence
@@ -281,6 +283,49 @@ def position_rows(embeds: nn.Module, batch: NativeBatch, dtype: torch.dtype) -> 
     return (chunks[0] if len(chunks) == 1 else torch.cat(chunks)).to(dtype)
 
 
+POSITION_CACHE_GRIDS = 32
+"""Grids whose position rows a :class:`GridPositions` keeps (the most recently used; ViT-B at 32x32 patches: 1.5 MiB
+each in fp16)."""
+
+
+class GridPositions:
+    """Each patch grid's position-embedding rows ``[h * w, C]`` as :func:`position_rows` resamples them, kept for the
+    :data:`POSITION_CACHE_GRIDS` grids used last and built anew when the model's tables change (storage, in-place
+    writes, dtype): a native batch of images at sizes met before takes its position rows without resampling."""
+
+    def __init__(self) -> None:
+        self._rows: collections.OrderedDict[tuple[int, int], torch.Tensor] = collections.OrderedDict()
+        self._tables: tuple = ()
+
+    def rows(self, embeds: nn.Module, batch: NativeBatch, dtype: torch.dtype) -> torch.Tensor | None:
+        """``[T_p, C]``: :func:`position_rows` of an image list (row-major patches), from the kept grids."""
+        tables = tuple((t.data_ptr(), t._version, t.dtype, dtype) for t in _tables_of(embeds))
+        if tables != self._tables:
+            self._rows.clear()
+            self._tables = tables
+        if not tables:
+            return None
+        grids = list(dict.fromkeys(batch.grids))
+        for grid in grids:
+            if grid not in self._rows:  # each grid resampled alone: its rows never depend on the batch it came in
+                size = grid[0] * grid[1]
+                alone = NativeBatch(batch.rows.new_empty((size, 0)), (grid,), (size,))
+                self._rows[grid] = position_rows(embeds, alone, dtype)
+            self._rows.move_to_end(grid)
+        parts = [self._rows[grid] for grid in batch.grids]
+        while len(self._rows) > POSITION_CACHE_GRIDS:  # (after this batch took its rows)
+            self._rows.popitem(last=False)
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _tables_of(embeds: nn.Module) -> list[torch.Tensor]:
+    """The position-embedding tables the resampling reads (none without position embeddings)."""
+    kind = embeds.pos_embed_type
+    if kind == "none":
+        return []
+    return [embeds.pos_embed_y, embeds.pos_embed_x] if kind == "factorized" else [embeds.pos_embed]
+
+
 def _weight_rows(place, counts, widths, first_y, first_x, patches: int) -> torch.Tensor:
     """int64 ``[2, T_p]``: each patch row's row in the stacked weights of its two axes (:func:`_stacked_weights`),
     from its ``place`` ``y * w + x`` in its grid and its image's count, width and first weight rows."""
@@ -366,7 +411,11 @@ def native_front(
     model = pipeline.model
     embeds, prefix, device = model.embeds, model.num_prefix_tokens, batch.device
     x = embed_rows(embeds, batch.rows)
-    positions = position_rows(embeds, batch, x.dtype)
+    cache = pipeline.grid_positions
+    if cache is None or batch.index is not None:  # a patch dict's places are on the device: resampled per call
+        positions = position_rows(embeds, batch, x.dtype)
+    else:
+        positions = cache.rows(embeds, batch, x.dtype)
     if positions is not None:
         x = x + positions
     images, patches = len(batch), x.shape[0]

@@ -29,6 +29,7 @@ from timm.models.naflexvit import NaFlexVitCfg
 import ragged_vit
 from benchmarks.naflex import patch_dict  # timm's padded NaFlex input of a list of images
 from ragged_vit import GraphedPrunedViT, PrunedViT
+from ragged_vit.pipelines import naflex
 from ragged_vit.reference.pruners import PRUNERS
 from tests.helpers import assert_fp16_within_twice, no_tf32
 
@@ -108,7 +109,6 @@ def test_position_rows_are_each_grids_resampled_table(family, monkeypatch):
     """Every row's position embedding, computed for the whole batch at once, is its image's resampled table
     (``ragged_vit.reference.native``, one per grid) at its place, from an image list and from a patch dict
     (its rows out of order), also in chunks of the weights and with bicubic antialiased tables."""
-    from ragged_vit.pipelines import naflex
     from ragged_vit.reference.native import resample_factorized, resample_grid
 
     model = naflex_model(family)
@@ -138,10 +138,42 @@ def test_position_rows_are_each_grids_resampled_table(family, monkeypatch):
     torch.testing.assert_close(naflex.position_rows(embeds, batch, torch.float32), want, rtol=1e-5, atol=1e-5)
 
 
+def test_grid_positions_keep_each_grids_rows_until_the_table_changes(monkeypatch):
+    """A pipeline's position rows per patch grid: what :func:`position_rows` gives each grid alone, resampled once per
+    grid (a batch of known sizes resamples nothing), the least recently used grid dropped past
+    ``POSITION_CACHE_GRIDS``, all of them rebuilt after an in-place write to the table; a patch dict resamples per
+    call."""
+    model = naflex_model("map")
+    pv = pipeline(model, "none")
+    resampled = []
+    monkeypatch.setattr(naflex, "position_rows", lambda e, b, d, f=naflex.position_rows: resampled.append(b.grids) or
+                        f(e, b, d))  # fmt: skip
+    batch = pv.check_images(images())
+    want = torch.cat([naflex.position_rows(model.embeds, pv.check_images([im]), torch.float32) for im in images()])
+    resampled.clear()
+    torch.testing.assert_close(pv.grid_positions.rows(model.embeds, batch, torch.float32), want, rtol=0, atol=0)
+    assert sorted(resampled) == sorted((g,) for g in batch.grids)
+    resampled.clear()
+    again = pv.check_images(images(SIZES[::-1], 3))
+    pv.grid_positions.rows(model.embeds, again, torch.float32)
+    assert resampled == []  # every grid known
+    monkeypatch.setattr(naflex, "POSITION_CACHE_GRIDS", 2)
+    pv.grid_positions.rows(model.embeds, pv.check_images(images(SIZES[:1], 4)), torch.float32)
+    grid = [(h // 16, w // 16) for h, w in SIZES]
+    assert list(pv.grid_positions._rows) == [grid[1], grid[0]]  # the two used last
+    with torch.no_grad():
+        model.embeds.pos_embed.mul_(2.0)  # an in-place write: every grid resampled again
+    resampled.clear()
+    twice = pv.grid_positions.rows(model.embeds, batch, torch.float32)
+    assert len(resampled) == len(set(batch.grids))
+    torch.testing.assert_close(twice, 2 * want, rtol=1e-6, atol=1e-6)
+    logits = pv(images())  # the forward reads the rows of the doubled table
+    torch.testing.assert_close(logits, model(patch_dict(images())), atol=1e-5, rtol=1e-5)
+
+
 def test_runs_of_one_size_and_a_tensor_patchify_as_each_image_alone():
     """Consecutive images of one size are patchified together, a ``[B, C, H, W]`` tensor at once: the same rows, in
     order, as each image alone (with ``dynamic_img_pad`` too)."""
-    from ragged_vit.pipelines import naflex
 
     cpu = torch.device("cpu")
     cases = (({}, ((64, 32), (64, 32), (32, 48), (64, 32))), (dict(dynamic_img_pad=True), ((40, 50),) * 3))
