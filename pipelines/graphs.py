@@ -380,7 +380,6 @@ class GraphedPrunedViT:
         self._buffers: dict[tuple, _Buffers | _NativeBuffers] = {}  # by (B, H, W), or a native key
         self._seen: set[GraphKey] = set()  # native keys met once: the next call captures them
         self._tables: dict[tuple[int, int], torch.Tensor | None] = {}  # a RoPE model's static rope table by (H, W)
-        self._grid_tables: dict[tuple[int, int], torch.Tensor] = {}  # a RoPE NaFlexVit's table by patch grid
         self._binding: _Binding | None = None
 
     @property
@@ -474,7 +473,6 @@ class GraphedPrunedViT:
         self._buffers.clear()
         self._seen.clear()
         self._tables.clear()
-        self._grid_tables.clear()
         self._binding = None
         if self._own_pool:
             self._pool = None  # (the pipeline may have moved to another device)
@@ -518,7 +516,7 @@ class GraphedPrunedViT:
             out = pipeline._execute(batch, None, None, bounded=True, counts=counts)
             return PrunedOutput(out.logits, out.counts, [])
         pipeline.plan_of_tokens(batch.max_patches + prefix, "the longest image")  # checked as the eager forward
-        front = native_front(pipeline, self._parts(), batch, (), self._grid_tables)  # eager: rows, offsets, rotation
+        front = native_front(pipeline, self._parts(), batch, ())  # eager: rows, offsets, rotation
         bound = self.buckets.seqlen_bound(max(front.max_seqlen, capacity - total), capacity)
         key = ("native", images, capacity, bound)
         bufs = self._buffers.get(key)

@@ -66,7 +66,7 @@ from .executor import BoundedRepack, ExactRepack, OnStep, Run, execute, stage_co
 from .graphs import GraphedPrunedViT
 from .heads import pool_of
 from .naflex import (
-    GridPositions,
+    GridCache,
     NativeBatch,
     check_naflex,
     check_native_pruner,
@@ -154,7 +154,7 @@ class PrunedViT(nn.Module):
         self.rope = _check_model(model)  # a RoPE model's rope table and layout (None without RoPE)
         self.eva = is_eva(model)
         self.native = is_naflex(model)  # a NaFlexVit: batches of images of their own sizes, every block packed
-        self.grid_positions = GridPositions() if self.native else None  # its position rows per patch grid
+        self.grid_cache = GridCache() if self.native else None  # its position rows and rope tables per patch grid
         # A per-block rope table (RoPE-Mixed) is indexed by each block's attention module.
         self._rope_blocks = {blk.attn: k for k, blk in enumerate(model.blocks)} if self.rope is not None else None
         self.model = model

@@ -13,7 +13,7 @@ start:
   the batch; a convolution as a GEMM on patch rows), its position embeddings resampled to its own grid by NaFlex's
   rule (:func:`position_rows`: the learned ``[gh, gw]`` table interpolated to ``h x w``, or to the square of the
   longer side then cropped with ``pos_embed_ar_preserving``; factorized tables per axis, linearly; each grid's rows
-  kept by the pipeline, :class:`GridPositions`), the prefix rows (class, register tokens) first in each image,
+  kept by the pipeline, :class:`GridCache`), the prefix rows (class, register tokens) first in each image,
   ``norm_pre``; ``cu_seqlens`` from each image's own token count;
 * **rotary position embeddings** (``rope_type``: ``axial``, ``dinov3``, ``mixed``, ``mrope``; :func:`native_rotary`):
   timm builds one rope table per grid size (``rope.get_embed(shape=grid)``); the batch's distinct grids' tables are
@@ -283,39 +283,65 @@ def position_rows(embeds: nn.Module, batch: NativeBatch, dtype: torch.dtype) -> 
     return (chunks[0] if len(chunks) == 1 else torch.cat(chunks)).to(dtype)
 
 
-POSITION_CACHE_GRIDS = 32
-"""Grids whose position rows a :class:`GridPositions` keeps (the most recently used; ViT-B at 32x32 patches: 1.5 MiB
-each in fp16)."""
+GRID_CACHE_GRIDS = 32
+"""Grids whose position rows and rope tables a :class:`GridCache` keeps (the most recently used; ViT-B's position rows
+at 32x32 patches: 1.5 MiB in fp16)."""
 
 
-class GridPositions:
-    """Each patch grid's position-embedding rows ``[h * w, C]`` as :func:`position_rows` resamples them, kept for the
-    :data:`POSITION_CACHE_GRIDS` grids used last and built anew when the model's tables change (storage, in-place
-    writes, dtype): a native batch of images at sizes met before takes its position rows without resampling."""
+class _PerGrid:
+    """Tensors by patch grid, the :data:`GRID_CACHE_GRIDS` used last, dropped together when ``key`` changes."""
 
     def __init__(self) -> None:
-        self._rows: collections.OrderedDict[tuple[int, int], torch.Tensor] = collections.OrderedDict()
-        self._tables: tuple = ()
+        self.items: collections.OrderedDict[tuple[int, int], torch.Tensor] = collections.OrderedDict()
+        self.key: tuple = ()
 
-    def rows(self, embeds: nn.Module, batch: NativeBatch, dtype: torch.dtype) -> torch.Tensor | None:
-        """``[T_p, C]``: :func:`position_rows` of an image list (row-major patches), from the kept grids."""
-        tables = tuple((t.data_ptr(), t._version, t.dtype, dtype) for t in _tables_of(embeds))
-        if tables != self._tables:
-            self._rows.clear()
-            self._tables = tables
+    def get(self, key: tuple, grids: Sequence[tuple[int, int]], make) -> list[torch.Tensor]:
+        """The tensor of each of ``grids`` (``make(grid)`` for one not kept), all built anew when ``key`` changed."""
+        if key != self.key:
+            self.items.clear()
+            self.key = key
+        for grid in dict.fromkeys(grids):
+            if grid not in self.items:
+                self.items[grid] = make(grid)
+            self.items.move_to_end(grid)
+        out = [self.items[grid] for grid in grids]
+        while len(self.items) > GRID_CACHE_GRIDS:  # (after the caller's grids were taken)
+            self.items.popitem(last=False)
+        return out
+
+
+def _state(tensors) -> tuple:
+    """What identifies tensors' values without reading them: storage, in-place writes, dtype."""
+    return tuple((t.data_ptr(), t._version, t.dtype) for t in tensors)
+
+
+class GridCache:
+    """What a native batch's front builds per patch grid, kept by its pipeline for the :data:`GRID_CACHE_GRIDS` grids
+    used last and built anew when what it is made from changes (storage, in-place writes, dtype): each grid's
+    position-embedding rows ``[h * w, C]`` (:func:`position_rows`, each grid resampled alone, so its rows never
+    depend on the batch it came in) and a RoPE model's table (timm's ``rope.get_embed(shape=grid)``). A batch of
+    sizes met before resamples and rotates nothing on the host."""
+
+    def __init__(self) -> None:
+        self._positions, self._ropes = _PerGrid(), _PerGrid()
+
+    def positions(self, embeds: nn.Module, batch: NativeBatch, dtype: torch.dtype) -> torch.Tensor | None:
+        """``[T_p, C]``: :func:`position_rows` of an image list (row-major patches); None without position rows."""
+        tables = _tables_of(embeds)
         if not tables:
             return None
-        grids = list(dict.fromkeys(batch.grids))
-        for grid in grids:
-            if grid not in self._rows:  # each grid resampled alone: its rows never depend on the batch it came in
-                size = grid[0] * grid[1]
-                alone = NativeBatch(batch.rows.new_empty((size, 0)), (grid,), (size,))
-                self._rows[grid] = position_rows(embeds, alone, dtype)
-            self._rows.move_to_end(grid)
-        parts = [self._rows[grid] for grid in batch.grids]
-        while len(self._rows) > POSITION_CACHE_GRIDS:  # (after this batch took its rows)
-            self._rows.popitem(last=False)
+
+        def make(grid: tuple[int, int]) -> torch.Tensor:
+            size = grid[0] * grid[1]
+            return position_rows(embeds, NativeBatch(batch.rows.new_empty((size, 0)), (grid,), (size,)), dtype)
+
+        parts = self._positions.get((*_state(tables), dtype), batch.grids, make)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def rope_tables(self, rope: nn.Module, grids: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+        """timm's rope table of each of ``grids``."""
+        key = _state([*rope.parameters(), *rope.buffers()])
+        return self._ropes.get(key, grids, lambda grid: rope.get_embed(shape=grid))
 
 
 def _tables_of(embeds: nn.Module) -> list[torch.Tensor]:
@@ -357,17 +383,13 @@ def table_rows(batch: NativeBatch, starts: torch.Tensor) -> torch.Tensor:
     return first + places_in_images(cu_seqlens_from_counts(counts), patches)
 
 
-def native_rotary(
-    pipeline, batch: NativeBatch, patch_slots: torch.Tensor | None, total: int, known: dict | None = None
-) -> RotaryRows:
+def native_rotary(pipeline, batch: NativeBatch, patch_slots: torch.Tensor | None, total: int) -> RotaryRows:
     """The rotation of a native batch's ``total`` packed rows: timm's rope table of each distinct grid
-    (``rope.get_embed(shape=grid)``, the one its forward gives an image of that grid), concatenated along the
-    positions; each patch row (at row ``patch_slots`` of the buffer, None: rows in order) at its place in its grid's
-    table, every other row ``-1`` (unrotated). ``known``: tables by grid built before, and where the new ones go (a
-    graph runner's, dropped when the model changes); None: every table built anew."""
+    (``rope.get_embed(shape=grid)``, the one its forward gives an image of that grid; kept by the pipeline's
+    :class:`GridCache`), concatenated along the positions; each patch row (at row ``patch_slots`` of the buffer, None:
+    rows in order) at its place in its grid's table, every other row ``-1`` (unrotated)."""
     rope, grids = pipeline.model.rope, list(dict.fromkeys(batch.grids))
-    known = {} if known is None else known
-    tables = [known[grid] if grid in known else known.setdefault(grid, rope.get_embed(shape=grid)) for grid in grids]
+    tables = pipeline.grid_cache.rope_tables(rope, grids)
     for (h, w), table in zip(grids, tables, strict=True):
         if table.shape[-2] != h * w:
             raise NotImplementedError(
@@ -402,20 +424,16 @@ def prefix_tokens(embeds: nn.Module) -> torch.Tensor | None:
     return torch.cat(tokens) if tokens else None
 
 
-def native_front(
-    pipeline, parts, batch: NativeBatch, blocks: Sequence[int], rope_tables: dict | None = None
-) -> ForwardState:
+def native_front(pipeline, parts, batch: NativeBatch, blocks: Sequence[int]) -> ForwardState:
     """FRONT for a native batch: the packed buffer ``[T, C]`` (each image's prefix rows, then its patches with their
-    resampled position embeddings, ``norm_pre``) and its offsets, then ``blocks`` run packed. ``rope_tables``: a RoPE
-    model's tables by grid to reuse and fill (:func:`native_rotary`)."""
+    resampled position embeddings, ``norm_pre``) and its offsets, then ``blocks`` run packed."""
     model = pipeline.model
     embeds, prefix, device = model.embeds, model.num_prefix_tokens, batch.device
     x = embed_rows(embeds, batch.rows)
-    cache = pipeline.grid_positions
-    if cache is None or batch.index is not None:  # a patch dict's places are on the device: resampled per call
+    if batch.index is not None:  # a patch dict's places are on the device: resampled per call
         positions = position_rows(embeds, batch, x.dtype)
     else:
-        positions = cache.rows(embeds, batch, x.dtype)
+        positions = pipeline.grid_cache.positions(embeds, batch, x.dtype)
     if positions is not None:
         x = x + positions
     images, patches = len(batch), x.shape[0]
@@ -435,7 +453,7 @@ def native_front(
     state = ForwardState(images, x, cu, batch.max_patches + prefix, batch.max_patches,
                          image_patches=counts if ragged else None)  # fmt: skip
     if pipeline.rope is not None:
-        state.rotary = native_rotary(pipeline, batch, slots, x.shape[0], rope_tables)
+        state.rotary = native_rotary(pipeline, batch, slots, x.shape[0])
     if blocks:
         group = [model.blocks[k] for k in blocks]
         state.x = parts.blocks(group, state.x, cu, state.max_seqlen, pipeline.backend, rotary=state.rotary)

@@ -138,11 +138,10 @@ def test_position_rows_are_each_grids_resampled_table(family, monkeypatch):
     torch.testing.assert_close(naflex.position_rows(embeds, batch, torch.float32), want, rtol=1e-5, atol=1e-5)
 
 
-def test_grid_positions_keep_each_grids_rows_until_the_table_changes(monkeypatch):
+def test_grid_cache_keeps_each_grids_rows_until_the_table_changes(monkeypatch):
     """A pipeline's position rows per patch grid: what :func:`position_rows` gives each grid alone, resampled once per
     grid (a batch of known sizes resamples nothing), the least recently used grid dropped past
-    ``POSITION_CACHE_GRIDS``, all of them rebuilt after an in-place write to the table; a patch dict resamples per
-    call."""
+    ``GRID_CACHE_GRIDS``, all of them rebuilt after an in-place write to the table."""
     model = naflex_model("map")
     pv = pipeline(model, "none")
     resampled = []
@@ -151,24 +150,47 @@ def test_grid_positions_keep_each_grids_rows_until_the_table_changes(monkeypatch
     batch = pv.check_images(images())
     want = torch.cat([naflex.position_rows(model.embeds, pv.check_images([im]), torch.float32) for im in images()])
     resampled.clear()
-    torch.testing.assert_close(pv.grid_positions.rows(model.embeds, batch, torch.float32), want, rtol=0, atol=0)
+    torch.testing.assert_close(pv.grid_cache.positions(model.embeds, batch, torch.float32), want, rtol=0, atol=0)
     assert sorted(resampled) == sorted((g,) for g in batch.grids)
     resampled.clear()
-    again = pv.check_images(images(SIZES[::-1], 3))
-    pv.grid_positions.rows(model.embeds, again, torch.float32)
+    pv.grid_cache.positions(model.embeds, pv.check_images(images(SIZES[::-1], 3)), torch.float32)
     assert resampled == []  # every grid known
-    monkeypatch.setattr(naflex, "POSITION_CACHE_GRIDS", 2)
-    pv.grid_positions.rows(model.embeds, pv.check_images(images(SIZES[:1], 4)), torch.float32)
+    monkeypatch.setattr(naflex, "GRID_CACHE_GRIDS", 2)
+    pv.grid_cache.positions(model.embeds, pv.check_images(images(SIZES[:1], 4)), torch.float32)
     grid = [(h // 16, w // 16) for h, w in SIZES]
-    assert list(pv.grid_positions._rows) == [grid[1], grid[0]]  # the two used last
+    assert list(pv.grid_cache._positions.items) == [grid[1], grid[0]]  # the two used last
     with torch.no_grad():
         model.embeds.pos_embed.mul_(2.0)  # an in-place write: every grid resampled again
     resampled.clear()
-    twice = pv.grid_positions.rows(model.embeds, batch, torch.float32)
+    twice = pv.grid_cache.positions(model.embeds, batch, torch.float32)
     assert len(resampled) == len(set(batch.grids))
     torch.testing.assert_close(twice, 2 * want, rtol=1e-6, atol=1e-6)
     logits = pv(images())  # the forward reads the rows of the doubled table
     torch.testing.assert_close(logits, model(patch_dict(images())), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["rope_axial", "rope_mixed"])
+def test_grid_cache_keeps_each_grids_rope_table_until_the_rope_changes(family, monkeypatch):
+    """A RoPE model's table per patch grid: built once per grid (``rope.get_embed``), built anew after an in-place
+    write to the rope's parameters or buffers; the forward equals timm's on each image before and after."""
+    model = naflex_model(family)
+    pv = pipeline(model, "none")
+    built = []
+    get_embed = model.rope.get_embed
+    monkeypatch.setattr(model.rope, "get_embed", lambda shape: built.append(shape) or get_embed(shape=shape))
+    for _ in range(2):
+        logits = pv(images())
+    assert sorted(built) == sorted({(h // 16, w // 16) for h, w in SIZES})  # once per grid over both calls
+    tensors = [*model.rope.parameters(), *model.rope.buffers()]
+    with torch.no_grad():
+        tensors[0].mul_(1.5)  # the rope's state changes in place: every table built anew
+    built.clear()
+    changed = pv(images())
+    assert len(built) == len(SIZES)
+    with torch.no_grad():
+        alone = torch.cat([model(image[None]) for image in images()])
+    torch.testing.assert_close(changed, alone, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(changed, logits)
 
 
 def test_runs_of_one_size_and_a_tensor_patchify_as_each_image_alone():
@@ -386,7 +408,6 @@ def test_graph_runner_runs_unpruned_rope_native_batches(family):
                                    msg=f"{sizes}")  # fmt: skip
     for key, bufs in runner._buffers.items():
         assert bufs.rotary is not None and bufs.rotary.table.shape[-2] == key[2]  # capacity rows
-    assert set(runner._grid_tables) == {(h // 16, w // 16) for h, w in SIZES}  # each grid's table built once
 
 
 @pytest.mark.parametrize("family", list(ROPE_FAMILIES))
