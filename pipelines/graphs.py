@@ -86,8 +86,8 @@ rounded up to ``seqlen_step``, the rows past the total one padding image. No sta
 into a static buffer of at most the previous one's rows or ``B`` images of the stage's bound on an image's rows (the
 plan of ``max_seqlen`` rows), the rows past the real total padding images, as a read-free chain does; the stages
 count each image from its own patches, copied in per call (a padding image's: 0). A RoPE model's table buffer has
-``capacity`` rows (the batch's distinct grids never hold more positions than its patches). Merging pruners and
-appended tokens are refused (``naflex.native_refusal``). Without reads the stages' buffers hold each image at the
+``capacity`` rows (the batch's distinct grids never hold more positions than its patches). An appended token is
+refused (``naflex.native_refusal``). Without reads the stages' buffers hold each image at the
 key's bound (the longest image's count), so a pruned batch of more than ``AUTO_SYNC_FREE_ROWS`` rows runs the
 pipeline's eager forward, which sizes them exactly. A key is captured the second time it comes (the first runs
 eagerly on the static buffers): a stream of one-off size mixes captures nothing.

@@ -31,9 +31,8 @@ rope's training-time coordinate augmentations (``rope_shift_coords``, ``rope_jit
 module whose table layout the runtime does not take (:func:`ragged_vit.pipelines.eva.rope_spec`), a merging pruner
 (ToMe) on a RoPE model, ``pos_embed_use_grid_sample``, grouped-query attention (``num_kv_heads``), patch dicts of
 variable patch size (5-D ``patches``) or with an ``attn_mask``, ATS with a sample count relative to the image
-(``ATSPruner(num_samples=K)`` runs), CUDA graphs for a native batch whose pruner merges rows or appends a token
-(it runs eagerly; the others replay their blocks, stages and head: :mod:`ragged_vit.pipelines.graphs`, Native
-batches).
+(``ATSPruner(num_samples=K)`` runs), CUDA graphs for a native batch whose pruner appends a token (it runs
+eagerly; the others replay their blocks, stages and head: :mod:`ragged_vit.pipelines.graphs`, Native batches).
 """
 
 from __future__ import annotations
@@ -98,11 +97,9 @@ def check_native_pruner(pruner: Pruner | None) -> None:
 
 def native_refusal(pipeline) -> str | None:
     """Why a pipeline's native batches cannot replay from CUDA graphs (:mod:`ragged_vit.pipelines.graphs`, Native
-    batches), or None: a merging pruner, or one that appends a token (at a stage of per-image counts, a buffer with
-    padding images has no room for it)."""
+    batches), or None: a pruner that appends a token (at a stage of per-image counts, a buffer with padding images has
+    no room for it)."""
     pruner = pipeline.pruner
-    if pruner is not None and pruner.merges:
-        return f"pruner {pruner.name!r} merges rows, which native batches do only eagerly"
     if pruner is not None and pruner.appends_token:
         return f"pruner {pruner.name!r} appends a token (fuse_token), which native batches do only eagerly"
     return None

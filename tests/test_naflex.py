@@ -308,8 +308,9 @@ def test_what_cannot_apply_is_refused_in_one_line():
         pipeline(naflex_model("class_token"), "ats", 0.5)
     with pytest.raises(NotImplementedError, match="pos_embed_use_grid_sample"):
         PrunedViT(naflex_model("map", pos_embed_use_grid_sample=True))
-    with pytest.raises(ValueError, match="native batches run eagerly here: pruner 'tome' merges rows"):
-        ragged_vit.prune(naflex_model("class_token"), "tome", 0.9, mode="graphs")(images())
+    with pytest.raises(ValueError, match="native batches run eagerly here: pruner 'evit' appends a token"):
+        PrunedViT(naflex_model("class_token"), PRUNERS["evit"](rate=0.7, blocks=(1, 2), fuse_token=True),
+                  mode="graphs")(images())  # fmt: skip
 
 
 @pytest.mark.parametrize("family", ["map", "reg4_avg", "class_token", "eva_blocks"])
@@ -352,6 +353,8 @@ GRAPHED_PRUNERS = {  # pruners whose native batches replay from graphs: (family,
     "l2_ratio": ("reg4_avg", "threshold_l2", 0.5),
     "l2_calibrated": ("map", lambda: PRUNERS["threshold_l2"](mode="calibrated", rate=0.5, block=1), None),
     "ats_samples": ("class_token", lambda: PRUNERS["ats"](num_samples=12, blocks=(1, 2, 3)), None),
+    "tome": ("reg4_avg", "tome", 0.5),
+    "tome_adaptive": ("class_token", lambda: PRUNERS["tome"](threshold=0.3, r_max=4, depth=4), None),
 }
 
 
@@ -386,12 +389,10 @@ def test_graph_runner_runs_pruned_native_batches(case):
     assert torch.equal(out.counts, ref.counts) and runner.counters.eager_calls == 1
 
 
-def test_graph_runner_refuses_merging_and_appended_tokens_in_native_batches():
-    model = naflex_model("class_token")
-    for pv, what in ((pipeline(model, "tome", 0.9), "merges rows"),
-                     (PrunedViT(model, PRUNERS["evit"](rate=0.7, blocks=(1, 2), fuse_token=True)), "appends a token")):
-        with pytest.raises(ValueError, match=f"cannot replay this NaFlexVit's native batches: .*{what}"):
-            GraphedPrunedViT(pv).run(images())
+def test_graph_runner_refuses_appended_tokens_in_native_batches():
+    pv = PrunedViT(naflex_model("class_token"), PRUNERS["evit"](rate=0.7, blocks=(1, 2), fuse_token=True))
+    with pytest.raises(ValueError, match="cannot replay this NaFlexVit's native batches: .*appends a token"):
+        GraphedPrunedViT(pv).run(images())
 
 
 @pytest.mark.parametrize("family", list(ROPE_FAMILIES))
@@ -520,7 +521,7 @@ def test_default_call_replays_unpruned_native_batches_gpu(family):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("case", ["dynamicvit", "evit", "l2_calibrated"])
+@pytest.mark.parametrize("case", ["dynamicvit", "evit", "l2_calibrated", "tome"])
 def test_default_call_replays_pruned_native_batches_gpu(case):
     """The default call on a pruned native batch (CUDA, fp16): eager on a key's first call, then captured and
     replayed; the counts are the eager forward's, and so are the logits within fp16 and compiled rounding (the rules

@@ -158,8 +158,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace, on_gp
                     parser.error(f"argument {flag}: not used with --pruner none (timm's own forward, nothing packed)")
         if args.compare_unpruned:
             parser.error("argument --compare-unpruned: with --pruner none the model is the unpruned one")
-    if args.graphs and (args.pruner == "tome" or args.fuse_token) and packs_unpruned(args.model):
-        parser.error("argument --graphs: a NaFlexVit's native batches with merged rows or a fused token run eagerly "
+    if args.graphs and args.fuse_token and packs_unpruned(args.model):
+        parser.error("argument --graphs: a NaFlexVit's native batches with a fused token run eagerly "
                      "(GraphedPrunedViT does not replay them)")  # fmt: skip
     if not on_gpu:
         for flag, given in (("--graphs", args.graphs), ("--compile-blocks", args.compile_blocks)):
