@@ -87,10 +87,10 @@ into a static buffer of at most the previous one's rows or ``B`` images of the s
 plan of ``max_seqlen`` rows), the rows past the real total padding images, as a read-free chain does; the stages
 count each image from its own patches, copied in per call (a padding image's: 0). A RoPE model's table buffer has
 ``capacity`` rows (the batch's distinct grids never hold more positions than its patches). An appended token is
-refused (``naflex.native_refusal``). Without reads the stages' buffers hold each image at the
-key's bound (the longest image's count), so a pruned batch of more than ``AUTO_SYNC_FREE_ROWS`` rows runs the
-pipeline's eager forward, which sizes them exactly. A key is captured the second time it comes (the first runs
-eagerly on the static buffers): a stream of one-off size mixes captures nothing.
+refused (``naflex.native_refusal``). Without reads the stages' buffers hold each image at the key's bound (the
+longest image's count), so a pruned batch of more than ``AUTO_SYNC_FREE_ROWS`` rows runs the pipeline's eager
+forward, which sizes them exactly. A key is captured the second time it comes (the first runs eagerly on the static
+buffers): a stream of one-off size mixes captures nothing.
 
 Not supported: ``selections=`` replay, training, the ``nested_sdpa`` backend (NestedTensor construction is not
 capturable), the ``reference`` backend on CUDA (it reads the offsets on the host), and variable-count stages
@@ -134,7 +134,7 @@ class SegmentShape(NamedTuple):
 GraphKey = tuple
 """``(B, H, W)`` (batch and image size) for a whole fixed-count forward; ``(B, H, W, SegmentShape, ...)`` for
 consecutive segments of a variable-count forward replayed as one graph (from one host read to the next);
-``("native", B, capacity, max_seqlen)`` for the blocks and head of a native batch."""
+``("native", B, capacity, max_seqlen)`` for the blocks, stages and head of a native batch."""
 
 
 @dataclasses.dataclass(frozen=True)
