@@ -28,7 +28,7 @@ import math
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TextIO
 
@@ -79,11 +79,12 @@ def class_names(num_classes: int) -> list[str]:
     return [f"class {i}" for i in range(num_classes)]
 
 
-def describe_pruner(pv: PrunedViT, options: DemoOptions) -> str:
-    """One line: the pruner, its parameter and where its stages act."""
+def describe_pruner(pv: PrunedViT, options: DemoOptions, backends: Sequence[str] | None = None) -> str:
+    """One line: the pruner, its parameter and where its stages act (``backends``: those the command runs, None: the
+    pipeline's own)."""
     pruner = pv.pruner
     if pruner is None and pv.native:
-        names = options.backends if isinstance(options, DemoOptions) else [pv.backend.name]
+        names = list(backends) if backends is not None else [pv.backend.name]
         return f"none: every block packed (a NaFlexVit has no dense batch), backend{'s' * (len(names) > 1)} " + \
             ", ".join(names)  # fmt: skip
     if pruner is None:
@@ -361,7 +362,7 @@ def run_demo(options: DemoOptions, out: TextIO | None = None) -> int:
     params = sum(p.numel() for p in model.parameters()) / 1e6
     height, width = pv.image_size
     say(f"ragged-vit demo: {options.model} ({params:.1f}M parameters), {weights}")
-    say(f"pruner: {describe_pruner(pv, options)}")
+    say(f"pruner: {describe_pruner(pv, options, options.backends)}")
     interp = " (Triton interpreter)" if options.device.type == "cpu" and "triton" in backends else ""
     say(
         f"device: {options.device} ({str(options.dtype).removeprefix('torch.')}), "
