@@ -111,8 +111,9 @@ def ceil_rate(rate: float, patches: torch.Tensor) -> torch.Tensor:
 def uniform_length(cu_seqlens: torch.Tensor, total: int) -> int | None:
     """Rows per image of a uniform batch, from host shapes; None when the batch is known to be ragged.
 
-    Fixed-count pipelines only ever produce uniform batches, so ``T // B`` is the length without reading the
-    device. The offsets are read to confirm it only where that is free (CPU), as ``check_cu_seqlens`` does; on a
+    Fixed-count pipelines only ever produce uniform batches of one image size, so ``T // B`` is the length without
+    reading the device (a batch of several sizes is ragged whatever ``T``: :attr:`ragged_vit.core.selection.
+    DecisionInput.uniform_rows`). The offsets are read to confirm it only where that is free (CPU), as ``check_cu_seqlens`` does; on a
     GPU a ragged batch with ``T % B == 0`` goes undetected and only the host ``count`` is wrong, not the mask.
     """
     batch = cu_seqlens.numel() - 1

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .rotary import Rotary, check_rotary
-from .segments import segment_ids, segment_sum, uniform_cu_seqlens
+from .segments import segment_ids, segment_sum, uniform_cu_seqlens, uniform_length
 from .validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_tensor
 
 _SCORE_DTYPES = (*FLOAT_DTYPES, torch.float64)
@@ -87,6 +87,13 @@ class DecisionInput:
     def row_bound(self) -> int:
         """``max_seqlen``, or ``num_patches + num_prefix`` (an unpruned image) when none was given."""
         return self.num_patches + self.num_prefix if self.max_seqlen is None else self.max_seqlen
+
+    @property
+    def uniform_rows(self) -> int | None:
+        """Rows per image when the batch is uniform, from host shapes (:func:`ragged_vit.core.segments.uniform_length`),
+        else None. A batch of several image sizes (``image_patches``) is ragged whatever its total: ``T % B == 0``
+        says nothing there, and the GPU does not read the offsets to check."""
+        return None if self.image_patches is not None else uniform_length(self.cu_seqlens, self.x.shape[0])
 
     @property
     def min_patches(self) -> int:

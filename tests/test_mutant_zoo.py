@@ -303,6 +303,16 @@ def counts_off_by_one(pruner: ThresholdL2Pruner, inp: DecisionInput) -> TokenSel
     return TokenSelection(sel.keep, sel.kept + 1, sel.fixed_count, sel.count)
 
 
+def count_from_total(pruner: ThresholdL2Pruner, inp: DecisionInput) -> TokenSelection:
+    """Broken: the batch taken as uniform whenever its size divides the total (the offsets unread, as on a GPU; a
+    batch of several image sizes, ``image_patches``, too), the host count of that one length."""
+    sel, batch = top_rate_per_image(pruner, inp), inp.cu_seqlens.numel() - 1
+    if inp.x.shape[0] % batch:
+        return sel
+    count = inp.num_prefix + pruner.count_after(inp.stage, inp.x.shape[0] // batch - inp.num_prefix, inp.num_patches)
+    return TokenSelection(sel.keep, sel.kept, True, count)
+
+
 DECISION_MUTANTS = {
     "later_ties": later_ties,
     "floor_count": floor_count,
@@ -311,6 +321,7 @@ DECISION_MUTANTS = {
     "batch_top_k": batch_top_k,
     "drops_prefix": drops_prefix,
     "counts_off_by_one": counts_off_by_one,
+    "count_from_total": count_from_total,
 }
 
 PRUNER = ThresholdL2Pruner("ratio", rate=0.5, min_keep=0)

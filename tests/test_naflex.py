@@ -56,6 +56,8 @@ ROPE_FAMILIES = {  # a batch of several grids: their tables concatenated, each r
 }
 FAMILIES.update(ROPE_FAMILIES)
 SIZES = ((96, 48), (64, 128), (80, 80), (112, 64))
+NATIVE_FIXED_COUNTS = {"l2_ratio": ("reg4_avg", "threshold_l2", 0.5), "evit": ("class_token", "evit", 0.7),
+                       "dynamicvit": ("map", "dynamicvit", 0.7)}  # fmt: skip
 
 
 def naflex_model(family: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
@@ -461,6 +463,28 @@ def test_rope_pruned_batch_equals_each_image_alone(family, name, keep_rate):
 def test_rope_triton_replays_reference_decisions_interpreter(family):
     """The Triton kernel's rotary variant (q and k rotated as it loads them) on the concatenated table."""
     check_triton_replays_reference_decisions(family, "dynamicvit")
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
+@pytest.mark.parametrize("case", ["l2_ratio", "evit", "dynamicvit"])
+def test_native_batch_of_a_divisible_total_gets_no_host_count(case, monkeypatch):
+    """Two images whose rows the batch size divides are still two sizes: a fixed-count pruner's decision gives no
+    host count (on a GPU the offsets are not read to check ``T // B``, as here), so the eager forward's bounded
+    buffers (Triton packing, as on CUDA) hold each image's own rows, its counts and logits ``run()``'s."""
+    family, name, keep = NATIVE_FIXED_COUNTS[case]
+    as_on_a_gpu = lambda cu, total: None if total % (cu.numel() - 1) else total // (cu.numel() - 1)  # noqa: E731
+    monkeypatch.setattr(ragged_vit.core.selection, "uniform_length", as_on_a_gpu)
+    monkeypatch.setattr(ragged_vit.pipelines.model, "_packs_with_triton", lambda device: True)
+    pv = pipeline(naflex_model(family), name, keep, "triton")
+    batch = images(SIZES[:2])
+    prefix = pv.model.num_prefix_tokens
+    rows = [(h // 16) * (w // 16) + prefix for h, w in SIZES[:2]]
+    assert rows[0] != rows[1] and sum(rows) % 2 == 0  # the case: ragged, and B divides T
+    ref = pv.run(batch)
+    logits, counts = pv(batch, return_counts=True)
+    assert torch.equal(counts, ref.counts) and counts[0, 0] != counts[1, 0], (counts, ref.counts)
+    torch.testing.assert_close(logits, ref.logits, rtol=1e-5, atol=1e-5)
 
 
 def test_rope_what_cannot_apply_is_refused_in_one_line():

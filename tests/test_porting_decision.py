@@ -11,7 +11,6 @@ import math
 import pytest
 import torch
 
-from ragged_vit.core.segments import uniform_length
 from ragged_vit.core.selection import DecisionInput, TokenSelection
 from ragged_vit.reference.pruners import ThresholdL2Pruner
 from ragged_vit.reference.pruners.threshold_l2 import l2_scores
@@ -35,7 +34,7 @@ def top_rate_per_image(pruner: ThresholdL2Pruner, inp: DecisionInput, *, later_t
             order = patches.sort(descending=True, stable=True).indices[:k]
         keep[first + order] = True
     kept = torch.tensor([int(keep[s:e].sum()) for s, e in zip(bounds[:-1], bounds[1:], strict=True)], dtype=torch.int32)
-    length = uniform_length(inp.cu_seqlens, inp.x.shape[0])
+    length = inp.uniform_rows  # rows per image of a uniform batch, else None
     count_after = None if length is None else prefix + pruner.count_after(inp.stage, length - prefix, inp.num_patches)
     return TokenSelection(keep, kept.to(keep.device), fixed_count=count_after is not None, count=count_after)
 

@@ -66,7 +66,6 @@ import triton
 import triton.language as tl
 
 from ..core.decisions import register_decision
-from ..core.segments import uniform_length
 from ..core.selection import DecisionInput, TokenSelection
 from ..core.validation import check_cu_seqlens, check_int, check_max_seqlen, check_tensor
 from ..reference.pruners.dynamicvit import DynamicViTPruner, PredictorLG
@@ -371,6 +370,6 @@ def _select(pruner: DynamicViTPruner, inp: DecisionInput) -> TokenSelection:
         return pruner.select_by_scores(scores.float(), inp)
     k = max(pruner.keep_patches(inp.stage, inp.num_patches), inp.min_patches)
     keep, kept = rank_keep_unchecked(scores, cu, bound, None, k, None, 0, prefix)
-    current = uniform_length(cu, x.shape[0])
+    current = inp.uniform_rows
     count = None if current is None else prefix + pruner.count_after(inp.stage, current - prefix, inp.num_patches)
     return TokenSelection(keep, kept, fixed_count=count is not None, count=count)

@@ -42,7 +42,6 @@ import triton
 import triton.language as tl
 
 from ..core.decisions import register_decision
-from ..core.segments import uniform_length
 from ..core.selection import DecisionInput, TokenSelection
 from ..core.validation import FLOAT_DTYPES, check_cu_seqlens, check_int, check_tensor
 from ..reference.pruners.evit import EViTPruner
@@ -151,7 +150,7 @@ def _select(pruner: EViTPruner, inp: DecisionInput) -> TokenSelection:
     score = cls_attention_mean(inp.qkv, cu, inp.num_heads, inp.scale, inp.row_bound, inp.rotary)  # fp32 [T]
     keep, kept = rank_keep_unchecked(score, cu, inp.row_bound, pruner.rate, None, None, 0, prefix)
     total, batch = x.shape[0], cu.shape[0] - 1
-    current = uniform_length(cu, total)
+    current = inp.uniform_rows
     patches = None if current is None else current - prefix
     extra = None
     if pruner.fuses(patches):  # the dropped patches weighted by their raw scores

@@ -13,7 +13,6 @@ CUDA (:mod:`ragged_vit.core.decisions`), which the pipelines use.
 from __future__ import annotations
 
 from ..core.decisions import register_decision
-from ..core.segments import uniform_length
 from ..core.selection import DecisionInput, TokenSelection
 from ..reference.pruners.threshold_l2 import ThresholdL2Pruner, l2_scores
 from .select import rank_keep_unchecked
@@ -32,7 +31,7 @@ def _select(pruner: ThresholdL2Pruner, inp: DecisionInput) -> TokenSelection:
     scores, cu, prefix = l2_scores(inp.x), inp.cu_seqlens, inp.num_prefix
     if pruner.mode == "ratio":
         keep, kept = rank_keep_unchecked(scores, cu, inp.row_bound, pruner.rate, None, None, 0, prefix)
-        current = uniform_length(cu, inp.x.shape[0])
+        current = inp.uniform_rows
         count = None if current is None else prefix + pruner.count_after(inp.stage, current - prefix, inp.num_patches)
         return TokenSelection(keep, kept, fixed_count=count is not None, count=count)
     floor = max(pruner.min_keep, inp.min_patches)

@@ -43,6 +43,8 @@ The cases (``quick`` / ``full`` as in :func:`ragged_vit.testing.level`), each in
   table per head), the prefix rows unrotated, which the scores must apply as the block's attention does;
 * ``empty`` (unless ``empty_images=False``): images without a row among the others;
 * ``loose_bound``: ``max_seqlen`` twice the longest image (a bound, not a length);
+* ``native``: images of two sizes with their own patch counts given (``inp.image_patches``, a NaFlexVit's native
+  batch) and a total the batch size divides: ragged whatever the total, so no host count (``inp.uniform_rows``);
 * ``isolation``: the property above;
 * ``capture`` (CUDA, with ``capturable=True``): no device-to-host sync, and a CUDA graph of it replays the decision;
 * ``bad_inputs`` (with ``bad_inputs=True``, for a public entry): a wrong pruner type, not a ``DecisionInput``, a
@@ -115,7 +117,7 @@ def decision_cases(
     for dtype in dtypes:
         kinds = [("lengths", ADVERSARIAL_LENGTHS if full else QUICK_LENGTHS, 1), ("ragged", ragged, 1),
                  ("ties", (33, 65, 9), 1), ("large", (40, 65, 9), 1), ("nan", (40, 65, 2), 1),
-                 ("loose_bound", (30, 7, 19), 1),
+                 ("loose_bound", (30, 7, 19), 1), ("native", (40, 24), 1),
                  ("isolation", (40, 70, 9), 1), *(("prefix", (5, 40, 70, 6), p) for p in (5, *no_prefix)),
                  *((("rotary", (40, 65, 9), 1), ("rotary_half", (33, 64, 7), 1)) if attention else ())]  # fmt: skip
         if empty_images:
@@ -283,6 +285,7 @@ def _input(
         heads if qkv is not None else None,
         (width // heads) ** -0.5 if qkv is not None else None,
         num_prefix=case.num_prefix,
+        image_patches=(lengths - case.num_prefix).to(device) if case.kind == "native" else None,
         rotary=rotary,
     )
 

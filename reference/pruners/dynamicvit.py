@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...core.segments import prefix_rows, segment_ids, segment_rank, segment_sum, uniform_length
+from ...core.segments import prefix_rows, segment_ids, segment_rank, segment_sum
 from ...core.selection import DecisionInput, Placement, Pruner, TokenSelection, kept_counts
 from ...core.validation import check_blocks, check_int, check_rate
 from .schedule import at_depth
@@ -126,7 +126,7 @@ class DynamicViTPruner(Pruner):
         else:
             k = self.image_keep(inp)
         keep = prefix_rows(cu, total, num_prefix) | (segment_rank(score, cu, num_prefix) < k)
-        current = uniform_length(cu, total) if inp.image_patches is None else None
+        current = inp.uniform_rows
         count = (
             None if current is None else num_prefix + self.count_after(inp.stage, current - num_prefix, inp.num_patches)
         )

@@ -24,7 +24,6 @@ from ...core.segments import (
     segment_ids,
     segment_rank,
     segment_sum,
-    uniform_length,
 )
 from ...core.selection import DecisionInput, Placement, Pruner, TokenSelection, kept_counts
 from ...core.validation import check_blocks, check_rate
@@ -97,7 +96,7 @@ class EViTPruner(Pruner):
         score = attention_inputs(inp)[0].to(acc).mean(dim=-1)  # [T]
         k = ceil_rate(self.rate, patch_counts(cu, num_prefix))[seg]
         keep = prefix_rows(cu, total, num_prefix) | (segment_rank(score, cu, num_prefix) < k)
-        current = uniform_length(cu, total)
+        current = inp.uniform_rows
         patches = None if current is None else current - num_prefix
         extra = None
         if self.fuses(patches):

@@ -22,7 +22,6 @@ from ...core.segments import (
     prefix_rows,
     segment_ids,
     segment_rank,
-    uniform_length,
 )
 from ...core.selection import (
     DecisionInput,
@@ -166,7 +165,7 @@ class ThresholdL2Pruner(Pruner):
         rank = segment_rank(score, cu, num_prefix)
         if self.mode == "ratio":
             keep = prefix | (rank < ceil_rate(self.rate, patch_counts(cu, num_prefix))[seg])
-            current = uniform_length(cu, total)
+            current = inp.uniform_rows
             count = None if current is None else num_prefix + self.count_after(inp.stage, current - num_prefix, 0)
             return TokenSelection(keep, kept_counts(keep, cu), fixed_count=count is not None, count=count)
         # The floor adds the best-scoring patches, a superset of those passing the threshold.
