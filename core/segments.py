@@ -112,9 +112,9 @@ def uniform_length(cu_seqlens: torch.Tensor, total: int) -> int | None:
     """Rows per image of a uniform batch, from host shapes; None when the batch is known to be ragged.
 
     Fixed-count pipelines only ever produce uniform batches of one image size, so ``T // B`` is the length without
-    reading the device (a batch of several sizes is ragged whatever ``T``: :attr:`ragged_vit.core.selection.
-    DecisionInput.uniform_rows`). The offsets are read to confirm it only where that is free (CPU), as ``check_cu_seqlens`` does; on a
-    GPU a ragged batch with ``T % B == 0`` goes undetected and only the host ``count`` is wrong, not the mask.
+    reading the device. The offsets are read to confirm it only where that is free (CPU), as ``check_cu_seqlens``
+    does; on a GPU a ragged batch with ``T % B == 0`` goes undetected, so a batch of several image sizes must say
+    so itself (:attr:`ragged_vit.core.selection.DecisionInput.uniform_rows`).
     """
     batch = cu_seqlens.numel() - 1
     if total % batch:

@@ -149,7 +149,7 @@ def _select(pruner: EViTPruner, inp: DecisionInput) -> TokenSelection:
     x, cu, prefix = inp.x, inp.cu_seqlens, inp.num_prefix
     score = cls_attention_mean(inp.qkv, cu, inp.num_heads, inp.scale, inp.row_bound, inp.rotary)  # fp32 [T]
     keep, kept = rank_keep_unchecked(score, cu, inp.row_bound, pruner.rate, None, None, 0, prefix)
-    total, batch = x.shape[0], cu.shape[0] - 1
+    batch = cu.shape[0] - 1
     current = inp.uniform_rows
     patches = None if current is None else current - prefix
     extra = None
