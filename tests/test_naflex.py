@@ -57,7 +57,7 @@ ROPE_FAMILIES = {  # a batch of several grids: their tables concatenated, each r
 FAMILIES.update(ROPE_FAMILIES)
 SIZES = ((96, 48), (64, 128), (80, 80), (112, 64))
 NATIVE_FIXED_COUNTS = {"l2_ratio": ("reg4_avg", "threshold_l2", 0.5), "evit": ("class_token", "evit", 0.7),
-                       "dynamicvit": ("map", "dynamicvit", 0.7)}  # fmt: skip
+                       "dynamicvit": ("map", "dynamicvit", 0.7), "tome": ("reg4_avg", "tome", 0.5)}  # fmt: skip
 
 
 def naflex_model(family: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
@@ -370,11 +370,12 @@ def test_rope_triton_replays_reference_decisions_interpreter(family):
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
-@pytest.mark.parametrize("case", ["l2_ratio", "evit", "dynamicvit"])
+@pytest.mark.parametrize("case", ["l2_ratio", "evit", "dynamicvit", "tome"])
 def test_native_batch_of_a_divisible_total_gets_no_host_count(case, monkeypatch):
-    """Two images whose rows the batch size divides are still two sizes: a fixed-count pruner's decision gives no
-    host count (on a GPU the offsets are not read to check ``T // B``, as here), so the eager forward's bounded
-    buffers (Triton packing, as on CUDA) hold each image's own rows, its counts and logits ``run()``'s."""
+    """Two images whose rows the batch size divides are still two sizes: a fixed-count pruner's decision (ToMe's fixed
+    merge too) gives no host count (on a GPU the offsets are not read to check ``T // B``, as here), so the eager
+    forward's bounded buffers (Triton packing, as on CUDA) hold each image's own rows, its counts and logits
+    ``run()``'s."""
     family, name, keep = NATIVE_FIXED_COUNTS[case]
     as_on_a_gpu = lambda cu, total: None if total % (cu.numel() - 1) else total // (cu.numel() - 1)  # noqa: E731
     monkeypatch.setattr(ragged_vit.core.selection, "uniform_length", as_on_a_gpu)
