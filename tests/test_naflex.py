@@ -465,11 +465,12 @@ def test_rope_triton_replays_reference_decisions_interpreter(family):
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
-@pytest.mark.parametrize("case", ["l2_ratio", "evit", "dynamicvit"])
+@pytest.mark.parametrize("case", ["l2_ratio", "evit", "dynamicvit", "tome"])
 def test_native_batch_of_a_divisible_total_gets_no_host_count(case, monkeypatch):
-    """Two images whose rows the batch size divides are still two sizes: a fixed-count pruner's decision gives no
-    host count (on a GPU the offsets are not read to check ``T // B``, as here), so the eager forward's bounded
-    buffers (Triton packing, as on CUDA) hold each image's own rows, its counts and logits ``run()``'s."""
+    """Two images whose rows the batch size divides are still two sizes: a fixed-count pruner's decision (ToMe's fixed
+    merge too) gives no host count (on a GPU the offsets are not read to check ``T // B``, as here), so the eager
+    forward's bounded buffers (Triton packing, as on CUDA) hold each image's own rows, its counts and logits
+    ``run()``'s."""
     family, name, keep = GRAPHED_PRUNERS[case]
     as_on_a_gpu = lambda cu, total: None if total % (cu.numel() - 1) else total // (cu.numel() - 1)  # noqa: E731
     monkeypatch.setattr(ragged_vit.core.selection, "uniform_length", as_on_a_gpu)

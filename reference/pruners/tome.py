@@ -211,12 +211,11 @@ class ToMeMerger(Pruner):
 
 def fixed_count(merger: ToMeMerger, inp: DecisionInput) -> tuple[bool, int | None]:
     """``(fixed_count, count)`` of a merge decision on ``inp``: the host count (prefix rows included) in the fixed
-    mode, where every image has the same rows (the batch is uniform: ``T // B`` rows each)."""
-    if merger.mode != "fixed":
+    mode on a uniform batch (every image ``inp.uniform_rows`` rows); none for a batch of several image sizes."""
+    rows = inp.uniform_rows
+    if merger.mode != "fixed" or rows is None:
         return False, None
-    batch = inp.cu_seqlens.numel() - 1
-    patches = inp.x.shape[0] // batch - inp.num_prefix
-    return True, inp.num_prefix + merger.count_after(inp.stage, patches, inp.num_patches)
+    return True, inp.num_prefix + merger.count_after(inp.stage, rows - inp.num_prefix, inp.num_patches)
 
 
 def _compact(values: tuple[int, ...]) -> str:
