@@ -29,6 +29,12 @@ AUTO_SYNC_FREE_ROWS = 1024
 graph runner's default buckets and in the eager ``PrunedViT.forward``."""
 
 
+NATIVE_GRAPH_MAX_ROWS = 8192
+"""The most rows of a pruned native batch (a NaFlexVit's images of their own sizes) the graph runner replays: its
+stages' buffers hold every image at the longest image's count, so past this the eager forward, which sizes them
+exactly, is as fast (measured: ``docs/graphs.md``, Native batches)."""
+
+
 def default_sync_free_rows(variable_stages: int) -> int:
     """:data:`AUTO_SYNC_FREE_ROWS` for a forward with several variable-count stages (ATS: 9), else 0: a single
     stage reads its total, which sizes everything after it."""

@@ -88,7 +88,7 @@ plan of ``max_seqlen`` rows), the rows past the real total padding images, as a 
 count each image from its own patches, copied in per call (a padding image's: 0). A RoPE model's table buffer has
 ``capacity`` rows (the batch's distinct grids never hold more positions than its patches). An appended token is
 refused (``naflex.native_refusal``). Without reads the stages' buffers hold each image at the key's bound (the
-longest image's count), so a pruned batch of more than ``AUTO_SYNC_FREE_ROWS`` rows runs the pipeline's eager
+longest image's count), so a pruned batch of more than ``NATIVE_GRAPH_MAX_ROWS`` rows runs the pipeline's eager
 forward, which sizes them exactly. A key is captured the second time it comes (the first runs eagerly on the static
 buffers): a stream of one-off size mixes captures nothing.
 
@@ -110,7 +110,7 @@ import torch
 from ..core.validation import check_int
 from ..triton_impl.launcher import INTERPRETED
 from .backends import BACKENDS
-from .buckets import AUTO_SYNC_FREE_ROWS, TokenBuckets, default_sync_free_rows, padding_images
+from .buckets import NATIVE_GRAPH_MAX_ROWS, TokenBuckets, default_sync_free_rows, padding_images
 from .eva import RotaryRows
 from .executor import CapturedRepack, ExactRepack, Run, execute, stage_counts
 from .naflex import NativeBatch, native_front, native_refusal
@@ -511,7 +511,7 @@ class GraphedPrunedViT:
         prefix, images = pipeline.model.num_prefix_tokens, len(batch)
         total = sum(batch.counts) + images * prefix
         capacity = self.buckets.native_capacity(total)
-        if pipeline.num_stages and capacity > AUTO_SYNC_FREE_ROWS:  # the eager forward sizes its buffers exactly
+        if pipeline.num_stages and capacity > NATIVE_GRAPH_MAX_ROWS:  # the eager forward sizes its buffers exactly
             self.counters.eager_calls += 1
             out = pipeline._execute(batch, None, None, bounded=True, counts=counts)
             return PrunedOutput(out.logits, out.counts, [])

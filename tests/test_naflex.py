@@ -29,7 +29,7 @@ from timm.models.naflexvit import NaFlexVitCfg
 import ragged_vit
 from benchmarks.naflex import patch_dict  # timm's padded NaFlex input of a list of images
 from ragged_vit import GraphedPrunedViT, PrunedViT
-from ragged_vit.pipelines import naflex
+from ragged_vit.pipelines import graphs, naflex
 from ragged_vit.reference.pruners import PRUNERS
 from tests.helpers import assert_fp16_within_twice, no_tf32
 
@@ -361,7 +361,7 @@ GRAPHED_PRUNERS = {  # pruners whose native batches replay from graphs: (family,
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
 @pytest.mark.parametrize("case", list(GRAPHED_PRUNERS))
-def test_graph_runner_runs_pruned_native_batches(case):
+def test_graph_runner_runs_pruned_native_batches(case, monkeypatch):
     """A pruned native batch through the graph runner: every stage repacks into the key's static buffer (at most the
     previous one's rows or B images of the stage's bound), the rows past the real total as padding images whose
     patches count 0, with no host read; the logits and counts equal the eager forward's (the same pipeline, Triton
@@ -383,7 +383,8 @@ def test_graph_runner_runs_pruned_native_batches(case):
         torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5, msg=f"{sizes}")
         assert torch.equal(out.counts, ref.counts), (sizes, out.counts, ref.counts)
     assert runner.counters.eager_segments == 5
-    many = images(SIZES * 10, 9)  # past AUTO_SYNC_FREE_ROWS rows: the eager forward, which sizes its buffers exactly
+    monkeypatch.setattr(graphs, "NATIVE_GRAPH_MAX_ROWS", 512)
+    many = images(SIZES * 6, 9)  # past NATIVE_GRAPH_MAX_ROWS rows: the eager forward, which sizes its buffers exactly
     out, ref = runner.run(many), pv.run(many)
     torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
     assert torch.equal(out.counts, ref.counts) and runner.counters.eager_calls == 1
