@@ -281,30 +281,33 @@ def position_rows(embeds: nn.Module, batch: NativeBatch, dtype: torch.dtype) -> 
 
 
 GRID_CACHE_GRIDS = 32
-"""Grids whose position rows and rope tables a :class:`GridCache` keeps (the most recently used; ViT-B's position rows
-at 32x32 patches: 1.5 MiB in fp16)."""
+"""Grids whose position rows and rope tables a :class:`GridCache` keeps at the least (the most recently used, and
+always every grid of the last batch; ViT-B's position rows at 32x32 patches: 1.5 MiB in fp16)."""
 
 
 class _PerGrid:
-    """Tensors by patch grid, the :data:`GRID_CACHE_GRIDS` used last, dropped together when ``key`` changes."""
+    """Tensors by patch grid: the last batch's grids and the :data:`GRID_CACHE_GRIDS` used last, dropped together when
+    ``key`` changes."""
 
     def __init__(self) -> None:
         self.items: collections.OrderedDict[tuple[int, int], torch.Tensor] = collections.OrderedDict()
         self.key: tuple = ()
 
     def get(self, key: tuple, grids: Sequence[tuple[int, int]], make) -> list[torch.Tensor]:
-        """The tensor of each of ``grids`` (``make(grid)`` for one not kept), all built anew when ``key`` changed."""
+        """The tensor of each of ``grids`` (``make(missing)``: one for each grid not kept, built together), all built
+        anew when ``key`` changed."""
         if key != self.key:
             self.items.clear()
             self.key = key
-        for grid in dict.fromkeys(grids):
-            if grid not in self.items:
-                self.items[grid] = make(grid)
+        distinct = list(dict.fromkeys(grids))
+        missing = [grid for grid in distinct if grid not in self.items]
+        if missing:
+            self.items.update(zip(missing, make(missing), strict=True))
+        for grid in distinct:
             self.items.move_to_end(grid)
-        out = [self.items[grid] for grid in grids]
-        while len(self.items) > GRID_CACHE_GRIDS:  # (after the caller's grids were taken)
+        while len(self.items) > max(GRID_CACHE_GRIDS, len(distinct)):  # a batch of many grids keeps them all
             self.items.popitem(last=False)
-        return out
+        return [self.items[grid] for grid in grids]
 
 
 def _state(tensors) -> tuple:
@@ -313,11 +316,11 @@ def _state(tensors) -> tuple:
 
 
 class GridCache:
-    """What a native batch's front builds per patch grid, kept by its pipeline for the :data:`GRID_CACHE_GRIDS` grids
-    used last and built anew when what it is made from changes (storage, in-place writes, dtype): each grid's
-    position-embedding rows ``[h * w, C]`` (:func:`position_rows`, each grid resampled alone, so its rows never
-    depend on the batch it came in) and a RoPE model's table (timm's ``rope.get_embed(shape=grid)``). A batch of
-    sizes met before resamples and rotates nothing on the host."""
+    """What a native batch's front builds per patch grid, kept by its pipeline for the last batch's grids and the
+    :data:`GRID_CACHE_GRIDS` used last, built anew when what it is made from changes (storage, in-place writes,
+    dtype): each grid's position-embedding rows ``[h * w, C]`` (:func:`position_rows` of the grids a batch brings
+    that are not kept, all in one resampling) and a RoPE model's table (timm's ``rope.get_embed(shape=grid)``). A
+    batch of sizes met before resamples and rotates nothing on the host."""
 
     def __init__(self) -> None:
         self._positions, self._ropes = _PerGrid(), _PerGrid()
@@ -328,9 +331,11 @@ class GridCache:
         if not tables:
             return None
 
-        def make(grid: tuple[int, int]) -> torch.Tensor:
-            size = grid[0] * grid[1]
-            return position_rows(embeds, NativeBatch(batch.rows.new_empty((size, 0)), (grid,), (size,)), dtype)
+        def make(grids: list[tuple[int, int]]) -> list[torch.Tensor]:  # every missing grid in one resampling
+            sizes = tuple(h * w for h, w in grids)
+            empty = batch.rows.new_empty((sum(sizes), 0))  # (the resampling reads the grids, not the rows)
+            rows = position_rows(embeds, NativeBatch(empty, tuple(grids), sizes), dtype)
+            return [part.clone() for part in rows.split(sizes)] if len(grids) > 1 else [rows]  # (no view keeps all)
 
         parts = self._positions.get((*_state(tables), dtype), batch.grids, make)
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -338,7 +343,7 @@ class GridCache:
     def rope_tables(self, rope: nn.Module, grids: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
         """timm's rope table of each of ``grids``."""
         key = _state([*rope.parameters(), *rope.buffers()])
-        return self._ropes.get(key, grids, lambda grid: rope.get_embed(shape=grid))
+        return self._ropes.get(key, grids, lambda missing: [rope.get_embed(shape=grid) for grid in missing])
 
 
 def _tables_of(embeds: nn.Module) -> list[torch.Tensor]:
