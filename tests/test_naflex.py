@@ -469,25 +469,28 @@ def test_rope_triton_replays_reference_decisions_interpreter(family):
 
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
-@pytest.mark.parametrize("case", ["l2_ratio", "evit", "dynamicvit", "tome"])
-def test_native_batch_of_a_divisible_total_gets_no_host_count(case, monkeypatch):
-    """Two images whose rows the batch size divides are still two sizes: a fixed-count pruner's decision (ToMe's fixed
-    merge too) gives no host count (on a GPU the offsets are not read to check ``T // B``, as here), so the eager
-    forward's bounded buffers (Triton packing, as on CUDA) hold each image's own rows, its counts and logits
-    ``run()``'s."""
+@pytest.mark.parametrize("case", list(GRAPHED_PRUNERS))
+def test_eager_native_batches_as_on_cuda(case, monkeypatch):
+    """The eager forward of native batches as it runs on CUDA: Triton packing into bounded buffers, and the offsets
+    never read to check ``T // B`` (so two sizes whose rows the batch size divides are still two sizes, each image
+    counted alone: ``DecisionInput.uniform_rows``, ToMe's fixed merge too). Its counts and logits are those of the
+    CPU's reference packing, for four sizes, two sizes whose rows 2 divides, and one size twice."""
     family, name, keep = GRAPHED_PRUNERS[case]
+    model = naflex_model(family)
+    pv = PrunedViT(model, name(), "triton", mode="eager") if keep is None else pipeline(model, name, keep, "triton")
+    if getattr(pv.pruner, "mode", None) == "calibrated":
+        pv.calibrate(images())
+    mixes = [SIZES, SIZES[:2], ((64, 64), (64, 64))]
+    prefix = pv.model.num_prefix_tokens
+    assert sum((h // 16) * (w // 16) + prefix for h, w in SIZES[:2]) % 2 == 0  # B divides T of two sizes
+    refs = [pv.run(images(sizes, seed)) for seed, sizes in enumerate(mixes)]  # the CPU's own packing
     as_on_a_gpu = lambda cu, total: None if total % (cu.numel() - 1) else total // (cu.numel() - 1)  # noqa: E731
     monkeypatch.setattr(ragged_vit.core.selection, "uniform_length", as_on_a_gpu)
     monkeypatch.setattr(ragged_vit.pipelines.model, "_packs_with_triton", lambda device: True)
-    pv = pipeline(naflex_model(family), name, keep, "triton")
-    batch = images(SIZES[:2])
-    prefix = pv.model.num_prefix_tokens
-    rows = [(h // 16) * (w // 16) + prefix for h, w in SIZES[:2]]
-    assert rows[0] != rows[1] and sum(rows) % 2 == 0  # the case: ragged, and B divides T
-    ref = pv.run(batch)
-    logits, counts = pv(batch, return_counts=True)
-    assert torch.equal(counts, ref.counts) and counts[0, 0] != counts[1, 0], (counts, ref.counts)
-    torch.testing.assert_close(logits, ref.logits, rtol=1e-5, atol=1e-5)
+    for (seed, sizes), ref in zip(enumerate(mixes), refs, strict=True):
+        logits, counts = pv(images(sizes, seed), return_counts=True)
+        assert torch.equal(counts, ref.counts), (sizes, counts.tolist(), ref.counts.tolist())
+        torch.testing.assert_close(logits, ref.logits, rtol=1e-5, atol=1e-5, msg=f"{sizes}")
 
 
 def test_rope_what_cannot_apply_is_refused_in_one_line():
