@@ -166,7 +166,7 @@ class PrunedViT(nn.Module):
         self._plans: dict[tuple[int, int], ForwardPlan] = {}  # by image size (H, W): plan_for()
         self._token_plans: dict[int, ForwardPlan] = {}  # by rows of the longest image: plan_of_tokens()
         self._plan = self.plan_for(self.image_size)
-        packed = self._packed_from = 0 if self.native else self._plan.dense_blocks  # native: every block packed
+        packed = self.first_packed_block
         for k in range(packed, len(model.blocks)):
             check_packable(model.blocks[k], f"model.blocks[{k}]")
         self._head_dims = {blk.attn.head_dim for blk in model.blocks[packed:]}
@@ -230,9 +230,14 @@ class PrunedViT(nn.Module):
 
     @property
     def num_dense_blocks(self) -> int:
-        """Blocks before the first stage, run densely by timm (packed on a NaFlexVit, which has no dense batch); the
-        rest run packed."""
+        """Blocks before the first stage, run densely by timm (packed on a NaFlexVit, which has no dense batch: see
+        :attr:`first_packed_block`); the rest run packed."""
         return self._plan.dense_blocks
+
+    @property
+    def first_packed_block(self) -> int:
+        """The first block that runs packed: :attr:`num_dense_blocks`, or 0 on a NaFlexVit (every block packed)."""
+        return 0 if self.native else self._plan.dense_blocks
 
     @property
     def num_patches(self) -> int:
@@ -302,7 +307,7 @@ class PrunedViT(nn.Module):
         (:func:`ragged_vit.pipelines.packed_block.fused_refusal`); checked when a program is built."""
         if not isinstance(self._backend, TritonBackend):
             return f"backend {self._backend.name!r}: the fused linears run beside the Triton backend's attention"
-        for k in range(self._packed_from, len(self.model.blocks)):
+        for k in range(self.first_packed_block, len(self.model.blocks)):
             why = fused_refusal(self.model.blocks[k])
             if why is not None:
                 return f"model.blocks[{k}]: {why}"

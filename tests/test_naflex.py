@@ -101,6 +101,7 @@ def test_keep_all_equals_timm_padded_and_masked(family):
         torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5, msg=f"{family} {name}")
         if name != "none":
             assert counts[:, 0].tolist() == [h * w // 256 for h, w in SIZES]
+            assert pv.first_packed_block == 0 < pv.num_dense_blocks  # every block packed, the first stage later
     torch.testing.assert_close(pv(patch_dict(batch)), expected, atol=1e-5, rtol=1e-5)
 
 

@@ -374,7 +374,7 @@ def test_pruned_front_runs_dense_blocks_lean_and_the_unpruned_one_timm_blocks(ge
         execute(Run(pipeline, pipeline.parts, repack=None), [step], state)
         return state.x
 
-    assert pv.num_dense_blocks == 3
+    assert pv.num_dense_blocks == pv.first_packed_block == 3
     with torch.no_grad():
         lean, lean_ops = front(pv), op_names(front, pv)
         handle = torch.nn.modules.module.register_module_forward_hook(lambda _m, _args, _out: None)

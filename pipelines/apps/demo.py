@@ -98,7 +98,7 @@ def describe_pruner(pv: PrunedViT, options: DemoOptions, backends: Sequence[str]
     depth = len(pv.model.blocks)
     unused = getattr(pruner, "mode", None) == "threshold" or {"r", "threshold"} & set(options.pruner_options)
     rate = "" if unused else f", keep rate {options.keep_rate}"  # the keep rate, where it set the pruner
-    dense = 0 if pv.native else pv.num_dense_blocks  # a NaFlexVit runs every block packed
+    dense = pv.first_packed_block
     layout = f"blocks 0-{dense - 1} dense, {dense}-{depth - 1} packed" if dense else "every block packed"
     return f"{pruner.name} ({pruner.extra_repr()}){rate}: {where} {blocks}; {layout}"
 
