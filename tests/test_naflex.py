@@ -365,7 +365,7 @@ GRAPHED_PRUNERS = {  # pruners whose native batches replay from graphs: (family,
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
 @pytest.mark.parametrize("case", list(GRAPHED_PRUNERS))
-def test_graph_runner_runs_pruned_native_batches(case, monkeypatch):
+def test_graph_runner_runs_pruned_native_batches(case):
     """A pruned native batch through the graph runner: every stage repacks into the key's static buffer (at most the
     previous one's rows or B images of the stage's bound), the rows past the real total as padding images whose
     patches count 0, with no host read; the logits and counts equal the eager forward's (the same pipeline, Triton
@@ -387,11 +387,22 @@ def test_graph_runner_runs_pruned_native_batches(case, monkeypatch):
         torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5, msg=f"{sizes}")
         assert torch.equal(out.counts, ref.counts), (sizes, out.counts, ref.counts)
     assert runner.counters.eager_segments == 5
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
+def test_graph_runner_runs_pruned_native_batches_past_the_rule_eagerly(monkeypatch):
+    """A pruned native batch of more than ``NATIVE_GRAPH_MAX_ROWS`` rows runs the eager forward, which sizes its
+    buffers exactly (every pruner's eager forward: ``test_eager_native_batches_as_on_cuda``)."""
+    family, name, keep = GRAPHED_PRUNERS["l2_ratio"]
+    pv = pipeline(naflex_model(family), name, keep, "triton")
+    runner = GraphedPrunedViT(pv)
     monkeypatch.setattr(graphs, "NATIVE_GRAPH_MAX_ROWS", 512)
-    many = images(SIZES * 6, 9)  # past NATIVE_GRAPH_MAX_ROWS rows: the eager forward, which sizes its buffers exactly
+    many = images(SIZES * 6, 9)
     out, ref = runner.run(many), pv.run(many)
     torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5)
     assert torch.equal(out.counts, ref.counts) and runner.counters.eager_calls == 1
+    assert (runner.counters.eager_segments, runner.counters.captures) == (0, 0)
 
 
 def test_graph_runner_refuses_appended_tokens_in_native_batches():
