@@ -35,6 +35,15 @@ stages' buffers hold every image at the longest image's count, so past this the 
 exactly, is as fast (measured: ``docs/graphs.md``, Native batches)."""
 
 
+NATIVE_KEYS = 16
+"""Native-batch keys whose static buffers and graph a graph runner keeps, the most recently used (the images' sizes
+make the keys, and a stream of sizes makes many): past them the oldest key's are dropped."""
+
+NATIVE_SEEN_KEYS = 4096
+"""Native-batch keys met once that a graph runner remembers, the most recent: a key's first call runs the eager
+forward and keeps nothing but the key, its second call captures."""
+
+
 def default_sync_free_rows(variable_stages: int) -> int:
     """:data:`AUTO_SYNC_FREE_ROWS` for a forward with several variable-count stages (ATS: 9), else 0: a single
     stage reads its total, which sizes everything after it."""

@@ -89,8 +89,10 @@ count each image from its own patches, copied in per call (a padding image's: 0)
 ``capacity`` rows (the batch's distinct grids never hold more positions than its patches). An appended token is
 refused (``naflex.native_refusal``). Without reads the stages' buffers hold each image at the key's bound (the
 longest image's count), so a pruned batch of more than ``NATIVE_GRAPH_MAX_ROWS`` rows runs the pipeline's eager
-forward, which sizes them exactly. A key is captured the second time it comes (the first runs eagerly on the static
-buffers): a stream of one-off size mixes captures nothing.
+forward, which sizes them exactly. A key's first call runs the pipeline's eager forward and keeps nothing but the key
+(the last ``NATIVE_SEEN_KEYS``); its second allocates the static buffers and captures. A stream of one-off size mixes
+captures and allocates nothing, and the ``NATIVE_KEYS`` keys used last keep their buffers and graphs (the oldest
+are dropped).
 
 Not supported: ``selections=`` replay, training, the ``nested_sdpa`` backend (NestedTensor construction is not
 capturable), the ``reference`` backend on CUDA (it reads the offsets on the host), and variable-count stages
@@ -100,6 +102,7 @@ that append an extra token (no registered pruner does).
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Collection, Sequence
@@ -110,7 +113,14 @@ import torch
 from ..core.validation import check_int
 from ..triton_impl.launcher import INTERPRETED
 from .backends import BACKENDS
-from .buckets import NATIVE_GRAPH_MAX_ROWS, TokenBuckets, default_sync_free_rows, padding_images
+from .buckets import (
+    NATIVE_GRAPH_MAX_ROWS,
+    NATIVE_KEYS,
+    NATIVE_SEEN_KEYS,
+    TokenBuckets,
+    default_sync_free_rows,
+    padding_images,
+)
 from .eva import RotaryRows
 from .executor import CapturedRepack, ExactRepack, Run, execute, stage_counts
 from .naflex import NativeBatch, native_front, native_refusal
@@ -377,8 +387,9 @@ class GraphedPrunedViT:
         self.buckets = buckets
         self._pool, self._own_pool = pool, pool is None
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
-        self._buffers: dict[tuple, _Buffers | _NativeBuffers] = {}  # by (B, H, W), or a native key
-        self._seen: set[GraphKey] = set()  # native keys met once: the next call captures them
+        self._buffers: dict[tuple, _Buffers] = {}  # by (B, H, W)
+        self._native: collections.OrderedDict[GraphKey, _NativeBuffers] = collections.OrderedDict()  # used last: last
+        self._seen: collections.OrderedDict[GraphKey, None] = collections.OrderedDict()  # native keys met once
         self._tables: dict[tuple[int, int], torch.Tensor | None] = {}  # a RoPE model's static rope table by (H, W)
         self._binding: _Binding | None = None
 
@@ -462,7 +473,8 @@ class GraphedPrunedViT:
             segments = torch.cuda.memory_snapshot()
             pool_bytes = sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", ())) == pool)
         tensors = [t for t in self._tables.values() if t is not None]
-        buffer_bytes = sum(b.nbytes() for b in self._buffers.values()) + sum(t.nbytes for t in tensors)
+        buffers = [*self._buffers.values(), *self._native.values()]
+        buffer_bytes = sum(b.nbytes() for b in buffers) + sum(t.nbytes for t in tensors)
         return GraphMemory(len(self._graphs), pool_bytes, buffer_bytes, tuple(self._graphs))
 
     def reset(self) -> None:
@@ -471,6 +483,7 @@ class GraphedPrunedViT:
             torch.cuda.synchronize()  # no replay in flight on what is freed
         self._graphs.clear()
         self._buffers.clear()
+        self._native.clear()
         self._seen.clear()
         self._tables.clear()
         self._binding = None
@@ -509,31 +522,26 @@ class GraphedPrunedViT:
         if self._binding is None:
             self._bind(batch)
         prefix, images = pipeline.model.num_prefix_tokens, len(batch)
-        total = sum(batch.counts) + images * prefix
+        longest, total = batch.max_patches + prefix, sum(batch.counts) + images * prefix
         capacity = self.buckets.native_capacity(total)
         if pipeline.num_stages and capacity > NATIVE_GRAPH_MAX_ROWS:  # the eager forward sizes its buffers exactly
-            self.counters.eager_calls += 1
-            out = pipeline._execute(batch, None, None, bounded=True, counts=counts)
-            return PrunedOutput(out.logits, out.counts, [])
-        pipeline.plan_of_tokens(batch.max_patches + prefix, "the longest image")  # checked as the eager forward
+            return self._native_eager(batch, counts)
+        pipeline.plan_of_tokens(longest, "the longest image")  # checked as the eager forward
+        key = ("native", images, capacity, self.buckets.seqlen_bound(max(longest, capacity - total), capacity))
+        bufs = self._native.get(key)
+        if bufs is None and key not in self._seen:  # met once: the eager forward, nothing kept but the key
+            self._seen[key] = None
+            if len(self._seen) > NATIVE_SEEN_KEYS:
+                self._seen.popitem(last=False)
+            return self._native_eager(batch, counts)
         front = native_front(pipeline, self._parts(), batch, ())  # eager: rows, offsets, rotation
-        bound = self.buckets.seqlen_bound(max(front.max_seqlen, capacity - total), capacity)
-        key = ("native", images, capacity, bound)
-        bufs = self._buffers.get(key)
-        if bufs is None:
-            plan = pipeline.plan_of_tokens(bound, "the longest image")  # the key's bounds on every stage's rows
-            with torch.inference_mode(False):  # normal tensors: writable inside and outside inference mode
-                bufs = self._buffers[key] = _NativeBuffers(pipeline, images, capacity, plan, front.rotary)
+        if bufs is None:  # met again: static buffers, captured (where allowed) by _launch
+            del self._seen[key]
+            bufs = self._keep_native(key, front.rotary)
+        self._native.move_to_end(key)
         bufs.load(front, batch.counts)
-        first = key not in self._graphs and key not in self._seen
-        self._seen.add(key)
         try:
-            forward = functools.partial(self._native_forward, bufs)
-            if first:  # met once: eagerly on the static buffers, captured if it comes again
-                forward()
-                self.counters.eager_segments += 1
-            else:
-                self._launch(key, forward)
+            self._launch(key, functools.partial(self._native_forward, bufs))
             self._check_binding()
         except _Changed:
             self.reset()
@@ -542,6 +550,25 @@ class GraphedPrunedViT:
         if self.clone_outputs:
             logits, lengths = logits.clone(), lengths.clone() if counts else torch.empty_like(lengths)
         return PrunedOutput(logits, lengths, [])
+
+    def _native_eager(self, batch: NativeBatch, counts: bool) -> PrunedOutput:
+        """A native batch by the pipeline's eager forward (its buffers sized from the host's bounds)."""
+        self.counters.eager_calls += 1
+        out = self.pipeline._execute(batch, None, None, bounded=True, counts=counts)
+        return PrunedOutput(out.logits, out.counts, [])
+
+    def _keep_native(self, key: GraphKey, rotary: RotaryRows | None) -> _NativeBuffers:
+        """Allocates ``key``'s static buffers, dropping the buffers and graph of the key used longest ago past
+        :data:`NATIVE_KEYS`."""
+        _, images, capacity, bound = key
+        plan = self.pipeline.plan_of_tokens(bound, "the longest image")  # the key's bounds on every stage's rows
+        with torch.inference_mode(False):  # normal tensors: writable inside and outside inference mode
+            bufs = self._native[key] = _NativeBuffers(self.pipeline, images, capacity, plan, rotary)
+        if len(self._native) > NATIVE_KEYS:
+            oldest, _ = self._native.popitem(last=False)
+            if self._graphs.pop(oldest, None) is not None:
+                torch.cuda.synchronize(self.pipeline.device)  # no replay in flight on what is freed
+        return bufs
 
     def _native_forward(self, bufs: _NativeBuffers) -> None:
         """The blocks, stages and head of a native batch on its static rows, into its static logits and counts: the

@@ -319,24 +319,47 @@ def test_what_cannot_apply_is_refused_in_one_line():
 
 @pytest.mark.parametrize("family", ["map", "reg4_avg", "class_token", "eva_blocks"])
 def test_graph_runner_runs_unpruned_native_batches_on_static_buffers(family):
-    """The graph runner on native batches (no pruner, no RoPE): the front eagerly, the blocks and head on the static
-    buffers of ``("native", B, capacity, max_seqlen)``; every call equals the eager forward whatever the buffers' rows
-    held before (NaN) and whichever mix of sizes came before it; a key is met once before it may be captured."""
+    """The graph runner on native batches (no pruner, no RoPE): a key's first call runs the eager forward and keeps
+    only the key; from its second, the front eagerly, the blocks and head on the static buffers of ``("native", B,
+    capacity, max_seqlen)``. Every call equals the eager forward whatever the buffers' rows held before (NaN) and
+    whichever mix of sizes came before it."""
     model = naflex_model(family)
     pv = pipeline(model, "none")
     runner = GraphedPrunedViT(pv)
     mixes = [SIZES, ((64, 64),), SIZES[:2], SIZES, ((48, 48), (48, 48))]
     for seed, sizes in enumerate(mixes):
         batch = images(sizes, seed)
-        for bufs in runner._buffers.values():
-            bufs.x.fill_(float("nan"))  # the padding rows of this call hold NaN
-        out = runner.run(batch)
-        torch.testing.assert_close(out.logits, pv.run(batch).logits, atol=1e-5, rtol=1e-5, msg=f"{sizes}")
-        assert out.counts.shape == (len(sizes), 0)
-    keys = sorted(runner._buffers)
+        for _ in range(2):
+            for bufs in runner._native.values():
+                bufs.x.fill_(float("nan"))  # the padding rows of this call hold NaN
+            out = runner.run(batch)
+            torch.testing.assert_close(out.logits, pv.run(batch).logits, atol=1e-5, rtol=1e-5, msg=f"{sizes}")
+            assert out.counts.shape == (len(sizes), 0)
+    keys = sorted(runner._native)
     assert all(key[0] == "native" and key[2] % runner.buckets.step == 0 for key in keys)
-    assert {key[1] for key in keys} == {1, 2, 4} and runner._seen == set(keys)
-    assert runner.counters.eager_segments == len(mixes)  # the CPU captures nothing
+    assert {key[1] for key in keys} == {1, 2, 4} and not runner._seen  # every key met twice
+    counters = runner.counters  # each key's first call eager, the others on the static buffers (the CPU captures none)
+    assert (counters.eager_calls, counters.eager_segments) == (len(keys), 2 * len(mixes) - len(keys))
+
+
+def test_graph_runner_keeps_the_native_keys_used_last(monkeypatch):
+    """A stream of native keys: a key's first call keeps nothing but the key (the last ``NATIVE_SEEN_KEYS``), its
+    second allocates its static buffers, kept for the ``NATIVE_KEYS`` keys used last (the oldest dropped, graph and
+    buffers); every call equals the eager forward."""
+    monkeypatch.setattr(graphs, "NATIVE_KEYS", 2)
+    monkeypatch.setattr(graphs, "NATIVE_SEEN_KEYS", 2)
+    pv = pipeline(naflex_model("map"), "none")
+    runner = GraphedPrunedViT(pv)
+    batches = {b: images(((64, 64),) * b, b) for b in range(1, 6)}  # one key per batch size
+
+    def call(b: int) -> tuple[list[int], list[int]]:
+        torch.testing.assert_close(runner.run(batches[b]).logits, pv.run(batches[b]).logits, atol=1e-5, rtol=1e-5)
+        return [key[1] for key in runner._native], [key[1] for key in runner._seen]
+
+    assert [call(b) for b in (1, 1, 2, 2, 3)] == [([], [1]), ([1], []), ([1], [2]), ([1, 2], []), ([1, 2], [3])]
+    assert call(3) == ([2, 3], [])  # key 1's buffers dropped
+    assert [call(b) for b in (1, 4, 5, 1)] == [([2, 3], [1]), ([2, 3], [1, 4]), ([2, 3], [4, 5]), ([2, 3], [5, 1])]
+    assert runner.counters.eager_calls == 7 and runner.counters.eager_segments == 3
 
 
 @pytest.mark.interpreter
@@ -379,14 +402,18 @@ def test_graph_runner_runs_pruned_native_batches(case):
     if getattr(pv.pruner, "mode", None) == "calibrated":
         pv.calibrate(images())
     runner = GraphedPrunedViT(pv)
-    for seed, sizes in enumerate([SIZES, SIZES[:1], SIZES[1:3], SIZES, ((64, 64), (64, 64))]):
+    mixes = [SIZES, SIZES[1:3], ((64, 64), (64, 64))]
+    for seed, sizes in enumerate(mixes):
         batch = images(sizes, seed)
-        for bufs in runner._buffers.values():
-            bufs.x.fill_(float("nan"))
-        out, ref = runner.run(batch), pv.run(batch)
-        torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5, msg=f"{sizes}")
-        assert torch.equal(out.counts, ref.counts), (sizes, out.counts, ref.counts)
-    assert runner.counters.eager_segments == 5
+        ref = pv.run(batch)
+        for _ in range(2):  # the key's first call: the eager forward; its second: the static buffers
+            for bufs in runner._native.values():
+                bufs.x.fill_(float("nan"))
+            out = runner.run(batch)
+            torch.testing.assert_close(out.logits, ref.logits, atol=1e-5, rtol=1e-5, msg=f"{sizes}")
+            assert torch.equal(out.counts, ref.counts), (sizes, out.counts, ref.counts)
+    keys = len(runner._native)  # (two mixes may share a key: its buffers then held the other mix's rows)
+    assert (runner.counters.eager_calls, runner.counters.eager_segments) == (keys, 2 * len(mixes) - keys)
 
 
 @pytest.mark.interpreter
@@ -421,9 +448,11 @@ def test_graph_runner_runs_unpruned_rope_native_batches(family):
     runner = GraphedPrunedViT(pv)
     for seed, sizes in enumerate([SIZES, SIZES[:1], SIZES[2:], SIZES[::-1], SIZES[1:2]]):
         batch = images(sizes, seed)
-        torch.testing.assert_close(runner.run(batch).logits, pv.run(batch).logits, atol=1e-5, rtol=1e-5,
-                                   msg=f"{sizes}")  # fmt: skip
-    for key, bufs in runner._buffers.items():
+        for _ in range(2):  # the key's first call: the eager forward; its second: the static buffers
+            torch.testing.assert_close(runner.run(batch).logits, pv.run(batch).logits, atol=1e-5, rtol=1e-5,
+                                       msg=f"{sizes}")  # fmt: skip
+    assert runner._native and runner.counters.eager_segments == 10 - runner.counters.eager_calls
+    for key, bufs in runner._native.items():
         assert bufs.rotary is not None and bufs.rotary.table.shape[-2] == key[2]  # capacity rows
 
 
@@ -556,7 +585,7 @@ def test_default_call_replays_unpruned_native_batches_gpu(family):
             out = pv([image.half() for image in batch])
             outs.append((i, out, out.clone()))
     counters = pv._runner.counters  # per mix: eager, then captured and replayed, then replayed
-    assert pv.last_call == "graphs" and (counters.eager_segments, counters.captures, counters.replays) == (2, 2, 4)
+    assert pv.last_call == "graphs" and (counters.eager_calls, counters.captures, counters.replays) == (2, 2, 4)
     for i, out, copy in outs:
         assert_fp16_within_twice(out, timm_half[i], expected[i])
         assert torch.equal(out, copy)
@@ -588,7 +617,7 @@ def test_default_call_replays_pruned_native_batches_gpu(case):
             diff = (logits[same].float() - ref_logits[same].float()).abs()
             assert diff.numel() == 0 or (diff.mean() < 2e-2 and diff.max() < 0.25), (diff.mean(), diff.max())
     counters = pv._runner.counters
-    assert pv.last_call == "graphs" and (counters.eager_segments, counters.captures, counters.replays) == (2, 2, 4)
+    assert pv.last_call == "graphs" and (counters.eager_calls, counters.captures, counters.replays) == (2, 2, 4)
     assert sum(same_images) >= len(same_images) / 2, same_images
 
 
