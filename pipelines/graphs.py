@@ -221,7 +221,8 @@ class _Buffers:
 
 class _NativeBuffers:
     """The static tensors of one native-batch key ``("native", B, capacity, max_seqlen)`` (see the module docstring,
-    Native batches) and the plan of its stages, allocated outside the graph pool and kept until ``reset()``."""
+    Native batches) and the plan of its stages, allocated outside the graph pool and kept until ``reset()`` or until
+    the key is the oldest of more than ``NATIVE_KEYS``."""
 
     def __init__(
         self, pipeline: Pipeline, batch: int, capacity: int, plan: ForwardPlan, rotary: RotaryRows | None
