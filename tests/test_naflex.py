@@ -29,6 +29,7 @@ from timm.models.naflexvit import NaFlexVitCfg
 import ragged_vit
 from benchmarks.naflex import patch_dict  # timm's padded NaFlex input of a list of images
 from ragged_vit import GraphedPrunedViT, PrunedViT
+from ragged_vit.core import decisions
 from ragged_vit.pipelines import graphs, naflex
 from ragged_vit.reference.pruners import PRUNERS
 from tests.helpers import assert_fp16_within_twice, no_tf32
@@ -512,8 +513,8 @@ def test_rope_triton_replays_reference_decisions_interpreter(family):
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
 @pytest.mark.parametrize("case", list(GRAPHED_PRUNERS))
 def test_eager_native_batches_as_on_cuda(case, monkeypatch):
-    """The eager forward of native batches as it runs on CUDA: Triton packing into bounded buffers, and the offsets
-    never read to check ``T // B`` (so two sizes whose rows the batch size divides are still two sizes, each image
+    """The eager forward of native batches as it runs on CUDA: Triton packing into bounded buffers, the fused (Triton)
+    decisions registered for CUDA, and the offsets never read to check ``T // B`` (so two sizes whose rows the batch size divides are still two sizes, each image
     counted alone: ``DecisionInput.uniform_rows``, ToMe's fixed merge too). Its counts and logits are those of the
     CPU's reference packing, for four sizes and, where the pruner's counts are fixed (a host count is possible), two
     sizes whose rows 2 divides and one size twice."""
@@ -529,6 +530,8 @@ def test_eager_native_batches_as_on_cuda(case, monkeypatch):
     as_on_a_gpu = lambda cu, total: None if total % (cu.numel() - 1) else total // (cu.numel() - 1)  # noqa: E731
     monkeypatch.setattr(ragged_vit.core.selection, "uniform_length", as_on_a_gpu)
     monkeypatch.setattr(ragged_vit.pipelines.model, "_packs_with_triton", lambda device: True)
+    on_cuda = {(kind, "cpu"): fn for (kind, device), fn in decisions._REGISTRY.items() if device == "cuda"}
+    monkeypatch.setattr(decisions, "_REGISTRY", {**decisions._REGISTRY, **on_cuda})  # the fused decisions
     for (seed, sizes), ref in zip(enumerate(mixes), refs, strict=True):
         logits, counts = pv(images(sizes, seed), return_counts=True)
         assert torch.equal(counts, ref.counts), (sizes, counts.tolist(), ref.counts.tolist())
