@@ -514,10 +514,10 @@ def test_rope_triton_replays_reference_decisions_interpreter(family):
 @pytest.mark.parametrize("case", list(GRAPHED_PRUNERS))
 def test_eager_native_batches_as_on_cuda(case, monkeypatch):
     """The eager forward of native batches as it runs on CUDA: Triton packing into bounded buffers, the fused (Triton)
-    decisions registered for CUDA, and the offsets never read to check ``T // B`` (so two sizes whose rows the batch size divides are still two sizes, each image
-    counted alone: ``DecisionInput.uniform_rows``, ToMe's fixed merge too). Its counts and logits are those of the
-    CPU's reference packing, for four sizes and, where the pruner's counts are fixed (a host count is possible), two
-    sizes whose rows 2 divides and one size twice."""
+    decisions registered for CUDA, and the offsets never read to check ``T // B`` (so two sizes whose rows the batch
+    size divides are still two sizes, each image counted alone: ``DecisionInput.uniform_rows``, ToMe's fixed merge
+    too). Its counts and logits are those of the CPU's reference packing and decisions, for four sizes and, where the
+    pruner's counts are fixed (a host count is possible), two sizes whose rows 2 divides and one size twice."""
     family, name, keep = GRAPHED_PRUNERS[case]
     model = naflex_model(family)
     pv = PrunedViT(model, name(), "triton", mode="eager") if keep is None else pipeline(model, name, keep, "triton")
