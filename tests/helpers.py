@@ -29,6 +29,20 @@ def assert_fp16_within_twice(out: torch.Tensor, peer: torch.Tensor, ref: torch.T
     assert (out - ref).abs().max().item() <= bound, msg
 
 
+def as_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The eager forward runs on the CPU as on CUDA (the Triton kernels under the interpreter): it packs with the
+    Triton kernels, into buffers sized from the host's bounds, decides with the fused decisions registered for CUDA,
+    and takes a batch as uniform wherever its size divides its rows (the offsets unread, as on a GPU)."""
+    from ragged_vit.core import decisions, selection
+    from ragged_vit.pipelines import model
+
+    as_on_a_gpu = lambda cu, total: None if total % (cu.numel() - 1) else total // (cu.numel() - 1)  # noqa: E731
+    monkeypatch.setattr(selection, "uniform_length", as_on_a_gpu)
+    monkeypatch.setattr(model, "_packs_with_triton", lambda device: True)
+    on_cuda = {(kind, "cpu"): fn for (kind, device), fn in decisions._REGISTRY.items() if device == "cuda"}
+    monkeypatch.setattr(decisions, "_REGISTRY", {**decisions._REGISTRY, **on_cuda})
+
+
 def tiny_pipeline(pruner_factory, backend: str = "reference") -> PrunedViT:
     """A 6-block ViT on 32x32 images (16 patches + CLS) with seeded weights, its pruner from ``pruner_factory``;
     its qkv weights are scaled up so that attention is peaked and ATS keeps a different count per image

@@ -32,7 +32,7 @@ from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.stages import HostCounts
 from ragged_vit.reference.pruners import make_pruner
 from ragged_vit.triton_impl import pack as triton_pack
-from tests.helpers import levels, tiny_images, tiny_pipeline
+from tests.helpers import as_on_cuda, levels, tiny_images, tiny_pipeline
 
 TOKENS = 17  # the tiny ViT: 16 patches + CLS
 VARIABLE = {
@@ -368,8 +368,9 @@ def test_deit_tiny_ats_default_buckets(poisoned):
 
 @pytest.fixture
 def triton_packing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``PrunedViT`` packs with the Triton kernels on the CPU too (under the interpreter), as it does on CUDA."""
-    monkeypatch.setattr(model_module, "_packs_with_triton", lambda device: True)
+    """``PrunedViT`` packs with the Triton kernels on the CPU too (under the interpreter), and decides with the fused
+    decisions, as it does on CUDA."""
+    as_on_cuda(monkeypatch)
 
 
 @pytest.mark.interpreter

@@ -29,10 +29,9 @@ from timm.models.naflexvit import NaFlexVitCfg
 import ragged_vit
 from benchmarks.naflex import patch_dict  # timm's padded NaFlex input of a list of images
 from ragged_vit import GraphedPrunedViT, PrunedViT
-from ragged_vit.core import decisions
 from ragged_vit.pipelines import graphs, naflex
 from ragged_vit.reference.pruners import PRUNERS
-from tests.helpers import assert_fp16_within_twice, no_tf32
+from tests.helpers import as_on_cuda, assert_fp16_within_twice, no_tf32
 
 SMALL = dict(embed_dim=64, depth=4, num_heads=2, num_classes=10, pos_embed_grid_size=(4, 4))
 FAMILIES = {
@@ -527,11 +526,7 @@ def test_eager_native_batches_as_on_cuda(case, monkeypatch):
     prefix = pv.model.num_prefix_tokens
     assert sum((h // 16) * (w // 16) + prefix for h, w in SIZES[:2]) % 2 == 0  # B divides T of two sizes
     refs = [pv.run(images(sizes, seed)) for seed, sizes in enumerate(mixes)]  # the CPU's own packing
-    as_on_a_gpu = lambda cu, total: None if total % (cu.numel() - 1) else total // (cu.numel() - 1)  # noqa: E731
-    monkeypatch.setattr(ragged_vit.core.selection, "uniform_length", as_on_a_gpu)
-    monkeypatch.setattr(ragged_vit.pipelines.model, "_packs_with_triton", lambda device: True)
-    on_cuda = {(kind, "cpu"): fn for (kind, device), fn in decisions._REGISTRY.items() if device == "cuda"}
-    monkeypatch.setattr(decisions, "_REGISTRY", {**decisions._REGISTRY, **on_cuda})  # the fused decisions
+    as_on_cuda(monkeypatch)  # Triton packing into bounded buffers, the fused decisions, T // B unread
     for (seed, sizes), ref in zip(enumerate(mixes), refs, strict=True):
         logits, counts = pv(images(sizes, seed), return_counts=True)
         assert torch.equal(counts, ref.counts), (sizes, counts.tolist(), ref.counts.tolist())
