@@ -388,11 +388,12 @@ GRAPHED_PRUNERS = {  # pruners whose native batches replay from graphs: (family,
 @pytest.mark.interpreter
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter computing on padding rows
 @pytest.mark.parametrize("case", list(GRAPHED_PRUNERS))
-def test_graph_runner_runs_pruned_native_batches(case):
-    """A pruned native batch through the graph runner: every stage repacks into the key's static buffer (at most the
+def test_graph_runner_runs_pruned_native_batches(case, monkeypatch):
+    """A pruned native batch through the graph runner as on CUDA (``as_on_cuda``: its first call the eager forward,
+    then the static buffers, the fused decisions): every stage repacks into the key's static buffer (at most the
     previous one's rows or B images of the stage's bound), the rows past the real total as padding images whose
-    patches count 0, with no host read; the logits and counts equal the eager forward's (the same pipeline, Triton
-    under the interpreter), whatever the static rows held (NaN) and whichever mix came before."""
+    patches count 0, with no host read; the logits and counts equal the CPU's eager forward (the same pipeline, the
+    reference decisions), whatever the static rows held (NaN) and whichever mix came before."""
     family, name, keep = GRAPHED_PRUNERS[case]
     model = naflex_model(family)
     if keep is None:
@@ -403,9 +404,10 @@ def test_graph_runner_runs_pruned_native_batches(case):
         pv.calibrate(images())
     runner = GraphedPrunedViT(pv)
     mixes = [SIZES, SIZES[1:3], ((64, 64), (64, 64))]
-    for seed, sizes in enumerate(mixes):
+    refs = [pv.run(images(sizes, seed)) for seed, sizes in enumerate(mixes)]
+    as_on_cuda(monkeypatch)
+    for (seed, sizes), ref in zip(enumerate(mixes), refs, strict=True):
         batch = images(sizes, seed)
-        ref = pv.run(batch)
         for _ in range(2):  # the key's first call: the eager forward; its second: the static buffers
             for bufs in runner._native.values():
                 bufs.x.fill_(float("nan"))
