@@ -514,8 +514,8 @@ class GraphedPrunedViT:
         return self._buffers[key]
 
     def _run_native(self, batch: NativeBatch, counts: bool) -> PrunedOutput:
-        """A native batch: the front eagerly, the blocks, stages and head from the graph of its key (module
-        docstring)."""
+        """A native batch: on its key's first call the pipeline's eager forward, then the front eagerly and the blocks,
+        stages and head from the graph of its key (module docstring)."""
         pipeline = self.pipeline
         why = native_refusal(pipeline)
         if why is not None:
