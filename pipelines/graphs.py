@@ -429,12 +429,10 @@ class GraphedPrunedViT:
         an empty ``[B, 0]`` tensor (no copy of them: one launch fewer behind the graphs)."""
         if isinstance(images, NativeBatch):
             return self._run_native(images, counts)
-        pipeline, batch = self.pipeline, images.shape[0]
+        batch = images.shape[0]
         size = self.bucket(batch)
         if size is None:
-            self.counters.eager_calls += 1
-            out = pipeline._execute(images, None, None, bounded=True, counts=counts)  # the eager forward: few reads
-            return PrunedOutput(out.logits, out.counts, [])
+            return self._eager(images, counts)
         if self._binding is None:
             self._bind(images)
         key = (size, *images.shape[-2:])
@@ -452,11 +450,7 @@ class GraphedPrunedViT:
         logits, lengths = bufs.logits, bufs.counts
         if size != batch:
             logits, lengths = logits[:batch], lengths[:batch]
-        if not counts:
-            lengths = torch.empty((batch, 0), dtype=lengths.dtype, device=lengths.device)
-        if self.clone_outputs:
-            logits, lengths = logits.clone(), lengths.clone() if counts else lengths
-        return PrunedOutput(logits, lengths, [])
+        return self._outputs(logits, lengths, counts)
 
     def _check_binding(self) -> None:
         """Raises ``RuntimeError`` (with ``rebind``: :class:`_Changed`) if the pipeline changed since binding."""
@@ -526,7 +520,7 @@ class GraphedPrunedViT:
         longest, total = batch.max_patches + prefix, sum(batch.counts) + images * prefix
         capacity = self.buckets.native_capacity(total)
         if pipeline.num_stages and capacity > NATIVE_GRAPH_MAX_ROWS:  # the eager forward sizes its buffers exactly
-            return self._native_eager(batch, counts)
+            return self._eager(batch, counts)
         pipeline.plan_of_tokens(longest, "the longest image")  # checked as the eager forward
         key = ("native", images, capacity, self.buckets.seqlen_bound(max(longest, capacity - total), capacity))
         bufs = self._native.get(key)
@@ -534,7 +528,7 @@ class GraphedPrunedViT:
             self._seen[key] = None
             if len(self._seen) > NATIVE_SEEN_KEYS:
                 self._seen.popitem(last=False)
-            return self._native_eager(batch, counts)
+            return self._eager(batch, counts)
         front = native_front(pipeline, self._parts(), batch, ())  # eager: rows, offsets, rotation
         if bufs is None:  # met again: static buffers, captured (where allowed) by _launch
             del self._seen[key]
@@ -547,16 +541,22 @@ class GraphedPrunedViT:
         except _Changed:
             self.reset()
             return self._run_native(batch, counts)
-        logits, lengths = bufs.logits, bufs.counts if counts else bufs.counts[:, :0]
-        if self.clone_outputs:
-            logits, lengths = logits.clone(), lengths.clone() if counts else torch.empty_like(lengths)
-        return PrunedOutput(logits, lengths, [])
+        return self._outputs(bufs.logits, bufs.counts, counts)
 
-    def _native_eager(self, batch: NativeBatch, counts: bool) -> PrunedOutput:
-        """A native batch by the pipeline's eager forward (its buffers sized from the host's bounds)."""
+    def _eager(self, images: torch.Tensor | NativeBatch, counts: bool) -> PrunedOutput:
+        """``images`` by the pipeline's eager forward (its buffers sized from the host's bounds: as few host reads)."""
         self.counters.eager_calls += 1
-        out = self.pipeline._execute(batch, None, None, bounded=True, counts=counts)
+        out = self.pipeline._execute(images, None, None, bounded=True, counts=counts)
         return PrunedOutput(out.logits, out.counts, [])
+
+    def _outputs(self, logits: torch.Tensor, lengths: torch.Tensor, counts: bool) -> PrunedOutput:
+        """A call's outputs from the static logits and counts of its real images: without ``counts`` an empty
+        ``[B, 0]`` counts tensor (no copy), with ``clone_outputs`` the caller's own copies."""
+        if not counts:
+            lengths = lengths.new_empty((lengths.shape[0], 0))
+        elif self.clone_outputs:
+            lengths = lengths.clone()
+        return PrunedOutput(logits.clone() if self.clone_outputs else logits, lengths, [])
 
     def _keep_native(self, key: GraphKey, rotary: RotaryRows | None) -> _NativeBuffers:
         """Allocates ``key``'s static buffers, dropping the buffers and graph of the key used longest ago past
