@@ -9,6 +9,16 @@ from __future__ import annotations
 import torch
 
 
+def host_ints(values: object, device: torch.device | str, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Host integers (a list, or a list of lists) as a tensor on ``device`` without waiting for the device: on CUDA
+    staged in pinned memory and copied asynchronously, since a copy from pageable memory waits for every kernel
+    queued before it (a whole forward, when a call follows a call)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype, device=device)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+
+
 def cu_seqlens_from_counts(counts: torch.Tensor) -> torch.Tensor:
     """Per-image token counts ``[B]`` -> int32 offsets ``[B+1]`` with a leading zero."""
     cu = torch.zeros(counts.numel() + 1, dtype=torch.int32, device=counts.device)

@@ -110,6 +110,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..core.segments import host_ints
 from ..core.validation import check_int
 from ..triton_impl.launcher import INTERPRETED
 from .backends import BACKENDS
@@ -264,7 +265,7 @@ class _NativeBuffers:
         self.x[:total].copy_(front.x)
         self.cu[0, : self.batch + 1].copy_(front.cu_seqlens)
         if self.plan.stages:
-            self.patches[: self.batch].copy_(torch.tensor(patches, dtype=torch.int64))
+            self.patches[: self.batch].copy_(host_ints(patches, self.patches.device))
         if self.rotary is not None:
             table = front.rotary.table
             self.rotary.table[..., : table.shape[-2], :].copy_(table)

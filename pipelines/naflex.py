@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from timm.models.naflexvit import NaFlexVit
 from torch import nn
 
-from ..core.segments import cu_seqlens_from_counts
+from ..core.segments import cu_seqlens_from_counts, host_ints
 from ..core.segments import positions as places_in_images
 from ..core.selection import Pruner
 from ..core.validation import check_tensor
@@ -376,10 +376,10 @@ def _stacked_weights(
 
 def table_rows(batch: NativeBatch, starts: torch.Tensor) -> torch.Tensor:
     """int64 ``[T_p]``: each patch row's row in a table holding image ``b``'s grid from row ``starts[b]`` on (its
-    place ``y * w + x`` in its grid added)."""
+    place ``y * w + x`` in its grid added); ``starts`` on the batch's device."""
     device, patches = batch.device, batch.rows.shape[0]
-    counts = torch.tensor(batch.counts, device=device)
-    first = torch.repeat_interleave(starts.to(device), counts, output_size=patches)
+    counts = host_ints(batch.counts, device)
+    first = torch.repeat_interleave(starts, counts, output_size=patches)
     if batch.index is not None:
         return first + batch.index
     return first + places_in_images(cu_seqlens_from_counts(counts), patches)
@@ -399,7 +399,7 @@ def native_rotary(pipeline, batch: NativeBatch, patch_slots: torch.Tensor | None
                 "a rope of a fixed feature shape does not follow each image's grid"
             )
     offsets = dict(zip(grids, itertools.accumulate((h * w for h, w in grids), initial=0), strict=False))
-    starts = torch.tensor([offsets[grid] for grid in batch.grids])
+    starts = host_ints([offsets[grid] for grid in batch.grids], batch.device)
     patches = table_rows(batch, starts).to(torch.int32)
     if patch_slots is None:
         positions = patches
@@ -439,7 +439,7 @@ def native_front(pipeline, parts, batch: NativeBatch, blocks: Sequence[int]) -> 
     if positions is not None:
         x = x + positions
     images, patches = len(batch), x.shape[0]
-    counts = torch.tensor(batch.counts, device=device)
+    counts = host_ints(batch.counts, device)
     cu = cu_seqlens_from_counts(counts + prefix)
     slots = None  # each patch row's row in the buffer (None: in order, no prefix rows)
     if prefix:

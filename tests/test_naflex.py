@@ -623,6 +623,29 @@ def test_default_call_replays_pruned_native_batches_gpu(case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", ["map", "reg4_avg", "rope_dinov3", "l2_ratio"])
+def test_a_replayed_native_call_never_waits_for_the_device_gpu(case):
+    """Once a native batch's key replays, the default call queues its work without waiting for the device (no
+    synchronising copy: its host integers reach the device through pinned memory), so that back-to-back calls
+    overlap: under ``torch.cuda.set_sync_debug_mode("error")`` a replayed call raises nothing, and its outputs are
+    the ones of the call before it (the same images)."""
+    family, name, keep = GRAPHED_PRUNERS[case] if case in GRAPHED_PRUNERS else (case, "none", None)
+    model = naflex_model(family).cuda().half()
+    pv = ragged_vit.prune(model, name, keep) if keep is not None else ragged_vit.prune(model, name)
+    batch = [image.cuda().half() for image in images()]
+    for _ in range(3):  # eager, captured, replayed
+        logits, counts = pv(batch, return_counts=True)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = pv(batch, return_counts=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert pv.last_call == "graphs" and pv._runner.counters.replays == 3
+    assert torch.equal(again[0], logits) and torch.equal(again[1], counts)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize(("family", "name"), [*REPLAYED, *((f, "dynamicvit") for f in ROPE_REPLAYED)])
 def test_triton_replays_reference_decisions_gpu(family, name):
     """The interpreter twins' check on the GPU (fp32): the compiled kernels, the rotary variant among them."""
