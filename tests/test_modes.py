@@ -271,3 +271,22 @@ def test_gpu_the_eager_mode_makes_no_synchronising_call(name):
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert bool(torch.isfinite(logits).all())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_gpu_a_replayed_default_call_makes_no_synchronising_call(name):
+    """The default call on CUDA, once its bucket's graph is captured: no synchronising CUDA call (sync debug mode
+    raises on one), so that back-to-back calls overlap the host's work with the device's; the logits are the ones of
+    the call before (the same images)."""
+    pv = _pruned(name)
+    images = _images(4, seed=4)
+    for _ in range(3):  # eager, captured, replayed
+        logits = pv(images)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        again = pv(images)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert pv.last_call == "graphs" and torch.equal(again, logits)
