@@ -374,15 +374,17 @@ def _stacked_weights(
     return torch.cat(stacked).to(device, torch.float32)
 
 
-def table_rows(batch: NativeBatch, starts: torch.Tensor) -> torch.Tensor:
+def table_rows(batch: NativeBatch, starts: Sequence[int]) -> torch.Tensor:
     """int64 ``[T_p]``: each patch row's row in a table holding image ``b``'s grid from row ``starts[b]`` on (its
-    place ``y * w + x`` in its grid added); ``starts`` on the batch's device."""
-    device, patches = batch.device, batch.rows.shape[0]
-    counts = host_ints(batch.counts, device)
-    first = torch.repeat_interleave(starts, counts, output_size=patches)
-    if batch.index is not None:
-        return first + batch.index
-    return first + places_in_images(cu_seqlens_from_counts(counts), patches)
+    place ``y * w + x`` in its grid added); the host's integers in one copy."""
+    device, patches, images = batch.device, batch.rows.shape[0], len(batch)
+    if batch.index is not None:  # a patch dict: each row's place is on the device
+        shifts, places = list(starts), batch.index
+    else:  # rows in order: row r of image b, from row first[b] of the batch, is at place r - first[b]
+        first = itertools.accumulate(batch.counts, initial=0)
+        shifts, places = [s - f for s, f in zip(starts, first, strict=False)], torch.arange(patches, device=device)
+    shift, counts = host_ints([*shifts, *batch.counts], device).split([images, images])
+    return places + torch.repeat_interleave(shift, counts, output_size=patches)
 
 
 def native_rotary(pipeline, batch: NativeBatch, patch_slots: torch.Tensor | None, total: int) -> RotaryRows:
@@ -399,8 +401,7 @@ def native_rotary(pipeline, batch: NativeBatch, patch_slots: torch.Tensor | None
                 "a rope of a fixed feature shape does not follow each image's grid"
             )
     offsets = dict(zip(grids, itertools.accumulate((h * w for h, w in grids), initial=0), strict=False))
-    starts = host_ints([offsets[grid] for grid in batch.grids], batch.device)
-    patches = table_rows(batch, starts).to(torch.int32)
+    patches = table_rows(batch, [offsets[grid] for grid in batch.grids]).to(torch.int32)
     if patch_slots is None:
         positions = patches
     else:
@@ -439,16 +440,22 @@ def native_front(pipeline, parts, batch: NativeBatch, blocks: Sequence[int]) -> 
     if positions is not None:
         x = x + positions
     images, patches = len(batch), x.shape[0]
-    counts = host_ints(batch.counts, device)
-    cu = cu_seqlens_from_counts(counts + prefix)
+    # What the host knows, in one copy (a few host ops less per call): each image's patches and offsets, and with
+    # prefix rows each prefix row's row and how far each image's patch rows move for the prefix rows up to its own.
+    offsets = list(itertools.accumulate((count + prefix for count in batch.counts), initial=0))
+    values, sizes = [*batch.counts, *offsets], [images, images + 1]
+    if prefix:
+        values += [start + j for start in offsets[:-1] for j in range(prefix)]  # the prefix rows' rows
+        values += [prefix * (b + 1) for b in range(images)]  # each image's patch rows' shift
+        sizes += [images * prefix, images]
+    ints = host_ints(values, device).split(sizes)
+    counts, cu = ints[0], ints[1].to(torch.int32)
     slots = None  # each patch row's row in the buffer (None: in order, no prefix rows)
     if prefix:
-        image = torch.repeat_interleave(torch.arange(images, device=device), counts, output_size=patches)
         rows = x.new_empty(patches + images * prefix, x.shape[1])
-        slots = torch.arange(patches, device=device) + prefix * (image + 1)
+        slots = torch.arange(patches, device=device) + torch.repeat_interleave(ints[3], counts, output_size=patches)
         rows.index_copy_(0, slots, x)
-        starts = (cu[:-1, None] + torch.arange(prefix, device=device)).flatten().long()
-        rows.index_copy_(0, starts, prefix_tokens(embeds).to(x.dtype).repeat(images, 1))
+        rows.index_copy_(0, ints[2], prefix_tokens(embeds).to(x.dtype).repeat(images, 1))
         x = rows
     x = model.norm_pre(embeds.pos_drop(x))
     ragged = len(set(batch.counts)) > 1

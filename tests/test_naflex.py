@@ -19,6 +19,7 @@ can build them and skipped with the reason where it cannot.
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -31,6 +32,7 @@ from benchmarks.naflex import patch_dict  # timm's padded NaFlex input of a list
 from ragged_vit import GraphedPrunedViT, PrunedViT
 from ragged_vit.pipelines import graphs, naflex
 from ragged_vit.reference.pruners import PRUNERS
+from ragged_vit.testing.ops import op_names
 from tests.helpers import as_on_cuda, assert_fp16_within_twice, no_tf32
 
 SMALL = dict(embed_dim=64, depth=4, num_heads=2, num_classes=10, pos_embed_grid_size=(4, 4))
@@ -134,9 +136,28 @@ def test_position_rows_are_each_grids_resampled_table(family, monkeypatch):
     order = torch.randperm(shuffled["patches"].shape[1], generator=torch.Generator().manual_seed(0))
     shuffled = {key: value[:, order] for key, value in shuffled.items()}
     batch = naflex.native_batch(model, shuffled, torch.device("cpu"), torch.float32)
-    starts = torch.tensor([0, *(h * w for h, w in batch.grids)]).cumsum(0)[:-1]
+    starts = torch.tensor([0, *(h * w for h, w in batch.grids)]).cumsum(0)[:-1].tolist()
     want = torch.cat([table(grid) for grid in batch.grids])[naflex.table_rows(batch, starts)]
     torch.testing.assert_close(naflex.position_rows(embeds, batch, torch.float32), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("family", "copies", "most"), [("map", 1, 11), ("reg4_avg", 1, 22), ("rope_axial_reg4", 2, 35)]
+)
+def test_the_native_front_sends_the_hosts_integers_in_one_copy(family, copies, most):
+    """A native batch's front builds what the host knows (counts, offsets, the prefix rows' rows and the patch rows'
+    shifts; a RoPE model's table rows) from one host tensor each (``aten::lift_fresh``: a tensor made from Python
+    values), not op by op on the device: at most ``most`` top-level ops for three images (13, 32 and 60 when it did;
+    ``docs/tuning.md#host-integers-without-a-wait``); the offsets are the images' own."""
+    model = naflex_model(family)
+    pv = PrunedViT(model, None, "triton", mode="eager")
+    batch = naflex.native_batch(model, images()[:3], torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        state = naflex.native_front(pv, pv.parts, batch, ())  # its grids' rows and tables kept: none made below
+        names = op_names(naflex.native_front, pv, pv.parts, batch, ())
+    assert names.count("aten::lift_fresh") == copies and len(names) <= most, names
+    prefix = model.num_prefix_tokens
+    assert state.cu_seqlens.tolist() == [0, *itertools.accumulate(c + prefix for c in batch.counts)]
 
 
 def test_grid_cache_keeps_each_grids_rows_until_the_table_changes(monkeypatch):
