@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -27,6 +28,18 @@ def assert_fp16_within_twice(out: torch.Tensor, peer: torch.Tensor, ref: torch.T
     out, peer, ref = out.float(), peer.float(), ref.float()
     bound = 2 * (peer - ref).abs().max().item() + torch.finfo(torch.float16).eps * ref.abs().max().item()
     assert (out - ref).abs().max().item() <= bound, msg
+
+
+@contextlib.contextmanager
+def sync_free() -> Iterator[None]:
+    """Inside it every synchronising CUDA call raises (``torch.cuda.set_sync_debug_mode("error")``); the device is
+    idle on entry, so nothing queued before counts."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def as_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,7 +32,7 @@ from ragged_vit.pipelines.graphs import GraphedPrunedViT
 from ragged_vit.pipelines.model import PrunedOutput
 from ragged_vit.pipelines.stages import HostCounts
 from ragged_vit.pipelines.weights import create_model
-from tests.helpers import no_tf32
+from tests.helpers import no_tf32, sync_free
 
 pytestmark = pytest.mark.gpu
 
@@ -134,12 +134,8 @@ def test_fixed_counts_one_graph_bitwise_and_sync_free(lab, model, case, backend)
 
     # Replays with new images never synchronise (images already on the device, outputs cloned on the device).
     inputs = [lab.batch(batch, seed=100 + batch) for batch in (4, 1, 64)]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_free():
         outs = [runner.run(images) for images in inputs]
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     for images, out in zip(inputs, outs, strict=True):
         _assert_bitwise(out, eager.run(images), "sync-free replay")
     assert runner.counters.captures == 3

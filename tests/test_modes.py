@@ -21,7 +21,7 @@ import ragged_vit
 from ragged_vit import GraphedPrunedViT, PrunedViT
 from ragged_vit.pipelines.model import BATCH_BUCKETS, EagerFallbackWarning
 from ragged_vit.reference.pruners import make_pruner
-from tests.helpers import tiny_images, tiny_pipeline
+from tests.helpers import sync_free, tiny_images, tiny_pipeline
 
 ATS = lambda: make_pruner("ats", blocks=(1, 2, 3, 4, 5), num_samples=12, min_keep=2)  # noqa: E731 - variable counts
 EVIT = lambda: make_pruner("evit", rate=0.6, blocks=(1, 3), fuse_token=True)  # noqa: E731 - fixed counts
@@ -264,12 +264,8 @@ def test_gpu_the_eager_mode_makes_no_synchronising_call(name):
     for batch in (1, 4, 64):
         images = _images(batch, seed=batch)
         pv(images)  # warm-up: kernels compiled, handles created
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
+        with sync_free():
             logits = pv(images)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
         assert bool(torch.isfinite(logits).all())
 
 
@@ -283,10 +279,6 @@ def test_gpu_a_replayed_default_call_makes_no_synchronising_call(name):
     images = _images(4, seed=4)
     for _ in range(3):  # eager, captured, replayed
         logits = pv(images)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_free():
         again = pv(images)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert pv.last_call == "graphs" and torch.equal(again, logits)

@@ -33,7 +33,7 @@ from ragged_vit import GraphedPrunedViT, PrunedViT
 from ragged_vit.pipelines import graphs, naflex
 from ragged_vit.reference.pruners import PRUNERS
 from ragged_vit.testing.ops import op_names
-from tests.helpers import as_on_cuda, assert_fp16_within_twice, no_tf32
+from tests.helpers import as_on_cuda, assert_fp16_within_twice, no_tf32, sync_free
 
 SMALL = dict(embed_dim=64, depth=4, num_heads=2, num_classes=10, pos_embed_grid_size=(4, 4))
 FAMILIES = {
@@ -656,12 +656,8 @@ def test_a_replayed_native_call_never_waits_for_the_device_gpu(case):
     batch = [image.cuda().half() for image in images()]
     for _ in range(3):  # eager, captured, replayed
         logits, counts = pv(batch, return_counts=True)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_free():
         again = pv(batch, return_counts=True)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert pv.last_call == "graphs" and pv._runner.counters.replays == 3
     assert torch.equal(again[0], logits) and torch.equal(again[1], counts)
 

@@ -36,7 +36,7 @@ from ragged_vit.pipelines.model import PrunedOutput
 from ragged_vit.pipelines.weights import create_model, load_checkpoint
 from ragged_vit.testing import attention_suite
 from tests.helpers import PRUNER_CASES as CASES
-from tests.helpers import no_tf32, one_per_family, rotated
+from tests.helpers import no_tf32, one_per_family, rotated, sync_free
 
 pytestmark = pytest.mark.gpu
 
@@ -215,12 +215,8 @@ def test_fixed_count_forward_never_syncs(lab, case, backend):
     pv = lab.pipeline("deit_small_patch16_224", case, torch.float16, backend)
     images = lab.batch("deit_small_patch16_224", 4)
     pv.run(images)  # warm-up: compile kernels, create handles
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_free():
         out = pv.run(images)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert bool(torch.isfinite(out.logits).all())
 

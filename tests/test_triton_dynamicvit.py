@@ -32,7 +32,7 @@ from ragged_vit.core.selection import DecisionInput
 from ragged_vit.reference.pruners import DynamicViTPruner
 from ragged_vit.testing import decision_suite
 from ragged_vit.triton_impl import dynamicvit, select
-from tests.helpers import levels, one_per_family, rotated
+from tests.helpers import levels, one_per_family, rotated, sync_free
 
 LAUNCHERS = ("_global_launcher", "_out_conv_launcher", "_out_head_launcher")
 GPU_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -374,15 +374,11 @@ def test_repeatable_and_captured_gpu(dtype, gen):
     bits."""
     pruner, inp, want_scores, want = _repeatable("cuda", dtype, 768, gen)
     predictor = pruner.score_predictor[0]
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_free():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             scores = dynamicvit.dynamicvit_scores(predictor, inp.x, inp.cu_seqlens, inp.row_bound)
             sel = dynamicvit.dynamicvit_select(pruner, inp)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     scores.fill_(float("nan"))
     sel.keep.fill_(True)
     sel.kept.fill_(-1)

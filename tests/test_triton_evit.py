@@ -32,7 +32,7 @@ from ragged_vit.reference.rotary import table_from_angles
 from ragged_vit.testing import decision_suite
 from ragged_vit.triton_impl import cls_attention as cls_kernels
 from ragged_vit.triton_impl import evit, select
-from tests.helpers import levels, one_per_family, rotated
+from tests.helpers import levels, one_per_family, rotated, sync_free
 
 
 def _case(lengths, heads, head_dim, device, gen, dtype=torch.float32, kind="random"):
@@ -372,14 +372,10 @@ def test_fused_token_overwrites_poisoned_output_and_replays_gpu(dtype, gen):
     """And without a device-to-host sync, captured in a CUDA graph and replayed over a poisoned output: the eager
     bits."""
     x, scores, keep, cu, want = _poisoned_output("cuda", gen, 768, dtype)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_free():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             token = evit.fused_token(x, scores, keep, cu)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     token.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()

@@ -49,7 +49,7 @@ from ragged_vit.reference import packing as ref_packing
 from ragged_vit.testing.ops import op_names
 from ragged_vit.triton_impl import merging as ker
 from ragged_vit.triton_impl.launcher import pdl_supported
-from tests.helpers import levels, rotated
+from tests.helpers import levels, rotated, sync_free
 
 MARGIN = 1e-5  # far above fp32's rounding of a similarity (~1e-7), far below the gaps of random keys
 ORDER_MARGIN = 1e-6  # the kept order without prefix rows: every pair of unmerged A rows (module docstring)
@@ -642,16 +642,12 @@ def test_poisoned_outputs_replayed_from_a_graph_gpu(mode, dtype, fused, gen):
     else:
         keys, cu, x, sizes, want, want_rows = _poisoned("cuda", GPU_SHAPE, 768, dtype, gen, mode)
         fusion = {}
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_free():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             got = ker.decide_merges(keys, cu, 65, 1, **mode)
             sources = (got.sources, got.source_offsets)
             rows, new_sizes = ker.merge_rows(x, sizes, got.destination, cu, got.cu_seqlens, sources=sources, **fusion)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     merged = int(want.cu_seqlens[-1])
     for _ in range(2):
         for t in (got.destination, got.kept, got.cu_seqlens, got.sources, got.source_offsets, new_sizes):

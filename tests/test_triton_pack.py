@@ -17,7 +17,7 @@ import ragged_vit.reference
 from ragged_vit.testing.pack import pack_cases, pack_suite, run_pack_case
 from ragged_vit.testing.report import raise_failures
 from ragged_vit.triton_impl import pack as tp
-from tests.helpers import one_per_family
+from tests.helpers import one_per_family, sync_free
 
 # Every case of the lab on the checked entry points, with every option they take.
 _OPTIONS = dict(extra_token=True, capacity=True, count=True, kept=True)
@@ -285,13 +285,10 @@ def test_pack_is_sync_free_with_count_or_capacity_gpu(gen):
     x, _ = _batch(8, 197, 768, torch.float16, "cuda", gen)
     keep = torch.zeros(8, 197, dtype=torch.bool, device="cuda")
     keep[:, :99] = True
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_free():
         tokens, cu, bound = tp.pack(x, keep, count=99)
         keep2 = torch.ones(tokens.shape[0], dtype=torch.bool, device="cuda")
         tp.repack(tokens, cu, keep2, bound, capacity=tokens.shape[0] + 64)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.gpu
