@@ -110,7 +110,6 @@ from typing import NamedTuple
 
 import torch
 
-from ..core.segments import host_ints
 from ..core.validation import check_int
 from ..triton_impl.launcher import INTERPRETED
 from .backends import BACKENDS
@@ -259,13 +258,17 @@ class _NativeBuffers:
         return {j: Target(rows, bound, pads, cu_out=self.cu[j + 1, : self.batch + 1 + pads])
                 for j, (rows, bound, pads) in enumerate(self.shapes[1:])}  # fmt: skip
 
-    def load(self, front: ForwardState, patches: Sequence[int]) -> None:
-        """Copies a call's front (its rows, offsets and rotation) and its images' ``patches`` into the buffers."""
+    def load(self, front: ForwardState) -> None:
+        """Copies a call's front (its rows, offsets, images' patches and rotation) into the buffers."""
         total = front.x.shape[0]
         self.x[:total].copy_(front.x)
         self.cu[0, : self.batch + 1].copy_(front.cu_seqlens)
-        if self.plan.stages:
-            self.patches[: self.batch].copy_(host_ints(patches, self.patches.device))
+        if self.plan.stages:  # the front's counts on the device (several sizes), else every image has num_patches
+            patches = self.patches[: self.batch]
+            if front.image_patches is None:
+                patches.fill_(front.num_patches)
+            else:
+                patches.copy_(front.image_patches)
         if self.rotary is not None:
             table = front.rotary.table
             self.rotary.table[..., : table.shape[-2], :].copy_(table)
@@ -535,7 +538,7 @@ class GraphedPrunedViT:
             del self._seen[key]
             bufs = self._keep_native(key, front.rotary)
         self._native.move_to_end(key)
-        bufs.load(front, batch.counts)
+        bufs.load(front)
         try:
             self._launch(key, functools.partial(self._native_forward, bufs))
             self._check_binding()
